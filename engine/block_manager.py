@@ -1,0 +1,135 @@
+"""Paged KV-cache bookkeeping with prefix caching (after nano-vllm's block manager).
+
+A block holds `block_size` tokens. A full block gets a hash chained on its predecessor's, so
+the same prefix always hashes the same: the n samples of a GRPO group, repeated prompts and
+resubmitted rollouts share the prompt's blocks (ref-counted). Freed blocks keep their hash and
+contents until they are handed out again, so a later request can still hit them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+
+def block_hash(prev_hash: bytes, token_ids: list[int]) -> bytes:
+    return hashlib.blake2b(prev_hash + np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[bytes, int] = {}
+        # Free blocks in LRU order: the least recently freed is handed out (and its hash evicted) first.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.prefix_hits = 0  # tokens served from cache
+        self.prefix_queries = 0  # prompt tokens looked up
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _take_free(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            block_id, _ = self.free.popitem(last=False)
+        else:
+            del self.free[block_id]
+        return self.blocks[block_id]
+
+    def _fresh(self) -> Block:
+        block = self._take_free()
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, [], 1
+        return block
+
+    def _register(self, seq: Sequence, i: int) -> None:
+        """Hash full block i of `seq` and make it findable, if the chain before it is intact."""
+        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else b""
+        if prev is None:  # the chain was cut by a prefix-cache reset
+            return
+        block, tokens = self.blocks[seq.block_table[i]], seq.block_tokens(i)
+        block.hash, block.token_ids = block_hash(prev, tokens), tokens
+        if self.enable_prefix_caching:
+            self.hash_to_block[block.hash] = block.block_id
+
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids that already hold a prefix of `seq` (always leaving >= 1 token to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h = [], b""
+        for i in range(seq.num_blocks):
+            if (i + 1) * self.block_size >= len(seq):  # partial block, or the one holding the last token
+                break
+            tokens = seq.block_tokens(i)
+            h = block_hash(h, tokens)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tokens:
+                break
+            hits.append(bid)
+        return hits
+
+    def blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        """Free blocks an allocation would consume (hit blocks sitting in the free list count too)."""
+        return seq.num_blocks - len(hits) + sum(1 for b in hits if self.blocks[b].ref_count == 0)
+
+    def allocate(self, seq: Sequence, hits: list[int]) -> None:
+        assert not seq.block_table
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                self._take_free(bid)
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        for i in range(len(hits), seq.num_blocks):
+            block = self._fresh()
+            seq.block_table.append(block.block_id)
+            if (i + 1) * self.block_size <= len(seq):
+                # Registered now, computed in this same step: the runner writes every sequence's
+                # KV of a layer before any attention of that layer reads the cache.
+                self._register(seq, i)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_queries += len(seq)
+        self.prefix_hits += seq.num_computed_tokens
+
+    def free_seq(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):  # tail first, so prefixes stay cached longest
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the KV of the newest token (the one the next decode step feeds in)?"""
+        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        if len(seq) > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._fresh().block_id)
+        if len(seq) % self.block_size == 0:  # the last block is now full: make it shareable
+            self._register(seq, len(seq) // self.block_size - 1)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after a weight update the cached KV is stale). Blocks of
+        running sequences lose their hash too, so nothing computed before the reset is shared."""
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, []

@@ -1,0 +1,52 @@
+"""Engine configuration (vLLM-style names)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to `model`
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"
+    max_num_seqs: int = 64  # sequences in the running batch
+    max_model_len: int = 1024  # prompt + completion tokens
+    max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(4096, max_model_len)
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None  # default: room for every running sequence at full length
+    kv_cache_memory_gb: float = 4.0  # cap on the automatic KV-cache size
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seeds the shared generator used by requests without their own seed
+    logprobs_mode: str = "processed"  # "processed": from the sampling distribution; "raw": model softmax
+    worker_extension_cls: str | None = None  # "pkg.module:Class" (or dotted) mixed into the worker
+    num_threads: int | None = None  # torch intra-op threads on CPU; default: what torch picks
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} does not exist or has no config.json")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        for name in ("max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(4096, self.max_model_len)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}): a whole prompt is prefilled in one step"
+            )
+        self.tokenizer = self.tokenizer or self.model
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,156 @@
+"""EngineCore: pure engine logic (scheduler + KV cache + model runner), driven step by step.
+
+The offline `LLM` drives it in-process; the async engine wraps it in a process of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stop_checker import check_stop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence gained in one step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int  # weight version these tokens were sampled under
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.runner = ModelRunner(cfg)
+        self.eos_ids = eos_token_ids(self.runner.model, self.tokenizer)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.weight_version = 0
+        self.num_generated_tokens = 0
+        log.info(
+            "engine core ready: %s on %s (%s), %d KV blocks of %d tokens",
+            cfg.model, cfg.device, cfg.dtype, self.runner.num_blocks, cfg.block_size,
+        )
+
+    # -- requests -------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_token_ids) >= self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.cfg.max_model_len} "
+                "(room for at least one generated token is needed)"
+            )
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.validate_prompt(prompt_token_ids)
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.runner.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids outside the vocabulary: {bad_stop}")
+        seqs = [Sequence(request_id, i, prompt_token_ids, params, self.cfg.block_size) for i in range(params.n)]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> list[SeqDelta]:
+        """Abort; returns a final delta (finish_reason "abort") for each sequence still running."""
+        deltas = []
+        for rid in request_ids:
+            seqs = self.requests.pop(rid, None)
+            if seqs is None:
+                continue
+            live = [s for s in seqs if not s.finished]
+            self.scheduler.abort(live)
+            deltas += [SeqDelta(rid, s.index, [], [], self.weight_version, "abort") for s in live]
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------
+    def step(self) -> list[SeqDelta]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        logits = self.runner.forward(seqs, is_prefill)
+        tokens, logprobs = self.runner.sample(seqs, logits)
+        deltas = []
+        for seq, tok, lp in zip(seqs, tokens, logprobs):
+            seq.num_computed_tokens = len(seq)
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.weight_version)
+            delta = SeqDelta(seq.request_id, seq.index, [tok], [lp], self.weight_version)
+            if is_prefill and seq.num_output_tokens == 1:
+                delta.num_cached_tokens = seq.num_cached_prompt_tokens
+            stop = check_stop(seq, self.eos_ids, self.cfg.max_model_len, self.tokenizer)
+            if stop is not None:
+                delta.finish_reason, delta.stop_reason = stop
+                seq.finish_reason, seq.stop_reason = stop
+                self.scheduler.finish(seq)
+                self._maybe_forget(seq.request_id)
+            deltas.append(delta)
+        self.num_generated_tokens += len(tokens)
+        return deltas
+
+    def _maybe_forget(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.finished for s in seqs):
+            del self.requests[request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": len(bm.blocks),
+            "prefix_cache_hit_tokens": bm.prefix_hits,
+            "prefix_cache_query_tokens": bm.prefix_queries,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "forward_seconds": self.runner.forward_seconds,
+            "weight_version": self.weight_version,
+        }

@@ -1,0 +1,55 @@
+"""Offline, blocking generation: `LLM(cfg).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.inputs import is_single_prompt, tokenize_prompt
+from engine.outputs import RequestOutput
+from engine.output_processor import RequestState
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, cfg: EngineConfig | str, **kwargs):
+        if isinstance(cfg, str):
+            cfg = EngineConfig(model=cfg, **kwargs)
+        self.cfg = cfg
+        self.core = EngineCore(cfg)
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. A bad prompt or bad
+        parameters raise ValueError before anything runs."""
+        if is_single_prompt(prompts):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        states: dict[str, RequestState] = {}
+        for prompt, p in zip(prompts, params):
+            text, ids = tokenize_prompt(prompt, self.tokenizer)
+            self.core.validate_prompt(ids)
+            rid = f"llm-{next(self._ids)}"
+            states[rid] = RequestState(rid, text, ids, p)
+        for rid, st in states.items():
+            self.core.add_request(rid, st.prompt_token_ids, st.params)
+        total = sum(p.n for p in params)
+        with tqdm(total=total, desc="generate", unit="seq", disable=not use_tqdm) as bar:
+            while self.core.has_unfinished():
+                for d in self.core.step():
+                    states[d.request_id].apply(d)
+                    if d.finish_reason is not None:
+                        bar.update(1)
+        return [st.make_output(self.tokenizer) for st in states.values()]

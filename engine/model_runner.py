@@ -1,0 +1,154 @@
+"""Runs a HF causal LM on the engine's paged KV cache: packs a step's sequences into one batch,
+runs the forward, samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine import attention
+from engine.config import EngineConfig
+from engine.sampler import exponential_noise, sample
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def load_model(cfg: EngineConfig) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
+    )
+    return model.to(cfg.device).eval()
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if cfg.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads)
+        self.model = load_model(cfg)
+        mc = self.model.config
+        self.vocab_size = mc.vocab_size
+        self.num_layers = mc.num_hidden_layers
+        self.num_kv_heads = mc.num_key_value_heads
+        self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.block_size = cfg.block_size
+        self.num_blocks = self._num_blocks()
+        self.allocate_kv_cache()
+        self.shared_generator = torch.Generator().manual_seed(cfg.seed)
+        self.forward_seconds = 0.0
+
+    def _num_blocks(self) -> int:
+        cfg = self.cfg
+        per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+        per_block *= torch.finfo(cfg.torch_dtype).bits // 8
+        min_blocks = -(-cfg.max_model_len // self.block_size)
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < min_blocks:
+                raise ValueError(
+                    f"num_kv_blocks={cfg.num_kv_blocks} cannot hold one sequence of max_model_len="
+                    f"{cfg.max_model_len} tokens (needs {min_blocks} blocks of {self.block_size})"
+                )
+            return cfg.num_kv_blocks
+        want = cfg.max_num_seqs * min_blocks
+        cap = int(cfg.kv_cache_memory_gb * 2**30) // per_block
+        return max(min_blocks, min(want, cap))
+
+    def allocate_kv_cache(self) -> None:
+        shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
+
+    def free_kv_cache(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        ids, pos, slots, spans, last = [], [], [], [], []
+        offset = 0
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, len(seq)
+            ids.extend(seq.token_ids[start:end])
+            pos.append(torch.arange(start, end))
+            slots.append(self._slots(seq, start, end))
+            table = torch.tensor(seq.block_table, device=self.device) if start else None
+            spans.append((offset, offset + end - start, start, table))
+            offset += end - start
+            last.append(offset - 1)
+        dev = self.device
+        ctx = attention.AttnContext(
+            is_prefill=True,
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            slot_mapping=torch.cat(slots).to(dev),
+            prefill_spans=spans,
+        )
+        return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), ctx, torch.tensor(last, device=dev)
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        lens = torch.tensor([len(s) for s in seqs])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+        pos = lens - 1
+        slots = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1) * self.block_size
+        slots += pos % self.block_size
+        dev = self.device
+        mask = torch.arange(max_blocks * self.block_size) < lens.unsqueeze(1)
+        ctx = attention.AttnContext(
+            is_prefill=False,
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+            slot_mapping=slots.to(dev),
+            block_tables=tables.to(dev),
+            context_lens=lens.to(dev),
+            decode_mask=mask[:, None, None, :].to(dev),
+        )
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
+        return ids, pos.to(dev), ctx, None
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Logits [B, V] (float32) of the next token of each sequence."""
+        ids, pos, ctx, keep = (self._prepare_prefill if is_prefill else self._prepare_decode)(seqs)
+        attention.set_context(ctx)
+        t0 = time.perf_counter()
+        try:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=pos.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=keep if keep is not None else 0,
+            )
+            logits = out.logits[0].float()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            attention.set_context(None)
+        self.forward_seconds += time.perf_counter() - t0
+        return logits
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        top_k = top_p = noise = None
+        if any(p.top_k for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=self.device)
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        if not all(p.greedy for p in params):
+            gens = [s.generator for s in seqs]
+            noise = exponential_noise(len(seqs), logits.shape[-1], gens, self.shared_generator, self.device)
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, noise, self.cfg.logprobs_mode == "raw")
+        return tokens.tolist(), logprobs.tolist()

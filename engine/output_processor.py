@@ -1,0 +1,54 @@
+"""Gathers the core's per-step deltas into RequestOutputs (one per request, n completions)."""
+
+from __future__ import annotations
+
+from engine.core import SeqDelta
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stop_checker import truncate_at_stop
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.outputs = [CompletionOutput(i, "", [], [], None, None, []) for i in range(params.n)]
+        self.num_cached_tokens = 0
+        self.sent = [0] * params.n  # tokens already handed out, per completion (delta streaming)
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    def apply(self, d: SeqDelta) -> None:
+        out = self.outputs[d.index]
+        out.token_ids += d.token_ids
+        out.logprobs += d.logprobs
+        out.weight_versions += [d.version] * len(d.token_ids)
+        if d.finish_reason is not None:
+            out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        if d.num_cached_tokens:
+            self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
+
+    def make_output(self, tokenizer, delta: bool = False) -> RequestOutput:
+        """Cumulative output so far, or (delta=True) only what was not handed out before."""
+        outs = []
+        for i, o in enumerate(self.outputs):
+            start = self.sent[i] if delta else 0
+            text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            if o.finish_reason is not None:
+                text = truncate_at_stop(text, o.stop_reason, self.params.include_stop_str_in_output)
+            if delta:  # text deltas: the new tail of the decoded text
+                text = text[len(tokenizer.decode(o.token_ids[:start], skip_special_tokens=True)) :]
+            outs.append(
+                CompletionOutput(
+                    o.index, text, o.token_ids[start:], o.logprobs[start:], o.finish_reason, o.stop_reason,
+                    o.weight_versions[start:],
+                )
+            )
+            self.sent[i] = len(o.token_ids)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, self.num_cached_tokens
+        )

@@ -1,0 +1,66 @@
+"""One sampled sequence (one of a request's n) and its scheduling state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, block_size: int
+    ):
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.params = params
+        self.block_size = block_size
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache, first schedule
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.stop_check_from = 0  # output-text offset before which no stop string can start
+        # A per-sequence generator makes a seeded request reproducible whatever shares its batch.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

@@ -1,0 +1,36 @@
+"""Decides whether a sequence is done after it gained a token."""
+
+from __future__ import annotations
+
+from engine.sequence import Sequence
+
+
+def check_stop(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, tokenizer) -> tuple[str, int | str | None] | None:
+    """Returns (finish_reason, stop_reason) if `seq` must stop after its newest token, else None."""
+    p, token = seq.params, seq.token_ids[-1]
+    if not p.ignore_eos and token in eos_ids:
+        return "stop", None
+    if token in p.stop_token_ids:
+        return "stop", token
+    if p.stop:
+        text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        for s in p.stop:
+            if text.find(s, seq.stop_check_from) != -1:
+                return "stop", s
+        # Bytes of a multi-byte character can decode differently once completed: keep a margin.
+        seq.stop_check_from = max(0, len(text) - max(len(s) for s in p.stop) - 1)
+    if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        return "length", None
+    if len(seq) >= max_model_len:
+        return "length", None
+    return None
+
+
+def truncate_at_stop(text: str, stop_reason: int | str | None, include_stop_str: bool) -> str:
+    """The output text ends before the stop string that ended it (after it, if asked to keep it)."""
+    if not isinstance(stop_reason, str):
+        return text
+    i = text.find(stop_reason)
+    if i == -1:
+        return text
+    return text[: i + len(stop_reason)] if include_stop_str else text[:i]

@@ -1,0 +1,56 @@
+"""Greedy output equals HF `generate` token for token, each prompt against HF run alone."""
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from tests.engine.helpers import hf_greedy, random_prompts
+
+ARCHS = ["qwen2", "llama"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_of_mixed_lengths(arch, model_dirs, hf_models):
+    llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=16, max_model_len=256))
+    prompts = random_prompts(10, 3, 70, 2000, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 24)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_groups_sharing_a_prefix(arch, model_dirs, hf_models):
+    llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=32, max_model_len=256, block_size=8))
+    prefix = random_prompts(1, 40, 40, 2000, seed=2)[0]
+    tails = random_prompts(4, 1, 12, 2000, seed=3)
+    prompts = [prefix + t for t in tails] + [prefix]
+    params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.core.block_manager.prefix_hits > 0
+    for p, o in zip(prompts, outs):
+        ref = hf_greedy(hf_models[arch], p, 20, ignore_eos=True)
+        assert [c.token_ids for c in o.outputs] == [ref] * 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_keeps_outputs_exact(arch, model_dirs, hf_models):
+    # 12 blocks of 8 tokens = 96 slots for 8 sequences that grow to ~60 tokens: preemption must happen
+    cfg = EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=96, block_size=8, num_kv_blocks=12)
+    llm = LLM(cfg)
+    prompts = random_prompts(8, 10, 30, 2000, seed=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert llm.core.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 32, ignore_eos=True)
+
+
+def test_eos_ends_like_hf(qwen2_dir, hf_models):
+    """Without ignore_eos the engine stops where HF stops (EOS included in token_ids)."""
+    llm = LLM(EngineConfig(model=qwen2_dir, max_model_len=256))
+    prompts = random_prompts(12, 5, 40, 2000, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        ref = hf_greedy(hf_models["qwen2"], p, 40)
+        c = o.outputs[0]
+        assert c.token_ids == ref
+        assert c.finish_reason == ("stop" if ref[-1] == 0 else "length")
