@@ -28,3 +28,21 @@ def hf_models(model_dirs):
     return {
         arch: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for arch, d in model_dirs.items()
     }
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(qwen2_dir, hf_models, tmp_path_factory):
+    """The tiny Qwen2 with a second EOS id that greedy decoding actually emits (a random model
+    rarely emits id 0), set the way real checkpoints do it: a list in generation_config.json."""
+    import json
+    import shutil
+
+    from tests.engine.helpers import hf_greedy, random_prompts
+
+    out = tmp_path_factory.mktemp("eos_model") / "qwen2"
+    shutil.copytree(qwen2_dir, out)
+    greedy = hf_greedy(hf_models["qwen2"], random_prompts(1, 10, 10, 2000, seed=99)[0], 12, ignore_eos=True)
+    gen_cfg = json.loads((out / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [0, greedy[8]]
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg))
+    return str(out)

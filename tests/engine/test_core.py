@@ -1,0 +1,38 @@
+"""EngineCore driven step by step: continuous batching, abort at any time."""
+
+from engine import EngineConfig, SamplingParams
+from engine.core import EngineCore
+from tests.engine.helpers import random_prompts
+
+
+def test_requests_join_and_leave_the_running_batch(qwen2_dir):
+    core = EngineCore(EngineConfig(model=qwen2_dir, max_num_seqs=4, max_model_len=128))
+    prompts = random_prompts(6, 4, 12, 2000, seed=40)
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True))
+    batch_sizes, finished = [], []
+    while core.has_unfinished():
+        assert len(core.scheduler.running) <= 4
+        deltas = core.step()
+        batch_sizes.append(len(deltas))
+        finished += [d.request_id for d in deltas if d.finish_reason]
+    assert finished == [f"r{i}" for i in range(6)]  # shorter budgets leave first
+    assert 4 in batch_sizes and max(batch_sizes) == 4  # max_num_seqs is respected and reached
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks
+
+
+def test_abort_waiting_and_running(qwen2_dir):
+    core = EngineCore(EngineConfig(model=qwen2_dir, max_num_seqs=2, max_model_len=128))
+    for i, p in enumerate(random_prompts(4, 4, 12, 2000, seed=41)):
+        core.add_request(f"r{i}", p, SamplingParams(n=1 if i else 2, max_tokens=50, ignore_eos=True))
+    core.step()
+    core.step()
+    assert {s.request_id for s in core.scheduler.running} == {"r0"}
+    deltas = core.abort_requests(["r0", "r3", "missing"])
+    assert sorted((d.request_id, d.index, d.finish_reason) for d in deltas) == [
+        ("r0", 0, "abort"), ("r0", 1, "abort"), ("r3", 0, "abort")]
+    done = set()
+    while core.has_unfinished():
+        done |= {d.request_id for d in core.step() if d.finish_reason}
+    assert done == {"r1", "r2"}
+    assert core.block_manager.num_free_blocks == core.runner.num_blocks
