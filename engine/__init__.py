@@ -1,8 +1,10 @@
 """The inference engine: continuous batching of HF causal LMs on an engine-owned paged KV cache."""
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError, EngineGenerateError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDeadError", "EngineGenerateError", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

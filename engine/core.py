@@ -6,31 +6,17 @@ The offline `LLM` drives it in-process; the async engine wraps it in a process o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.inputs import validate_prompt_ids
+from engine.messages import SeqDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop_checker import check_stop
+from engine.worker import make_worker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SeqDelta:
-    """What one sequence gained in one step."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    version: int  # weight version these tokens were sampled under
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 def load_tokenizer(path: str):
@@ -52,7 +38,7 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self.runner = ModelRunner(cfg)
+        self.worker = make_worker(cfg)
         self.eos_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -64,19 +50,13 @@ class EngineCore:
             cfg.model, cfg.device, cfg.dtype, self.runner.num_blocks, cfg.block_size,
         )
 
+    @property
+    def runner(self):
+        return self.worker.runner
+
     # -- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_token_ids) >= self.cfg.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.cfg.max_model_len} "
-                "(room for at least one generated token is needed)"
-            )
-        vocab = self.runner.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        validate_prompt_ids(prompt_token_ids, self.cfg.max_model_len, self.runner.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -135,6 +115,18 @@ class EngineCore:
         seqs = self.requests.get(request_id)
         if seqs is not None and all(s.finished for s in seqs):
             del self.requests[request_id]
+
+    def sleep(self, level: int = 1) -> list[SeqDelta]:
+        """Free the KV cache (level 1) and the weights too (level 2); aborts what is in flight."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        deltas = self.abort_requests(list(self.requests))
+        self.block_manager.reset_prefix_cache()
+        self.worker.sleep(level)
+        return deltas
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
 
     def reset_prefix_cache(self) -> bool:
         self.block_manager.reset_prefix_cache()

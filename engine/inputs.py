@@ -25,3 +25,16 @@ def tokenize_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
             raise ValueError("prompt token ids must be ints")
         return None, list(prompt)
     raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def validate_prompt_ids(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens but max_model_len is {max_model_len} "
+            "(room for at least one generated token is needed)"
+        )
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

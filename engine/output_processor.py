@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core import SeqDelta
+from engine.messages import SeqDelta
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import truncate_at_stop

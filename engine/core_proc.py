@@ -1,0 +1,261 @@
+"""The engine core in its own process: an input thread (DEALER), an output thread (PUSH) and the
+main thread that steps the core. Started by AsyncEngine as `python -m engine.core_proc`, so no
+pickled object ever reaches it: the config comes as JSON, everything else as msgpack frames."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.messages import (
+    AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, SeqDelta, Shutdown, StepOutputs,
+    UtilityCall,
+)
+from engine.sampling_params import SamplingParams
+from engine.serial import Decoder, Encoder
+
+log = logging.getLogger("engine.core_proc")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL ourselves when the parent dies, even by SIGKILL (Linux prctl), plus a watchdog."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+class EngineCoreProc:
+    def __init__(self, cfg: EngineConfig, input_addr: str, output_addr: str, identity: bytes):
+        self.core = EngineCore(cfg)
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.paused = False
+        self.drain_call: int | None = None  # call id of a pause(mode="wait") waiting for the drain
+        self.held: list[AddRequest] = []  # requests that arrived while paused
+        self.running = True
+        ctx = zmq.Context()
+        self.in_sock = ctx.socket(zmq.DEALER)
+        self.in_sock.setsockopt(zmq.IDENTITY, identity)
+        self.in_sock.setsockopt(zmq.LINGER, 0)
+        self.in_sock.connect(input_addr)
+        self.out_sock = ctx.socket(zmq.PUSH)
+        self.out_sock.setsockopt(zmq.LINGER, 1000)
+        self.out_sock.connect(output_addr)
+        threading.Thread(target=self._input_loop, daemon=True, name="core-input").start()
+        threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
+        runner = self.core.runner
+        self.outputs.put(Ready(os.getpid(), runner.vocab_size, runner.num_blocks))
+        self.in_sock.send(b"READY")  # lets the frontend's ROUTER learn our identity
+
+    # -- IO threads ---------------------------------------------------------------------------
+    def _input_loop(self) -> None:
+        decoder = Decoder(EngineInput)
+        while True:
+            frames = self.in_sock.recv_multipart(copy=False)
+            try:
+                msg = decoder.decode([f.buffer for f in frames])
+            except Exception as e:  # a malformed frame is dropped; the core never dies of one
+                log.warning("dropped a malformed input message: %s", str(e)[:200])
+                continue
+            self.inputs.put(msg)
+
+    def _output_loop(self) -> None:
+        encoder = Encoder()
+        while True:
+            msg = self.outputs.get()
+            try:
+                self.out_sock.send_multipart(encoder.encode(msg), copy=False)
+            except TypeError as e:  # a result we cannot serialise becomes an error for its caller
+                if isinstance(msg, CallResult):
+                    self.out_sock.send_multipart(encoder.encode(
+                        CallResult(msg.call_id, False, None, f"result cannot be sent: {e}")))
+                else:
+                    log.error("cannot send output: %s", e)
+
+    # -- main loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            can_step = not self.paused and self.core.has_unfinished()
+            self._handle_inputs(block=not can_step)
+            if self.running and not self.paused and self.core.has_unfinished():
+                self._step()
+            if self.drain_call is not None and not self.core.has_unfinished():
+                self.paused = True
+                self.outputs.put(CallResult(self.drain_call, True, True))
+                self.drain_call = None
+
+    def _handle_inputs(self, block: bool) -> None:
+        try:
+            msg = self.inputs.get(timeout=0.2) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            deltas = self.core.step()
+        except Exception as e:  # fail the requests of this step, keep serving the rest
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            failed = {s.request_id for s in self.core.scheduler.running}
+            for rid in failed:
+                self.core.abort_requests([rid])
+                self.outputs.put(RequestError(rid, f"engine step failed: {e!r}"))
+            return
+        if deltas:
+            self.outputs.put(StepOutputs(deltas))
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            if self.paused or self.drain_call is not None:
+                self.held.append(msg)
+            else:
+                self._add(msg)
+        elif isinstance(msg, AbortRequests):
+            self._abort(msg.request_ids)
+        elif isinstance(msg, UtilityCall):
+            self._call(msg)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+        except Exception as e:
+            self.outputs.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}"))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        deltas = []
+        for held in [h for h in self.held if h.request_id in ids]:
+            self.held.remove(held)
+            n = held.params.get("n", 1) if isinstance(held.params.get("n", 1), int) else 1
+            deltas += [SeqDelta(held.request_id, i, [], [], self.core.weight_version, "abort") for i in range(n)]
+        deltas += self.core.abort_requests(list(ids))
+        if deltas:
+            self.outputs.put(StepOutputs(deltas))
+
+    # -- utility calls ------------------------------------------------------------------------
+    def _call(self, msg: UtilityCall) -> None:
+        self._current_call_id = msg.call_id  # a deferred result (pause "wait") answers it later
+        try:
+            handler = getattr(self, f"_util_{msg.method}", None)
+            if handler is None:
+                raise ValueError(f"unknown engine call {msg.method!r}")
+            value = handler(*msg.args, **msg.kwargs)
+        except Exception as e:
+            log.debug("call %s failed", msg.method, exc_info=True)
+            self.outputs.put(CallResult(msg.call_id, False, None, f"{type(e).__name__}: {e}"))
+            return
+        if value is not _DEFERRED:
+            self.outputs.put(CallResult(msg.call_id, True, value))
+
+    def _util_pause(self, mode: str = "abort", clear_cache: bool = True):
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "abort":
+            self._abort(list(self.core.requests))
+        if clear_cache:
+            self.core.reset_prefix_cache()
+        if mode == "wait" and self.core.has_unfinished():
+            self.drain_call = self._current_call_id
+            return _DEFERRED
+        self.paused = True
+        return True
+
+    def _util_resume(self):
+        self.paused = False
+        held, self.held = self.held, []
+        for msg in held:
+            self._add(msg)
+        return True
+
+    def _util_is_paused(self):
+        return self.paused
+
+    def _util_collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None):
+        worker = self.core.worker
+        if not isinstance(method, str) or method.startswith("_") or not worker.rpc_allowed(method):
+            raise ValueError(f"method {method!r} is not callable over collective_rpc")
+        return [getattr(worker, method)(*(args or []), **(kwargs or {}))]
+
+    def _util_set_weight_version(self, version: int):
+        self.core.weight_version = int(version)
+        return self.core.weight_version
+
+    def _util_reset_prefix_cache(self):
+        return self.core.reset_prefix_cache()
+
+    def _util_sleep(self, level: int = 1):
+        deltas = self.core.sleep(level)
+        if deltas:
+            self.outputs.put(StepOutputs(deltas))
+        return True
+
+    def _util_wake_up(self):
+        self.core.wake_up()
+        return True
+
+    def _util_check_health(self):
+        return self.core.worker.check_health()
+
+    def _util_stats(self):
+        return {**self.core.stats(), "paused": self.paused, "num_held": len(self.held)}
+
+
+_DEFERRED = object()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Engine-core process (started by AsyncEngine; not for direct use).")
+    p.add_argument("--config-json", required=True, help="EngineConfig as JSON")
+    p.add_argument("--input-addr", required=True)
+    p.add_argument("--output-addr", required=True)
+    p.add_argument("--identity", required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    cfg = EngineConfig(**json.loads(args.config_json))
+    try:
+        proc = EngineCoreProc(cfg, args.input_addr, args.output_addr, args.identity.encode())
+    except Exception:
+        log.error("engine core failed to start:\n%s", traceback.format_exc())
+        sys.exit(1)
+    proc.run()
+    time.sleep(0.1)  # let the output thread flush
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

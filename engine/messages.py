@@ -1,0 +1,74 @@
+"""Messages between the frontend and the engine-core process (msgpack via msgspec, no pickle).
+
+Input (frontend -> core, ROUTER -> DEALER): AddRequest, AbortRequests, UtilityCall, Shutdown.
+Output (core -> frontend, PUSH -> PULL): Ready, StepOutputs, CallResult, RequestError.
+Every utility call carries a call id and is answered by exactly one CallResult.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sequence gained in one step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int  # weight version these tokens were sampled under
+    finish_reason: str | None = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+EngineInput = Union[AddRequest, AbortRequests, UtilityCall, Shutdown]
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    pid: int
+    vocab_size: int
+    num_kv_blocks: int
+
+
+class StepOutputs(msgspec.Struct, tag="out", array_like=True):
+    deltas: list[SeqDelta]
+
+
+class CallResult(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+class RequestError(msgspec.Struct, tag="req_error", array_like=True):
+    request_id: str
+    error: str
+
+
+EngineOutput = Union[Ready, StepOutputs, CallResult, RequestError]

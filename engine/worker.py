@@ -1,0 +1,94 @@
+"""The worker: owns the model runner (model + KV cache) on one device. `collective_rpc` calls
+reach its RPC methods, and those of an optional extension class named in the config (as vLLM's
+`worker_extension_cls`), which is how weight sync plugs in without the engine importing it."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner, load_model
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    # The worker's own methods reachable through collective_rpc; anything else is refused.
+    RPC_METHODS = frozenset({"model_info", "check_health", "reload_weights"})
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.runner = ModelRunner(cfg)
+        self.weights_released = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    # -- RPC methods ------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        mc = self.model.config
+        return {
+            "model": self.cfg.model,
+            "device": str(self.device),
+            "dtype": self.cfg.dtype,
+            "vocab_size": mc.vocab_size,
+            "num_parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    def check_health(self) -> bool:
+        return True
+
+    def reload_weights(self) -> bool:
+        """Load the weights from the model directory again (after sleep level 2, or to undo pushes)."""
+        fresh = load_model(self.cfg)
+        self.runner.model = fresh
+        self.weights_released = False
+        return True
+
+    # -- sleep / wake (called by the core, not over RPC) -------------------------------------
+    def sleep(self, level: int) -> None:
+        self.runner.free_kv_cache()
+        if level >= 2:
+            # Drop the weights' storage but keep the module tree: a push or a reload refills it.
+            for p in list(self.model.parameters()) + list(self.model.buffers()):
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.weights_released = True
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.weights_released:
+            self.reload_weights()
+        if self.runner.k_cache is None:
+            self.runner.allocate_kv_cache()
+
+    def rpc_allowed(self, method: str) -> bool:
+        return method in self.RPC_METHODS or method in getattr(self, "EXTENSION_METHODS", ())
+
+
+def _import(path: str) -> type:
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_worker(cfg: EngineConfig) -> Worker:
+    """A Worker, with the configured extension class mixed in (its public methods become RPCs)."""
+    if not cfg.worker_extension_cls:
+        return Worker(cfg)
+    ext = _import(cfg.worker_extension_cls)
+    public = {
+        name for klass in ext.__mro__ if klass is not object for name, v in vars(klass).items()
+        if callable(v) and not name.startswith("_")
+    }
+    clash = public & set(dir(Worker))
+    if clash:
+        raise ValueError(f"worker extension {ext.__name__} overrides worker methods: {sorted(clash)}")
+    cls = type(f"Worker+{ext.__name__}", (ext, Worker), {"EXTENSION_METHODS": frozenset(public)})
+    return cls(cfg)
