@@ -200,15 +200,19 @@ class AsyncEngine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._reader.cancel)
-            except RuntimeError:
-                pass
+        self._stop_reader()
         self._in.close(0)
         self._out_sync.close(0)
         self._zctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _stop_reader(self) -> None:
+        loop, reader = self._loop, self._reader
+        if reader is None or loop is None or loop.is_closed() or reader.done():
+            return
+        reader.cancel()
+        if not loop.is_running():  # let the cancellation land, or the task is reported as leaked
+            loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(

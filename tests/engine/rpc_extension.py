@@ -1,0 +1,29 @@
+"""A worker extension used by the tests to exercise collective_rpc (loaded by dotted path)."""
+
+import time
+
+import torch
+
+
+class RpcTestExtension:
+    def add(self, a, b):
+        return a + b
+
+    def boom(self):
+        raise RuntimeError("boom from the worker")
+
+    def slow(self, seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def double_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    def scale_weights(self, factor: float) -> bool:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(factor)
+        return True
+
+    def unsendable(self):
+        return object()

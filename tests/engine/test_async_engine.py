@@ -1,0 +1,316 @@
+"""AsyncEngine with the core in a real background process."""
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import msgspec
+import pytest
+import torch
+
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from tests.engine.helpers import random_prompts
+from tests.procs import descendants
+
+EXT = "tests.engine.rpc_extension:RpcTestExtension"
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def cfg(qwen2_dir):
+    return EngineConfig(model=qwen2_dir, max_num_seqs=64, max_model_len=512, worker_extension_cls=EXT)
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, loop):  # needs the loop: torn down after the engine
+    eng = AsyncEngine(cfg)
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(engine, prompt, params, rid=None):
+    last = None
+    async for out in engine.generate(prompt, params, request_id=rid):
+        last = out
+    return last
+
+
+async def _wait_for_tokens(engine, ids, n, timeout=60):
+    """Until every request in `ids` is running and has at least n tokens."""
+    deadline = time.monotonic() + timeout
+    while not all(r in engine.requests and len(engine.requests[r].state.outputs[0].token_ids) >= n for r in ids):
+        assert time.monotonic() < deadline, "requests did not start"
+        await asyncio.sleep(0.005)
+
+
+def test_concurrent_greedy_matches_offline_llm(engine, cfg, loop):
+    prompts = random_prompts(64, 3, 60, 2000, seed=50)
+    params = SamplingParams(temperature=0, max_tokens=24)
+
+    async def run():
+        return await asyncio.gather(*[_collect(engine, p, params, f"g{i}") for i, p in enumerate(prompts)])
+
+    outs = loop.run_until_complete(run())
+    ref = LLM(EngineConfig(model=cfg.model, max_num_seqs=64, max_model_len=512)).generate(prompts, params,
+                                                                                       use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    assert all(o.finished and o.outputs[0].text == r.outputs[0].text for o, r in zip(outs, ref))
+
+
+def test_n_samples_and_streaming_kinds(engine, loop):
+    p = random_prompts(1, 10, 10, 2000, seed=51)[0]
+
+    async def run(kind):
+        params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True, output_kind=kind)
+        return [out async for out in engine.generate(p, params)]
+
+    cumulative, delta, final = (loop.run_until_complete(run(k)) for k in ("cumulative", "delta", "final"))
+    assert len(final) == 1 and final[0].finished
+    assert [c.token_ids for c in cumulative[-1].outputs] == [c.token_ids for c in final[0].outputs]
+    joined = [[t for out in delta for t in out.outputs[i].token_ids] for i in range(3)]
+    assert joined == [c.token_ids for c in final[0].outputs]
+    assert "".join(out.outputs[0].text for out in delta) == final[0].outputs[0].text
+    assert len(cumulative) > 1
+
+
+def test_slow_consumer_gets_merged_outputs(engine, loop):
+    async def run():
+        outs = []
+        async for out in engine.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                   output_kind="delta")):
+            outs.append(out)
+            await asyncio.sleep(0.05)
+        return outs
+
+    outs = loop.run_until_complete(run())
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
+    assert len(outs) < 40  # deltas were merged while the consumer slept
+
+
+def test_cancel_aborts_the_request(engine, loop):
+    async def run():
+        agen = engine.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), request_id="cancel-me")
+        await agen.__anext__()
+        await agen.aclose()
+        task = asyncio.ensure_future(_collect(engine, [8, 9], SamplingParams(max_tokens=400, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = await engine.get_stats()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                return stats
+            await asyncio.sleep(0.02)
+        return stats
+
+    stats = loop.run_until_complete(run())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_abort_returns_partial_output(engine, loop):
+    async def run():
+        task = asyncio.ensure_future(_collect(engine, [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True),
+                                              "to-abort"))
+        await _wait_for_tokens(engine, ["to-abort"], 3)
+        await engine.abort("to-abort")
+        return await task
+
+    out = loop.run_until_complete(run())
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert 3 <= len(out.outputs[0].token_ids) < 400
+
+
+def _in_flight(engine, loop, prompts, params, ids):
+    tasks = [loop.create_task(_collect(engine, p, params, rid)) for p, rid in zip(prompts, ids)]
+    loop.run_until_complete(_wait_for_tokens(engine, ids, 4))
+    return tasks
+
+
+def test_pause_keep_freezes_and_resumes_exactly(engine, cfg, loop):
+    prompts = random_prompts(8, 5, 30, 2000, seed=52)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    ids = [f"keep{i}" for i in range(8)]
+    tasks = _in_flight(engine, loop, prompts, params, ids)
+
+    async def pause_then_resume():
+        await engine.pause_generation(mode="keep")
+        assert await engine.is_paused()
+        before = [len(engine.requests[r].state.outputs[0].token_ids) for r in ids]
+        await asyncio.sleep(0.3)
+        after = [len(engine.requests[r].state.outputs[0].token_ids) for r in ids]
+        await engine.set_weight_version(7)
+        await engine.resume_generation()
+        assert not await engine.is_paused()
+        return before, after, await asyncio.gather(*tasks)
+
+    before, after, outs = loop.run_until_complete(pause_then_resume())
+    assert before == after and all(0 < b < 60 for b in before)  # frozen in place
+    ref = LLM(EngineConfig(model=cfg.model, max_model_len=512)).generate(prompts, params, use_tqdm=False)
+    for o, r, b in zip(outs, ref, before):
+        c = o.outputs[0]
+        assert c.token_ids == r.outputs[0].token_ids and c.finish_reason == "length"
+        assert c.weight_versions == [0] * b + [7] * (60 - b)  # the switch is visible per token
+    loop.run_until_complete(engine.set_weight_version(0))
+
+
+def test_pause_abort_ends_in_flight_and_new_requests_wait(engine, loop):
+    ids = [f"ab{i}" for i in range(4)]
+    tasks = _in_flight(engine, loop, random_prompts(4, 5, 20, 2000, seed=53),
+                       SamplingParams(max_tokens=400, ignore_eos=True), ids)
+
+    async def run():
+        await engine.pause_generation(mode="abort")
+        outs = await asyncio.gather(*tasks)
+        late = asyncio.ensure_future(_collect(engine, [5, 6], SamplingParams(temperature=0, max_tokens=5)))
+        await asyncio.sleep(0.3)
+        waited = not late.done()
+        await engine.resume_generation()
+        return outs, waited, await late
+
+    outs, waited, late = loop.run_until_complete(run())
+    assert all(o.outputs[0].finish_reason == "abort" and 4 <= len(o.outputs[0].token_ids) < 400 for o in outs)
+    assert waited and late.outputs[0].finish_reason == "length" and len(late.outputs[0].token_ids) == 5
+
+
+def test_pause_wait_drains_in_flight(engine, loop):
+    ids = [f"wait{i}" for i in range(4)]
+    tasks = _in_flight(engine, loop, random_prompts(4, 5, 20, 2000, seed=54),
+                       SamplingParams(max_tokens=50, ignore_eos=True), ids)
+
+    async def run():
+        await engine.pause_generation(mode="wait")
+        done = [t.done() for t in tasks]
+        await engine.resume_generation()
+        return done, await asyncio.gather(*tasks)
+
+    done, outs = loop.run_until_complete(run())
+    assert all(done)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 50 for o in outs)
+
+
+def test_collective_rpc_errors_leave_the_engine_serving(engine, loop):
+    async def run():
+        assert await engine.collective_rpc("add", args=(2, 3)) == [5]
+        t = await engine.collective_rpc("double_tensor", args=(torch.arange(6, dtype=torch.float32).view(2, 3),))
+        assert torch.equal(t[0], torch.arange(6, dtype=torch.float32).view(2, 3) * 2)
+        for bad in ("__init__", "_prepare", "runner", "shutdown", "nonexistent"):
+            with pytest.raises(ValueError, match="not callable"):
+                await engine.collective_rpc(bad)
+        with pytest.raises(RuntimeError, match="boom from the worker"):
+            await engine.collective_rpc("boom")
+        with pytest.raises(RuntimeError, match="cannot be sent"):
+            await engine.collective_rpc("unsendable")
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await engine.collective_rpc("slow", timeout=0.3, args=(1.0,))
+        assert time.monotonic() - t0 < 0.9
+        out = await _collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
+        assert len(out.outputs[0].token_ids) == 5
+        assert await engine.collective_rpc("model_info")
+
+    loop.run_until_complete(run())
+
+
+def test_bad_requests_fail_alone(engine, loop):
+    async def run():
+        good = asyncio.ensure_future(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=30)))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(engine, list(range(3, 600)), SamplingParams())
+        with pytest.raises(ValueError, match="vocabulary"):
+            await _collect(engine, [5, 10**8], SamplingParams())
+        with pytest.raises(ValueError, match="empty"):
+            await _collect(engine, [], SamplingParams())
+        with pytest.raises(ValueError, match="already running"):
+            agen = engine.generate([5], SamplingParams(max_tokens=50), request_id="dup")
+            await agen.__anext__()
+            await _collect(engine, [5], SamplingParams(), "dup")
+        await agen.aclose()
+        return await good
+
+    assert len(loop.run_until_complete(run()).outputs[0].token_ids) == 30
+
+
+def test_malformed_frames_do_not_kill_the_core(engine, loop):
+    rng = random.Random(0)
+    enc = msgspec.msgpack.encode
+    junk = [
+        lambda: [rng.randbytes(rng.randint(0, 64))],
+        lambda: [enc(["add", rng.random(), None])],
+        lambda: [enc(["add", "junk", [1, 2, 10**9], {"n": -1}])],
+        lambda: [enc(["add", "junk2", [1, 2], {"tempreature": 1}])],
+        lambda: [enc(["call", 1, "no_such_method", [], {}])],
+        lambda: [enc(["call", 2, "collective_rpc", ["__del__"], {}])],
+        lambda: [enc(["abort", [1, 2, 3]])],
+        lambda: [enc(msgspec.msgpack.Ext(1, b"\x93\xa5float\x91\x05\x09"))],
+        lambda: [enc(["call", 3, "pause", [], {"mode": "sideways"}]), rng.randbytes(8)],
+        lambda: [],
+    ]
+    for i in range(1000):
+        frames = junk[i % len(junk)]()
+        if frames:
+            engine._in.send_multipart([engine._identity, *frames])
+
+    out = loop.run_until_complete(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5)))
+    assert len(out.outputs[0].token_ids) == 5 and not engine.errored
+    assert loop.run_until_complete(engine.is_paused()) is False
+
+
+def test_sleep_and_wake_up_keep_generation_correct(engine, loop):
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    async def run():
+        ref = await _collect(engine, [9, 10, 11], params)
+        results = []
+        for level in (1, 2):
+            await engine.sleep(level)
+            await engine.wake_up()
+            results.append(await _collect(engine, [9, 10, 11], params))
+        return ref, results
+
+    ref, results = loop.run_until_complete(run())
+    assert all(r.outputs[0].token_ids == ref.outputs[0].token_ids for r in results)
+
+
+def test_killed_core_fails_every_waiter_fast(cfg):
+    loop = asyncio.new_event_loop()
+    eng = AsyncEngine(cfg)
+    try:
+        async def run():
+            tasks = [asyncio.ensure_future(_collect(eng, [5, 6, 7 + i], SamplingParams(max_tokens=500,
+                                                                                      ignore_eos=True)))
+                     for i in range(8)]
+            await asyncio.sleep(0)
+            await _wait_for_tokens(eng, list(eng.requests), 1)
+            call = asyncio.ensure_future(eng.collective_rpc("slow", args=(30,)))  # in flight when killed
+            await asyncio.sleep(0.2)
+            os.kill(eng.proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.gather(*tasks, call, return_exceptions=True)
+            elapsed = time.monotonic() - t0
+            with pytest.raises(EngineDeadError):
+                await _collect(eng, [5], SamplingParams())
+            return results, elapsed
+
+        results, elapsed = loop.run_until_complete(run())
+        assert all(isinstance(r, EngineDeadError) for r in results), [r for r in results if not isinstance(r, EngineDeadError)]
+        assert elapsed < 2.0 and eng.errored
+    finally:
+        eng.shutdown()
+        loop.close()
+
+
+def test_shutdown_leaves_no_process(cfg):
+    before = set(descendants())
+    eng = AsyncEngine(cfg)
+    assert eng.proc.pid in descendants()
+    eng.shutdown()
+    assert set(descendants()) - before == set()
