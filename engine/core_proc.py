@@ -98,14 +98,20 @@ class EngineCoreProc:
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         while self.running:
-            can_step = not self.paused and self.core.has_unfinished()
-            self._handle_inputs(block=not can_step)
-            if self.running and not self.paused and self.core.has_unfinished():
+            self._handle_inputs(block=not self._can_step())
+            if self.running and self._can_step():
                 self._step()
-            if self.drain_call is not None and not self.core.has_unfinished():
+            if self.drain_call is not None and not self.core.scheduler.has_in_flight():
                 self.paused = True
+                self.core.scheduler.admit_new = True
                 self.outputs.put(CallResult(self.drain_call, True, True))
                 self.drain_call = None
+
+    def _can_step(self) -> bool:
+        sched = self.core.scheduler
+        if self.drain_call is not None:
+            return sched.has_in_flight()
+        return not self.paused and sched.has_unfinished()
 
     def _handle_inputs(self, block: bool) -> None:
         try:
@@ -185,7 +191,9 @@ class EngineCoreProc:
             self._abort(list(self.core.requests))
         if clear_cache:
             self.core.reset_prefix_cache()
-        if mode == "wait" and self.core.has_unfinished():
+        if mode == "wait" and self.core.scheduler.has_in_flight():
+            # finish what has started; requests still queued wait for resume like new ones
+            self.core.scheduler.admit_new = False
             self.drain_call = self._current_call_id
             return _DEFERRED
         self.paused = True

@@ -18,6 +18,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.admit_new = True  # False while draining: only preempted sequences may (re)start
+
+    def has_in_flight(self) -> bool:
+        """Running sequences, or preempted ones waiting to be recomputed."""
+        return bool(self.running) or any(s.num_output_tokens for s in self.waiting)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -31,6 +36,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.admit_new and seq.num_output_tokens == 0:
+                break
             hits = self.bm.cached_prefix_blocks(seq)
             new_tokens = len(seq) - len(hits) * self.bm.block_size
             if new_tokens > budget or self.bm.blocks_needed(seq, hits) > self.bm.num_free_blocks:

@@ -1,0 +1,308 @@
+"""The trainer's side: `AsyncRolloutClient` (asyncio) and `RolloutClient` (blocking twin).
+
+One client can drive several sidecars: prompts are spread over them, and one weight-sync group
+spans them all (the trainer is rank 0; each sidecar's workers take the next ranks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.sampling_params import SamplingParams
+from rollout import protocol as P
+from rollout.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+class SidecarError(RuntimeError):
+    """A sidecar refused or failed a call; the message is the sidecar's reason."""
+
+
+def _params_wire(params, n_prompts: int):
+    params = params or SamplingParams()
+    if isinstance(params, list):
+        if len(params) != n_prompts:
+            raise ValueError(f"{len(params)} sampling params for {n_prompts} prompts")
+        return [p.to_dict() for p in params]
+    return params.to_dict()
+
+
+class AsyncRolloutClient:
+    def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("no sidecar address")
+        self.token = token
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._socks = []
+        for url in self.urls:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(url)
+            self._socks.append(s)
+        self._ids = itertools.count()
+        self._queues: dict[tuple[int, int], asyncio.Queue] = {}
+        self._readers: list[asyncio.Task] = []
+        self.sender = None  # weight_sync.WeightSender once init_weight_sync ran
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _start(self) -> None:
+        if not self._readers:
+            self._readers = [asyncio.ensure_future(self._read(i)) for i in range(len(self._socks))]
+
+    async def _read(self, i: int) -> None:
+        while True:
+            body = (await self._socks[i].recv_multipart())[-1]
+            try:
+                msg = P.server_decoder.decode(body)
+            except Exception as e:
+                log.error("undecodable message from %s: %s", self.urls[i], e)
+                continue
+            q = self._queues.get((i, msg.call_id))
+            if q is not None:
+                q.put_nowait(msg)
+            elif msg.call_id == -1:
+                log.error("sidecar %s could not read a message: %s", self.urls[i], getattr(msg, "error", msg))
+
+    async def _send(self, i: int, call_type, **fields) -> tuple[int, asyncio.Queue]:
+        self._start()
+        call_id = next(self._ids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[(i, call_id)] = q
+        await self._socks[i].send(P.encoder.encode(call_type(call_id=call_id, token=self.token, **fields)))
+        return call_id, q
+
+    async def _next(self, i: int, q: asyncio.Queue, what: str, timeout: float | None = None):
+        try:
+            return await asyncio.wait_for(q.get(), timeout or self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what}: no answer from sidecar {self.urls[i]} in {timeout or self.timeout_s:.0f}s")
+
+    async def _reply(self, i: int, call_id: int, q: asyncio.Queue, what: str, timeout: float | None = None) -> Any:
+        try:
+            while True:
+                msg = await self._next(i, q, what, timeout)
+                if isinstance(msg, P.Reply):
+                    if not msg.ok:
+                        raise SidecarError(f"{what} failed on {self.urls[i]}: {msg.error}")
+                    return msg.value
+        finally:
+            self._queues.pop((i, call_id), None)
+
+    async def _call_all(self, call_type, what: str, timeout: float | None = None, **fields) -> list:
+        sent = [(i, *await self._send(i, call_type, **fields)) for i in range(len(self._socks))]
+        return await asyncio.gather(*(self._reply(i, cid, q, what, timeout) for i, cid, q in sent))
+
+    # -- generation ---------------------------------------------------------------------------
+    async def generate_iter(self, prompts: list, sampling_params=None) -> AsyncIterator[tuple[int, list[Rollout]]]:
+        """Yields (prompt index, its n rollouts) as each group finishes. Prompts are spread over
+        the sidecars in contiguous chunks."""
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty list")
+        wire = _params_wire(sampling_params, len(prompts))
+        k = len(self._socks)
+        chunks = [(i, range(len(prompts) * i // k, len(prompts) * (i + 1) // k)) for i in range(k)]
+        chunks = [(i, r) for i, r in chunks if len(r)]
+        sent = []
+        for i, r in chunks:
+            p = wire[r.start:r.stop] if isinstance(wire, list) else wire
+            sent.append((i, r, *await self._send(i, P.Generate, prompts=[prompts[j] for j in r], params=p)))
+        open_calls = {(i, cid): (r, q) for i, r, cid, q in sent}
+        try:
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, cid, q):
+                while True:
+                    msg = await self._next(i, q, "generate")
+                    await merged.put((i, msg))
+                    if isinstance(msg, P.Reply):
+                        return
+
+            pumps = [asyncio.ensure_future(pump(i, cid, q)) for i, _, cid, q in sent]
+            try:
+                while open_calls:
+                    i, msg = await merged.get()
+                    r, _ = open_calls[(i, msg.call_id)]
+                    if isinstance(msg, P.GroupOut):
+                        yield r.start + msg.index, msg.rollouts
+                    elif not msg.ok:
+                        raise SidecarError(f"generate failed on {self.urls[i]}: {msg.error}")
+                    else:
+                        del open_calls[(i, msg.call_id)]
+            finally:
+                for t in pumps:
+                    t.cancel()
+        finally:
+            for i, _, cid, _ in sent:
+                self._queues.pop((i, cid), None)
+
+    async def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
+        """One list of n rollouts per prompt, in prompt order."""
+        groups: list = [None] * len(prompts)
+        async for idx, rollouts in self.generate_iter(prompts, sampling_params):
+            groups[idx] = rollouts
+        return groups
+
+    # -- weights ------------------------------------------------------------------------------
+    async def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+                               bucket_bytes: int | None = None, device=None) -> dict:
+        """Form one weight-sync group with every sidecar's workers; this trainer is rank 0."""
+        from weight_sync.sender import WeightSender
+
+        health = await self.health()
+        workers = [h["workers"] for h in health]
+        world = 1 + sum(workers)
+        if self.sender is None:
+            kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+            self.sender = WeightSender(device=device, timeout_s=timeout_s, **kw)
+        info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
+        offsets = list(itertools.accumulate([1] + workers[:-1]))
+        sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
+                                      rank_offset=offsets[i], group_name=info["group_name"], timeout_s=timeout_s))
+                for i in range(len(self._socks))]
+        join = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
+        replies = await asyncio.gather(*(self._reply(i, cid, q, "init_weight_sync", timeout_s + 60)
+                                         for i, cid, q in sent), return_exceptions=True)
+        joined = (await asyncio.gather(join, return_exceptions=True))[0]
+        errors = [r for r in replies if isinstance(r, BaseException)]
+        if errors or isinstance(joined, BaseException):
+            self.sender.close_group()
+            raise SidecarError("init_weight_sync failed: " + "; ".join(str(e) for e in errors or [joined]))
+        return {"world_size": world, "rank_offsets": offsets, **info}
+
+    async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
+                           timeout_s: float = 300.0, progress=None) -> dict:
+        """Pause every sidecar, broadcast the weights, commit, resume. Raises SidecarError with the
+        sidecars' reasons (and the trainer's) on any failure; the previous weights then keep serving.
+        `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out."""
+        if self.sender is None or self.sender.group is None:
+            raise SidecarError("init_weight_sync() first")
+        prepared = self.sender.prepare(model_or_named_tensors, version)
+        sent = [(i, *await self._send(i, P.PushWeights, manifest=prepared.manifest.to_wire(),
+                                      pause_mode=pause_mode or "", timeout_s=timeout_s))
+                for i in range(len(self._socks))]
+        # Broadcast only once every sidecar has paused (a "wait" drain can take long): the
+        # group's timeout then bounds the transfer alone.
+        paused = await asyncio.gather(*(self._paused(i, cid, q, timeout_s + 60) for i, cid, q in sent),
+                                      return_exceptions=True)
+        errors = [str(e) for e in paused if isinstance(e, BaseException)]
+        trainer = None
+        if errors:
+            self.sender.close_group()  # workers that did pause time out of the vote and recover
+        else:
+            trainer = (await asyncio.gather(asyncio.to_thread(self.sender.send, prepared, progress),
+                                            return_exceptions=True))[0]
+        live = [(i, cid, q) for (i, cid, q), p in zip(sent, paused) if p is True]
+        replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in live),
+                                       return_exceptions=True)
+        errors += [str(r) for r in replies if isinstance(r, BaseException)]
+        if isinstance(trainer, BaseException):
+            errors.insert(0, f"trainer: {trainer}")
+        if errors:
+            raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))
+        return {"version": version, "trainer": trainer, "sidecars": replies}
+
+    async def _paused(self, i: int, call_id: int, q: asyncio.Queue, timeout: float) -> bool:
+        """True once sidecar i reports its engines paused; raises if it answered with an error."""
+        msg = await self._next(i, q, "push_weights", timeout)
+        if isinstance(msg, P.Progress) and msg.stage == "paused":
+            return True
+        self._queues.pop((i, call_id), None)
+        raise SidecarError(f"push_weights failed on {self.urls[i]}: "
+                           f"{msg.error if isinstance(msg, P.Reply) else 'unexpected ' + type(msg).__name__}")
+
+    async def close_weight_sync(self) -> None:
+        await self._call_all(P.CloseWeightSync, "close_weight_sync")
+        if self.sender is not None:
+            self.sender.close_group()
+
+    # -- status -------------------------------------------------------------------------------
+    async def stats(self) -> list[dict]:
+        return await self._call_all(P.Stats, "stats", timeout=30)
+
+    async def health(self) -> list[dict]:
+        return await self._call_all(P.Health, "health", timeout=30)
+
+    async def close(self) -> None:
+        for t in self._readers:
+            t.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        self._readers = []
+        if self.sender is not None:
+            self.sender.close_group()
+            self.sender = None
+        for s in self._socks:
+            s.close(0)
+        self._ctx.term()
+
+
+class RolloutClient:
+    """Blocking twin of AsyncRolloutClient (runs it on a private event loop)."""
+
+    def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
+        self._loop = asyncio.new_event_loop()
+        self._client = self._run(_make(urls, token, timeout_s))
+
+    def _run(self, coro):
+        return self._loop.run_until_complete(coro)
+
+    @property
+    def urls(self) -> list[str]:
+        return self._client.urls
+
+    def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
+        return self._run(self._client.generate(prompts, sampling_params))
+
+    def generate_iter(self, prompts: list, sampling_params=None) -> Iterator[tuple[int, list[Rollout]]]:
+        agen = self._client.generate_iter(prompts, sampling_params)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+                         bucket_bytes: int | None = None, device=None) -> dict:
+        return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device))
+
+    def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
+                     timeout_s: float = 300.0, progress=None) -> dict:
+        return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress))
+
+    def close_weight_sync(self) -> None:
+        self._run(self._client.close_weight_sync())
+
+    def stats(self) -> list[dict] | dict:
+        s = self._run(self._client.stats())
+        return s[0] if len(s) == 1 else s
+
+    def health(self) -> list[dict] | dict:
+        h = self._run(self._client.health())
+        return h[0] if len(h) == 1 else h
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._run(self._client.close())
+            self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+async def _make(urls, token, timeout_s) -> AsyncRolloutClient:
+    return AsyncRolloutClient(urls, token, timeout_s)

@@ -1,0 +1,171 @@
+"""RolloutManager: drives 1..N AsyncEngines for a trainer.
+
+- spreads groups over the engines, least loaded first, keeping a prompt's n samples together;
+- returns whole rollouts: a sample cut short by an `abort` pause is resubmitted (prompt + tokens
+  so far) and its pieces are joined, with the weight version of every token;
+- enforces `max_staleness`: a rollout whose first token is more than that many versions behind
+  the newest when it completes is generated again from scratch;
+- runs pause -> receive -> commit -> resume across every engine for a weight push;
+- keeps the counters the sidecar reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import replace
+
+from engine import AsyncEngine, SamplingParams
+from engine.inputs import tokenize_prompt
+from engine.stop_checker import truncate_at_stop
+from rollout.types import Rollout
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class _Sample:
+    """One sample being assembled from one or more engine requests."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+
+    def extend(self, c) -> None:
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs
+        self.versions += c.weight_versions
+        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class RolloutManager:
+    def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep"):
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        self.engines = engines
+        self.tokenizer = engines[0].tokenizer
+        self.max_model_len = engines[0].cfg.max_model_len
+        self.vocab_size = engines[0].vocab_size
+        self.max_staleness = max_staleness
+        self.pause_mode = pause_mode
+        self.version = 0
+        self.load = [0] * len(engines)  # sequences in flight per engine
+        self._ids = itertools.count()
+        self._push_lock = asyncio.Lock()
+        self.started = time.monotonic()
+        self.counters = {
+            "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
+            "transfer_seconds": 0.0, "pause_seconds": 0.0, "aborted_resubmitted": 0, "stale_restarts": 0,
+            "failed_pushes": 0,
+        }
+
+    # -- generation ---------------------------------------------------------------------------
+    def prepare_prompt(self, prompt) -> list[int]:
+        """Token ids of a prompt; raises ValueError for one the engines would refuse."""
+        from engine.inputs import validate_prompt_ids
+
+        _, ids = tokenize_prompt(prompt, self.tokenizer)
+        validate_prompt_ids(ids, self.max_model_len, self.vocab_size)
+        return ids
+
+    async def _run(self, prompt_ids: list[int], params: SamplingParams):
+        i = min(range(len(self.engines)), key=self.load.__getitem__)
+        self.load[i] += params.n
+        try:
+            out = None
+            async for out in self.engines[i].generate(prompt_ids, params, request_id=f"m{next(self._ids)}"):
+                pass
+            return out
+        finally:
+            self.load[i] -= params.n
+
+    async def _complete(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
+        """Resubmit an aborted sample (prompt + its tokens so far) until it ends for real."""
+        attempt = 0
+        while sample.finish_reason == "abort":
+            attempt += 1
+            self.counters["aborted_resubmitted"] += 1
+            left = None if params.max_tokens is None else params.max_tokens - len(sample.token_ids)
+            seed = None if params.seed is None else params.seed + 7919 * attempt + sample.index
+            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind="final")
+            out = await self._run(prompt_ids + sample.token_ids, cont)
+            sample.extend(out.outputs[0])
+
+    def _stale(self, sample: _Sample) -> bool:
+        return (self.max_staleness is not None and bool(sample.versions)
+                and self.version - sample.versions[0] > self.max_staleness)
+
+    async def generate_group(self, prompt_ids: list[int], params: SamplingParams) -> list[Rollout]:
+        """The n rollouts of one prompt, whole, in index order."""
+        self.counters["groups_in_flight"] += 1
+        try:
+            first = await self._run(prompt_ids, replace(params, output_kind="final"))
+            samples = [_Sample(c.index) for c in first.outputs]
+            for s, c in zip(samples, first.outputs):
+                s.extend(c)
+            await asyncio.gather(*(self._sample_until_fresh(prompt_ids, params, s) for s in samples))
+        finally:
+            self.counters["groups_in_flight"] -= 1
+        rollouts = [self._to_rollout(prompt_ids, params, s) for s in samples]
+        self.counters["rollouts"] += len(rollouts)
+        self.counters["generated_tokens"] += sum(len(r.token_ids) for r in rollouts)
+        return rollouts
+
+    async def _sample_until_fresh(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
+        await self._complete(prompt_ids, params, sample)
+        while self._stale(sample):
+            self.counters["stale_restarts"] += 1
+            fresh = _Sample(sample.index)
+            seed = None if params.seed is None else params.seed + 104729 * (self.counters["stale_restarts"])
+            out = await self._run(prompt_ids, replace(params, n=1, seed=seed, output_kind="final"))
+            fresh.extend(out.outputs[0])
+            await self._complete(prompt_ids, params, fresh)
+            sample.__dict__.update(fresh.__dict__)
+
+    def _to_rollout(self, prompt_ids: list[int], params: SamplingParams, s: _Sample) -> Rollout:
+        text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        text = truncate_at_stop(text, s.stop_reason, params.include_stop_str_in_output)
+        return Rollout(prompt_ids, s.token_ids, s.logprobs, text, s.finish_reason, s.versions, s.index,
+                       s.stop_reason)
+
+    # -- weights ------------------------------------------------------------------------------
+    async def run_paused(self, mode: str | None, work, on_paused=None):
+        """pause every engine (mode), await `on_paused()` and `work()`, resume every engine
+        whatever happened."""
+        mode = mode or self.pause_mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        async with self._push_lock:
+            t0 = time.monotonic()
+            await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in self.engines))
+            try:
+                if on_paused is not None:
+                    await on_paused()
+                return await work()
+            finally:
+                await asyncio.gather(*(e.resume_generation() for e in self.engines), return_exceptions=True)
+                self.counters["pause_seconds"] += time.monotonic() - t0
+
+    # -- stats --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        up = time.monotonic() - self.started
+        c = self.counters
+        return {
+            **c,
+            "version": self.version,
+            "tokens_per_s": c["generated_tokens"] / up if up > 0 else 0.0,
+            "queue_depth": sum(self.load),
+            "engines": len(self.engines),
+            "uptime_s": up,
+        }

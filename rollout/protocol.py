@@ -1,0 +1,100 @@
+"""The sidecar's wire protocol: client DEALER <-> server ROUTER, msgpack (msgspec), no pickle.
+
+Every call is one message type carrying a call id and the shared token (empty on loopback).
+The server answers each call with exactly one `Reply` (ok + value, or the error text); a
+`generate` call first streams one `GroupOut` per prompt as each group finishes (any order,
+`index` says which prompt), then its `Reply`; a `push_weights` call sends `Progress("paused")`
+once its engines are paused (the trainer starts broadcasting then), then its `Reply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from rollout.types import Rollout
+
+PROTOCOL_VERSION = 1
+
+
+class Generate(msgspec.Struct, tag="generate"):
+    call_id: int
+    prompts: list[Union[str, list[int]]]
+    params: Union[dict[str, Any], list[dict[str, Any]]]  # SamplingParams fields, one or per prompt
+    token: str = ""
+
+
+class InitWeightSync(msgspec.Struct, tag="init_weight_sync"):
+    call_id: int
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int
+    group_name: str = ""
+    timeout_s: float = 60.0
+    token: str = ""
+
+
+class PushWeights(msgspec.Struct, tag="push_weights"):
+    call_id: int
+    manifest: dict[str, Any]  # weight_sync.Manifest in wire form
+    pause_mode: str = ""  # "" = the sidecar's default
+    timeout_s: float = 300.0
+    token: str = ""
+
+
+class LoadWeights(msgspec.Struct, tag="load_weights"):
+    """The file fallback: load a safetensors directory written by the trainer."""
+
+    call_id: int
+    path: str
+    version: int
+    pause_mode: str = ""
+    token: str = ""
+
+
+class CloseWeightSync(msgspec.Struct, tag="close_weight_sync"):
+    call_id: int
+    token: str = ""
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    call_id: int
+    token: str = ""
+
+
+class Health(msgspec.Struct, tag="health"):
+    call_id: int
+    token: str = ""
+
+
+Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Stats, Health]
+
+
+class GroupOut(msgspec.Struct, tag="group"):
+    call_id: int
+    index: int
+    rollouts: list[Rollout]
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    """A stage of a long call, e.g. "paused": every engine of a push is paused and its workers
+    are about to receive, so the trainer may start broadcasting."""
+
+    call_id: int
+    stage: str
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    call_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+ServerMessage = Union[GroupOut, Progress, Reply]
+
+call_decoder = msgspec.msgpack.Decoder(Call)
+server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,125 @@
+"""`python -m rollout.serve`: the rollout sidecar.
+
+Starts N engines (each an engine-core process) on one model and serves generate / weight-sync /
+stats / health calls from trainers over ZMQ. See `--help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+
+log = logging.getLogger("rollout.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rollout.serve",
+        description=(
+            "The rollout sidecar: runs inference engines beside a trainer. Trainers connect with "
+            "rollout.RolloutClient('tcp://HOST:PORT') to generate rollouts and push new weights "
+            "(the weights travel over a torch.distributed group, never over this socket)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default=None,
+                   help="HF model directory (default: build the embedded tiny model offline)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but loopback requires --token")
+    p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
+    p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N (engine i uses cuda:N+i with 'cuda')")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
+    p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
+    p.add_argument("--pause-mode", default="keep", choices=["abort", "wait", "keep"],
+                   help="how in-flight rollouts are paused for a weight push unless the push says otherwise")
+    p.add_argument("--max-staleness", type=int, default=None,
+                   help="a rollout may start at most this many weight versions behind the newest (default: no bound)")
+    p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
+    p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _engine_device(device: str, i: int) -> str:
+    if device == "cuda":
+        return f"cuda:{i}"
+    return device
+
+
+async def run(args) -> int:
+    from engine import AsyncEngine, EngineConfig
+    from rollout.manager import RolloutManager
+    from rollout.server import RolloutServer
+    from rollout.stats_logger import StatsLogger
+
+    model = args.model
+    if model is None:
+        from recipes.tiny_model import build_tiny_model, default_model_dir
+
+        model = str(build_tiny_model(default_model_dir("tiny"), "tiny"))
+    engines = []
+    try:
+        for i in range(args.num_engines):
+            cfg = EngineConfig(model=model, device=_engine_device(args.device, i), dtype=args.dtype,
+                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
+                               worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
+            engines.append(AsyncEngine(cfg, log_level=args.log_level))
+        manager = RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode)
+        server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stats = StatsLogger(manager, args.stats_interval, args.wandb_project)
+    stats.start()
+    print(f"READY {server.address}", flush=True)  # a line scripts can wait for
+    try:
+        await server.serve(stop)
+        log.info("shutting down: aborting in-flight rollouts")
+        await asyncio.gather(*(e.pause_generation(mode="abort") for e in engines if not e.errored),
+                             return_exceptions=True)
+        await server.drain()
+        await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=5) for e in engines
+                               if not e.errored), return_exceptions=True)
+    finally:
+        stats.stop()
+        server.close()
+        for e in engines:
+            e.shutdown()
+    log.info("sidecar stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(args.host) and not args.token:
+        sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")
+    if args.num_engines < 1:
+        sys.exit("--num-engines must be >= 1")
+    sys.exit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The sidecar's ZMQ server: a ROUTER socket, one asyncio task per call, replies by call id.
+
+A malformed message, an unknown call, a wrong token or bad parameters get an error reply (or,
+when not even a call id can be read, a reply with call id -1) and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import SamplingParams
+from rollout import protocol as P
+from rollout.manager import RolloutManager
+from rollout.weights import SidecarWeights
+
+log = logging.getLogger(__name__)
+
+
+class RolloutServer:
+    def __init__(self, manager: RolloutManager, address: str, token: str = ""):
+        self.manager = manager
+        self.weights = SidecarWeights(manager)
+        self.token = token
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.bind(address)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.tasks: set[asyncio.Task] = set()
+        self.accepting = True
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        log.info("sidecar listening on %s", self.address)
+        receiver = asyncio.ensure_future(self._receive())
+        await stop.wait()
+        self.accepting = False
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
+
+    async def drain(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            identity, body = frames[0], frames[-1]
+            try:
+                call = P.call_decoder.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+                await self._reply(identity, P.Reply(_call_id_of(body), False, error=f"malformed message: {e}"))
+                continue
+            if not self.accepting:
+                await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down"))
+                continue
+            task = asyncio.ensure_future(self._handle(identity, call))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, identity: bytes, msg) -> None:
+        try:
+            await self.sock.send_multipart([identity, P.encoder.encode(msg)])
+        except zmq.ZMQError as e:  # the client is gone: nothing to tell it
+            log.debug("cannot reply to a client: %s", e)
+
+    _reply = _send
+
+    async def _handle(self, identity: bytes, call) -> None:
+        try:
+            if self.token and not hmac.compare_digest(call.token.encode(), self.token.encode()):
+                raise PermissionError("wrong or missing token")
+            handler = getattr(self, f"_on_{type(call).__name__.lower()}")
+            value = await handler(identity, call)
+            await self._reply(identity, P.Reply(call.call_id, True, value))
+        except asyncio.CancelledError:
+            await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down"))
+            raise
+        except Exception as e:
+            log.info("call %s failed: %s", type(call).__name__, e)
+            await self._reply(identity, P.Reply(call.call_id, False, error=f"{type(e).__name__}: {e}"))
+
+    async def _on_generate(self, identity: bytes, call: P.Generate) -> dict:
+        n = len(call.prompts)
+        raw = call.params if isinstance(call.params, list) else [call.params] * n
+        if len(raw) != n:
+            raise ValueError(f"{len(raw)} sampling params for {n} prompts")
+        params = [SamplingParams.from_dict(p) for p in raw]
+        prompt_ids = [self.manager.prepare_prompt(p) for p in call.prompts]  # all valid, or none runs
+        t0 = time.monotonic()
+
+        async def one(i: int):
+            rollouts = await self.manager.generate_group(prompt_ids[i], params[i])
+            await self._send(identity, P.GroupOut(call.call_id, i, rollouts))
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return {"groups": n, "seconds": time.monotonic() - t0}
+
+    async def _on_initweightsync(self, identity: bytes, call: P.InitWeightSync) -> dict:
+        return await self.weights.init(call.host, call.port, call.world_size, call.rank_offset, call.group_name,
+                                       call.timeout_s)
+
+    async def _on_pushweights(self, identity: bytes, call: P.PushWeights) -> dict:
+        async def paused():
+            await self._send(identity, P.Progress(call.call_id, "paused"))
+
+        return await self.weights.push(call.manifest, call.pause_mode or None, call.timeout_s, paused)
+
+    async def _on_loadweights(self, identity: bytes, call: P.LoadWeights) -> dict:
+        return await self.weights.load(call.path, call.version, call.pause_mode or None)
+
+    async def _on_closeweightsync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
+        await self.weights.close()
+        return True
+
+    async def _on_stats(self, identity: bytes, call: P.Stats) -> dict:
+        return self.manager.stats()
+
+    async def _on_health(self, identity: bytes, call: P.Health) -> dict:
+        await asyncio.gather(*(e.check_health() for e in self.manager.engines))
+        return {"ok": True, "version": self.manager.version, "engines": len(self.manager.engines),
+                "workers": len(self.manager.engines), "protocol": P.PROTOCOL_VERSION}
+
+
+def _call_id_of(body: bytes) -> int:
+    """Best effort: the call id of a message that failed validation, so its sender hears why."""
+    try:
+        obj = msgspec.msgpack.decode(body)
+        cid = obj.get("call_id") if isinstance(obj, dict) else None
+        return cid if isinstance(cid, int) else -1
+    except Exception:
+        return -1

@@ -1,0 +1,69 @@
+"""The sidecar's side of weight sync: join the trainer's group, and run each push as
+pause -> receive -> commit -> resume across every engine (weight_sync does the transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from weight_sync.engine_sync import _finish as commit_results  # TODO public name
+from weight_sync.engine_sync import close_weight_sync, join_engines, load_on_engines, receive_on_engines
+from weight_sync.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class SidecarWeights:
+    def __init__(self, manager):
+        self.manager = manager
+
+    async def init(self, host: str, port: int, world_size: int, rank_offset: int, group_name: str,
+                   timeout_s: float) -> dict:
+        info = {"host": host, "port": port, "world_size": world_size, "group_name": group_name,
+                "timeout_s": timeout_s}
+        engines = self.manager.engines
+        await join_engines(engines, info, rank_offset, timeout=timeout_s + 30)
+        log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,
+                 rank_offset + len(engines) - 1, world_size)
+        return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
+
+    async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None) -> dict:
+        manifest = Manifest.from_wire(manifest_wire)  # a malformed manifest fails here, before any pause
+        m = self.manager
+        t0 = time.monotonic()
+
+        async def work():
+            t1 = time.monotonic()
+            results = await receive_on_engines(m.engines, manifest, timeout_s)
+            transfer = time.monotonic() - t1
+            try:
+                out = await commit_results(m.engines, results, manifest.version, "push")
+            except Exception:
+                m.counters["failed_pushes"] += 1
+                raise
+            m.version = manifest.version
+            m.counters["transfer_seconds"] += transfer
+            return {**out, "transfer_seconds": transfer}
+
+        out = await m.run_paused(pause_mode, work, on_paused)
+        m.counters["pushes"] += 1
+        m.counters["push_seconds"] += time.monotonic() - t0
+        out.pop("worker_results", None)
+        return {**out, "seconds": time.monotonic() - t0}
+
+    async def load(self, path: str, version: int, pause_mode: str | None) -> dict:
+        m = self.manager
+
+        async def work():
+            out = await load_on_engines(m.engines, path, version)
+            m.version = version
+            return out
+
+        out = await m.run_paused(pause_mode, work)
+        out.pop("worker_results", None)
+        m.counters["pushes"] += 1
+        return out
+
+    async def close(self) -> None:
+        await close_weight_sync(self.manager.engines)

@@ -1,0 +1,277 @@
+"""The real sidecar process, driven by the real client (CPU, gloo)."""
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from engine import SamplingParams
+from rollout import AsyncRolloutClient, RolloutClient, SidecarError
+from tests.engine.helpers import hf_greedy, random_prompts
+from tests.procs import descendants
+from tests.rollout.sidecar import TOKEN, Sidecar
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def perturb(model, seed, scale=0.02):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="module")
+def sidecar(qwen2_dir):
+    s = Sidecar(qwen2_dir, "--max-staleness", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_models):
+    return copy.deepcopy(hf_models["qwen2"])
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    c = RolloutClient(sidecar.url, token=TOKEN)
+    c.init_weight_sync()
+    yield c
+    c.close()
+
+
+def _greedy(client, prompts, max_tokens=16):
+    return client.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_generate_push_and_match_hf(client, trainer):
+    prompts = random_prompts(4, 5, 30, 2000, seed=60)
+    groups = client.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1))
+    assert [len(g) for g in groups] == [3] * 4
+    assert all(r.prompt_token_ids == p and len(r.logprobs) == len(r.token_ids) for g, p in zip(groups, prompts)
+               for r in g)
+    perturb(trainer, 1)
+    version = client.stats()["version"] + 1
+    client.push_weights(trainer, version=version)
+    after = _greedy(client, prompts)
+    for g, p in zip(after, prompts):
+        r = g[0]
+        assert r.token_ids == hf_greedy(trainer, p, 16, ignore_eos=True)
+        assert r.weight_versions == [version] * 16 and r.finish_reason == "length"
+    stats = client.stats()
+    assert stats["version"] == version and stats["pushes"] >= 1 and stats["rollouts"] >= 16
+
+
+def test_generate_iter_yields_each_group(client):
+    prompts = random_prompts(5, 5, 20, 2000, seed=61)
+    seen = dict(client.generate_iter(prompts, [SamplingParams(n=2, max_tokens=4 + 4 * i) for i in range(5)]))
+    assert sorted(seen) == list(range(5))
+    assert all(len(r.token_ids) <= 4 + 4 * i for i, g in seen.items() for r in g)
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pushes_under_load_return_every_rollout_whole_once(sidecar, trainer, mode):
+    prompts = random_prompts(25, 5, 40, 2000, seed=62)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=48, ignore_eos=True)
+
+    async def run():
+        client = AsyncRolloutClient(sidecar.url, token=TOKEN)
+        await client.init_weight_sync()
+        base = (await client.stats())[0]["version"]
+        seen, versions_at_receipt = {}, {}
+        pushed = [base]
+
+        async def consume():
+            async for idx, group in client.generate_iter(prompts, params):
+                assert idx not in seen, "a group came back twice"
+                seen[idx] = group
+                versions_at_receipt[idx] = pushed[-1]
+
+        async def pusher():
+            for k in range(1, 11):
+                await asyncio.sleep(0.05)
+                await client.push_weights(trainer, version=base + k, pause_mode=mode)
+                pushed.append(base + k)
+
+        await asyncio.gather(consume(), pusher())
+        stats = (await client.stats())[0]
+        await client.close()
+        return seen, versions_at_receipt, stats, base
+
+    seen, at_receipt, stats, base = asyncio.new_event_loop().run_until_complete(run())
+    assert sorted(seen) == list(range(25))
+    rollouts = [r for g in seen.values() for r in g]
+    assert len(rollouts) == 200 and sorted(r.index for r in seen[0]) == list(range(8))
+    for idx, g in seen.items():
+        for r in g:
+            assert len(r.token_ids) == 48 and len(r.logprobs) == 48 and r.finish_reason == "length"
+            assert len(r.weight_versions) == 48
+            assert all(a <= b for a, b in zip(r.weight_versions, r.weight_versions[1:]))
+            assert r.weight_versions[-1] - r.weight_versions[0] <= 2  # --max-staleness 2
+            assert at_receipt[idx] - r.weight_versions[0] <= 3  # the sidecar's check ran before sending
+            if mode != "keep":
+                assert len(set(r.weight_versions)) <= 3
+    assert stats["version"] == base + 10
+    if mode == "abort":
+        assert stats["aborted_resubmitted"] > 0
+
+
+def _raw(url, payload: bytes, timeout=30):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(url)
+    s.send(payload)
+    assert s.poll(timeout * 1000), "no reply"
+    reply = msgspec.msgpack.decode(s.recv())
+    s.close()
+    return reply
+
+
+def test_bad_input_fails_alone(sidecar, client, trainer, qwen2_dir, model_dirs):
+    enc = msgspec.msgpack.encode
+    ok = lambda: _greedy(client, [[5, 6, 7]], 4)[0][0].finish_reason == "length"  # noqa: E731
+
+    r = _raw(sidecar.url, b"\x00garbage")
+    assert r["ok"] is False and "malformed" in r["error"]
+    assert ok()
+    r = _raw(sidecar.url, enc({"type": "launch_missiles", "call_id": 5}))
+    assert r["ok"] is False and r["call_id"] == 5 and "malformed" in r["error"]
+    assert ok()
+    r = _raw(sidecar.url, enc({"type": "stats", "call_id": 6, "token": "wrong"}))
+    assert r["ok"] is False and "token" in r["error"]
+    r = _raw(sidecar.url, enc({"type": "stats", "call_id": 7}))
+    assert r["ok"] is False and "token" in r["error"]
+    assert ok()
+    r = _raw(sidecar.url, enc({"type": "generate", "call_id": 8, "token": TOKEN, "prompts": [[5, 6]],
+                               "params": {"top_p": 2.0}}))
+    assert r["ok"] is False and "top_p" in r["error"]
+    with pytest.raises(SidecarError, match="max_model_len"):
+        client.generate([list(range(3, 400))], SamplingParams(max_tokens=4))
+    with pytest.raises(SidecarError, match="vocabulary"):
+        client.generate([[5, 6], [5, 10**7]], SamplingParams(max_tokens=4))
+    assert ok()
+    # a push whose manifest does not match the engine's model: refused, nothing changed
+    client.init_weight_sync()  # other tests' clients may have formed newer groups
+    before = _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids
+    version = client.stats()["version"]
+    wrong = [(n, t) for n, t in trainer.state_dict().items() if "layers.0." not in n]
+    with pytest.raises(SidecarError, match="refused|missing"):
+        client.push_weights(wrong, version=version + 1)
+    bad_shape = [(n, t[:-1] if n.endswith("norm.weight") else t) for n, t in trainer.state_dict().items()]
+    with pytest.raises(SidecarError):
+        client.push_weights(bad_shape, version=version + 1)
+    assert client.stats()["version"] == version
+    assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
+    # the group survives a refused push: a good one goes through
+    client.push_weights(trainer, version=version + 1)
+    assert client.stats()["version"] == version + 1
+
+
+TRAINER = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+from rollout import RolloutClient
+url, token, model = sys.argv[1:4]
+client = RolloutClient(url, token=token)
+client.init_weight_sync(timeout_s=5.0, bucket_bytes=256 * 1024)
+m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+with torch.no_grad():
+    for p in m.parameters():
+        p.mul_(1.5)
+def stall(k, n):
+    if k == 3:
+        print(json.dumps({"stalled": k}), flush=True)
+        time.sleep(3600)
+client.push_weights(m, version=999, progress=stall)
+"""
+
+
+def test_trainer_killed_mid_push_sidecar_recovers(sidecar, client, trainer, qwen2_dir):
+    before = _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids
+    version = client.stats()["version"]
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, sidecar.url, TOKEN, qwen2_dir], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    line = proc.stdout.readline()
+    assert json.loads(line) == {"stalled": 3}
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    # the sidecar's workers time out (5 s group timeout), keep the old weights and serve again
+    assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
+    assert time.monotonic() - t0 < 30
+    assert client.stats()["version"] == version
+    # a new client (the old group is gone) forms a new group and pushes
+    client.init_weight_sync()
+    client.push_weights(trainer, version=version + 1)
+    assert client.stats()["version"] == version + 1
+    assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == hf_greedy(trainer, [9, 10, 11], 8, True)
+
+
+def test_two_sidecars_one_client_one_broadcast(sidecar, qwen2_dir, trainer):
+    second = Sidecar(qwen2_dir)
+    try:
+        client = RolloutClient([sidecar.url, second.url], token=TOKEN)
+        info = client.init_weight_sync()
+        assert info["world_size"] == 3 and info["rank_offsets"] == [1, 2]
+        perturb(trainer, 7)
+        v = max(s["version"] for s in client.stats()) + 1
+        client.push_weights(trainer, version=v)
+        prompts = random_prompts(6, 5, 20, 2000, seed=63)
+        groups = client.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        for g, p in zip(groups, prompts):  # prompts 0-2 went to one sidecar, 3-5 to the other
+            assert g[0].token_ids == hf_greedy(trainer, p, 10, ignore_eos=True)
+            assert g[0].weight_versions == [v] * 10
+        assert [s["version"] for s in client.stats()] == [v, v]
+        client.close()
+    finally:
+        second.stop()
+
+
+def test_sigterm_under_load_exits_cleanly(qwen2_dir):
+    s = Sidecar(qwen2_dir)
+    kids = descendants(s.proc.pid)
+    assert kids  # the engine-core process
+    client = AsyncRolloutClient(s.url, token=TOKEN)
+
+    async def load():
+        try:
+            await client.generate(random_prompts(16, 5, 20, 2000, seed=64),
+                                  SamplingParams(n=4, max_tokens=200, ignore_eos=True))
+        except SidecarError as e:
+            return str(e)
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(load())
+    loop.run_until_complete(asyncio.sleep(1.5))
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    code = s.proc.wait(10)
+    assert time.monotonic() - t0 < 10 and code == 0
+    err = loop.run_until_complete(asyncio.wait_for(task, 10))
+    assert err and "shutting down" in err
+    loop.run_until_complete(client.close())
+    loop.close()
+    time.sleep(0.5)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"]
+
+
+def test_binding_off_loopback_needs_a_token(qwen2_dir):
+    r = subprocess.run([sys.executable, "-m", "rollout.serve", "--model", qwen2_dir, "--host", "0.0.0.0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--token" in r.stderr
+
+
+def test_help_is_there():
+    r = subprocess.run([sys.executable, "-m", "rollout.serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--pause-mode" in r.stdout and "--max-staleness" in r.stdout
