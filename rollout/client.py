@@ -225,6 +225,10 @@ class AsyncRolloutClient:
         if self.sender is not None:
             self.sender.close_group()
 
+    async def weights_checksums(self) -> list[str]:
+        """Every worker's weights checksum, sidecars in order (compare with WeightSender.checksum)."""
+        return [c for per in await self._call_all(P.Checksum, "checksum", timeout=120) for c in per]
+
     # -- status -------------------------------------------------------------------------------
     async def stats(self) -> list[dict]:
         return await self._call_all(P.Stats, "stats", timeout=30)
@@ -283,6 +287,9 @@ class RolloutClient:
 
     def close_weight_sync(self) -> None:
         self._run(self._client.close_weight_sync())
+
+    def weights_checksums(self) -> list[str]:
+        return self._run(self._client.weights_checksums())
 
     def stats(self) -> list[dict] | dict:
         s = self._run(self._client.stats())

@@ -59,6 +59,13 @@ class CloseWeightSync(msgspec.Struct, tag="close_weight_sync"):
     token: str = ""
 
 
+class Checksum(msgspec.Struct, tag="checksum"):
+    """Every worker's weights checksum (weight_sync.checksum), for checking a push."""
+
+    call_id: int
+    token: str = ""
+
+
 class Stats(msgspec.Struct, tag="stats"):
     call_id: int
     token: str = ""
@@ -69,7 +76,7 @@ class Health(msgspec.Struct, tag="health"):
     token: str = ""
 
 
-Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Stats, Health]
+Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Stats, Health]
 
 
 class GroupOut(msgspec.Struct, tag="group"):

@@ -19,6 +19,7 @@ from engine import SamplingParams
 from rollout import protocol as P
 from rollout.manager import RolloutManager
 from rollout.weights import SidecarWeights
+from weight_sync.engine_sync import engines_checksums
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class RolloutServer:
     async def _on_closeweightsync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
         await self.weights.close()
         return True
+
+    async def _on_checksum(self, identity: bytes, call: P.Checksum) -> list[str]:
+        return await engines_checksums(self.manager.engines, timeout=120)
 
     async def _on_stats(self, identity: bytes, call: P.Stats) -> dict:
         return self.manager.stats()

@@ -63,6 +63,7 @@ def test_generate_push_and_match_hf(client, trainer):
     perturb(trainer, 1)
     version = client.stats()["version"] + 1
     client.push_weights(trainer, version=version)
+    assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
     after = _greedy(client, prompts)
     for g, p in zip(after, prompts):
         r = g[0]

@@ -1,0 +1,69 @@
+"""Metrics: a JSONL file, optional wandb (offline unless credentials are configured), and a
+reward-curve PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Tracker:
+    def __init__(self, output_dir: Path, report_to: str, run_name: str, config: dict):
+        self.output_dir = output_dir
+        self.path = output_dir / "metrics.jsonl"
+        self.path.write_text("")
+        self.rows: list[dict] = []
+        self.run = None
+        if report_to == "wandb":
+            import wandb
+
+            if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
+                os.environ["WANDB_MODE"] = "offline"  # no credentials: keep the run on disk
+            self.run = wandb.init(project="rollout-sidecar", name=run_name, config=config,
+                                  dir=str(output_dir))
+        elif report_to != "none":
+            raise ValueError(f"--report-to must be 'wandb' or 'none', got {report_to!r}")
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": step, **metrics}
+        self.rows.append(row)
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self) -> Path | None:
+        png = self.plot_reward()
+        if self.run is not None:
+            self.run.finish()
+        return png
+
+    def plot_reward(self) -> Path | None:
+        if not self.rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.rows]
+        reward = [r["reward"] for r in self.rows]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, reward, label="reward", alpha=0.5)
+        k = max(1, len(reward) // 10)
+        smooth = [sum(reward[max(0, i - k + 1): i + 1]) / len(reward[max(0, i - k + 1): i + 1])
+                  for i in range(len(reward))]
+        ax.plot(steps, smooth, label=f"mean of last {k}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out = self.output_dir / "reward_curve.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out

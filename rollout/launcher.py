@@ -1,0 +1,48 @@
+"""Start a local sidecar (`python -m rollout.serve`) as a child process and wait until it serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+class LocalSidecar:
+    """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
+    SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0)."""
+
+    def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0):
+        cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", *extra_args]
+        if token:
+            cmd += ["--token", token]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
+        self.url: str | None = None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"sidecar exited with code {self.proc.wait()} before it was ready (see its log)")
+            if line.startswith("READY "):
+                self.url = line.split()[1]
+                return
+        self.stop()
+        raise TimeoutError(f"sidecar not ready after {timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "LocalSidecar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
