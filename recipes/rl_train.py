@@ -31,7 +31,7 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--rollout-url", default=None,
                    help="tcp://HOST:PORT of a running sidecar (default: start one for this run)")
     p.add_argument("--token", default="", help="the sidecar's shared token, if it has one")
-    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--output-dir", default=f"out/{algo}", help="checkpoint, metrics.jsonl, reward_curve.png")
     p.add_argument("--report-to", default="none", choices=["none", "wandb"], help="wandb runs offline without login")
     p.add_argument("--task", default="a-game", choices=["a-game", "jsonl"], help="toy task, or prompts from --data")
@@ -40,7 +40,7 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (n)")
     p.add_argument("--max-tokens", type=int, default=16, help="completion length limit")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28, help="DAPO's clip-higher")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the initial policy (0: no reference model)")

@@ -1,0 +1,78 @@
+"""The recipes end to end: their own sidecar, real pushes, checksums checked after each push."""
+
+import json
+
+import pytest
+
+from recipes import grpo, ppo
+from recipes.tasks import JsonlTask, final_number
+
+pytestmark = pytest.mark.timeout(600)
+
+TRL_METRICS = ["reward", "reward_std", "kl", "entropy", "clip_ratio", "completions/mean_length",
+               "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+               "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+               "sampling/importance_sampling_ratio/max", "timing/generate", "timing/weight_sync", "timing/train",
+               "timing/step", "staleness", "weight_version"]
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_run(out_dir, steps):
+    rows = _rows(out_dir)
+    assert len(rows) == steps and all(m in rows[0] for m in TRL_METRICS)
+    # the engine's sampled-token logprobs equal the trainer's forward (fp32) after every push
+    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-4 for r in rows)
+    assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
+    assert (out_dir / "checkpoint-final" / "model.safetensors").exists()
+    assert (out_dir / "reward_curve.png").stat().st_size > 1000
+    return rows
+
+
+def test_grpo_short_run_keeps_engine_and_trainer_in_sync(qwen2_dir, tmp_path):
+    out = tmp_path / "grpo"
+    grpo.main(["--model", qwen2_dir, "--max-steps", "3", "--check-sync", "--output-dir", str(out),
+               "--beta", "0.01", "--loss-agg", "seq-mean-token-mean"])
+    rows = _check_run(out, 3)
+    assert all(r["staleness"] == 0 for r in rows)
+
+
+def test_ppo_short_run(qwen2_dir, tmp_path):
+    out = tmp_path / "ppo"
+    ppo.main(["--model", qwen2_dir, "--max-steps", "3", "--check-sync", "--output-dir", str(out),
+              "--epochs", "2", "--minibatches", "2"])
+    rows = _check_run(out, 3)
+    assert any(r["clip_ratio"] > 0 or r["loss"] != 0 for r in rows)
+
+
+def test_async_grpo_is_one_step_stale(qwen2_dir, tmp_path):
+    out = tmp_path / "async"
+    grpo.main(["--model", qwen2_dir, "--max-steps", "4", "--check-sync", "--output-dir", str(out), "--async"])
+    rows = _rows(out)
+    assert len(rows) == 4 and max(r["staleness"] for r in rows) <= 1 and rows[-1]["staleness"] == 1
+
+
+def test_default_grpo_learns(tmp_path):
+    """The README's main job: the embedded tiny model, defaults, reward rising by >= 0.3."""
+    summary = grpo.main(["--output-dir", str(tmp_path / "default")])
+    assert summary["steps"] == 40
+    assert summary["last_reward"] - summary["first_reward"] >= 0.3, summary
+
+
+def test_jsonl_task_exact_match(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n"
+                    + json.dumps({"prompt": "Half of 1,000?", "answer": "500"}) + "\n")
+    task = JsonlTask(str(path))
+    items = sorted(task.items, key=lambda d: d["answer"])
+    assert [i["answer"] for i in items] == ["5", "500"]
+    assert task.reward(items[0], [], "so the answer is 5.") == 1.0
+    assert task.reward(items[0], [], "it is 6") == 0.0
+    assert task.reward(items[1], [], "#### 500") == 1.0
+    assert final_number("1,234.5 then 7") == "7" and final_number("no digits") is None
+    with pytest.raises(ValueError, match="needs"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"q": 1}) + "\n")
+        JsonlTask(str(bad))
