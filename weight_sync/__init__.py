@@ -1,0 +1,20 @@
+"""Weight sync: push a trainer's weights into running engines over a dedicated process group
+(or, as a fallback, through safetensors files), validated first and never half-applied.
+
+Trainer side: `WeightSender` (+ `weight_sync.engine_sync` to drive AsyncEngines).
+Engine side: `weight_sync.receiver:WeightSyncExtension`, the worker extension class.
+See weight_sync/README.md.
+"""
+
+from weight_sync.checksum import weights_checksum
+from weight_sync.group import GroupError, WeightSyncGroup
+from weight_sync.manifest import Manifest, build_manifest, plan_layout, validate_manifest
+from weight_sync.sender import DEFAULT_BUCKET_BYTES, WeightSender, WeightSyncError, clean_name, unwrap_model
+
+EXTENSION = "weight_sync.receiver:WeightSyncExtension"
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "EXTENSION", "GroupError", "Manifest", "WeightSender", "WeightSyncError",
+    "WeightSyncGroup", "build_manifest", "clean_name", "plan_layout", "unwrap_model", "validate_manifest",
+    "weights_checksum",
+]
