@@ -1,0 +1,214 @@
+"""Weight-sync push speed against the transport's limit and the naive pattern.
+
+For each model (fp32, CPU, gloo), through a real AsyncEngine whose worker runs the weight-sync
+extension, this process being the trainer (rank 0):
+
+  ours        `push_to_engines`: manifest + validation, bucketed double-buffered broadcast into
+              staging, commit vote, commit, prefix-cache reset and version tag; timed from the
+              trainer's start to the engine's answer (weights committed)
+  raw         one gloo broadcast of one flat, pre-allocated buffer of the same bytes + a 1-element
+              all-reduce acknowledgement: what the transport can do at best
+  per-param   one broadcast per parameter into a freshly allocated tensor, copied into the
+              parameter in place (the simple servers' pattern; no validation, no atomicity)
+
+Seconds per push (median of --repeats after a warm-up), effective GB/s, and ratios to raw. The
+bucket size is swept (the default, DEFAULT_BUCKET_BYTES, is chosen from this sweep), and ours is
+swept with `keep_staging` on (the transport alone); the default (fresh staging memory every push)
+is measured at the default bucket size.
+
+    python -m bench.weight_sync                 # small (~50M) and medium (~500M) models
+    python -m bench.weight_sync --quick         # smoke run on the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import time
+
+import torch
+
+from weight_sync.receiver import WeightSyncExtension
+
+log = logging.getLogger("bench.weight_sync")
+TARGET_RATIO = 0.85
+EXT = "bench.weight_sync:BenchExtension"
+
+
+class BenchExtension(WeightSyncExtension):
+    """The production extension plus the two baselines' receiving sides (benchmark only)."""
+
+    def bench_raw_receive(self, nbytes: int, repeats: int) -> bool:
+        from torch._C._distributed_c10d import ReduceOp  # noqa: F401
+
+        g = self._ws().group
+        buf = torch.empty(int(nbytes), dtype=torch.uint8)
+        buf.fill_(0)  # warm: the baseline is the transport alone, no page faults
+        for _ in range(repeats):
+            g.wait(g.broadcast(buf, src=0))
+            g.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
+        return True
+
+    def bench_per_param_receive(self, specs: list, repeats: int) -> bool:
+        from weight_sync.manifest import DTYPES
+
+        g = self._ws().group
+        params = dict(self.model.named_parameters())
+        for _ in range(repeats):
+            for name, dtype, shape in specs:
+                t = torch.empty(shape, dtype=DTYPES[dtype])
+                g.wait(g.broadcast(t.view(-1).view(torch.uint8), src=0))
+                with torch.no_grad():
+                    params[name].copy_(t)
+            g.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
+        return True
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s: float) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from engine import AsyncEngine, EngineConfig
+    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from weight_sync import WeightSender
+    from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
+
+    model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    nparams = sum(p.numel() for p in trainer.parameters())
+    log.info("%s: %.1fM parameters, %.1f MB fp32", size, nparams / 1e6, nbytes / 1e6)
+    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=4, max_model_len=256, kv_cache_memory_gb=0.05,
+                                      worker_extension_cls=EXT))
+    sender = WeightSender(timeout_s=timeout_s)
+    out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}}
+    try:
+        g = torch.Generator().manual_seed(0)
+
+        def nudge():
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-3)
+
+        async def ours(bucket_mib: int, keep: bool) -> float:
+            await init_weight_sync([engine], sender, timeout_s=timeout_s, keep_staging=keep)
+            sender.bucket_bytes = bucket_mib * 2**20
+            times = []
+            for i in range(repeats + 2):  # two warm-ups: with keep_staging, reuse starts at the 3rd push
+                nudge()
+                t0 = time.perf_counter()
+                await push_to_engines([engine], sender, trainer, version=i + 1)
+                times.append(time.perf_counter() - t0)
+            (got,) = await engines_checksums([engine])
+            assert got == sender.checksum(trainer), "engine weights differ from the trainer's"
+            return _median(times[2:])
+
+        # The bucket sweep runs with keep_staging (no page faults: the transport's behaviour
+        # alone); the default (fresh staging memory each push) is measured at the default size.
+        from weight_sync.sender import DEFAULT_BUCKET_BYTES
+
+        default_mib = DEFAULT_BUCKET_BYTES // 2**20
+        variants = [(mib, True) for mib in buckets_mib] + [(default_mib, False)]
+        for mib, keep in variants:
+            s = await ours(mib, keep)
+            out["ours"][f"{mib}MiB{' keep_staging' if keep else ' (default)'}"] = s
+            log.info("%s ours bucket=%dMiB keep_staging=%s: %.3fs (%.2f GB/s)", size, mib, keep, s, nbytes / s / 1e9)
+
+        # raw: one flat buffer, pre-allocated and warm on both sides
+        await init_weight_sync([engine], sender, timeout_s=timeout_s)
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        grp = sender.group
+
+        def raw_send() -> list[float]:
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                grp.wait(grp.broadcast(buf, src=0))
+                grp.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
+                times.append(time.perf_counter() - t0)
+            return times
+
+        send = asyncio.ensure_future(asyncio.to_thread(raw_send))
+        await engine.collective_rpc("bench_raw_receive", args=(nbytes, repeats + 1))
+        out["raw"] = _median((await send)[1:])
+        del buf
+        log.info("%s raw broadcast: %.3fs (%.2f GB/s)", size, out["raw"], nbytes / out["raw"] / 1e9)
+
+        # per-parameter: one broadcast per tensor (tied weights once), in-place load
+        named = [(n, p.detach()) for n, p in trainer.named_parameters()]
+        specs = [[n, str(p.dtype).removeprefix("torch."), list(p.shape)] for n, p in named]
+
+        def per_param_send() -> list[float]:
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                for _, p in named:
+                    grp.wait(grp.broadcast(p.reshape(-1).view(torch.uint8), src=0))
+                grp.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
+                times.append(time.perf_counter() - t0)
+            return times
+
+        send = asyncio.ensure_future(asyncio.to_thread(per_param_send))
+        await engine.collective_rpc("bench_per_param_receive", args=(specs, repeats + 1))
+        out["per_param"] = _median((await send)[1:])
+        log.info("%s per-param: %.3fs (%.2f GB/s)", size, out["per_param"], nbytes / out["per_param"] / 1e9)
+    finally:
+        sender.close_group()
+        engine.shutdown()
+    return out
+
+
+def report(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        gb = r["bytes"] / 1e9
+        lines.append(f"\n{r['size']}: {r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB fp32")
+        lines.append(f"  {'variant':<40}{'s/push':>9}{'GB/s':>8}{'vs raw':>8}")
+        rows = [("raw gloo broadcast (1 buffer)", r["raw"]), ("one broadcast per param", r["per_param"])]
+        rows += [(f"ours, bucket {k}", v) for k, v in r["ours"].items()]
+        for name, s in rows:
+            lines.append(f"  {name:<40}{s:>9.3f}{gb / s:>8.2f}{r['raw'] / s:>8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="small,medium", help="model sizes from recipes.tiny_model (default: small,medium)")
+    p.add_argument("--buckets-mib", default="4,16,64,256", help="bucket sizes to sweep, MiB (default: 4,16,64,256)")
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes per variant, after warm-up (default: 3)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="weight-sync group timeout (default: 120)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, two bucket sizes, one repeat")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.quick:
+        args.sizes, args.buckets_mib, args.repeats = "tiny", "1,4", 1
+    sizes = [s for s in args.sizes.split(",") if s]
+    buckets = [int(b) for b in args.buckets_mib.split(",") if b]
+    log.info("torch %s, %d threads, %d CPUs", torch.__version__, torch.get_num_threads(), os.cpu_count())
+
+    async def run_all():
+        return [await bench_model(s, buckets, args.repeats, args.timeout_s) for s in sizes]
+
+    results = asyncio.run(run_all())
+    print(report(results))
+    for r in results:
+        best = min(r["ours"].values())
+        print(f"{r['size']}: best of ours / raw = {r['raw'] / best:.2f} (target >= {TARGET_RATIO}); "
+              f"per-param / raw = {r['raw'] / r['per_param']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

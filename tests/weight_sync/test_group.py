@@ -1,0 +1,127 @@
+"""The weight-sync group on its own: gloo ranks as threads of this process (real sockets, real
+TCPStore). Forming, broadcasting, timeouts, checks, closing and forming again."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from weight_sync.group import GroupError, WeightSyncGroup, backend_for_device
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run(fns):
+    """Run callables in threads; return their results (or exceptions) in order."""
+    out = [None] * len(fns)
+
+    def wrap(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _form(world_size=3, timeout_s=10.0, ranks=None):
+    master = WeightSyncGroup.master(world_size=world_size, timeout_s=timeout_s)
+    info = master.connection_info()
+    ranks = ranks if ranks is not None else list(range(1, world_size))
+    res = _run([master.join] + [
+        (lambda r=r: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=world_size, rank=r,
+                                             group_name=info["group_name"], timeout_s=timeout_s))
+        for r in ranks
+    ])
+    return master, res
+
+
+def test_backend_by_device():
+    assert backend_for_device("cpu") == "gloo"
+    assert backend_for_device(torch.device("cuda", 1)) == "nccl"
+
+
+def test_form_broadcast_vote_close_and_form_again():
+    for _generation in range(2):  # a closed group is replaced by a fresh one
+        master, res = _form(3)
+        workers = res[1:]
+        assert all(isinstance(w, WeightSyncGroup) and w.ready for w in workers), res
+        src = torch.arange(1000, dtype=torch.float32)
+        dst = [torch.zeros(1000) for _ in workers]
+
+        def bcast(g, t):
+            g.wait(g.broadcast(t.view(torch.uint8), src=0))
+
+        _run([lambda: bcast(master, src)] + [lambda g=g, d=d: bcast(g, d) for g, d in zip(workers, dst)])
+        assert all(torch.equal(d, src) for d in dst)
+        votes = _run([lambda: master.allreduce_max(torch.tensor([0, 5]))] +
+                     [lambda g=g, i=i: g.allreduce_max(torch.tensor([i, 5])) for i, g in enumerate(workers)])
+        assert all(v.tolist() == [1, 5] for v in votes)
+        for g in [master, *workers]:
+            g.close()
+            g.close()  # idempotent
+            assert not g.ready
+        with pytest.raises(GroupError):
+            master.broadcast(src)
+
+
+def test_missing_rank_times_out():
+    t0 = time.monotonic()
+    master, res = _form(3, timeout_s=2.0, ranks=[1])  # rank 2 never comes
+    assert all(isinstance(r, GroupError) for r in res), res
+    assert "rendezvous" in str(res[0]) or "within" in str(res[0])
+    assert time.monotonic() - t0 < 15
+    master.close()
+
+
+def test_unreachable_store_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match="cannot reach"):
+        WeightSyncGroup.connect(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_wrong_world_size_and_duplicate_rank_are_named():
+    master = WeightSyncGroup.master(world_size=3, timeout_s=2.0)
+    info = master.connection_info()
+    res = _run([
+        lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=4, rank=1,
+                                        group_name=info["group_name"], timeout_s=2.0),
+    ])
+    assert isinstance(res[0], GroupError) and "world_size mismatch" in str(res[0])
+    res = _run([master.join] + [
+        lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=3, rank=2,
+                                        group_name=info["group_name"], timeout_s=2.0)
+        for _ in range(2)
+    ])
+    assert any(isinstance(r, GroupError) and "claimed twice" in str(r) for r in res[1:]), res
+    for r in res:
+        if isinstance(r, WeightSyncGroup):
+            r.close()
+    master.close()
+
+
+def test_stalled_peer_times_out_the_collective():
+    master, res = _form(2, timeout_s=1.5)
+    worker = res[1]
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match="rank 1"):
+        worker.wait(worker.broadcast(torch.zeros(10, dtype=torch.uint8)), "receiving")  # rank 0 never sends
+    assert 1.0 < time.monotonic() - t0 < 10
+    worker.close()
+    master.close()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        WeightSyncGroup.master(world_size=1)
+    with pytest.raises(ValueError):
+        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=2, group_name="x", timeout_s=1, device="cpu")
+    with pytest.raises(ValueError):
+        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", timeout_s=0, device="cpu")

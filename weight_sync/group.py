@@ -1,0 +1,253 @@
+"""Process groups for weight sync that never touch the trainer's default group.
+
+A group is a raw c10d backend object (`ProcessGroupGloo` for CPU tensors, `ProcessGroupNCCL` for
+CUDA tensors) built on a `TCPStore` + `PrefixStore` of its own, as vLLM's
+`stateless_init_torch_distributed_process_group` does. Nothing is registered with
+`torch.distributed`'s global state, so a trainer that has its own default group (DDP, FSDP,
+accelerate) keeps it untouched, and a group can be torn down and formed again at will.
+
+Collectives are called on the backend object itself with group ranks
+(`backend.broadcast(tensor, root=0, timeout=...)`), so the "broadcast needs global ranks"
+limitation of wrapping a stateless group in `dist.broadcast` does not apply.
+
+Roles: the trainer is rank 0 and hosts the `TCPStore` (port 0 picks a free port); each
+engine worker joins as a store client with rank `rank_offset + local index`. Every generation of
+a group gets a fresh name (the store prefix) and a fresh store, so keys of a dead generation can
+never be mistaken for the next one. Every blocking step has a timeout: connecting to the store,
+the rendezvous, every collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import time
+import uuid
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+log = logging.getLogger(__name__)
+
+_META_KEY = "meta"
+
+
+class GroupError(RuntimeError):
+    """The group could not be formed, or a collective on it failed or timed out."""
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """The backend that moves tensors living on `device`: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def new_group_name(prefix: str = "weight-sync") -> str:
+    """A fresh store prefix: one per generation of a group."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def create_master_store(host: str, port: int, world_size: int, timeout_s: float) -> TCPStore:
+    """The trainer's store (rank 0 is the server). `port=0` lets the OS pick; read `.port`."""
+    return TCPStore(host, int(port), int(world_size), True, _td(timeout_s), wait_for_workers=False)
+
+
+def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: float, host: str):
+    if backend == "gloo":
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = _td(timeout_s)
+        # On one host, bind to loopback: no dependence on the hostname resolving. Across hosts the
+        # default device (hostname / GLOO_SOCKET_IFNAME) is what every rank can reach.
+        if _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        else:
+            opts._devices = [ProcessGroupGloo.create_default_device()]
+        opts._threads = 2
+        return ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        # A stalled peer must surface as an error on wait(), not tear the engine process down
+        # (the watchdog's default). 2 = CleanUpOnly: abort the communicators, raise on wait.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        opts = ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = _td(timeout_s)
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"unknown backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+class WeightSyncGroup:
+    """One generation of a weight-sync group, seen from one rank.
+
+    `WeightSyncGroup.master(...)` on the trainer (rank 0) creates the store; `.join()` then blocks
+    until every rank has joined. Workers call `WeightSyncGroup.connect(...)`, which blocks the same
+    way. Both sides must run concurrently (the trainer in a thread while it awaits the workers'
+    RPCs, see `weight_sync.engine_sync`).
+    """
+
+    def __init__(self, *, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float,
+                 device: torch.device | str, store: TCPStore | None = None):
+        if world_size < 2:
+            raise ValueError(f"a weight-sync group needs the trainer and at least one worker; world_size={world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the group of {world_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.host, self.world_size, self.rank = host, int(world_size), int(rank)
+        self.group_name, self.timeout_s = group_name, float(timeout_s)
+        self.device = torch.device(device)
+        self.backend_name = backend_for_device(self.device)
+        self._store = store
+        self.port = int(store.port) if store is not None else int(port)
+        self._pg = None
+        self.closed = False
+
+    # -- forming ----------------------------------------------------------------------------
+    @classmethod
+    def master(cls, *, host: str = "127.0.0.1", port: int = 0, world_size: int, timeout_s: float = 60.0,
+               device: torch.device | str = "cpu", group_name: str | None = None) -> "WeightSyncGroup":
+        """Rank 0: create the store now (so the port is known), rendezvous later with `join()`."""
+        store = create_master_store(host, port, world_size, timeout_s)
+        g = cls(host=host, port=store.port, world_size=world_size, rank=0, group_name=group_name or new_group_name(),
+                timeout_s=timeout_s, device=device, store=store)
+        prefix = g._prefix_store()
+        prefix.set(_META_KEY, json.dumps({"backend": g.backend_name, "world_size": g.world_size}))
+        return g
+
+    @classmethod
+    def connect(cls, *, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float = 60.0,
+                device: torch.device | str = "cpu") -> "WeightSyncGroup":
+        """Ranks >= 1: connect to the trainer's store and rendezvous (blocks until all ranks joined)."""
+        g = cls(host=host, port=port, world_size=world_size, rank=rank, group_name=group_name, timeout_s=timeout_s,
+                device=device)
+        try:
+            g._store = TCPStore(host, int(port), None, False, _td(timeout_s))
+        except Exception as e:
+            raise GroupError(f"cannot reach the weight-sync store at {host}:{port} within {timeout_s}s: {e}") from e
+        g.join()
+        return g
+
+    def connection_info(self) -> dict:
+        """What a worker needs to join (msgpack-able)."""
+        return {"host": self.host, "port": self.port, "world_size": self.world_size, "group_name": self.group_name,
+                "timeout_s": self.timeout_s}
+
+    def _prefix_store(self) -> PrefixStore:
+        return PrefixStore(f"weight_sync/{self.group_name}/", self._store)
+
+    def join(self) -> "WeightSyncGroup":
+        """Check the group's metadata, claim this rank, then form the backend (blocks for every rank)."""
+        if self._pg is not None:
+            return self
+        if self.closed:
+            raise GroupError("this weight-sync group was closed; form a new one")
+        t0 = time.monotonic()
+        prefix = self._prefix_store()
+        try:
+            meta = json.loads(prefix.get(_META_KEY))  # blocks until rank 0 set it, or times out
+            claims = prefix.add(f"rank/{self.rank}", 1)
+        except Exception as e:
+            raise GroupError(f"weight-sync group {self.group_name!r}: no answer from the store within "
+                             f"{self.timeout_s}s: {e}") from e
+        if meta["world_size"] != self.world_size:
+            raise GroupError(f"world_size mismatch: rank 0 formed a group of {meta['world_size']}, "
+                             f"rank {self.rank} was told {self.world_size}")
+        if meta["backend"] != self.backend_name:
+            raise GroupError(f"backend mismatch: rank 0 uses {meta['backend']}, rank {self.rank} (on {self.device}) "
+                             f"would use {self.backend_name}; trainer and engines must hold the weights on the "
+                             "same kind of device")
+        if claims != 1:
+            raise GroupError(f"rank {self.rank} was claimed twice in group {self.group_name!r}: check the rank "
+                             "offsets of the engines / sidecars")
+        try:
+            self._pg = _make_backend(self.backend_name, PrefixStore("pg/", prefix), self.rank, self.world_size,
+                                     self.timeout_s, self.host)
+        except Exception as e:
+            raise GroupError(f"weight-sync group {self.group_name!r}: rank {self.rank} could not rendezvous with "
+                             f"{self.world_size} ranks within {self.timeout_s}s: {e}") from e
+        if self.closed:  # closed by another thread while we waited for the others
+            self.close()
+            raise GroupError(f"weight-sync group {self.group_name!r} was closed while forming")
+        log.info("rank %d/%d joined weight-sync group %s (%s) in %.2fs", self.rank, self.world_size,
+                 self.group_name, self.backend_name, time.monotonic() - t0)
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self._pg is not None and not self.closed
+
+    # -- collectives ------------------------------------------------------------------------
+    def _backend(self):
+        if not self.ready:
+            raise GroupError("the weight-sync group is not formed (or was closed)")
+        return self._pg
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+        """Start a broadcast of `tensor` (contiguous, on this group's device); returns the Work."""
+        return self._backend().broadcast(tensor, root=src, timeout=_td(self.timeout_s))
+
+    def wait(self, work, what: str = "collective") -> None:
+        try:
+            work.wait(_td(self.timeout_s))
+        except Exception as e:
+            raise GroupError(f"{what} failed on rank {self.rank}: {_short(e)}") from e
+
+    def allreduce_max(self, tensor: torch.Tensor, what: str = "allreduce") -> torch.Tensor:
+        """Blocking in-place MAX all-reduce of a small int64 tensor (votes)."""
+        from torch._C._distributed_c10d import ReduceOp
+
+        t = tensor.to(self.device)
+        try:
+            work = self._backend().allreduce([t], ReduceOp.MAX, timeout=_td(self.timeout_s))
+        except Exception as e:
+            raise GroupError(f"{what} failed on rank {self.rank}: {_short(e)}") from e
+        self.wait(work, what)
+        return t.cpu()
+
+    def synchronize(self) -> None:
+        """Wait for device work issued on this group (NCCL runs on a CUDA stream)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Tear the group down; safe to call on a broken group, never blocks on peers."""
+        if self.closed:
+            return
+        self.closed = True
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            for method in ("abort", "shutdown"):
+                try:
+                    getattr(pg, method)()
+                except Exception:  # a broken group may refuse either: dropping it is what matters
+                    pass
+        self._store = None
+
+    def __repr__(self) -> str:
+        state = "ready" if self.ready else ("closed" if self.closed else "pending")
+        return (f"WeightSyncGroup({self.group_name}, rank {self.rank}/{self.world_size}, {self.backend_name}, "
+                f"{self.host}:{self.port}, {state})")
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:limit]

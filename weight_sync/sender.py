@@ -1,0 +1,357 @@
+"""Trainer side: `WeightSender` streams a model's weights to every engine worker in one broadcast
+per bucket, over a weight-sync group the trainer heads (rank 0).
+
+What it accepts: an `nn.Module` (wrapped or not) or an iterable of `(name, tensor)`.
+
+- Wrappers (accelerate's `unwrap_model` semantics): `DistributedDataParallel` / `DataParallel` /
+  DeepSpeed engines (`.module`), `torch.compile` (`_orig_mod`), FSDP1. Names are cleaned of the
+  prefixes wrappers add (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`,
+  `_checkpoint_wrapped_module.`), so they are the HF names the engine has.
+- Sharded parameters: DTensors (FSDP2 / tensor parallel) are gathered one at a time with
+  `full_tensor()` right before their bucket is packed; FSDP1 modules are read inside
+  `FSDP.summon_full_params(writeback=False)` (FSDP1 materialises every full parameter at once:
+  that is its design, not ours). Gathers are collectives of the trainer's own group: every
+  trainer rank must take part, the non-zero ranks through `WeightSender.gather_only(weights)`.
+- Tied weights are sent once, under the first name (`model.embed_tokens.weight`).
+- Memory: no second copy of the model. A bucket made of one contiguous tensor already in the
+  wire dtype and on the group's device is broadcast straight from the tensor (zero copy); other
+  buckets are packed into one of two bucket buffers, packing bucket k+1 while bucket k is on the
+  wire (double buffering with async work handles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from weight_sync.checksum import dedup_tied, weights_checksum
+from weight_sync.group import GroupError, WeightSyncGroup
+from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
+
+log = logging.getLogger(__name__)
+
+# Chosen with bench/weight_sync.py (see bench/RESULTS.md): on CPU/gloo every size from 16 MiB up
+# reaches the transport's rate; smaller buckets pay per-collective overhead, larger ones grow the
+# trainer's two packing buffers for nothing. The DESIGN's "hundreds of MB" suits NCCL links.
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+_WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_forward_module.")
+_WRAPPER_TYPES = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine")
+VOTE_OK, VOTE_REFUSED, VOTE_SENDER_ERROR = 0, 1, 2
+
+
+class WeightSyncError(RuntimeError):
+    """A push failed. `refused` is True when it was refused before any byte moved (the group is
+    still usable); otherwise the transfer broke and the group must be formed again."""
+
+    def __init__(self, message: str, refused: bool = False, reasons: list[str] | None = None):
+        super().__init__(message)
+        self.refused = refused
+        self.reasons = reasons or [message]
+
+
+# -- names and wrappers -----------------------------------------------------------------------
+def clean_name(name: str) -> str:
+    """The HF name under the wrappers' prefixes."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / DataParallel / DeepSpeed (`.module`) and torch.compile (`_orig_mod`) wrappers, as
+    `accelerator.unwrap_model` does. FSDP1 is left in place: its parameters are read through it."""
+    while True:
+        orig = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(orig, torch.nn.Module):
+            model = orig
+        elif type(model).__name__ in _WRAPPER_TYPES and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _fsdp1_root(model: torch.nn.Module):
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except Exception:  # torch without distributed
+        return None
+    for m in model.modules():
+        if isinstance(m, FSDP):
+            return m
+    return None
+
+
+@contextlib.contextmanager
+def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """The (clean name, tensor) pairs to push, tied duplicates dropped, inside whatever context
+    makes them readable (FSDP1's summon_full_params). DTensors stay sharded: gather them with
+    `full_tensor()` when they are used."""
+    if isinstance(weights, torch.nn.Module):
+        model = unwrap_model(weights)
+        root = _fsdp1_root(model)
+        ctx = contextlib.nullcontext()
+        if root is not None:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            ctx = FSDP.summon_full_params(root, writeback=False, recurse=True)
+        with ctx, torch.no_grad():
+            named = [(clean_name(n), p.detach()) for n, p in model.named_parameters()]
+            yield _checked(dedup_tied(named))
+        return
+    if isinstance(weights, dict):
+        weights = weights.items()
+    named = []
+    for item in weights:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
+        named.append((clean_name(str(item[0])), item[1].detach()))
+    yield _checked(dedup_tied(named))
+
+
+def _checked(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for n, _ in named:
+        if n in seen:
+            raise ValueError(f"two different tensors are named {n!r} (after removing wrapper prefixes)")
+        seen.add(n)
+    return named
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to its full value (a collective of the trainer's group), else itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@dataclass
+class PreparedPush:
+    manifest: Manifest
+    weights: object  # the source, enumerated again (under its gather context) when sending
+    wire_dtypes: dict = field(default_factory=dict)
+
+
+class WeightSender:
+    """Rank 0 of the weight-sync group.
+
+    ```python
+    sender = WeightSender()                                  # bucket size from the benchmark
+    info = sender.open_group(world_size=1 + n_workers)       # store up; info goes to the workers
+    # concurrently: sender.join_group() (blocking) and each worker's init_weight_sync(**info, rank=...)
+    prepared = sender.prepare(model, version=k)              # manifest -> workers' receive_weights
+    sender.send(prepared)                                    # concurrently with the workers
+    ```
+    `weight_sync.engine_sync` runs these steps against AsyncEngines.
+    """
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 2):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype (floating weights are cast to it), got {dtype}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.device = torch.device(device) if device is not None else None
+        self.dtype = dtype
+        self.timeout_s = float(timeout_s)
+        self.max_inflight = max(1, int(max_inflight))
+        self.group: WeightSyncGroup | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    # -- group ------------------------------------------------------------------------------
+    def open_group(self, world_size: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float | None = None,
+                   group_name: str | None = None, device: torch.device | str | None = None) -> dict:
+        """Start a fresh group generation (closing any previous one): create the store, return
+        what workers need to join ({host, port, world_size, group_name, timeout_s}). Then call
+        `join_group()` while the workers join."""
+        self.close_group()
+        dev = torch.device(device) if device is not None else (self.device or torch.device("cpu"))
+        self.group = WeightSyncGroup.master(host=host, port=port, world_size=world_size,
+                                            timeout_s=timeout_s or self.timeout_s, device=dev, group_name=group_name)
+        return self.group.connection_info()
+
+    def join_group(self) -> None:
+        """Blocks until every worker joined (or the group's timeout). Closes the group on failure."""
+        if self.group is None:
+            raise GroupError("open_group() first")
+        try:
+            self.group.join()
+        except Exception:
+            self.close_group()
+            raise
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._buffers = [None, None]
+
+    # -- pushes -----------------------------------------------------------------------------
+    def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.dtype.is_floating_point else t.dtype
+
+    def prepare(self, weights, version: int) -> PreparedPush:
+        """The manifest of a push (names, dtypes, shapes, layout and buckets); gathers nothing.
+
+        A one-shot iterable is listed once here (references, no copies) so it can be sent later.
+        """
+        if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
+            weights = list(weights)
+        with named_weights(weights) as named:
+            specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+        manifest = build_manifest(specs, version, self.bucket_bytes)
+        return PreparedPush(manifest, weights)
+
+    def checksum(self, weights) -> str:
+        """The checksum the engine's `weights_checksum()` reports after this push (same dtype)."""
+        with named_weights(weights) as named:
+            return weights_checksum((n, _full(t)) for n, t in named)
+
+    def push(self, weights, version: int, progress: Callable[[int, int], None] | None = None) -> dict:
+        """prepare + send: only for when the workers already hold the manifest's twin (tests,
+        benchmarks); normally the manifest must reach the workers first, see engine_sync."""
+        return self.send(self.prepare(weights, version), progress)
+
+    def send(self, prepared: PreparedPush, progress: Callable[[int, int], None] | None = None) -> dict:
+        """Run the trainer's side of a push; the workers run `receive_weights(manifest)` meanwhile.
+
+        1. vote: every rank says whether it accepts the manifest (and which one it holds);
+        2. one broadcast per bucket, double buffered;
+        3. commit vote: every rank says it has every byte; only then do the workers commit.
+        Raises WeightSyncError (refused=True when nothing moved). `progress(bucket, n_buckets)` is
+        called after each bucket is handed to the transport.
+        """
+        g = self.group
+        if g is None or not g.ready:
+            raise WeightSyncError("no weight-sync group: open_group() + join_group() first")
+        m = prepared.manifest
+        t0 = time.perf_counter()
+        with named_weights(prepared.weights) as named:
+            status, problem = VOTE_OK, ""
+            got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+            want = [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]
+            if got != want:
+                status, problem = VOTE_SENDER_ERROR, "the weights changed names, dtypes or shapes since prepare()"
+            self._vote(status, m, problem)
+            try:
+                self._send_buckets(m, [t for _, t in named], progress)
+                self._commit_vote(m)
+            except Exception as e:
+                self.close_group()
+                raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
+                                      "form a new one (open_group / init_weight_sync)") from e
+        seconds = time.perf_counter() - t0
+        log.info("pushed %s in %.3fs (%.2f GB/s)", m.summary(), seconds, m.total_bytes / seconds / 1e9)
+        return {"version": m.version, "bytes": m.total_bytes, "seconds": seconds, "buckets": len(m.buckets)}
+
+    def gather_only(self, weights) -> None:
+        """On trainer ranks other than the sender: take part in the gathers (DTensor
+        `full_tensor()`, FSDP1 summon) in the sender's order, send nothing."""
+        with named_weights(weights) as named:
+            for _, t in named:
+                if hasattr(t, "full_tensor"):
+                    t.full_tensor()
+
+    # -- internals --------------------------------------------------------------------------
+    def _vote(self, status: int, m: Manifest, problem: str) -> None:
+        digest = m.digest()
+        try:
+            r = self.group.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
+        except GroupError as e:
+            self.close_group()
+            raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "
+                                  "closed") from e
+        if status != VOTE_OK:
+            raise WeightSyncError(f"push of version {m.version} not sent: {problem}", refused=True)
+        if int(r[0]) != VOTE_OK:
+            raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
+                                  "workers' errors say why); nothing changed", refused=True)
+        if int(r[1]) != digest or int(-r[2]) != digest:
+            raise WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
+                                  refused=True)
+
+    def _commit_vote(self, m: Manifest) -> None:
+        r = self.group.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
+        if int(r[0]) != VOTE_OK:
+            raise GroupError("a worker did not receive every byte")
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, self.bucket_bytes)
+            buf = torch.empty(size, dtype=torch.uint8, device=self.group.device)
+            self._buffers[slot] = buf
+        return buf[:nbytes]
+
+    def _direct(self, m: Manifest, b, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """The bucket's bytes straight from the source tensor, when it is one tensor that needs no
+        cast, no move and no copy."""
+        live = [i for i in range(b.first, b.last) if m.tensors[i].nbytes]
+        if len(live) != 1:
+            return None
+        spec, t = m.tensors[live[0]], tensors[live[0]]
+        if hasattr(t, "full_tensor"):
+            return None  # gathered while packing
+        if t.dtype != self._wire_dtype(t) or t.device != self.group.device or not t.is_contiguous():
+            return None
+        if spec.offset != b.start or spec.nbytes != b.nbytes:
+            return None
+        return t.reshape(-1).view(torch.uint8)
+
+    def _pack(self, m: Manifest, b, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+        for i in range(b.first, b.last):
+            spec = m.tensors[i]
+            if not spec.nbytes:
+                continue
+            src = _full(tensors[i])
+            lo = spec.offset - b.start
+            dst = out[lo: lo + spec.nbytes].view(dtype_from(spec.dtype)).view(spec.shape)
+            dst.copy_(src)
+
+    def _send_buckets(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
+        g = self.group
+        inflight: deque = deque()  # (work, payload kept alive, buffer slot or None)
+        slot_busy = [False, False]
+        next_slot = 0
+        n = len(m.buckets)
+        for k, b in enumerate(m.buckets):
+            if b.nbytes == 0:
+                continue
+            payload = self._direct(m, b, tensors)
+            slot = None
+            if payload is None:
+                slot, next_slot = next_slot, 1 - next_slot
+                while slot_busy[slot] or len(inflight) >= self.max_inflight:
+                    self._retire(inflight, slot_busy)
+                payload = self._buffer(slot, b.nbytes)
+                # Overlaps the broadcast still in flight. On CUDA the copy runs on the current
+                # stream, which ProcessGroupNCCL makes its own stream wait for.
+                self._pack(m, b, tensors, payload)
+                slot_busy[slot] = True
+            else:
+                while len(inflight) >= self.max_inflight:
+                    self._retire(inflight, slot_busy)
+            inflight.append((g.broadcast(payload, src=0), payload, slot, k))
+            if progress is not None:
+                progress(k + 1, n)
+        while inflight:
+            self._retire(inflight, slot_busy)
+        g.synchronize()
+
+    def _retire(self, inflight: deque, slot_busy: list[bool]) -> None:
+        work, _, slot, k = inflight.popleft()
+        self.group.wait(work, f"broadcast of bucket {k}")
+        if slot is not None:
+            slot_busy[slot] = False
+
+
+def dtype_from(name: str) -> torch.dtype:
+    return DTYPES[name]
