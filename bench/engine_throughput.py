@@ -86,9 +86,10 @@ class Result:
 
 
 def probe_gflops(reps: int = 20) -> float:
-    """fp32 matmul speed right now, in GFLOP/s, at the small model's MLP shape. Shared CPUs
-    (this sandbox's included) slow down by up to 5x while neighbours are busy, so every system's
-    run is bracketed by a probe: figures from runs whose probes differ a lot do not compare."""
+    """fp32 matmul speed right now, in GFLOP/s, at the small model's MLP shape. The cores may be
+    shared (in the 2-core sandbox, with other sessions' test suites and benchmarks, which cut this
+    to ~40 from ~200), so each system's run is bracketed by a probe. A bracket cannot see a slow
+    spell in the middle of a run, but low probes flag a run that does not compare."""
     a, b = torch.randn(512, 576), torch.randn(576, 1536)
     a @ b
     t0 = time.perf_counter()
@@ -299,13 +300,14 @@ def profile_engine(llm, wl: Workload, seed: int) -> None:
         AttentionInterface.register(attention.ATTN_NAME, attention.paged_attention)
     s = timer.seconds
     forward = runner.forward_seconds
+    outside_forward = sum(v for k, v in s.items() if k != "attention")  # attention runs inside the forward
     rows = [
         ("model forward, attention fn (KV write, gather, SDPA)", s.get("attention", 0.0)),
         ("model forward, rest (matmuls, norms, RoPE, mask, lm_head)", forward - s.get("attention", 0.0)),
         ("sample", s.get("sample", 0.0)),
         ("prepare inputs", s.get("prepare inputs", 0.0)),
         ("schedule", s.get("schedule", 0.0)),
-        ("other Python (stop checks, deltas, outputs)", total - forward - sum(v for k, v in s.items() if k != "attention")),
+        ("other Python (stop checks, deltas, outputs)", total - forward - outside_forward),
     ]
     print(f"\nengine profile ({total:.1f}s under the profiler; shares of that wall time)")
     for name, sec in rows:
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     defaults = {
         "num_prompts": 64, "n": 8, "prompt_len": (16, 128), "max_tokens": (16, 128), "hf_batch_prompts": 8,
-        "generate_prompts": 16,  # the full 8 batches would add ~2 of the run's ~11 minutes
+        "generate_prompts": 16,  # all 8 batches would add ~2 minutes to a ~9.5-minute run
     }
     if args.quick:
         defaults.update(num_prompts=8, n=4, max_tokens=(8, 32), hf_batch_prompts=4, generate_prompts=8)
@@ -406,7 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     def subset(num_prompts: int | None, why: str) -> tuple[Workload, str]:
         if num_prompts is None or num_prompts >= len(wl.prompts):
             return wl, ""
-        notes.append(f"{why} ran on the first {num_prompts} of the {len(wl.prompts)} prompts; tokens/s compare as rates")
+        notes.append(
+            f"{why} ran on the first {num_prompts} of the {len(wl.prompts)} prompts; tokens/s compare as rates"
+        )
         return wl.head(num_prompts), f", first {num_prompts} prompts"
 
     log.info("model %s, %d threads; workload %d prompts x n=%d = %d sequences, %d output tokens",
