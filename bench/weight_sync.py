@@ -113,7 +113,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
                 return time.perf_counter() - t0
 
             fut = asyncio.ensure_future(asyncio.to_thread(send))
-            await engine.collective_rpc("bench_raw_receive", args=(nbytes, 1))
+            await engine.collective_rpc("bench_raw_receive", timeout=timeout_s, args=(nbytes, 1))
             return await fut
 
         async def ours(bucket_mib: int, keep: bool) -> tuple[float, float, list[float]]:
@@ -124,7 +124,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
                 raw = await raw_once() if i >= 2 else None
                 nudge()
                 t0 = time.perf_counter()
-                await push_to_engines([engine], sender, trainer, version=i + 1)
+                await push_to_engines([engine], sender, trainer, version=i + 1, timeout=timeout_s)
                 dt = time.perf_counter() - t0
                 if raw is not None:
                     times.append(dt)
@@ -163,7 +163,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
         for i in range(repeats + 1):
             raw = await raw_once()
             fut = asyncio.ensure_future(asyncio.to_thread(per_param_send))
-            await engine.collective_rpc("bench_per_param_receive", args=(specs, 1))
+            await engine.collective_rpc("bench_per_param_receive", timeout=timeout_s, args=(specs, 1))
             dt = await fut
             if i:
                 times.append(dt)
@@ -210,10 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     buckets = [int(b) for b in args.buckets_mib.split(",") if b]
     log.info("torch %s, %d threads, %d CPUs", torch.__version__, torch.get_num_threads(), os.cpu_count())
 
-    async def run_all():
-        return [await bench_model(s, buckets, args.repeats, args.timeout_s) for s in sizes]
-
-    results = asyncio.run(run_all())
+    # One event loop per model: a second AsyncEngine started in a loop where an earlier one was
+    # shut down never gets its replies (engine issue, reported), so each gets a fresh loop.
+    results = [asyncio.run(bench_model(s, buckets, args.repeats, args.timeout_s)) for s in sizes]
     print(report(results))
     for r in results:
         best = max(r["ratio"], key=r["ratio"].get)

@@ -50,15 +50,16 @@ async def join_engines(engines: Sequence, info: dict, rank_offset: int = 1, time
 
 async def init_weight_sync(engines: Sequence, sender: WeightSender, host: str = "127.0.0.1", port: int = 0,
                            timeout_s: float | None = None, rank_offset: int = 1, world_size: int | None = None,
-                           **options) -> dict:
+                           rpc_timeout: float | None = None, **options) -> dict:
     """Form a fresh group: the trainer (rank 0) and every engine's worker. Closes any previous
     group on both sides. Returns the connection info. `world_size` defaults to
-    `rank_offset + len(engines)`; pass it when other sidecars join the same group."""
+    `rank_offset + len(engines)`; pass it when other sidecars join the same group. The workers'
+    RPCs wait at most `rpc_timeout` (default: the group's timeout + 30 s)."""
     world_size = world_size or rank_offset + len(engines)
     info = sender.open_group(world_size, host=host, port=port, timeout_s=timeout_s)
     join = asyncio.ensure_future(asyncio.to_thread(sender.join_group))
     try:
-        await join_engines(engines, info, rank_offset, **options)
+        await join_engines(engines, info, rank_offset, timeout=rpc_timeout or info["timeout_s"] + 30, **options)
     except BaseException:
         sender.close_group()
         await asyncio.gather(join, return_exceptions=True)
@@ -80,9 +81,11 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     exception): reset the prefix cache and set the version on the engines that committed, then
     raise WeightSyncError with every reason if any engine (or the trainer) failed."""
     committed = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
-    for i in committed:  # their weights did change: the cache and the version tag must follow
-        await engines[i].reset_prefix_cache()
-        await engines[i].set_weight_version(version)
+    async def tag(engine):  # its weights did change: the cache and the version tag must follow
+        await engine.reset_prefix_cache()
+        await engine.set_weight_version(version)
+
+    await asyncio.gather(*(tag(engines[i]) for i in committed))
     reasons = [f"engine {i}: {_reason(r)}" for i, r in enumerate(results) if isinstance(r, BaseException)]
     if trainer_error is not None:
         reasons.insert(0, f"trainer: {_reason(trainer_error)}")

@@ -163,14 +163,19 @@ class WeightSyncExtension:
 
         t1 = time.perf_counter()
         received = 0
+        plan = None
         try:
             inflight: deque = deque()
             for k, b in enumerate(m.buckets):
                 if b.nbytes == 0:
                     continue
+                if len(inflight) >= st.max_inflight and plan is None:
+                    plan = self._ws_plan_commit(m, staging)  # while the first buckets arrive
                 while len(inflight) >= st.max_inflight:
                     received += self._ws_retire(g, inflight)
                 inflight.append((g.broadcast(staging[b.start:b.end], src=0), k, b.nbytes))
+            if plan is None:
+                plan = self._ws_plan_commit(m, staging)
             while inflight:
                 received += self._ws_retire(g, inflight)
             g.synchronize()
@@ -188,7 +193,8 @@ class WeightSyncExtension:
                 f"Nothing was committed: {old} still serving. The group is closed; init_weight_sync again."
             ) from None
         t2 = time.perf_counter()
-        self._ws_commit(m, staging)
+        self._ws_commit(m, staging, plan)
+        del plan
         t3 = time.perf_counter()
         st.version = m.version
         st.last = {"version": m.version, "bytes": m.total_bytes, "buckets": len(m.buckets), "seconds": t3 - t0,
@@ -276,20 +282,29 @@ class WeightSyncExtension:
         g.wait(work, f"receiving bucket {k}")
         return nbytes
 
-    def _ws_commit(self, m: Manifest, staging: torch.Tensor) -> None:
+    def _ws_plan_commit(self, m: Manifest, staging: torch.Tensor) -> dict:
+        """Everything the commit needs, computed while the bytes are still arriving: the target
+        parameter and staging view of every tensor, and whether the views can become the weights."""
+        st = self._ws()
+        params, aliases = model_params(self.model)
+        targets = [params[t.name] if t.name in params else params[aliases[t.name]] for t in m.tensors]
+        views = [staging[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in m.tensors]
+        swap = st.commit == "swap" and all(p.dtype == v.dtype for p, v in zip(targets, views))
+        return {"targets": targets, "views": views, "swap": swap, "staging": staging}
+
+    def _ws_commit(self, m: Manifest, staging: torch.Tensor, plan: dict | None = None) -> None:
         """Point (or copy) every parameter at its staged value. Cannot fail half way: shapes,
         dtypes and names were validated, and assignment / same-size copies do not raise."""
         st = self._ws()
-        params, aliases = model_params(self.model)
-        targets = [(params[t.name] if t.name in params else params[aliases[t.name]], t) for t in m.tensors]
-        swap = st.commit == "swap" and all(p.dtype == DTYPES[t.dtype] for p, t in targets)
-        old_storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p, _ in targets} if swap else {}
+        plan = plan or self._ws_plan_commit(m, staging)
+        targets, views, swap = plan["targets"], plan["views"], plan["swap"]
+        old_storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in targets} if swap else {}
         with torch.no_grad():
-            for p, t in targets:
-                view = staging[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
-                if swap:
+            if swap:
+                for p, view in zip(targets, views):
                     p.data = view
-                else:
+            else:
+                for p, view in zip(targets, views):
                     p.copy_(view)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

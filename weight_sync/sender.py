@@ -153,7 +153,7 @@ class WeightSender:
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 2):
+                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 4):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if dtype is not None and not dtype.is_floating_point:
