@@ -5,6 +5,12 @@ each attention layer lands here. For every layer we first write all new keys/val
 cache, then attend: prefill per sequence (causal over its cached prefix + new tokens), decode
 batched over gathered block tables. Writing before reading lets sequences scheduled in the same
 step share prefix blocks that one of them is computing.
+
+Decode is memory-bound on CPU: gathering every sequence's blocks costs as much as the attention
+itself. So the runner sorts a decode batch by block count and cuts it into chunks of similar
+length (padding stays small), the blocks are gathered with `index_select` into buffers reused by
+every layer (no per-layer allocation and page faults), and the query heads that share a KV head
+are laid out as query positions, which turns grouped-query attention into plain attention.
 """
 
 from __future__ import annotations
@@ -25,10 +31,19 @@ class AttnContext:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     # prefill: per sequence (start, end) in the packed batch, computed-prefix length, block table
     prefill_spans: list[tuple[int, int, int, torch.Tensor | None]] | None = None
-    # decode: [B, max_blocks] block tables and [B] context lengths (incl. the new token)
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size]
+    # decode: chunks of the (length-sorted) batch that are attended together
+    decode_chunks: list[DecodeChunk] | None = None
+    gather_k: torch.Tensor | None = None  # [>= blocks gathered by the largest chunk, bs, kvh, d]
+    gather_v: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeChunk:
+    start: int  # rows [start, end) of the decode batch
+    end: int
+    blocks: torch.Tensor  # [(end - start) * num_blocks] block ids, row after row (padded with 0)
+    num_blocks: int
+    mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size]: True where a key exists
 
 
 _ctx: AttnContext | None = None
@@ -76,13 +91,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         return out.transpose(1, 2), None  # [1, T, H, d]
 
-    # decode: one new token per sequence; gather each sequence's blocks into a padded batch
-    b = ctx.block_tables.shape[0]
-    k = k_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, d]
-    v = v_cache[ctx.block_tables].flatten(1, 2).transpose(1, 2)
-    q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, d]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=gqa)
-    return out.view(b, -1, out.shape[-1]).unsqueeze(0), None  # [1, B, H, d]
+    # decode: one new token per sequence
+    kvh, d = key.shape[1], key.shape[-1]
+    q_all = query[0].transpose(0, 1)  # [B, H, d]
+    outs = []
+    for c in ctx.decode_chunks:
+        b, length = c.end - c.start, c.num_blocks * k_cache.shape[1]
+        k_buf, v_buf = ctx.gather_k[: b * c.num_blocks], ctx.gather_v[: b * c.num_blocks]
+        torch.index_select(k_cache, 0, c.blocks, out=k_buf)
+        torch.index_select(v_cache, 0, c.blocks, out=v_buf)
+        k = k_buf.view(b, length, kvh, d).transpose(1, 2)  # [b, KVH, L, d]
+        v = v_buf.view(b, length, kvh, d).transpose(1, 2)
+        q = q_all[c.start : c.end].reshape(b, kvh, -1, d)  # the heads of a group as query positions
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.reshape(1, out.shape[0], -1, d), None  # [1, B, H, d]
 
 
 def register() -> str:

@@ -25,6 +25,19 @@ def load_model(cfg: EngineConfig) -> torch.nn.Module:
     return model.to(cfg.device).eval()
 
 
+def decode_chunks(num_blocks: list[int], min_rows: int = 16) -> list[tuple[int, int, int]]:
+    """Cut a batch sorted by block count into (start, end, blocks) chunks: one per distinct
+    count, a chunk of fewer than `min_rows` rows merged into the next (longer) one, so the
+    padding stays small and the per-chunk overhead bounded."""
+    chunks, start = [], 0
+    for i, nb in enumerate(num_blocks):
+        last = i + 1 == len(num_blocks)
+        if last or (num_blocks[i + 1] != nb and i + 1 - start >= min_rows):
+            chunks.append((start, i + 1, nb))
+            start = i + 1
+    return chunks
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -42,6 +55,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         self.shared_generator = torch.Generator().manual_seed(cfg.seed)
         self.forward_seconds = 0.0
+        self.decode_chunk_min_rows = 16  # see decode_chunks
 
     def _num_blocks(self) -> int:
         cfg = self.cfg
@@ -65,7 +79,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
 
     def free_kv_cache(self) -> None:
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self._gather = None
 
     def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -95,32 +109,56 @@ class ModelRunner:
         return torch.tensor(ids, device=dev), torch.cat(pos).to(dev), ctx, torch.tensor(last, device=dev)
 
     def _prepare_decode(self, seqs: list[Sequence]):
+        """Inputs of a decode step, its rows sorted by block count (see attention.py). Returns the
+        order too: row i of the step is seqs[order[i]]."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
+        seqs = [seqs[i] for i in order]
         lens = torch.tensor([len(s) for s in seqs])
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
         pos = lens - 1
-        slots = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1) * self.block_size
+        slots = torch.tensor([s.block_table[(len(s) - 1) // self.block_size] for s in seqs]) * self.block_size
         slots += pos % self.block_size
         dev = self.device
-        mask = torch.arange(max_blocks * self.block_size) < lens.unsqueeze(1)
+        chunks, widest = [], 0
+        for start, end, nb in decode_chunks([len(s.block_table) for s in seqs], self.decode_chunk_min_rows):
+            table = torch.zeros(end - start, nb, dtype=torch.long)
+            for i, s in enumerate(seqs[start:end]):
+                table[i, : len(s.block_table)] = torch.tensor(s.block_table)
+            mask = torch.arange(nb * self.block_size) < lens[start:end].unsqueeze(1)
+            chunks.append(attention.DecodeChunk(start, end, table.flatten().to(dev), nb, mask[:, None, None, :].to(dev)))
+            widest = max(widest, (end - start) * nb)
+        k_buf, v_buf = self._gather_buffers(widest)
         ctx = attention.AttnContext(
             is_prefill=False,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
             slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev),
-            context_lens=lens.to(dev),
-            decode_mask=mask[:, None, None, :].to(dev),
+            decode_chunks=chunks,
+            gather_k=k_buf,
+            gather_v=v_buf,
         )
         ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        return ids, pos.to(dev), ctx, None
+        return ids, pos.to(dev), ctx, order
+
+    def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode's gather buffers, kept between steps and grown on demand."""
+        buf = getattr(self, "_gather", None)
+        if buf is None or buf[0].shape[0] < num_blocks or buf[0].device != self.k_cache.device:
+            shape = (num_blocks, *self.k_cache.shape[2:])
+            buf = self._gather = (
+                torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device),
+                torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device),
+            )
+        return buf
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits [B, V] (float32) of the next token of each sequence."""
-        ids, pos, ctx, keep = (self._prepare_prefill if is_prefill else self._prepare_decode)(seqs)
+        if is_prefill:
+            ids, pos, ctx, keep = self._prepare_prefill(seqs)
+            order = None
+        else:
+            ids, pos, ctx, order = self._prepare_decode(seqs)
+            keep = None
         attention.set_context(ctx)
         t0 = time.perf_counter()
         try:
@@ -131,6 +169,8 @@ class ModelRunner:
                 logits_to_keep=keep if keep is not None else 0,
             )
             logits = out.logits[0].float()
+            if order is not None:  # back to the caller's order
+                logits = torch.empty_like(logits).index_copy_(0, torch.tensor(order, device=logits.device), logits)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:

@@ -41,7 +41,12 @@ def exponential_noise(
 ) -> torch.Tensor:
     """Exp(1) noise per row; a row with its own generator draws from it alone, so its samples do
     not depend on the rest of the batch. Drawn on the CPU so seeds give the same tokens anywhere."""
-    noise = torch.empty(batch, vocab).exponential_(generator=shared)
+    noise = torch.empty(batch, vocab)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == batch:
+        noise.exponential_(generator=shared)
+    elif unseeded:  # draw only the rows that need it: seeded rows draw vocab-sized noise anyway
+        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=shared)
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
