@@ -20,9 +20,9 @@ fresh group and the next push is accepted.
 Memory: a push holds one extra copy of the pushed weights (the staging buffer) until it
 commits. With `commit="swap"` (default) the staging buffer becomes the weights and the old
 weights are freed at commit; with `commit="copy"` the staging buffer is freed after the copy.
-`keep_staging=True` keeps the buffer the commit freed for the next push instead (one extra copy
-of the weights held for good): fresh memory costs page faults that on CPU are slower than the
-network, see weight_sync/README.md. `close_weight_sync()` drops it.
+`keep_staging=True` (the default on CPU) keeps the buffer the commit freed for the next push
+instead (one extra copy of the weights held for good): fresh memory costs page faults that on
+CPU are slower than the network, see weight_sync/README.md. `close_weight_sync()` drops it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ class WeightSyncExtension:
     def _ws(self) -> _SyncState:
         st = getattr(self, "_ws_state", None)
         if st is None:
-            st = self._ws_state = _SyncState()
+            # CPU: keep the staging buffer between pushes, fresh pages cost more than the transfer;
+            # CUDA: the caching allocator already reuses freed blocks.
+            st = self._ws_state = _SyncState(keep_staging=self.device.type == "cpu")
         return st
 
     def _ws_local_rank(self) -> int:
