@@ -26,7 +26,7 @@ class EngineConfig:
     seed: int = 0  # seeds the shared generator used by requests without their own seed
     logprobs_mode: str = "processed"  # "processed": from the sampling distribution; "raw": model softmax
     worker_extension_cls: str | None = None  # "pkg.module:Class" (or dotted) mixed into the worker
-    num_threads: int | None = None  # torch intra-op threads on CPU; default: what torch picks
+    num_threads: int | None = None  # torch intra-op threads on CPU; default: the CPUs this process may use
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):

@@ -4,6 +4,7 @@ runs the forward, samples."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -14,6 +15,10 @@ from engine.sampler import exponential_noise, sample
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def load_model(cfg: EngineConfig) -> torch.nn.Module:
@@ -42,8 +47,10 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        if cfg.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(cfg.num_threads)
+        if self.device.type == "cpu":
+            # Always set it, even to torch's own default: left unset, a core process next to a
+            # busy parent ran small steps 20x slower (OpenMP workers stalling each other).
+            torch.set_num_threads(cfg.num_threads or available_cpus())
         self.model = load_model(cfg)
         mc = self.model.config
         self.vocab_size = mc.vocab_size

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 # name -> (hidden, layers, heads, kv_heads, intermediate, vocab target)
 SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "micro": (64, 2, 4, 2, 128, 512),  # ~0.1M: fixed-overhead benchmarks
+    "mini": (128, 4, 4, 2, 384, 2048),  # ~1M: the micro shape of bench/grpo_step.py
     "tiny": (256, 4, 4, 2, 768, 2048),  # ~4M: tests
     "small": (576, 14, 9, 3, 1536, 4096),  # ~50M: benchmarks
     "medium": (1536, 20, 16, 4, 4096, 8192),  # ~500M: weight-sync benchmarks
