@@ -94,9 +94,20 @@ def run_trl(model_dir: str, shape: dict, steps: int, lr: float, seed: int, out_d
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=a_game_reward, args=cfg, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer])
+    # Instrumentation only: time TRL's generation (HF generate + scoring) inside its step.
+    gen_seconds, generate = [], trainer._generate_and_score_completions
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            gen_seconds.append(time.perf_counter() - t)
+
+    trainer._generate_and_score_completions = timed_generate
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    return {"step_seconds": timer.seconds, "reward": rewards}
+    return {"step_seconds": timer.seconds, "reward": rewards, "generate_seconds": gen_seconds}
 
 
 def summarize(name: str, ours: dict, trl: dict) -> dict:
@@ -109,7 +120,8 @@ def summarize(name: str, ours: dict, trl: dict) -> dict:
 
     return {"shape": name, "ours_s": o, "trl_s": t, "ratio": o / t, "k": k,
             "ours_reward": ends(ours["reward"]), "trl_reward": ends(trl["reward"]),
-            "ours_parts": {p: statistics.median(ours[f"{p}_seconds"][timed]) for p in ("generate", "train", "sync")}}
+            "ours_parts": {p: statistics.median(ours[f"{p}_seconds"][timed]) for p in ("generate", "train", "sync")},
+            "trl_generate_s": statistics.median(trl["generate_seconds"][timed]) if trl["generate_seconds"] else None}
 
 
 def plot(curves: dict, path: Path) -> Path | None:
@@ -179,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['trl_reward'][0]:.3f}->{r['trl_reward'][1]:.3f}")
         parts = ", ".join(f"{k} {v:.3f}" for k, v in r["ours_parts"].items())
         print(f"{'':<11}ours per step: {parts}")
+        if r["trl_generate_s"] is not None:
+            print(f"{'':<11}TRL per step: generate {r['trl_generate_s']:.3f}, the rest (update) "
+                  f"{r['trl_s'] - r['trl_generate_s']:.3f}")
     for r in results:
         if r["shape"] == "realistic":
             ok = "ok" if r["ratio"] <= TARGET_RATIO else "MISSED"

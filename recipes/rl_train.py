@@ -220,10 +220,17 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
     batch = build_batch(rollouts, tokenizer.pad_token_id or 0).to(device)
     mask = batch.mask
     ppo = algo == "ppo"
+    # GRPO with a single optimizer step per batch is on-policy: the pre-update logprobs are those
+    # of the training forward, detached (as TRL does with num_iterations=1), which saves a whole
+    # forward over the batch. PPO needs its values before the update, for GAE.
+    single_pass = not ppo and args.epochs == 1 and args.minibatches == 1
+    old_logp = entropy = None
     with torch.no_grad():
-        logits, old_values = completion_logits(module, batch, args.temperature)
-        old_logp = token_logprobs(logits, batch.targets)
-        entropy = L.masked_mean(L.entropy_from_logits(logits), mask).item()
+        if not single_pass:
+            logits, old_values = completion_logits(module, batch, args.temperature)
+            old_logp = token_logprobs(logits, batch.targets)
+            entropy = L.masked_mean(L.entropy_from_logits(logits), mask).item()
+            del logits
         ref_logp = token_logprobs(completion_logits(ref, batch, args.temperature)[0], batch.targets) if ref else None
         if ppo:
             old_values = old_values * mask
@@ -234,10 +241,6 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
             adv = L.whiten(adv, mask)
         else:
             adv = L.grpo_advantages(rewards.to(device), args.group_size, not args.no_std_scale)
-    diff = (old_logp - batch.engine_logp).abs() * mask
-    is_ratio = torch.exp(old_logp - batch.engine_logp)
-    is_w = L.truncated_is_weights(old_logp, batch.engine_logp, args.is_cap) if args.is_cap > 0 else None
-    behaviour = batch.engine_logp if args.async_ else old_logp  # async: the engine sampled from an older policy
 
     B = len(rollouts)
     clip_fracs, kls, losses = [], [], []
@@ -248,8 +251,16 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
             m = mb.mask
             logits, values = completion_logits(module, mb, args.temperature)
             logp = token_logprobs(logits, mb.targets)
-            pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], adv[idx], m, args.clip_low, args.clip_high,
-                                                None if is_w is None or args.async_ else is_w[idx])
+            if old_logp is None:  # single pass: idx is a permutation of the whole batch
+                old_logp = torch.empty_like(logp).index_copy_(0, idx, logp.detach())
+                with torch.no_grad():
+                    entropy = L.masked_mean(L.entropy_from_logits(logits), m).item()
+            del logits
+            behaviour = batch.engine_logp if args.async_ else old_logp  # async: sampled from an older policy
+            is_w = None
+            if args.is_cap > 0 and not args.async_:
+                is_w = L.truncated_is_weights(old_logp[idx], batch.engine_logp[idx], args.is_cap)
+            pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], adv[idx], m, args.clip_low, args.clip_high, is_w)
             loss = L.aggregate(pg, m, args.loss_agg, args.max_tokens)
             kl = torch.zeros((), device=device)
             if ref_logp is not None:
@@ -265,6 +276,8 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
             clip_fracs.append(L.masked_mean(clipped, m).item())
             kls.append(kl.item())
             losses.append(loss.item())
+    diff = (old_logp - batch.engine_logp).abs() * mask
+    is_ratio = torch.exp(old_logp - batch.engine_logp)
     n_tok = mask.sum().clamp(min=1)
     return {
         "loss": sum(losses) / len(losses),
