@@ -212,9 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     buckets = [int(b) for b in args.buckets_mib.split(",") if b]
     log.info("torch %s, %d threads, %d CPUs", torch.__version__, torch.get_num_threads(), os.cpu_count())
 
-    # One event loop per model: a second AsyncEngine started in a loop where an earlier one was
-    # shut down never gets its replies (engine issue, reported), so each gets a fresh loop.
-    results = [asyncio.run(bench_model(s, buckets, args.repeats, args.timeout_s)) for s in sizes]
+    async def run_all():
+        return [await bench_model(s, buckets, args.repeats, args.timeout_s) for s in sizes]
+
+    results = asyncio.run(run_all())
     print(report(results))
     for r in results:
         best = max(r["ratio"], key=r["ratio"].get)

@@ -23,7 +23,6 @@ from dataclasses import asdict
 from typing import Any, AsyncGenerator
 
 import zmq
-import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core import load_tokenizer
@@ -85,8 +84,8 @@ class AsyncEngine:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._out: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._reader: threading.Thread | None = None
+        self._stop_reading = False
         self.dead = False
         self._paused = False
         threading.Thread(target=self._watch_process, daemon=True, name="engine-watch").start()
@@ -142,37 +141,50 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            self._out = zmq.asyncio.Socket.from_socket(self._out_sync)
-            self._reader = loop.create_task(self._read_outputs())
+            self._reader = threading.Thread(target=self._read_outputs, daemon=True, name="engine-outputs")
+            self._reader.start()
         elif loop is not self._loop:
             raise RuntimeError("AsyncEngine is bound to the event loop it was first used in")
 
-    async def _read_outputs(self) -> None:
-        while True:
-            frames = await self._out.recv_multipart(copy=False)
+    def _read_outputs(self) -> None:
+        """Output thread: receives and decodes the core's messages and hands them to the event
+        loop. A thread rather than a zmq.asyncio socket so that nothing of ours stays registered
+        with the loop after shutdown (a later engine's socket may reuse the file descriptor)."""
+        poller = zmq.Poller()
+        poller.register(self._out_sync, zmq.POLLIN)
+        while not self._stop_reading:
+            if not poller.poll(100):
+                continue
+            frames = self._out_sync.recv_multipart(copy=False)
             try:
                 msg = self._decoder.decode([f.buffer for f in frames])
             except Exception as e:
                 log.error("undecodable output from the engine core: %s", e)
                 continue
-            if isinstance(msg, StepOutputs):
-                for d in msg.deltas:
-                    c = self.requests.get(d.request_id)
-                    if c is not None:
-                        c.state.apply(d)
-                        c.event.set()
-            elif isinstance(msg, CallResult):
-                fut = self.calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    if msg.ok:
-                        fut.set_result(msg.value)
-                    else:
-                        fut.set_exception(_call_error(msg.error))
-            elif isinstance(msg, RequestError):
-                c = self.requests.get(msg.request_id)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                return
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            for d in msg.deltas:
+                c = self.requests.get(d.request_id)
                 if c is not None:
-                    c.error = msg.error
+                    c.state.apply(d)
                     c.event.set()
+        elif isinstance(msg, CallResult):
+            fut = self.calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.ok:
+                    fut.set_result(msg.value)
+                else:
+                    fut.set_exception(_call_error(msg.error))
+        elif isinstance(msg, RequestError):
+            c = self.requests.get(msg.request_id)
+            if c is not None:
+                c.error = msg.error
+                c.event.set()
 
     def _send(self, msg) -> None:
         try:
@@ -207,12 +219,9 @@ class AsyncEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _stop_reader(self) -> None:
-        loop, reader = self._loop, self._reader
-        if reader is None or loop is None or loop.is_closed() or reader.done():
-            return
-        reader.cancel()
-        if not loop.is_running():  # let the cancellation land, or the task is reported as leaked
-            loop.run_until_complete(asyncio.gather(reader, return_exceptions=True))
+        self._stop_reading = True
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=2.0)
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(

@@ -314,3 +314,24 @@ def test_shutdown_leaves_no_process(cfg):
     assert eng.proc.pid in descendants()
     eng.shutdown()
     assert set(descendants()) - before == set()
+
+
+def test_engines_one_after_another_in_one_loop(qwen2_dir):
+    """A second engine started in the loop where the first was shut down gets its replies (the
+    first's output socket must leave nothing registered that the second's could collide with)."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def run():
+        outs = []
+        for k in range(3):
+            eng = AsyncEngine(EngineConfig(model=qwen2_dir, max_model_len=256))
+            try:
+                out = await asyncio.wait_for(_collect(eng, [5, 6, 7], params, f"seq{k}"), 60)
+                outs.append(out.outputs[0].token_ids)
+                assert (await asyncio.wait_for(eng.get_stats(), 30)) is not None
+            finally:
+                eng.shutdown()
+        return outs
+
+    outs = asyncio.run(run())
+    assert len(outs) == 3 and outs[0] == outs[1] == outs[2] and len(outs[0]) == 4
