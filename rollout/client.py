@@ -141,6 +141,7 @@ class AsyncRolloutClient:
             finally:
                 for t in pumps:
                     t.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)  # let the cancellations land
         finally:
             for i, _, cid, _ in sent:
                 self._queues.pop((i, cid), None)
