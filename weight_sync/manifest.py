@@ -116,16 +116,13 @@ class Manifest(msgspec.Struct, frozen=True):
 
 
 # -- planning --------------------------------------------------------------------------------
-def plan_layout(nbytes: Sequence[int], bucket_bytes: int, alignment: int = ALIGNMENT,
-                direct_bytes: int | None = None) -> tuple[list[int], int, list[Bucket]]:
+def plan_layout(nbytes: Sequence[int], bucket_bytes: int, alignment: int = ALIGNMENT
+                ) -> tuple[list[int], int, list[Bucket]]:
     """Offsets of each tensor in the flat layout, the layout's size, and the buckets.
 
     Tensors keep their order. A bucket collects consecutive tensors while its byte range stays
-    within `bucket_bytes`; a tensor larger than that gets a bucket of its own, and so does every
-    tensor of at least `direct_bytes` (None: no such rule), which lets the sender broadcast it
-    straight from its own storage instead of packing it: on CPU the packing copy, not the number
-    of broadcasts, is what separates a push from a raw broadcast. Empty tensors take no room and
-    ride along in whichever bucket is open.
+    within `bucket_bytes`; a tensor larger than that gets a bucket of its own. Empty tensors take
+    no room and ride along in whichever bucket is open.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -139,34 +136,27 @@ def plan_layout(nbytes: Sequence[int], bucket_bytes: int, alignment: int = ALIGN
         offsets.append(pos)
         pos += n
     layout = pos
-
-    def alone(i: int) -> bool:
-        return direct_bytes is not None and nbytes[i] >= max(direct_bytes, 1)
-
     buckets: list[Bucket] = []
     first = 0
-    alone_open = bool(offsets) and alone(0)  # the open bucket holds a tensor that must stay alone
     for i in range(1, len(offsets)):
         start, end = offsets[first], offsets[i - 1] + nbytes[i - 1]  # tensor ends never decrease
-        if nbytes[i] and end > start and (alone_open or alone(i) or offsets[i] + nbytes[i] - start > bucket_bytes):
+        if nbytes[i] and end > start and offsets[i] + nbytes[i] - start > bucket_bytes:
             buckets.append(Bucket(start, end, first, i))
-            first, alone_open = i, alone(i)
-        else:
-            alone_open = alone_open or alone(i)
+            first = i
     if offsets:
         buckets.append(Bucket(offsets[first], offsets[-1] + nbytes[-1], first, len(offsets)))
     return offsets, layout, buckets
 
 
 def build_manifest(specs: Iterable[tuple[str, str, Sequence[int]]], version: int, bucket_bytes: int,
-                   alignment: int = ALIGNMENT, direct_bytes: int | None = None) -> Manifest:
+                   alignment: int = ALIGNMENT) -> Manifest:
     """A manifest from (name, dtype name, shape) triples, in push order."""
     specs = [(n, d, tuple(int(s) for s in shape)) for n, d, shape in specs]
     for n, d, _ in specs:
         if d not in DTYPES:
             raise ValueError(f"{n}: dtype {d!r} cannot be pushed (supported: {sorted(DTYPES)})")
     sizes = [math.prod(shape) * itemsize(d) for _, d, shape in specs]
-    offsets, layout, buckets = plan_layout(sizes, bucket_bytes, alignment, direct_bytes)
+    offsets, layout, buckets = plan_layout(sizes, bucket_bytes, alignment)
     tensors = [TensorSpec(n, d, shape, off, size) for (n, d, shape), off, size in zip(specs, offsets, sizes)]
     return Manifest(version=int(version), tensors=tensors, buckets=buckets, total_bytes=sum(sizes),
                     layout_bytes=layout, bucket_bytes=int(bucket_bytes), alignment=alignment,

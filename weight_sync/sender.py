@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 # reaches the transport's rate; smaller buckets pay per-collective overhead, larger ones grow the
 # trainer's two packing buffers for nothing. The DESIGN's "hundreds of MB" suits NCCL links.
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-# Tensors at least this big get a bucket of their own and go out straight from their storage
-# (no packing copy); see plan_layout. bench/weight_sync.py measures it.
-DEFAULT_DIRECT_BYTES = 2**20
 
 _WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_forward_module.")
 _WRAPPER_TYPES = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine")
@@ -156,14 +153,12 @@ class WeightSender:
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 4,
-                 direct_bytes: int | None = DEFAULT_DIRECT_BYTES):
+                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 4):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (floating weights are cast to it), got {dtype}")
         self.bucket_bytes = int(bucket_bytes)
-        self.direct_bytes = direct_bytes
         self.device = torch.device(device) if device is not None else None
         self.dtype = dtype
         self.timeout_s = float(timeout_s)
@@ -212,7 +207,7 @@ class WeightSender:
             weights = list(weights)
         with named_weights(weights) as named:
             specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
-        manifest = build_manifest(specs, version, self.bucket_bytes, direct_bytes=self.direct_bytes)
+        manifest = build_manifest(specs, version, self.bucket_bytes)
         return PreparedPush(manifest, weights)
 
     def checksum(self, weights) -> str:

@@ -237,11 +237,3 @@ def test_generator_of_pairs_is_listed_once(hf_models):
     with pytest.raises(ValueError, match="two different tensors"):
         WeightSender().prepare([("module.a", torch.ones(1)), ("a", torch.ones(1))], 1)
     assert math.prod(prepared.manifest.tensors[0].shape) == model.model.embed_tokens.weight.numel()
-
-
-def test_plan_isolates_direct_tensors():
-    sizes = [10, 20, 100, 5, 0, 200, 5, 5]
-    offsets, layout, buckets = plan_layout(sizes, 64, 16, direct_bytes=100)
-    assert [(b.first, b.last) for b in buckets] == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]
-    _check_plan(sizes, 64)  # without the rule, only the size limit cuts
-    assert [(b.first, b.last) for b in plan_layout(sizes, 10**6, 16)[2]] == [(0, 8)]
