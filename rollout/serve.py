@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import signal
 import sys
@@ -46,15 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _engine_device(device: str, i: int) -> str:
@@ -114,7 +104,9 @@ async def run(args) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _is_loopback(args.host) and not args.token:
+    from weight_sync.group import is_loopback
+
+    if not is_loopback(args.host) and not args.token:
         sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")
     if args.num_engines < 1:
         sys.exit("--num-engines must be >= 1")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from weight_sync.engine_sync import _finish as commit_results  # TODO public name
+from weight_sync.engine_sync import commit_results
 from weight_sync.engine_sync import close_weight_sync, join_engines, load_on_engines, receive_on_engines
 from weight_sync.manifest import Manifest
 

@@ -150,8 +150,6 @@ async def load_on_engines(engines: Sequence, path: str, version: int, manifest: 
     return await commit_results(engines, results, version, "load")
 
 
-_finish = commit_results  # the name rollout/weights.py imported first
-
 
 async def engines_checksums(engines: Sequence, timeout: float | None = None) -> list[str]:
     """Every worker's weights checksum, engines in order (one per worker)."""

@@ -53,7 +53,8 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:
@@ -75,7 +76,7 @@ def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: fl
         opts._timeout = _td(timeout_s)
         # On one host, bind to loopback: no dependence on the hostname resolving. Across hosts the
         # default device (hostname / GLOO_SOCKET_IFNAME) is what every rank can reach.
-        if _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
             opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         else:
             opts._devices = [ProcessGroupGloo.create_default_device()]
