@@ -81,12 +81,16 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
 
     from engine import AsyncEngine, EngineConfig
     from recipes.tiny_model import build_tiny_model, default_model_dir
-    from weight_sync import WeightSender
+    from weight_sync import WeightSender, flatten_parameters
     from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
     from weight_sync.sender import DEFAULT_BUCKET_BYTES
 
     model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
+    # The trainer's weights laid out as a push lays them out, as the recipes do on CPU
+    # (weight_sync.flatten_parameters); a plain copy shows the packing path.
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    flatten_parameters(trainer)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
     nparams = sum(p.numel() for p in trainer.parameters())
     log.info("%s: %.1fM parameters, %.1f MB fp32", size, nparams / 1e6, nbytes / 1e6)
@@ -98,9 +102,9 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     try:
         g = torch.Generator().manual_seed(0)
 
-        def nudge():
+        def nudge(model):
             with torch.no_grad():
-                for p in trainer.parameters():
+                for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-3)
 
         async def raw_once() -> float:
@@ -116,35 +120,38 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             await engine.collective_rpc("bench_raw_receive", timeout=timeout_s, args=(nbytes, 1))
             return await fut
 
-        async def ours(bucket_mib: int, keep: bool) -> tuple[float, float, list[float]]:
+        async def ours(bucket_mib: int, keep: bool, model) -> tuple[float, float, list[float]]:
             await init_weight_sync([engine], sender, timeout_s=timeout_s, keep_staging=keep)
             sender.bucket_bytes = bucket_mib * 2**20
             times, ratios, raws = [], [], []
-            for i in range(repeats + 2):  # two warm-ups: with keep_staging, reuse starts at the 3rd push
-                raw = await raw_once() if i >= 2 else None
-                nudge()
+            for i in range(repeats + 3):  # three warm-ups: with keep_staging, reuse starts at the 3rd push
+                raw = await raw_once() if i >= 3 else None
+                nudge(model)
                 t0 = time.perf_counter()
-                await push_to_engines([engine], sender, trainer, version=i + 1, timeout=timeout_s)
+                await push_to_engines([engine], sender, model, version=i + 1, timeout=timeout_s)
                 dt = time.perf_counter() - t0
                 if raw is not None:
                     times.append(dt)
                     raws.append(raw)
                     ratios.append(raw / dt)
             (got,) = await engines_checksums([engine])
-            assert got == sender.checksum(trainer), "engine weights differ from the trainer's"
+            assert got == sender.checksum(model), "engine weights differ from the trainer's"
             return _median(times), _median(ratios), raws
 
-        # First the defaults as a user gets them (on CPU the staging buffer is kept between
-        # pushes), then fresh staging memory every push (keep_staging=False: the memory-frugal
-        # option), then the bucket-size sweep with warm staging memory (the transport alone).
+        # First the defaults as the recipes get them (trainer flattened; on CPU the staging buffer
+        # is kept between pushes), then a trainer that is not flattened (buckets packed), then
+        # fresh staging memory every push (keep_staging=False: the memory-frugal option), then the
+        # bucket-size sweep with warm staging memory.
         default_mib = DEFAULT_BUCKET_BYTES // 2**20
-        variants = [(default_mib, None), (default_mib, False)] + [(mib, True) for mib in buckets_mib]
-        names = {None: " (default)", False: " keep_staging=False", True: " keep_staging"}
-        for mib, keep in variants:
-            key = f"{mib}MiB{names[keep]}"
-            out["ours"][key], out["ratio"][key], raws = await ours(mib, keep)
+        variants = [(default_mib, None, trainer, " (default, flattened trainer)"),
+                    (default_mib, None, plain, " trainer not flattened"),
+                    (default_mib, False, trainer, " keep_staging=False")]
+        variants += [(mib, True, trainer, " keep_staging") for mib in buckets_mib]
+        for mib, keep, model, label in variants:
+            key = f"{mib}MiB{label}"
+            out["ours"][key], out["ratio"][key], raws = await ours(mib, keep, model)
             out["raw_samples"] += raws
-            log.info("%s ours bucket=%dMiB keep_staging=%s: %.3fs (%.2f GB/s), %.2f of raw", size, mib, keep,
+            log.info("%s ours bucket=%dMiB%s: %.3fs (%.2f GB/s), %.2f of raw", size, mib, label,
                      out["ours"][key], nbytes / out["ours"][key] / 1e9, out["ratio"][key])
         out["raw"] = _median(out["raw_samples"])
         log.info("%s raw broadcast: %.3fs (%.2f GB/s)", size, out["raw"], nbytes / out["raw"] / 1e9)

@@ -108,6 +108,7 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
     from recipes.tracking import Tracker
     from recipes.tiny_model import build_tiny_model, default_model_dir
     from rollout import RolloutClient
+    from weight_sync import flatten_parameters
 
     torch.manual_seed(args.seed)
     accelerator = Accelerator(cpu=args.device == "cpu")
@@ -116,6 +117,8 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if args.device == "cpu":  # pushes then send straight from the weights' memory (weight_sync/README.md)
+        flatten_parameters(policy)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
     module = PolicyWithValue(policy) if algo == "ppo" else policy
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)

@@ -9,12 +9,14 @@ See weight_sync/README.md.
 from weight_sync.checksum import weights_checksum
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import Manifest, build_manifest, plan_layout, validate_manifest
-from weight_sync.sender import DEFAULT_BUCKET_BYTES, WeightSender, WeightSyncError, clean_name, unwrap_model
+from weight_sync.sender import (
+    DEFAULT_BUCKET_BYTES, WeightSender, WeightSyncError, clean_name, flatten_parameters, unwrap_model,
+)
 
 EXTENSION = "weight_sync.receiver:WeightSyncExtension"
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "EXTENSION", "GroupError", "Manifest", "WeightSender", "WeightSyncError",
-    "WeightSyncGroup", "build_manifest", "clean_name", "plan_layout", "unwrap_model", "validate_manifest",
+    "WeightSyncGroup", "build_manifest", "clean_name", "flatten_parameters", "plan_layout", "unwrap_model", "validate_manifest",
     "weights_checksum",
 ]

@@ -33,7 +33,7 @@ import torch
 
 from weight_sync.checksum import dedup_tied, weights_checksum
 from weight_sync.group import GroupError, WeightSyncGroup
-from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
+from weight_sync.manifest import ALIGNMENT, DTYPES, Manifest, build_manifest, dtype_name, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,36 @@ def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         named.append((clean_name(str(item[0])), item[1].detach()))
     yield _checked(dedup_tied(named))
+
+
+def flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
+    """Move a model's parameters into one flat buffer laid out exactly as a push lays them out
+    (push order, tied weights once, ALIGNMENT-aligned offsets): every bucket of a later push is
+    then a slice of that buffer and goes on the wire with no packing copy, which on CPU is the
+    cost that separates a push from a raw broadcast. Parameters keep their identity (optimizer
+    state, DDP hooks and accelerate still hold the same objects); only their storage moves, so
+    call it once, before training. Not for sharded models (FSDP, DTensor). Returns the buffer."""
+    root = unwrap_model(model)
+    if _fsdp1_root(root) is not None:
+        raise ValueError("flatten_parameters is for unsharded models (FSDP shards its own flat parameters)")
+    params = {clean_name(n): p for n, p in root.named_parameters()}
+    with named_weights(root) as named:
+        if any(hasattr(t, "full_tensor") for _, t in named):
+            raise ValueError("flatten_parameters is for unsharded models (found a DTensor)")
+        devices = {t.device for _, t in named}
+        if len(devices) != 1:
+            raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
+        offsets, layout, _ = plan_layout([t.numel() * t.element_size() for _, t in named], 1)
+        buf = torch.empty(layout + ALIGNMENT, dtype=torch.uint8, device=devices.pop())
+        shift = -buf.data_ptr() % ALIGNMENT  # offsets are relative: align the start like a staging buffer
+        flat = buf[shift: shift + layout]
+        with torch.no_grad():
+            for (name, t), off in zip(named, offsets):
+                p = params[name]
+                view = flat[off: off + t.numel() * t.element_size()].view(p.dtype).view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+    return flat
 
 
 def _checked(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -292,19 +322,27 @@ class WeightSender:
         return buf[:nbytes]
 
     def _direct(self, m: Manifest, b, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """The bucket's bytes straight from the source tensor, when it is one tensor that needs no
-        cast, no move and no copy."""
+        """The bucket's bytes straight from the source memory, when its tensors already lie there
+        as the manifest lays them out (one tensor, or several packed by `flatten_parameters`) in
+        the wire dtype on the group's device: no copy."""
         live = [i for i in range(b.first, b.last) if m.tensors[i].nbytes]
-        if len(live) != 1:
+        if not live:
             return None
-        spec, t = m.tensors[live[0]], tensors[live[0]]
-        if hasattr(t, "full_tensor"):
-            return None  # gathered while packing
-        if t.dtype != self._wire_dtype(t) or t.device != self.group.device or not t.is_contiguous():
+        first = tensors[live[0]]
+        if hasattr(first, "full_tensor") or first.device != self.group.device:
             return None
-        if spec.offset != b.start or spec.nbytes != b.nbytes:
+        storage = first.untyped_storage()
+        base = first.data_ptr() - (m.tensors[live[0]].offset - b.start)  # where the bucket would start
+        for i in live:
+            t, spec = tensors[i], m.tensors[i]
+            if (hasattr(t, "full_tensor") or t.dtype != self._wire_dtype(t) or not t.is_contiguous()
+                    or t.untyped_storage().data_ptr() != storage.data_ptr()
+                    or t.data_ptr() != base + spec.offset - b.start):
+                return None
+        start = base - storage.data_ptr()
+        if start < 0 or start + b.nbytes > storage.nbytes():
             return None
-        return t.reshape(-1).view(torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (b.nbytes,))
 
     def _pack(self, m: Manifest, b, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         for i in range(b.first, b.last):

@@ -26,6 +26,7 @@ from weight_sync.engine_sync import (
     engines_checksums, join_engines, load_on_engines, push_to_engines, receive_on_engines,
 )
 from weight_sync.files import write_safetensors
+from weight_sync.sender import flatten_parameters
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -142,6 +143,35 @@ def test_repeated_pushes_keep_matching(engines, trainer, sender, group, loop):
         assert run(loop, engines_checksums(engines)) == [sender.checksum(trainer)] * 2
     infos = run(loop, engines[0].collective_rpc("weight_sync_info"))
     assert infos[0]["version"] == 3 and infos[0]["last"]["transport"] == "broadcast"
+
+
+def test_flattened_trainer_pushes_without_packing(engines, sender, group, loop, qwen2_dir):
+    """flatten_parameters lays the trainer's weights out as a push does: the model computes the
+    same, still trains, and its pushes send every bucket straight from that memory."""
+    model = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        before = model(ids).logits
+    params = list(model.parameters())
+    flat = flatten_parameters(model)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]  # same objects, moved storage
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} == {flat.untyped_storage().data_ptr()}
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(ids).logits.sum().backward()
+    opt.step()
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in model.parameters())
+
+    sender.close_group()  # a fresh sender state: no packing buffer allocated yet
+    run(loop, _form_group(engines, sender))
+    run(loop, push_to_engines(engines, sender, model, version=11))
+    assert sender._buffers == [None, None]  # nothing was packed
+    assert run(loop, engines_checksums(engines)) == [sender.checksum(model)] * 2
+    unflat = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
+    run(loop, push_to_engines(engines, sender, unflat, version=12))
+    assert sender._buffers != [None, None]  # the control: separate tensors are packed
+    assert run(loop, engines_checksums(engines)) == [sender.checksum(unflat)] * 2
 
 
 # -- refusals ----------------------------------------------------------------------------------
