@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import time
 
 import torch
 
-from bench.engine_throughput import make_workload
+from bench.engine_throughput import make_workload, seeded_params
+from engine.model_runner import available_cpus
 
 log = logging.getLogger("bench.async_engine")
 
@@ -30,20 +30,13 @@ TARGET_RATIO = 0.9
 TARGET_PAUSE_P50_MS = 20.0
 
 
-def _params(workload):
-    from engine import SamplingParams
-
-    return [SamplingParams(n=workload.n, temperature=1.0, max_tokens=m, ignore_eos=True, seed=i)
-            for i, m in enumerate(workload.max_tokens)]
-
-
 def run_llm(cfg, workload) -> float:
     from engine import LLM
 
     llm = LLM(cfg)
-    llm.generate(workload.prompts[:4], _params(workload)[:4], use_tqdm=False)  # warm-up
+    llm.generate(workload.prompts[:4], seeded_params(workload)[:4], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    llm.generate(workload.prompts, _params(workload), use_tqdm=False)
+    llm.generate(workload.prompts, seeded_params(workload), use_tqdm=False)
     return workload.useful_tokens / (time.perf_counter() - t0)
 
 
@@ -55,7 +48,7 @@ async def _drain(engine, prompt, params, rid):
 
 
 async def run_async(engine, workload) -> float:
-    params = _params(workload)
+    params = seeded_params(workload)
     await asyncio.gather(*[_drain(engine, p, s, f"w{i}") for i, (p, s) in enumerate(zip(workload.prompts[:4],
                                                                                         params[:4]))])
     t0 = time.perf_counter()
@@ -102,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(available_cpus())
 
     from engine import AsyncEngine, EngineConfig
     from recipes.tiny_model import build_tiny_model, default_model_dir

@@ -118,6 +118,14 @@ def engine_params(wl: Workload, seed: int):
     ]
 
 
+def seeded_params(wl: Workload):
+    """The workload's sampling params with one seed per request (request i: seed i)."""
+    from engine import SamplingParams
+
+    return [SamplingParams(n=wl.n, temperature=1.0, max_tokens=m, ignore_eos=True, seed=i)
+            for i, m in enumerate(wl.max_tokens)]
+
+
 def make_engine(model_dir: str, max_model_len: int, max_num_seqs: int, seed: int):
     from engine import LLM, EngineConfig
 
@@ -390,7 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "ContinuousBatchingLogger"):  # CB logs every session at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from engine.model_runner import available_cpus
+
+    threads = available_cpus()
     torch.set_num_threads(threads)
 
     from transformers import AutoConfig

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -158,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "trl", "accelerate", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from engine.model_runner import available_cpus
+
+    threads = available_cpus()
     torch.set_num_threads(threads)
     try:
         import trl

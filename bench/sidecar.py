@@ -17,33 +17,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import time
 
 import torch
 
-from bench.engine_throughput import make_workload
+from bench.engine_throughput import make_workload, seeded_params
+from engine.model_runner import available_cpus
 
 log = logging.getLogger("bench.sidecar")
 TARGET_RATIO = 0.9
 TARGET_STALL_MS = 50.0
 
 
-def _params(workload):
-    from engine import SamplingParams
-
-    return [SamplingParams(n=workload.n, temperature=1.0, max_tokens=m, ignore_eos=True, seed=i)
-            for i, m in enumerate(workload.max_tokens)]
-
-
 def llm_tokens_per_s(model: str, workload, max_num_seqs: int) -> float:
     from engine import LLM, EngineConfig
 
     llm = LLM(EngineConfig(model=model, max_num_seqs=max_num_seqs, max_model_len=512))
-    llm.generate(workload.prompts[:4], _params(workload)[:4], use_tqdm=False)
+    llm.generate(workload.prompts[:4], seeded_params(workload)[:4], use_tqdm=False)
     t0 = time.perf_counter()
-    llm.generate(workload.prompts, _params(workload), use_tqdm=False)
+    llm.generate(workload.prompts, seeded_params(workload), use_tqdm=False)
     return workload.useful_tokens / (time.perf_counter() - t0)
 
 
@@ -54,9 +47,9 @@ async def sidecar_figures(url: str, model: str, workload, pushes: int) -> dict:
     from rollout import AsyncRolloutClient
 
     client = AsyncRolloutClient(url)
-    await client.generate(workload.prompts[:4], _params(workload)[:4])  # warm-up
+    await client.generate(workload.prompts[:4], seeded_params(workload)[:4])  # warm-up
     t0 = time.perf_counter()
-    groups = await client.generate(workload.prompts, _params(workload))
+    groups = await client.generate(workload.prompts, seeded_params(workload))
     tps = sum(len(r.token_ids) for g in groups for r in g) / (time.perf_counter() - t0)
 
     trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -93,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(available_cpus())
     from transformers import AutoConfig
 
     from recipes.tiny_model import build_tiny_model, default_model_dir
