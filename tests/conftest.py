@@ -1,9 +1,18 @@
+import asyncio
 import os
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per test module, for the tests that drive AsyncEngines with run_until_complete."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture(scope="session")

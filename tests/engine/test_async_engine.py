@@ -18,13 +18,6 @@ EXT = "tests.engine.rpc_extension:RpcTestExtension"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def cfg(qwen2_dir):
     return EngineConfig(model=qwen2_dir, max_num_seqs=64, max_model_len=512, worker_extension_cls=EXT)
 

@@ -34,13 +34,6 @@ TIMEOUT_S = 20.0  # the group's timeout for the tests that do not test timeouts
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engines(qwen2_dir, loop):
     cfg = EngineConfig(model=qwen2_dir, max_num_seqs=8, max_model_len=256, kv_cache_memory_gb=0.1,
                        worker_extension_cls=EXTENSION)
