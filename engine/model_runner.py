@@ -81,6 +81,7 @@ class ModelRunner:
         return max(min_blocks, min(want, cap))
 
     def allocate_kv_cache(self) -> None:
+        self._gather = None  # decode's gather buffers, see _gather_buffers
         shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
@@ -148,7 +149,7 @@ class ModelRunner:
 
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's gather buffers, kept between steps and grown on demand."""
-        buf = getattr(self, "_gather", None)
+        buf = self._gather
         if buf is None or buf[0].shape[0] < num_blocks or buf[0].device != self.k_cache.device:
             shape = (num_blocks, *self.k_cache.shape[2:])
             buf = self._gather = (

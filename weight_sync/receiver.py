@@ -292,7 +292,7 @@ class WeightSyncExtension:
         targets = [params[t.name] if t.name in params else params[aliases[t.name]] for t in m.tensors]
         views = [staging[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in m.tensors]
         swap = st.commit == "swap" and all(p.dtype == v.dtype for p, v in zip(targets, views))
-        return {"targets": targets, "views": views, "swap": swap, "staging": staging}
+        return {"targets": targets, "views": views, "swap": swap}
 
     def _ws_commit(self, m: Manifest, staging: torch.Tensor, plan: dict | None = None) -> None:
         """Point (or copy) every parameter at its staged value. Cannot fail half way: shapes,
