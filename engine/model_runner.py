@@ -150,7 +150,7 @@ class ModelRunner:
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's gather buffers, kept between steps and grown on demand."""
         buf = self._gather
-        if buf is None or buf[0].shape[0] < num_blocks or buf[0].device != self.k_cache.device:
+        if buf is None or buf[0].shape[0] < num_blocks:
             shape = (num_blocks, *self.k_cache.shape[2:])
             buf = self._gather = (
                 torch.empty(shape, dtype=self.k_cache.dtype, device=self.k_cache.device),
