@@ -25,10 +25,12 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from weight_sync.checksum import dedup_tied, weights_checksum
@@ -91,23 +93,23 @@ def _fsdp1_root(model: torch.nn.Module):
     return None
 
 
-@contextlib.contextmanager
-def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """The (clean name, tensor) pairs to push, tied duplicates dropped, inside whatever context
-    makes them readable (FSDP1's summon_full_params). DTensors stay sharded: gather them with
-    `full_tensor()` when they are used."""
-    if isinstance(weights, torch.nn.Module):
-        model = unwrap_model(weights)
-        root = _fsdp1_root(model)
-        ctx = contextlib.nullcontext()
-        if root is not None:
-            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _gather_context(weights):
+    """The context that makes the weights readable (FSDP1's summon_full_params), or None."""
+    if not isinstance(weights, torch.nn.Module):
+        return None
+    root = _fsdp1_root(unwrap_model(weights))
+    if root is None:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-            ctx = FSDP.summon_full_params(root, writeback=False, recurse=True)
-        with ctx, torch.no_grad():
-            named = [(clean_name(n), p.detach()) for n, p in model.named_parameters()]
-            yield _checked(dedup_tied(named))
-        return
+    return FSDP.summon_full_params(root, writeback=False, recurse=True)
+
+
+def _list_weights(weights) -> list[tuple[str, torch.Tensor]]:
+    """(clean name, detached tensor) pairs, tied duplicates dropped; read inside _gather_context."""
+    if isinstance(weights, torch.nn.Module):
+        named = [(clean_name(n), p.detach()) for n, p in unwrap_model(weights).named_parameters()]
+        return _checked(dedup_tied(named))
     if isinstance(weights, dict):
         weights = weights.items()
     named = []
@@ -115,7 +117,16 @@ def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         named.append((clean_name(str(item[0])), item[1].detach()))
-    yield _checked(dedup_tied(named))
+    return _checked(dedup_tied(named))
+
+
+@contextlib.contextmanager
+def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    """The (clean name, tensor) pairs to push, tied duplicates dropped, inside whatever context
+    makes them readable (FSDP1's summon_full_params). DTensors stay sharded: gather them with
+    `full_tensor()` when they are used."""
+    with _gather_context(weights) or contextlib.nullcontext(), torch.no_grad():
+        yield _list_weights(weights)
 
 
 def flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
@@ -165,8 +176,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PreparedPush:
     manifest: Manifest
-    weights: object  # the source, enumerated again (under its gather context) when sending
-    wire_dtypes: dict = field(default_factory=dict)
+    weights: object  # the source, enumerated again (under its gather context) when `named` is None
+    # The (name, tensor) pairs prepare() enumerated, kept when reading them needs no context
+    # (everything but FSDP1): send() then does not walk the model a second time.
+    named: list | None = None
 
 
 class WeightSender:
@@ -195,6 +208,7 @@ class WeightSender:
         self.max_inflight = max(1, int(max_inflight))
         self.group: WeightSyncGroup | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last prepare
 
     # -- group ------------------------------------------------------------------------------
     def open_group(self, world_size: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float | None = None,
@@ -235,10 +249,21 @@ class WeightSender:
         """
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
-        with named_weights(weights) as named:
+        ctx = _gather_context(weights)
+        with ctx or contextlib.nullcontext(), torch.no_grad():
+            named = _list_weights(weights)
             specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+        return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
+
+    def _manifest(self, specs: list, version: int) -> Manifest:
+        """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
+        bucket size are unchanged (every push of a training run)."""
+        key = (specs, self.bucket_bytes)
+        if self._last_layout is not None and self._last_layout[0] == key:
+            return msgspec.structs.replace(self._last_layout[1], version=int(version), push_id=uuid.uuid4().hex)
         manifest = build_manifest(specs, version, self.bucket_bytes)
-        return PreparedPush(manifest, weights)
+        self._last_layout = (key, manifest)
+        return manifest
 
     def checksum(self, weights) -> str:
         """The checksum the engine's `weights_checksum()` reports after this push (same dtype)."""
@@ -264,12 +289,14 @@ class WeightSender:
             raise WeightSyncError("no weight-sync group: open_group() + join_group() first")
         m = prepared.manifest
         t0 = time.perf_counter()
-        with named_weights(prepared.weights) as named:
+        # The list prepare() made is the manifest's own; weights enumerated again must match it.
+        source = named_weights(prepared.weights) if prepared.named is None else contextlib.nullcontext(prepared.named)
+        with source as named:
             status, problem = VOTE_OK, ""
-            got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
-            want = [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]
-            if got != want:
-                status, problem = VOTE_SENDER_ERROR, "the weights changed names, dtypes or shapes since prepare()"
+            if prepared.named is None:
+                got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+                if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
+                    status, problem = VOTE_SENDER_ERROR, "the weights changed names, dtypes or shapes since prepare()"
             self._vote(status, m, problem)
             try:
                 self._send_buckets(m, [t for _, t in named], progress)
