@@ -237,3 +237,24 @@ def test_generator_of_pairs_is_listed_once(hf_models):
     with pytest.raises(ValueError, match="two different tensors"):
         WeightSender().prepare([("module.a", torch.ones(1)), ("a", torch.ones(1))], 1)
     assert math.prod(prepared.manifest.tensors[0].shape) == model.model.embed_tokens.weight.numel()
+
+
+def test_prepare_reuses_the_layout_only_while_nothing_changed(hf_models):
+    model = hf_models["qwen2"]
+    sender = WeightSender(bucket_bytes=2**20)
+    first = sender.prepare(model, 1).manifest
+    again = sender.prepare(model, 2).manifest
+    assert again.tensors is first.tensors and again.buckets is first.buckets  # the layout was reused
+    assert (again.version, first.version) == (2, 1)
+    assert again.push_id != first.push_id and again.digest() != first.digest()
+    fresh = build_manifest([(t.name, t.dtype, t.shape) for t in first.tensors], 2, 2**20)
+    assert (again.tensors, again.buckets, again.layout_bytes) == (fresh.tensors, fresh.buckets, fresh.layout_bytes)
+    sender.bucket_bytes = 2**22  # a new bucket size: planned afresh
+    wider = sender.prepare(model, 3).manifest
+    assert wider.buckets != first.buckets and wider.tensors == first.tensors
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    named[1] = (named[1][0], torch.zeros(3, 5))  # a new shape: planned afresh, and it shows
+    changed = sender.prepare(named, 4).manifest
+    assert list(changed.tensors[1].shape) == [3, 5] and changed.layout_bytes != wider.layout_bytes
+    rebuilt = build_manifest([(t.name, t.dtype, t.shape) for t in changed.tensors], 4, 2**22)
+    assert (changed.tensors, changed.buckets) == (rebuilt.tensors, rebuilt.buckets)
