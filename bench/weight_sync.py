@@ -11,10 +11,12 @@ extension, this process being the trainer (rank 0):
   per-param   one broadcast per parameter into a freshly allocated tensor, copied into the
               parameter in place (the simple servers' pattern; no validation, no atomicity)
 
-Seconds per push (median of --repeats after a warm-up), effective GB/s, and ratios to raw. The
-bucket size is swept (the default, DEFAULT_BUCKET_BYTES, is chosen from this sweep), and ours is
-swept with `keep_staging` on (the transport alone); the default (fresh staging memory every push)
-is measured at the default bucket size.
+Seconds per push (median of --repeats after a warm-up), effective GB/s, and the median of the
+per-push ratios raw / push (each push right after its own raw broadcast: the ratio holds while
+the machine's speed drifts). The default (trainer flattened, staging memory kept: what the recipes
+run on CPU) is interleaved round by round with an unflattened trainer; then fresh staging memory
+every push (keep_staging=False) and a bucket-size sweep (the default, DEFAULT_BUCKET_BYTES, is
+chosen from it), one block each.
 
     python -m bench.weight_sync                 # small (~50M) and medium (~500M) models
     python -m bench.weight_sync --quick         # smoke run on the tiny model
@@ -100,12 +102,12 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}, "ratio": {}, "raw_samples": []}
     raw_buf = torch.ones(nbytes, dtype=torch.uint8)
     try:
-        g = torch.Generator().manual_seed(0)
-
         def nudge(model):
+            """New values in every parameter before each push, written as an optimizer step writes
+            them (in place, every byte)."""
             with torch.no_grad():
                 for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-3)
+                    p.mul_(1 + 1e-4)
 
         async def raw_once() -> float:
             grp = sender.group
@@ -120,39 +122,47 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             await engine.collective_rpc("bench_raw_receive", timeout=timeout_s, args=(nbytes, 1))
             return await fut
 
-        async def ours(bucket_mib: int, keep: bool, model) -> tuple[float, float, list[float]]:
+        async def rounds(variants: list[tuple], keep: bool | None, warmup: int = 5) -> None:
+            """Form a group, then `warmup` + `repeats` rounds; each round pushes every variant
+            (bucket MiB, model, label) once, right after a raw broadcast. Interleaving keeps the
+            machine's drift (on this VM, pushes early in a process run slower for ~10 s) from
+            landing on one variant. keep=None: the worker's default staging policy."""
             await init_weight_sync([engine], sender, timeout_s=timeout_s, keep_staging=keep)
-            sender.bucket_bytes = bucket_mib * 2**20
-            times, ratios, raws = [], [], []
-            for i in range(repeats + 3):  # three warm-ups: with keep_staging, reuse starts at the 3rd push
-                raw = await raw_once() if i >= 3 else None
-                nudge(model)
-                t0 = time.perf_counter()
-                await push_to_engines([engine], sender, model, version=i + 1, timeout=timeout_s)
-                dt = time.perf_counter() - t0
-                if raw is not None:
-                    times.append(dt)
-                    raws.append(raw)
-                    ratios.append(raw / dt)
+            times = {label: [] for _, _, label in variants}
+            ratios = {label: [] for _, _, label in variants}
+            for i in range(warmup + repeats):
+                for mib, model, label in variants:
+                    sender.bucket_bytes = mib * 2**20
+                    raw = await raw_once()
+                    nudge(model)
+                    t0 = time.perf_counter()
+                    await push_to_engines([engine], sender, model, version=next(versions), timeout=timeout_s)
+                    dt = time.perf_counter() - t0
+                    if i >= warmup:
+                        times[label].append(dt)
+                        ratios[label].append(raw / dt)
+                        out["raw_samples"].append(raw)
             (got,) = await engines_checksums([engine])
-            assert got == sender.checksum(model), "engine weights differ from the trainer's"
-            return _median(times), _median(ratios), raws
+            assert got == sender.checksum(variants[-1][1]), "engine weights differ from the trainer's"
+            for mib, _, label in variants:
+                key = f"{mib}MiB{label}"
+                out["ours"][key], out["ratio"][key] = _median(times[label]), _median(ratios[label])
+                log.info("%s ours bucket=%s: %.3fs (%.2f GB/s), %.2f of raw", size, key, out["ours"][key],
+                         nbytes / out["ours"][key] / 1e9, out["ratio"][key])
 
-        # First the defaults as the recipes get them (trainer flattened; on CPU the staging buffer
-        # is kept between pushes), then a trainer that is not flattened (buckets packed), then
-        # fresh staging memory every push (keep_staging=False: the memory-frugal option), then the
-        # bucket-size sweep with warm staging memory.
+        # The defaults as the recipes get them (trainer flattened; on CPU the staging buffer is
+        # kept between pushes) interleaved with a trainer that is not flattened (buckets packed);
+        # then fresh staging memory every push (keep_staging=False: the memory-frugal option);
+        # then the bucket-size sweep (one size at a time: a push reuses the previous push's
+        # layout only at the same size, as in training).
+        versions = iter(range(1, 10**9))
         default_mib = DEFAULT_BUCKET_BYTES // 2**20
-        variants = [(default_mib, None, trainer, " (default, flattened trainer)"),
-                    (default_mib, None, plain, " trainer not flattened"),
-                    (default_mib, False, trainer, " keep_staging=False")]
-        variants += [(mib, True, trainer, " keep_staging") for mib in buckets_mib]
-        for mib, keep, model, label in variants:
-            key = f"{mib}MiB{label}"
-            out["ours"][key], out["ratio"][key], raws = await ours(mib, keep, model)
-            out["raw_samples"] += raws
-            log.info("%s ours bucket=%dMiB%s: %.3fs (%.2f GB/s), %.2f of raw", size, mib, label,
-                     out["ours"][key], nbytes / out["ours"][key] / 1e9, out["ratio"][key])
+        await rounds([(default_mib, trainer, " (default, flattened trainer)"),
+                      (default_mib, plain, " trainer not flattened")], keep=None)
+        await rounds([(default_mib, trainer, " keep_staging=False")], keep=False, warmup=3)
+        for mib in buckets_mib:
+            if mib != default_mib:
+                await rounds([(mib, trainer, " keep_staging")], keep=True, warmup=3)
         out["raw"] = _median(out["raw_samples"])
         log.info("%s raw broadcast: %.3fs (%.2f GB/s)", size, out["raw"], nbytes / out["raw"] / 1e9)
 
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="small,medium", help="model sizes from recipes.tiny_model (default: small,medium)")
     p.add_argument("--buckets-mib", default="4,16,64,256", help="bucket sizes to sweep, MiB (default: 4,16,64,256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed pushes per variant, after warm-up (default: 3)")
+    p.add_argument("--repeats", type=int, default=10, help="timed pushes per variant, after warm-up (default: 10)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="weight-sync group timeout (default: 120)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, two bucket sizes, one repeat")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 
 from weight_sync.manifest import Manifest
-from weight_sync.sender import WeightSender, WeightSyncError
+from weight_sync.sender import StaleManifestError, WeightSender, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -108,41 +109,71 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     pausing to the caller (the engines do not step while a push runs either way: collective_rpc
     runs on the engine's main loop). `timeout` bounds each worker RPC; every network step is also
     bounded by the group's own timeout.
+
+    The trainer's thread starts at once on the previous push's layout (`reuse_layout`): it walks
+    the weights while the workers confirm their group (the preflight) and check the manifest, and
+    votes only once the preflight passed. If the weights no longer fit that layout, every rank
+    refuses before a byte moves and the push runs again on a fresh layout.
     """
-    # Preflight: a worker outside the trainer's group would leave the trainer waiting in the
-    # manifest vote until the group's timeout; catch that in one round trip instead.
     group_name = sender.group.group_name if sender.group is not None and sender.group.ready else None
     if group_name is None:
         raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
+    # Preflight: a worker outside the trainer's group would leave the trainer waiting in the
+    # manifest vote until the group's timeout; one round trip catches it, and no manifest is sent
+    # (so no worker votes) until every engine passed it.
     asking = asyncio.gather(*(e.collective_rpc("weight_sync_info", timeout=timeout) for e in engines))
-    await asyncio.sleep(0)  # let the requests go out before prepare() holds the loop
+    prepared = sender.prepare(weights, version, reuse_layout=True)
+    go, verdict = threading.Event(), []
+
+    def before_vote() -> None:
+        if not go.wait(sender.timeout_s):
+            raise TimeoutError(f"the engines did not answer the preflight within {sender.timeout_s}s")
+        if verdict:
+            raise verdict[0]
+
+    send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared, None, before_vote))
+    paused = False
     try:
-        prepared = sender.prepare(weights, version)  # while the workers answer
-    except BaseException:
-        await asyncio.gather(asking, return_exceptions=True)
-        raise
-    infos = await asking
-    outside = [f"engine {i}: {'no group' if not info[0]['ready'] else 'in group ' + str(info[0]['group_name'])}"
-               for i, info in enumerate(infos) if not info[0]["ready"] or info[0]["group_name"] != group_name]
-    if outside:
-        raise WeightSyncError(f"push of version {version} not started: engines outside the trainer's group "
-                              f"{group_name} ({'; '.join(outside)}); init_weight_sync again", refused=True,
-                              reasons=outside)
-    if pause_mode is not None:
-        await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
-    try:
+        try:
+            infos = await asking
+            outside = [f"engine {i}: {'no group' if not info[0]['ready'] else 'in group ' + str(info[0]['group_name'])}"
+                       for i, info in enumerate(infos)
+                       if not info[0]["ready"] or info[0]["group_name"] != group_name]
+            if outside:
+                raise WeightSyncError(f"push of version {version} not started: engines outside the trainer's "
+                                      f"group {group_name} ({'; '.join(outside)}); init_weight_sync again",
+                                      refused=True, reasons=outside)
+            if pause_mode is not None:
+                paused = True
+                await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
+        except BaseException as e:
+            verdict.append(e if isinstance(e, WeightSyncError) else WeightSyncError(f"push called off: {e!r}",
+                                                                                    refused=True))
+            go.set()
+            await asyncio.gather(send, return_exceptions=True)
+            raise
+        go.set()
         t0 = asyncio.get_running_loop().time()
-        send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared))
-        results = await receive_on_engines(engines, prepared.manifest, timeout)
-        trainer = (await asyncio.gather(send, return_exceptions=True))[0]
+        results, trainer = await _transfer(engines, prepared, send, timeout)
+        if isinstance(trainer, StaleManifestError):  # nothing moved; walk the weights this time
+            prepared = sender.prepare(prepared.weights, version)
+            send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared))
+            results, trainer = await _transfer(engines, prepared, send, timeout)
         trainer_error = trainer if isinstance(trainer, BaseException) else None
         out = await commit_results(engines, results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0
         out["trainer"] = trainer
         return out
     finally:
-        if pause_mode is not None:
+        if paused:
             await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
+
+
+async def _transfer(engines: Sequence, prepared, send: asyncio.Future, timeout: float | None) -> tuple[list, object]:
+    """The workers' receive_weights alongside the trainer's running send: (results, trainer result or error)."""
+    results = await receive_on_engines(engines, prepared.manifest, timeout)
+    trainer = (await asyncio.gather(send, return_exceptions=True))[0]
+    return results, trainer
 
 
 async def load_on_engines(engines: Sequence, path: str, version: int, manifest: Manifest | dict | None = None,

@@ -60,6 +60,14 @@ class WeightSyncError(RuntimeError):
 
 
 # -- names and wrappers -----------------------------------------------------------------------
+class StaleManifestError(WeightSyncError):
+    """A push prepared with `reuse_layout=True` found the weights no longer match the reused
+    layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
+
+    def __init__(self, message: str):
+        super().__init__(message, refused=True)
+
+
 def clean_name(name: str) -> str:
     """The HF name under the wrappers' prefixes."""
     for part in _WRAPPER_PARTS:
@@ -242,25 +250,36 @@ class WeightSender:
     def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.dtype.is_floating_point else t.dtype
 
-    def prepare(self, weights, version: int) -> PreparedPush:
+    def prepare(self, weights, version: int, reuse_layout: bool = False) -> PreparedPush:
         """The manifest of a push (names, dtypes, shapes, layout and buckets); gathers nothing.
 
         A one-shot iterable is listed once here (references, no copies) so it can be sent later.
+        `reuse_layout=True`: when an earlier push has a layout at this bucket size, take it without
+        walking the weights now; `send()` walks them (while the manifest travels to the workers)
+        and, if they no longer fit it, refuses the push before any byte moves
+        (StaleManifestError): prepare again without reuse and push again.
         """
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
+        last = self._last_layout
+        if reuse_layout and last is not None and last[0][1] == self.bucket_bytes:
+            return PreparedPush(self._versioned(last[1], version), weights, None)
         ctx = _gather_context(weights)
         with ctx or contextlib.nullcontext(), torch.no_grad():
             named = _list_weights(weights)
             specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
         return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
 
+    @staticmethod
+    def _versioned(manifest: Manifest, version: int) -> Manifest:
+        return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
+
     def _manifest(self, specs: list, version: int) -> Manifest:
         """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
         bucket size are unchanged (every push of a training run)."""
         key = (specs, self.bucket_bytes)
         if self._last_layout is not None and self._last_layout[0] == key:
-            return msgspec.structs.replace(self._last_layout[1], version=int(version), push_id=uuid.uuid4().hex)
+            return self._versioned(self._last_layout[1], version)
         manifest = build_manifest(specs, version, self.bucket_bytes)
         self._last_layout = (key, manifest)
         return manifest
@@ -275,14 +294,18 @@ class WeightSender:
         benchmarks); normally the manifest must reach the workers first, see engine_sync."""
         return self.send(self.prepare(weights, version), progress)
 
-    def send(self, prepared: PreparedPush, progress: Callable[[int, int], None] | None = None) -> dict:
+    def send(self, prepared: PreparedPush, progress: Callable[[int, int], None] | None = None,
+             before_vote: Callable[[], None] | None = None) -> dict:
         """Run the trainer's side of a push; the workers run `receive_weights(manifest)` meanwhile.
 
         1. vote: every rank says whether it accepts the manifest (and which one it holds);
         2. one broadcast per bucket, double buffered;
         3. commit vote: every rank says it has every byte; only then do the workers commit.
         Raises WeightSyncError (refused=True when nothing moved). `progress(bucket, n_buckets)` is
-        called after each bucket is handed to the transport.
+        called after each bucket is handed to the transport. `before_vote()`, if given, runs once
+        the weights are enumerated, right before the vote: it may block (until the workers are
+        ready) or raise to call the push off; the trainer then never votes, so the caller must
+        make sure no worker is voting either (e.g. it sent them no manifest).
         """
         g = self.group
         if g is None or not g.ready:
@@ -297,6 +320,14 @@ class WeightSender:
                 got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
                 if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
                     status, problem = VOTE_SENDER_ERROR, "the weights changed names, dtypes or shapes since prepare()"
+            if before_vote is not None:
+                try:
+                    before_vote()
+                except WeightSyncError:
+                    raise
+                except Exception as e:
+                    raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}",
+                                          refused=True) from e
             self._vote(status, m, problem)
             try:
                 self._send_buckets(m, [t for _, t in named], progress)
@@ -327,7 +358,7 @@ class WeightSender:
             raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "
                                   "closed") from e
         if status != VOTE_OK:
-            raise WeightSyncError(f"push of version {m.version} not sent: {problem}", refused=True)
+            raise StaleManifestError(f"push of version {m.version} not sent: {problem}")
         if int(r[0]) != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
                                   "workers' errors say why); nothing changed", refused=True)

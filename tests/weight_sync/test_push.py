@@ -138,6 +138,20 @@ def test_repeated_pushes_keep_matching(engines, trainer, sender, group, loop):
     assert infos[0]["version"] == 3 and infos[0]["last"]["transport"] == "broadcast"
 
 
+def test_a_changed_layout_is_pushed_afresh(engines, trainer, sender, group, loop):
+    """A push starts on the previous push's layout; weights that no longer fit it (here: another
+    order) are refused by every rank before a byte moves, and the push runs again on their own."""
+    run(loop, push_to_engines(engines, sender, trainer, version=20))
+    before = sender._last_layout[1]
+    perturb(trainer, seed=20)
+    reordered = list(reversed(_named(trainer)))
+    result = run(loop, push_to_engines(engines, sender, reordered, version=21))
+    assert result["version"] == 21
+    assert [t.name for t in sender._last_layout[1].tensors] == [n for n, _ in reordered]
+    assert [t.name for t in before.tensors] == [n for n, _ in _named(trainer)]
+    assert run(loop, engines_checksums(engines)) == [sender.checksum(trainer)] * 2
+
+
 def test_flattened_trainer_pushes_without_packing(engines, sender, group, loop, qwen2_dir):
     """flatten_parameters lays the trainer's weights out as a push does: the model computes the
     same, still trains, and its pushes send every bucket straight from that memory."""
