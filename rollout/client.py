@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -187,24 +188,49 @@ class AsyncRolloutClient:
         `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out."""
         if self.sender is None or self.sender.group is None:
             raise SidecarError("init_weight_sync() first")
-        prepared = self.sender.prepare(model_or_named_tensors, version)
+        return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, reuse_layout=True)
+
+    async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
+                    reuse_layout: bool) -> dict:
+        from weight_sync.sender import StaleManifestError
+
+        # The trainer's thread walks the weights (on the previous push's layout) while the sidecars
+        # pause, and votes only once every sidecar has paused.
+        prepared = self.sender.prepare(weights, version, reuse_layout=reuse_layout)
         sent = [(i, *await self._send(i, P.PushWeights, manifest=prepared.manifest.to_wire(),
                                       pause_mode=pause_mode or "", timeout_s=timeout_s))
                 for i in range(len(self._socks))]
+        go, verdict = threading.Event(), []
+
+        def before_vote() -> None:
+            go.wait()
+            if verdict:
+                raise verdict[0]
+
+        send = asyncio.ensure_future(asyncio.to_thread(self.sender.send, prepared, progress, before_vote))
         # Broadcast only once every sidecar has paused (a "wait" drain can take long): the
         # group's timeout then bounds the transfer alone.
-        paused = await asyncio.gather(*(self._paused(i, cid, q, timeout_s + 60) for i, cid, q in sent),
-                                      return_exceptions=True)
+        try:
+            paused = await asyncio.gather(*(self._paused(i, cid, q, timeout_s + 60) for i, cid, q in sent),
+                                          return_exceptions=True)
+        except BaseException:  # cancelled: call the trainer's side off; paused workers time out of the vote
+            verdict.append(SidecarError(f"push of version {version} cancelled"))
+            go.set()
+            self.sender.close_group()
+            raise
         errors = [str(e) for e in paused if isinstance(e, BaseException)]
-        trainer = None
         if errors:
+            verdict.append(SidecarError("a sidecar did not pause: " + "; ".join(errors)))
+        go.set()
+        trainer = (await asyncio.gather(send, return_exceptions=True))[0]
+        if errors:
+            trainer = None
             self.sender.close_group()  # workers that did pause time out of the vote and recover
-        else:
-            trainer = (await asyncio.gather(asyncio.to_thread(self.sender.send, prepared, progress),
-                                            return_exceptions=True))[0]
         live = [(i, cid, q) for (i, cid, q), p in zip(sent, paused) if p is True]
         replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in live),
                                        return_exceptions=True)
+        if isinstance(trainer, StaleManifestError) and reuse_layout:  # every rank refused before a byte moved
+            return await self._push(prepared.weights, version, pause_mode, timeout_s, progress, reuse_layout=False)
         errors += [str(r) for r in replies if isinstance(r, BaseException)]
         if isinstance(trainer, BaseException):
             errors.insert(0, f"trainer: {trainer}")

@@ -46,7 +46,8 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 _WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_forward_module.")
 _WRAPPER_TYPES = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine")
-VOTE_OK, VOTE_REFUSED, VOTE_SENDER_ERROR = 0, 1, 2
+# Votes (max over the ranks): any non-zero refuses the push before a byte moves.
+VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
 
 
 class WeightSyncError(RuntimeError):
@@ -312,14 +313,16 @@ class WeightSender:
             raise WeightSyncError("no weight-sync group: open_group() + join_group() first")
         m = prepared.manifest
         t0 = time.perf_counter()
-        # The list prepare() made is the manifest's own; weights enumerated again must match it.
-        source = named_weights(prepared.weights) if prepared.named is None else contextlib.nullcontext(prepared.named)
-        with source as named:
-            status, problem = VOTE_OK, ""
-            if prepared.named is None:
-                got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
-                if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
-                    status, problem = VOTE_SENDER_ERROR, "the weights changed names, dtypes or shapes since prepare()"
+        with contextlib.ExitStack() as stack:
+            status, problem, named = VOTE_OK, "", prepared.named
+            try:
+                if named is None:  # prepare() reused a layout or could not keep the list: walk them now
+                    named = stack.enter_context(named_weights(prepared.weights))
+                    got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+                    if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
+                        status, problem = VOTE_STALE, "the weights changed names, dtypes or shapes since prepare()"
+            except Exception as e:  # the workers may hold the manifest already: they must hear the refusal
+                status, problem = VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}"
             if before_vote is not None:
                 try:
                     before_vote()
@@ -357,8 +360,11 @@ class WeightSender:
             self.close_group()
             raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "
                                   "closed") from e
-        if status != VOTE_OK:
+        if status == VOTE_STALE:
             raise StaleManifestError(f"push of version {m.version} not sent: {problem}")
+        if status != VOTE_OK:
+            raise WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}",
+                                  refused=True)
         if int(r[0]) != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
                                   "workers' errors say why); nothing changed", refused=True)

@@ -152,6 +152,22 @@ def test_a_changed_layout_is_pushed_afresh(engines, trainer, sender, group, loop
     assert run(loop, engines_checksums(engines)) == [sender.checksum(trainer)] * 2
 
 
+def test_unreadable_weights_are_refused_by_every_rank(engines, trainer, sender, group, loop):
+    """The workers may hold the manifest before the trainer finds it cannot read the weights: it
+    still votes, so they refuse at once instead of waiting out the group's timeout."""
+    run(loop, push_to_engines(engines, sender, trainer, version=30))  # a layout to start the next push on
+    before = run(loop, engines_checksums(engines))
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="cannot be read: TypeError") as err:
+        run(loop, push_to_engines(engines, sender, _named(trainer)[:-1] + [("model.norm.weight", "oops")], version=31))
+    assert err.value.refused and time.monotonic() - t0 < TIMEOUT_S / 2
+    assert sum("refused by another rank" in r for r in err.value.reasons) == 2
+    assert sender.group.ready and run(loop, engines_checksums(engines)) == before
+    perturb(trainer, seed=31)
+    run(loop, push_to_engines(engines, sender, trainer, version=31))
+    assert run(loop, engines_checksums(engines)) == [sender.checksum(trainer)] * 2
+
+
 def test_flattened_trainer_pushes_without_packing(engines, sender, group, loop, qwen2_dir):
     """flatten_parameters lays the trainer's weights out as a push does: the model computes the
     same, still trains, and its pushes send every bucket straight from that memory."""
