@@ -69,10 +69,13 @@ async def init_weight_sync(engines: Sequence, sender: WeightSender, host: str = 
     return info
 
 
-async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float | None = None) -> list:
-    """Each engine's `receive_weights(manifest)`; one result or exception per engine."""
+async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float | None = None,
+                             group_name: str | None = None) -> list:
+    """Each engine's `receive_weights(manifest)`; one result or exception per engine. With
+    `group_name`, a worker outside that group refuses at once."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
-    calls = [e.collective_rpc("receive_weights", timeout=timeout, args=(wire,)) for e in engines]
+    kwargs = {"group_name": group_name} if group_name is not None else None
+    calls = [e.collective_rpc("receive_weights", timeout=timeout, args=(wire,), kwargs=kwargs) for e in engines]
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
@@ -119,8 +122,7 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     if group_name is None:
         raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
     # Preflight: a worker outside the trainer's group would leave the trainer waiting in the
-    # manifest vote until the group's timeout; one round trip catches it, and no manifest is sent
-    # (so no worker votes) until every engine passed it.
+    # manifest vote until the group's timeout; the trainer votes only once every engine passed it.
     asking = asyncio.gather(*(e.collective_rpc("weight_sync_info", timeout=timeout) for e in engines))
     prepared = sender.prepare(weights, version, reuse_layout=True)
     go, verdict = threading.Event(), []
@@ -132,6 +134,11 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
             raise verdict[0]
 
     send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared, None, before_vote))
+    # With no pause to come first, the manifest follows the preflight at once (an engine answers
+    # both in order; a worker outside the group refuses it by the group's name).
+    receiving = None
+    if pause_mode is None:
+        receiving = asyncio.ensure_future(receive_on_engines(engines, prepared.manifest, timeout, group_name))
     paused = False
     try:
         try:
@@ -140,25 +147,32 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
                        for i, info in enumerate(infos)
                        if not info[0]["ready"] or info[0]["group_name"] != group_name]
             if outside:
+                closing = "; the trainer's group is closed" if receiving is not None else ""
                 raise WeightSyncError(f"push of version {version} not started: engines outside the trainer's "
-                                      f"group {group_name} ({'; '.join(outside)}); init_weight_sync again",
-                                      refused=True, reasons=outside)
+                                      f"group {group_name} ({'; '.join(outside)}){closing}; init_weight_sync "
+                                      "again", refused=receiving is None, reasons=outside)
             if pause_mode is not None:
                 paused = True
                 await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
         except BaseException as e:
             verdict.append(e if isinstance(e, WeightSyncError) else WeightSyncError(f"push called off: {e!r}",
-                                                                                    refused=True))
+                                                                                    refused=receiving is None))
             go.set()
+            if receiving is not None:  # workers of the group may be in the vote: closing it frees them at once
+                sender.close_group()
+                await asyncio.gather(receiving, return_exceptions=True)
             await asyncio.gather(send, return_exceptions=True)
             raise
         go.set()
         t0 = asyncio.get_running_loop().time()
-        results, trainer = await _transfer(engines, prepared, send, timeout)
+        if receiving is None:
+            receiving = receive_on_engines(engines, prepared.manifest, timeout, group_name)
+        results, trainer = await receiving, (await asyncio.gather(send, return_exceptions=True))[0]
         if isinstance(trainer, StaleManifestError):  # nothing moved; walk the weights this time
             prepared = sender.prepare(prepared.weights, version)
             send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared))
-            results, trainer = await _transfer(engines, prepared, send, timeout)
+            results = await receive_on_engines(engines, prepared.manifest, timeout, group_name)
+            trainer = (await asyncio.gather(send, return_exceptions=True))[0]
         trainer_error = trainer if isinstance(trainer, BaseException) else None
         out = await commit_results(engines, results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0
@@ -167,13 +181,6 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     finally:
         if paused:
             await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
-
-
-async def _transfer(engines: Sequence, prepared, send: asyncio.Future, timeout: float | None) -> tuple[list, object]:
-    """The workers' receive_weights alongside the trainer's running send: (results, trainer result or error)."""
-    results = await receive_on_engines(engines, prepared.manifest, timeout)
-    trainer = (await asyncio.gather(send, return_exceptions=True))[0]
-    return results, trainer
 
 
 async def load_on_engines(engines: Sequence, path: str, version: int, manifest: Manifest | dict | None = None,

@@ -134,15 +134,19 @@ class WeightSyncExtension:
         return _checksum(self.model.named_parameters())
 
     # -- RPC: pushes ------------------------------------------------------------------------
-    def receive_weights(self, manifest) -> dict:
+    def receive_weights(self, manifest, group_name: str | None = None) -> dict:
         """Take one push over the group (the trainer broadcasts concurrently). Returns
         {"version", "bytes", "seconds", ...}. Raises ValueError if the push was refused (nothing
         changed, group still usable) or RuntimeError if the transfer failed (nothing changed,
-        group closed: init_weight_sync again)."""
+        group closed: init_weight_sync again). `group_name`: the trainer's group; a worker in
+        another group (or none) refuses at once instead of voting in the wrong group."""
         st = self._ws()
         g = st.group
         if g is None or not g.ready:
             raise RuntimeError("no weight-sync group: call init_weight_sync first (a failed push closes the group)")
+        if group_name is not None and g.group_name != group_name:
+            raise RuntimeError(f"weight push refused, nothing changed: this worker is in group {g.group_name}, "
+                               f"the trainer's is {group_name}; init_weight_sync again")
         t0 = time.perf_counter()
         m, problems = self._ws_check(manifest)
         staging = None
