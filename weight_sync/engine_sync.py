@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 
 from weight_sync.manifest import Manifest
@@ -73,10 +72,16 @@ async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeo
                              group_name: str | None = None) -> list:
     """Each engine's `receive_weights(manifest)`; one result or exception per engine. With
     `group_name`, a worker outside that group refuses at once."""
+    return await asyncio.gather(*_receive_calls(engines, manifest, timeout, group_name), return_exceptions=True)
+
+
+def _receive_calls(engines: Sequence, manifest: Manifest | dict, timeout: float | None,
+                   group_name: str | None) -> list[asyncio.Task]:
+    """The receive_weights RPCs as tasks: their requests go out at the loop's next turn."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
     kwargs = {"group_name": group_name} if group_name is not None else None
-    calls = [e.collective_rpc("receive_weights", timeout=timeout, args=(wire,), kwargs=kwargs) for e in engines]
-    return await asyncio.gather(*calls, return_exceptions=True)
+    return [asyncio.ensure_future(e.collective_rpc("receive_weights", timeout=timeout, args=(wire,), kwargs=kwargs))
+            for e in engines]
 
 
 async def commit_results(engines: Sequence, results: list, version: int, what: str = "push",
@@ -113,74 +118,77 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     runs on the engine's main loop). `timeout` bounds each worker RPC; every network step is also
     bounded by the group's own timeout.
 
-    The trainer's thread starts at once on the previous push's layout (`reuse_layout`): it walks
-    the weights while the workers confirm their group (the preflight) and check the manifest, and
-    votes only once the preflight passed. If the weights no longer fit that layout, every rank
-    refuses before a byte moves and the push runs again on a fresh layout.
+    The trainer votes only once every worker marked itself ready in the group's store, so an
+    engine outside the group (or gone) calls the push off at once instead of leaving the trainer
+    in the vote. The trainer lists its weights while the workers check the manifest, which
+    reuses the previous push's layout: weights that no longer fit it are refused by every rank
+    before a byte moves, and the push runs again on a fresh layout.
     """
-    group_name = sender.group.group_name if sender.group is not None and sender.group.ready else None
-    if group_name is None:
+    if sender.group is None or not sender.group.ready:
         raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
-    # Preflight: a worker outside the trainer's group would leave the trainer waiting in the
-    # manifest vote until the group's timeout; the trainer votes only once every engine passed it.
-    asking = asyncio.gather(*(e.collective_rpc("weight_sync_info", timeout=timeout) for e in engines))
+    workers = sender.group.world_size - 1
+    if workers != len(engines):  # every rank of the group votes: they must be exactly these engines (one worker each)
+        raise WeightSyncError(f"push of version {version} not started: the trainer's group has {workers} workers but "
+                              f"{len(engines)} engines were given; init_weight_sync(engines, sender) with these "
+                              "engines", refused=True)
     prepared = sender.prepare(weights, version, reuse_layout=True)
-    go, verdict = threading.Event(), []
-
-    def before_vote() -> None:
-        if not go.wait(sender.timeout_s):
-            raise TimeoutError(f"the engines did not answer the preflight within {sender.timeout_s}s")
-        if verdict:
-            raise verdict[0]
-
-    send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared, None, before_vote))
-    # With no pause to come first, the manifest follows the preflight at once (an engine answers
-    # both in order; a worker outside the group refuses it by the group's name).
-    receiving = None
-    if pause_mode is None:
-        receiving = asyncio.ensure_future(receive_on_engines(engines, prepared.manifest, timeout, group_name))
-    paused = False
-    try:
+    if pause_mode is not None:
         try:
-            infos = await asking
-            outside = [f"engine {i}: {'no group' if not info[0]['ready'] else 'in group ' + str(info[0]['group_name'])}"
-                       for i, info in enumerate(infos)
-                       if not info[0]["ready"] or info[0]["group_name"] != group_name]
-            if outside:
-                closing = "; the trainer's group is closed" if receiving is not None else ""
-                raise WeightSyncError(f"push of version {version} not started: engines outside the trainer's "
-                                      f"group {group_name} ({'; '.join(outside)}){closing}; init_weight_sync "
-                                      "again", refused=receiving is None, reasons=outside)
-            if pause_mode is not None:
-                paused = True
-                await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
-        except BaseException as e:
-            verdict.append(e if isinstance(e, WeightSyncError) else WeightSyncError(f"push called off: {e!r}",
-                                                                                    refused=receiving is None))
-            go.set()
-            if receiving is not None:  # workers of the group may be in the vote: closing it frees them at once
-                sender.close_group()
-                await asyncio.gather(receiving, return_exceptions=True)
-            await asyncio.gather(send, return_exceptions=True)
+            await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
+        except BaseException:
+            await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
             raise
-        go.set()
+    try:
         t0 = asyncio.get_running_loop().time()
-        if receiving is None:
-            receiving = receive_on_engines(engines, prepared.manifest, timeout, group_name)
-        results, trainer = await receiving, (await asyncio.gather(send, return_exceptions=True))[0]
-        if isinstance(trainer, StaleManifestError):  # nothing moved; walk the weights this time
+        results, trainer = await _push_once(engines, sender, prepared, timeout)
+        if isinstance(trainer, StaleManifestError):  # nothing moved; list the weights first this time
             prepared = sender.prepare(prepared.weights, version)
-            send = asyncio.ensure_future(asyncio.to_thread(sender.send, prepared))
-            results = await receive_on_engines(engines, prepared.manifest, timeout, group_name)
-            trainer = (await asyncio.gather(send, return_exceptions=True))[0]
+            results, trainer = await _push_once(engines, sender, prepared, timeout)
         trainer_error = trainer if isinstance(trainer, BaseException) else None
         out = await commit_results(engines, results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0
         out["trainer"] = trainer
         return out
     finally:
-        if paused:
+        if pause_mode is not None:
             await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
+
+
+async def _push_once(engines: Sequence, sender: WeightSender, prepared, timeout: float | None) -> tuple[list, object]:
+    """Every worker's receive_weights beside the trainer's send: (worker results, trainer result
+    or error)."""
+    group, push_id = sender.group, prepared.manifest.push_id
+    receiving = _receive_calls(engines, prepared.manifest, timeout, group.group_name)
+    await asyncio.sleep(0)  # the requests leave now, and the trainer lists its weights meanwhile (on
+    sender.walk(prepared)   # this thread: a thread of its own would hold the GIL the replies need)
+    state = {"gate": "waiting", "off": None}
+
+    def call_off(i: int, task: asyncio.Task) -> None:
+        # A worker that answers before voting (outside the group, no group, engine gone) would
+        # leave the trainer waiting at the gate: open it with "off".
+        if task.cancelled() or task.exception() is None or state["gate"] != "waiting" or state["off"]:
+            return
+        state["off"] = f"engine {i}: {_reason(task.exception())}"
+        try:
+            group.mark(f"go/{push_id}", b"off")
+        except Exception as e:  # the trainer then times out of the gate
+            log.warning("could not call push %s off: %s", push_id, e)
+
+    for i, task in enumerate(receiving):
+        task.add_done_callback(lambda t, i=i: call_off(i, t))
+
+    def before_vote() -> None:
+        go = group.wait_mark(f"go/{push_id}", group.timeout_s, forget=(f"ready/{push_id}",))
+        state["gate"] = go.decode()
+        if go != b"ok":
+            raise WeightSyncError(f"push of version {prepared.manifest.version} called off before any byte moved: "
+                                  f"{state['off']}; the trainer's group is closed, init_weight_sync again")
+
+    trainer = (await asyncio.gather(asyncio.to_thread(sender.send, prepared, None, before_vote),
+                                    return_exceptions=True))[0]
+    if state["gate"] != "ok":  # workers that marked themselves ready wait in the vote: closing the group frees them
+        sender.close_group()
+    return await asyncio.gather(*receiving, return_exceptions=True), trainer
 
 
 async def load_on_engines(engines: Sequence, path: str, version: int, manifest: Manifest | dict | None = None,

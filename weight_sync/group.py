@@ -117,6 +117,7 @@ class WeightSyncGroup:
         self.device = torch.device(device)
         self.backend_name = backend_for_device(self.device)
         self._store = store
+        self._wait_store: TCPStore | None = None
         self.port = int(store.port) if store is not None else int(port)
         self._pg = None
         self.closed = False
@@ -151,8 +152,8 @@ class WeightSyncGroup:
         return {"host": self.host, "port": self.port, "world_size": self.world_size, "group_name": self.group_name,
                 "timeout_s": self.timeout_s}
 
-    def _prefix_store(self) -> PrefixStore:
-        return PrefixStore(f"weight_sync/{self.group_name}/", self._store)
+    def _prefix_store(self, store: TCPStore | None = None) -> PrefixStore:
+        return PrefixStore(f"weight_sync/{self.group_name}/", store or self._store)
 
     def join(self) -> "WeightSyncGroup":
         """Check the group's metadata, claim this rank, then form the backend (blocks for every rank)."""
@@ -190,6 +191,33 @@ class WeightSyncGroup:
         log.info("rank %d/%d joined weight-sync group %s (%s) in %.2fs", self.rank, self.world_size,
                  self.group_name, self.backend_name, time.monotonic() - t0)
         return self
+
+    # -- marks: small facts in the store, beside the collectives ------------------------------
+    # They let the trainer wait for every worker to be about to vote, so it never enters a
+    # collective that some rank will not join (and can be called off while it waits).
+    def mark(self, key: str, value: bytes = b"1") -> None:
+        self._prefix_store().set(f"mark/{key}", value)
+
+    def count_mark(self, key: str) -> int:
+        """Add one to counter `key`; returns the count (atomic across ranks)."""
+        return int(self._prefix_store().add(f"mark/{key}", 1))
+
+    def wait_mark(self, key: str, timeout_s: float, forget: tuple[str, ...] = ()) -> bytes:
+        """The value of `key` once it is set (raises GroupError after `timeout_s`); then deletes
+        it and the marks named in `forget`."""
+        # A store connection of its own: a client serves one request at a time, and this wait
+        # must not hold up the mark (from another thread) that ends it.
+        if self._wait_store is None:
+            self._wait_store = TCPStore(self.host, self.port, None, False, _td(self.timeout_s))
+        store = self._prefix_store(self._wait_store)
+        try:
+            store.wait([f"mark/{key}"], _td(timeout_s))
+            value = store.get(f"mark/{key}")
+            for k in (key, *forget):
+                store.delete_key(f"mark/{k}")
+        except Exception as e:
+            raise GroupError(f"waiting for {key} on rank {self.rank}: {_short(e)}") from e
+        return value
 
     @property
     def ready(self) -> bool:
@@ -243,7 +271,7 @@ class WeightSyncGroup:
                     getattr(pg, method)()
                 except Exception:  # a broken group may refuse either: dropping it is what matters
                     pass
-        self._store = None
+        self._store = self._wait_store = None
 
     def __repr__(self) -> str:
         state = "ready" if self.ready else ("closed" if self.closed else "pending")

@@ -138,8 +138,9 @@ class WeightSyncExtension:
         """Take one push over the group (the trainer broadcasts concurrently). Returns
         {"version", "bytes", "seconds", ...}. Raises ValueError if the push was refused (nothing
         changed, group still usable) or RuntimeError if the transfer failed (nothing changed,
-        group closed: init_weight_sync again). `group_name`: the trainer's group; a worker in
-        another group (or none) refuses at once instead of voting in the wrong group."""
+        group closed: init_weight_sync again). `group_name`: the trainer's group, given by a trainer
+        that votes only once every worker marked itself ready (engine_sync.push_to_engines); a
+        worker in another group (or none) refuses at once instead."""
         st = self._ws()
         g = st.group
         if g is None or not g.ready:
@@ -157,6 +158,8 @@ class WeightSyncExtension:
                 problems = [f"cannot allocate {m.layout_bytes} bytes of staging memory: {e}"]
         digest = m.digest() if m is not None else 0
         status = VOTE_REFUSED if problems else VOTE_OK
+        if group_name is not None and m is not None:
+            self._ws_mark_ready(g, m.push_id)
         try:
             r = g.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
         except GroupError as e:
@@ -294,6 +297,15 @@ class WeightSyncExtension:
         st = self._ws()
         if staging is not None and st.keep_staging and st.spare is None:
             st.spare = _whole(staging)
+
+    @staticmethod
+    def _ws_mark_ready(g: WeightSyncGroup, push_id: str) -> None:
+        """Count this worker in; the last one tells the trainer to vote."""
+        try:
+            if g.count_mark(f"ready/{push_id}") == g.world_size - 1:
+                g.mark(f"go/{push_id}", b"ok")
+        except Exception as e:  # the trainer then times out of its wait, and this rank out of the vote
+            log.warning("could not mark this worker ready for push %s: %s", push_id, e)
 
     @staticmethod
     def _ws_retire(g: WeightSyncGroup, inflight: deque) -> int:

@@ -189,6 +189,8 @@ class PreparedPush:
     # The (name, tensor) pairs prepare() enumerated, kept when reading them needs no context
     # (everything but FSDP1): send() then does not walk the model a second time.
     named: list | None = None
+    # (vote, problem) found by walk() when it listed the weights ahead of send()
+    verdict: tuple[int, str] | None = None
 
 
 class WeightSender:
@@ -271,6 +273,28 @@ class WeightSender:
             specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
         return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
 
+    def walk(self, prepared: PreparedPush) -> None:
+        """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
+        check them against its manifest, instead of in send(): for a caller with a wait to hide
+        it in (engine_sync.push_to_engines walks while the workers check the manifest). Does
+        nothing when the push holds its list already or needs a gather context (FSDP1)."""
+        if prepared.named is not None or prepared.verdict is not None or _gather_context(prepared.weights):
+            return
+        try:
+            named = _list_weights(prepared.weights)
+            prepared.verdict = self._check(named, prepared.manifest)
+        except Exception as e:  # send() votes the refusal: the workers may hold the manifest already
+            prepared.verdict = (VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}")
+            return
+        prepared.named = named
+
+    def _check(self, named: list, m: Manifest) -> tuple[int, str]:
+        """Whether listed weights still fit the manifest (a reused layout may not)."""
+        got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+        if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
+            return VOTE_STALE, "the weights changed names, dtypes or shapes since prepare()"
+        return VOTE_OK, ""
+
     @staticmethod
     def _versioned(manifest: Manifest, version: int) -> Manifest:
         return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
@@ -314,13 +338,12 @@ class WeightSender:
         m = prepared.manifest
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            status, problem, named = VOTE_OK, "", prepared.named
+            named = prepared.named
+            status, problem = prepared.verdict or (VOTE_OK, "")
             try:
-                if named is None:  # prepare() reused a layout or could not keep the list: walk them now
+                if named is None and status == VOTE_OK:  # a reused layout, or a gather context: list them now
                     named = stack.enter_context(named_weights(prepared.weights))
-                    got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
-                    if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
-                        status, problem = VOTE_STALE, "the weights changed names, dtypes or shapes since prepare()"
+                    status, problem = self._check(named, m)
             except Exception as e:  # the workers may hold the manifest already: they must hear the refusal
                 status, problem = VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}"
             if before_vote is not None:

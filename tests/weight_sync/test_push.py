@@ -330,13 +330,24 @@ def test_stalled_trainer_times_out_and_the_next_push_succeeds(engines, trainer, 
     # Pushing into a torn-down group fails at once (no trainer left waiting in a vote) ...
     with pytest.raises(WeightSyncError, match="no weight-sync group"):
         run(loop, push_to_engines(engines, sender, trainer, version=8))
-    # ... and so does pushing to an engine outside the trainer's current group.
+    # ... and so does pushing to more engines than the trainer's group holds (group still usable) ...
     info = sender.open_group(world_size=2)
     run(loop, gather(asyncio.to_thread(sender.join_group), join_engines(engines[:1], info, 1)))
     t0 = time.monotonic()
-    with pytest.raises(WeightSyncError, match="engine 1: no group"):
+    with pytest.raises(WeightSyncError, match="1 workers but 2 engines") as err:
+        run(loop, push_to_engines(engines, sender, trainer, version=8))
+    assert err.value.refused and time.monotonic() - t0 < 2
+    assert run(loop, engines_checksums(engines)) == before
+    # ... and pushing to an engine that left the group: it calls the push off before the vote,
+    # and the engine that did get ready is let go at once.
+    run(loop, _form_group(engines, sender))
+    run(loop, engines[1].collective_rpc("close_weight_sync"))
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="called off.*engine 1: RuntimeError: no weight-sync group"):
         run(loop, push_to_engines(engines, sender, trainer, version=8))
     assert time.monotonic() - t0 < 2
+    assert run(loop, engines_checksums(engines)) == before  # engine 0 did not commit alone
+    assert sender.group is None  # closed: engine 0 was waiting in the vote
 
     run(loop, _form_group(engines, sender))
     run(loop, push_to_engines(engines, sender, trainer, version=8))
