@@ -12,8 +12,9 @@ extension, this process being the trainer (rank 0):
               parameter in place (the simple servers' pattern; no validation, no atomicity)
 
 Seconds per push (median of --repeats after a warm-up), effective GB/s, and the median of the
-per-push ratios raw / push (each push right after its own raw broadcast: the ratio holds while
-the machine's speed drifts). The default (trainer flattened, staging memory kept: what the recipes
+per-push ratios raw / push (each push right after its own raw broadcast, both right after an
+in-place write of every weight as an optimizer step does: the ratio holds while the machine's
+speed drifts). The default (trainer flattened, staging memory kept: what the recipes
 run on CPU) is interleaved round by round with an unflattened trainer; then fresh staging memory
 every push (keep_staging=False) and a bucket-size sweep (the default, DEFAULT_BUCKET_BYTES, is
 chosen from it), one block each.
@@ -133,7 +134,8 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             for i in range(warmup + repeats):
                 for mib, model, label in variants:
                     sender.bucket_bytes = mib * 2**20
-                    raw = await raw_once()
+                    nudge(model)  # both right after an optimizer-like write: its OpenMP threads
+                    raw = await raw_once()  # spin on for a while and slow whatever follows
                     nudge(model)
                     t0 = time.perf_counter()
                     await push_to_engines([engine], sender, model, version=next(versions), timeout=timeout_s)
@@ -180,7 +182,9 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
 
         times, ratios = [], []
         for i in range(repeats + 1):
+            nudge(trainer)
             raw = await raw_once()
+            nudge(trainer)
             fut = asyncio.ensure_future(asyncio.to_thread(per_param_send))
             await engine.collective_rpc("bench_per_param_receive", timeout=timeout_s, args=(specs, 1))
             dt = await fut

@@ -8,7 +8,8 @@ A push is all or nothing:
    layout) and vote: if any rank refuses, every rank stops before a byte moves;
 2. receive every bucket into a staging buffer laid out like the manifest (one flat buffer, the
    size of the pushed weights); the model keeps serving the previous weights untouched;
-3. commit vote: only when every rank holds every byte does any rank commit;
+3. commit vote: only when every rank holds every byte does any rank commit (with a single
+   worker its own receive says it all: no vote);
 4. commit: each parameter is pointed at its slice of the staging buffer (`param.data = view`,
    no copy; the previous storage is released) or, when a dtype cast is needed or
    `commit="copy"` was asked for, copied into (`param.copy_(view)`).
@@ -194,9 +195,10 @@ class WeightSyncExtension:
             while inflight:
                 received += self._ws_retire(g, inflight)
             g.synchronize()
-            r = g.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
-            if int(r[0]) != VOTE_OK:
-                raise GroupError("another rank did not receive every byte")
+            if g.world_size > 2:  # other workers: commit only if every one holds every byte
+                r = g.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
+                if int(r[0]) != VOTE_OK:
+                    raise GroupError("another rank did not receive every byte")
         except Exception as e:
             self.close_weight_sync(drop_staging=False)
             self._ws_release(staging)

@@ -325,7 +325,8 @@ class WeightSender:
 
         1. vote: every rank says whether it accepts the manifest (and which one it holds);
         2. one broadcast per bucket, double buffered;
-        3. commit vote: every rank says it has every byte; only then do the workers commit.
+        3. commit vote: every rank says it has every byte; only then do the workers commit (a
+           single worker needs no vote: its own receive tells it).
         Raises WeightSyncError (refused=True when nothing moved). `progress(bucket, n_buckets)` is
         called after each bucket is handed to the transport. `before_vote()`, if given, runs once
         the weights are enumerated, right before the vote: it may block (until the workers are
@@ -396,6 +397,8 @@ class WeightSender:
                                   refused=True)
 
     def _commit_vote(self, m: Manifest) -> None:
+        if self.group.world_size == 2:  # one worker: it commits on its own receive (see receiver.py)
+            return
         r = self.group.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
         if int(r[0]) != VOTE_OK:
             raise GroupError("a worker did not receive every byte")
