@@ -71,6 +71,7 @@ async def sidecar_figures(url: str, model: str, workload, pushes: int) -> dict:
                      "stall_minus_transfer": pause - side["transfer_seconds"]})
         await asyncio.sleep(0.3)
     load.cancel()
+    await asyncio.gather(load, return_exceptions=True)  # let the cancelled request unwind before the loop goes
     await client.close()
     return {"tps": tps, "pushes": rows, "bytes": sum(p.numel() * 4 for p in trainer.parameters())}
 

@@ -200,6 +200,7 @@ class AsyncRolloutClient:
         sent = [(i, *await self._send(i, P.PushWeights, manifest=prepared.manifest.to_wire(),
                                       pause_mode=pause_mode or "", timeout_s=timeout_s))
                 for i in range(len(self._socks))]
+        self.sender.walk(prepared)  # while the sidecars pause; here, as a thread would hold the GIL the replies need
         go, verdict = threading.Event(), []
 
         def before_vote() -> None:
