@@ -243,7 +243,7 @@ class WeightSyncGroup:
         """Blocking element-wise MAX over every rank of a small int64 tensor (votes).
 
         Done as an all-gather and a local max: gloo's all-reduce of a few integers takes ~1 ms on
-        loopback, its all-gather ~0.25 ms (measured, /bench/RESULTS.md), and a push votes twice."""
+        loopback, its all-gather ~0.25 ms (measured, bench/RESULTS.md), and every push votes."""
         t = tensor.to(self.device).reshape(-1)
         gathered = [torch.empty_like(t) for _ in range(self.world_size)]
         try:
