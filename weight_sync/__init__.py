@@ -9,9 +9,8 @@ See weight_sync/README.md.
 from weight_sync.checksum import weights_checksum
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import Manifest, build_manifest, plan_layout, validate_manifest
-from weight_sync.sender import (
-    DEFAULT_BUCKET_BYTES, WeightSender, WeightSyncError, clean_name, flatten_parameters, unwrap_model,
-)
+from weight_sync.sender import DEFAULT_BUCKET_BYTES, WeightSender, WeightSyncError
+from weight_sync.trainer_weights import clean_name, flatten_parameters, unwrap_model
 
 EXTENSION = "weight_sync.receiver:WeightSyncExtension"
 

@@ -19,7 +19,8 @@ import os
 import torch
 
 from weight_sync.manifest import Manifest, build_manifest, dtype_name
-from weight_sync.sender import DEFAULT_BUCKET_BYTES, _full, named_weights
+from weight_sync.sender import DEFAULT_BUCKET_BYTES
+from weight_sync.trainer_weights import full, named_weights
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -35,7 +36,7 @@ def write_safetensors(weights, path: str | os.PathLike, version: int, dtype: tor
     with named_weights(weights) as named:
         tensors = {}
         for name, t in named:
-            t = _full(t)
+            t = full(t)
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             tensors[name] = t.detach().to("cpu").contiguous()

@@ -41,7 +41,7 @@ import torch
 from weight_sync.checksum import weights_checksum as _checksum
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import (
-    DTYPES, Manifest, check_layout, model_params, param_infos, validate_manifest,
+    DTYPES, Manifest, model_params, param_infos, validate_manifest,
 )
 from weight_sync.sender import VOTE_OK, VOTE_REFUSED
 

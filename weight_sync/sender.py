@@ -1,18 +1,14 @@
 """Trainer side: `WeightSender` streams a model's weights to every engine worker in one broadcast
 per bucket, over a weight-sync group the trainer heads (rank 0).
 
-What it accepts: an `nn.Module` (wrapped or not) or an iterable of `(name, tensor)`.
+What it accepts: an `nn.Module` (wrapped or not) or an iterable of `(name, tensor)`; which tensors
+that means, under which names, is `weight_sync.trainer_weights`.
 
-- Wrappers (accelerate's `unwrap_model` semantics): `DistributedDataParallel` / `DataParallel` /
-  DeepSpeed engines (`.module`), `torch.compile` (`_orig_mod`), FSDP1. Names are cleaned of the
-  prefixes wrappers add (`module.`, `_orig_mod.`, `_fsdp_wrapped_module.`,
-  `_checkpoint_wrapped_module.`), so they are the HF names the engine has.
-- Sharded parameters: DTensors (FSDP2 / tensor parallel) are gathered one at a time with
-  `full_tensor()` right before their bucket is packed; FSDP1 modules are read inside
-  `FSDP.summon_full_params(writeback=False)` (FSDP1 materialises every full parameter at once:
-  that is its design, not ours). Gathers are collectives of the trainer's own group: every
-  trainer rank must take part, the non-zero ranks through `WeightSender.gather_only(weights)`.
-- Tied weights are sent once, under the first name (`model.embed_tokens.weight`).
+- Sharded parameters are gathered one at a time (DTensor `full_tensor()`) right before their
+  bucket is packed, FSDP1 modules are read inside `summon_full_params` (FSDP1 materialises every
+  full parameter at once: that is its design, not ours). Gathers are collectives of the
+  trainer's own group: every trainer rank must take part, the non-zero ranks through
+  `WeightSender.gather_only(weights)`.
 - Memory: no second copy of the model. A bucket made of one contiguous tensor already in the
   wire dtype and on the group's device is broadcast straight from the tensor (zero copy); other
   buckets are packed into one of two bucket buffers, packing bucket k+1 while bucket k is on the
@@ -23,19 +19,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
-from weight_sync.checksum import dedup_tied, weights_checksum
+from weight_sync.checksum import weights_checksum
 from weight_sync.group import GroupError, WeightSyncGroup
-from weight_sync.manifest import ALIGNMENT, DTYPES, Manifest, build_manifest, dtype_name, plan_layout
+from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
+from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +40,6 @@ log = logging.getLogger(__name__)
 # trainer's two packing buffers for nothing. The DESIGN's "hundreds of MB" suits NCCL links.
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
-_WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_forward_module.")
-_WRAPPER_TYPES = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine")
 # Votes (max over the ranks): any non-zero refuses the push before a byte moves.
 VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
 
@@ -60,126 +54,12 @@ class WeightSyncError(RuntimeError):
         self.reasons = reasons or [message]
 
 
-# -- names and wrappers -----------------------------------------------------------------------
 class StaleManifestError(WeightSyncError):
     """A push prepared with `reuse_layout=True` found the weights no longer match the reused
     layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
 
     def __init__(self, message: str):
         super().__init__(message, refused=True)
-
-
-def clean_name(name: str) -> str:
-    """The HF name under the wrappers' prefixes."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / DataParallel / DeepSpeed (`.module`) and torch.compile (`_orig_mod`) wrappers, as
-    `accelerator.unwrap_model` does. FSDP1 is left in place: its parameters are read through it."""
-    while True:
-        orig = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(orig, torch.nn.Module):
-            model = orig
-        elif type(model).__name__ in _WRAPPER_TYPES and isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        else:
-            return model
-
-
-def _fsdp1_root(model: torch.nn.Module):
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except Exception:  # torch without distributed
-        return None
-    for m in model.modules():
-        if isinstance(m, FSDP):
-            return m
-    return None
-
-
-def _gather_context(weights):
-    """The context that makes the weights readable (FSDP1's summon_full_params), or None."""
-    if not isinstance(weights, torch.nn.Module):
-        return None
-    root = _fsdp1_root(unwrap_model(weights))
-    if root is None:
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return FSDP.summon_full_params(root, writeback=False, recurse=True)
-
-
-def _list_weights(weights) -> list[tuple[str, torch.Tensor]]:
-    """(clean name, detached tensor) pairs, tied duplicates dropped; read inside _gather_context."""
-    if isinstance(weights, torch.nn.Module):
-        named = [(clean_name(n), p.detach()) for n, p in unwrap_model(weights).named_parameters()]
-        return _checked(dedup_tied(named))
-    if isinstance(weights, dict):
-        weights = weights.items()
-    named = []
-    for item in weights:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
-        named.append((clean_name(str(item[0])), item[1].detach()))
-    return _checked(dedup_tied(named))
-
-
-@contextlib.contextmanager
-def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    """The (clean name, tensor) pairs to push, tied duplicates dropped, inside whatever context
-    makes them readable (FSDP1's summon_full_params). DTensors stay sharded: gather them with
-    `full_tensor()` when they are used."""
-    with _gather_context(weights) or contextlib.nullcontext(), torch.no_grad():
-        yield _list_weights(weights)
-
-
-def flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
-    """Move a model's parameters into one flat buffer laid out exactly as a push lays them out
-    (push order, tied weights once, ALIGNMENT-aligned offsets): every bucket of a later push is
-    then a slice of that buffer and goes on the wire with no packing copy, which on CPU is the
-    cost that separates a push from a raw broadcast. Parameters keep their identity (optimizer
-    state, DDP hooks and accelerate still hold the same objects); only their storage moves, so
-    call it once, before training. Not for sharded models (FSDP, DTensor). Returns the buffer."""
-    root = unwrap_model(model)
-    if _fsdp1_root(root) is not None:
-        raise ValueError("flatten_parameters is for unsharded models (FSDP shards its own flat parameters)")
-    params = {clean_name(n): p for n, p in root.named_parameters()}
-    with named_weights(root) as named:
-        if any(hasattr(t, "full_tensor") for _, t in named):
-            raise ValueError("flatten_parameters is for unsharded models (found a DTensor)")
-        devices = {t.device for _, t in named}
-        if len(devices) != 1:
-            raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
-        offsets, layout, _ = plan_layout([t.numel() * t.element_size() for _, t in named], 1)
-        buf = torch.empty(layout + ALIGNMENT, dtype=torch.uint8, device=devices.pop())
-        shift = -buf.data_ptr() % ALIGNMENT  # offsets are relative: align the start like a staging buffer
-        flat = buf[shift: shift + layout]
-        with torch.no_grad():
-            for (name, t), off in zip(named, offsets):
-                p = params[name]
-                view = flat[off: off + t.numel() * t.element_size()].view(p.dtype).view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-    return flat
-
-
-def _checked(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    seen: set[str] = set()
-    for n, _ in named:
-        if n in seen:
-            raise ValueError(f"two different tensors are named {n!r} (after removing wrapper prefixes)")
-        seen.add(n)
-    return named
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered to its full value (a collective of the trainer's group), else itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @dataclass
@@ -267,9 +147,9 @@ class WeightSender:
         last = self._last_layout
         if reuse_layout and last is not None and last[0][1] == self.bucket_bytes:
             return PreparedPush(self._versioned(last[1], version), weights, None)
-        ctx = _gather_context(weights)
+        ctx = gather_context(weights)
         with ctx or contextlib.nullcontext(), torch.no_grad():
-            named = _list_weights(weights)
+            named = list_weights(weights)
             specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
         return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
 
@@ -278,10 +158,10 @@ class WeightSender:
         check them against its manifest, instead of in send(): for a caller with a wait to hide
         it in (engine_sync.push_to_engines walks while the workers check the manifest). Does
         nothing when the push holds its list already or needs a gather context (FSDP1)."""
-        if prepared.named is not None or prepared.verdict is not None or _gather_context(prepared.weights):
+        if prepared.named is not None or prepared.verdict is not None or gather_context(prepared.weights):
             return
         try:
-            named = _list_weights(prepared.weights)
+            named = list_weights(prepared.weights)
             prepared.verdict = self._check(named, prepared.manifest)
         except Exception as e:  # send() votes the refusal: the workers may hold the manifest already
             prepared.verdict = (VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}")
@@ -312,7 +192,7 @@ class WeightSender:
     def checksum(self, weights) -> str:
         """The checksum the engine's `weights_checksum()` reports after this push (same dtype)."""
         with named_weights(weights) as named:
-            return weights_checksum((n, _full(t)) for n, t in named)
+            return weights_checksum((n, full(t)) for n, t in named)
 
     def push(self, weights, version: int, progress: Callable[[int, int], None] | None = None) -> dict:
         """prepare + send: only for when the workers already hold the manifest's twin (tests,
@@ -439,7 +319,7 @@ class WeightSender:
             spec = m.tensors[i]
             if not spec.nbytes:
                 continue
-            src = _full(tensors[i])
+            src = full(tensors[i])
             lo = spec.offset - b.start
             dst = out[lo: lo + spec.nbytes].view(dtype_from(spec.dtype)).view(spec.shape)
             dst.copy_(src)

@@ -12,7 +12,8 @@ from weight_sync.manifest import (
     ALIGNMENT, Bucket, Manifest, ParamInfo, build_manifest, can_take, check_layout, model_params, param_infos,
     plan_layout, validate_manifest,
 )
-from weight_sync.sender import WeightSender, clean_name, named_weights, unwrap_model
+from weight_sync.sender import WeightSender
+from weight_sync.trainer_weights import clean_name, named_weights, unwrap_model
 
 
 # -- bucket planning -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from weight_sync.engine_sync import (
     engines_checksums, join_engines, load_on_engines, push_to_engines, receive_on_engines,
 )
 from weight_sync.files import write_safetensors
-from weight_sync.sender import flatten_parameters
+from weight_sync.trainer_weights import flatten_parameters
 
 pytestmark = pytest.mark.timeout(180)
 
