@@ -100,7 +100,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=4, max_model_len=256, kv_cache_memory_gb=0.05,
                                       worker_extension_cls=EXT))
     sender = WeightSender(timeout_s=timeout_s)
-    out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}, "ratio": {}, "raw_samples": []}
+    out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}, "ratio": {}, "extra": {}, "raw_samples": []}
     raw_buf = torch.ones(nbytes, dtype=torch.uint8)
     try:
         def nudge(model):
@@ -131,6 +131,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             await init_weight_sync([engine], sender, timeout_s=timeout_s, keep_staging=keep)
             times = {label: [] for _, _, label in variants}
             ratios = {label: [] for _, _, label in variants}
+            extra = {label: [] for _, _, label in variants}
             for i in range(warmup + repeats):
                 for mib, model, label in variants:
                     sender.bucket_bytes = mib * 2**20
@@ -143,12 +144,14 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
                     if i >= warmup:
                         times[label].append(dt)
                         ratios[label].append(raw / dt)
+                        extra[label].append(dt - raw)
                         out["raw_samples"].append(raw)
             (got,) = await engines_checksums([engine])
             assert got == sender.checksum(variants[-1][1]), "engine weights differ from the trainer's"
             for mib, _, label in variants:
                 key = f"{mib}MiB{label}"
                 out["ours"][key], out["ratio"][key] = _median(times[label]), _median(ratios[label])
+                out["extra"][key] = _median(extra[label])
                 log.info("%s ours bucket=%s: %.3fs (%.2f GB/s), %.2f of raw", size, key, out["ours"][key],
                          nbytes / out["ours"][key] / 1e9, out["ratio"][key])
 
@@ -180,7 +183,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             grp.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
             return time.perf_counter() - t0
 
-        times, ratios = [], []
+        times, ratios, extra = [], [], []
         for i in range(repeats + 1):
             nudge(trainer)
             raw = await raw_once()
@@ -191,7 +194,8 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
             if i:
                 times.append(dt)
                 ratios.append(raw / dt)
-        out["per_param"], out["per_param_ratio"] = _median(times), _median(ratios)
+                extra.append(dt - raw)
+        out["per_param"], out["per_param_ratio"], out["per_param_extra"] = _median(times), _median(ratios), _median(extra)
         log.info("%s per-param: %.3fs (%.2f GB/s), %.2f of raw", size, out["per_param"],
                  nbytes / out["per_param"] / 1e9, out["per_param_ratio"])
     finally:
@@ -201,17 +205,18 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
 
 
 def report(results: list[dict]) -> str:
-    """Seconds per push (median), GB/s, and the median of the per-pair ratios raw / variant."""
+    """Seconds per push (median), GB/s, the median of the per-pair ratios raw / variant, and the
+    median of the per-pair differences variant - raw (what a push costs beyond the bytes)."""
     lines = []
     for r in results:
         gb = r["bytes"] / 1e9
         lines.append(f"\n{r['size']}: {r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB fp32")
-        lines.append(f"  {'variant':<40}{'s/push':>9}{'GB/s':>8}{'vs raw':>8}")
-        rows = [("raw gloo broadcast (1 flat buffer)", r["raw"], 1.0),
-                ("one broadcast per param", r["per_param"], r["per_param_ratio"])]
-        rows += [(f"ours, bucket {k}", v, r["ratio"][k]) for k, v in r["ours"].items()]
-        for name, s, ratio in rows:
-            lines.append(f"  {name:<40}{s:>9.3f}{gb / s:>8.2f}{ratio:>8.2f}")
+        lines.append(f"  {'variant':<52}{'s/push':>8}{'GB/s':>7}{'vs raw':>8}{'+ms':>8}")
+        rows = [("raw gloo broadcast (1 flat buffer)", r["raw"], 1.0, 0.0),
+                ("one broadcast per param", r["per_param"], r["per_param_ratio"], r["per_param_extra"])]
+        rows += [(f"ours, bucket {k}", v, r["ratio"][k], r["extra"][k]) for k, v in r["ours"].items()]
+        for name, s, ratio, extra in rows:
+            lines.append(f"  {name:<52}{s:>8.3f}{gb / s:>7.2f}{ratio:>8.2f}{extra * 1e3:>8.1f}")
     return "\n".join(lines)
 
 
