@@ -71,6 +71,33 @@ def test_form_broadcast_vote_close_and_form_again():
             master.broadcast(src)
 
 
+def test_marks_count_wake_the_waiter_and_are_forgotten():
+    master, res = _form(3)
+    workers = res[1:]
+    waited = {}
+
+    def wait():
+        t0 = time.monotonic()
+        waited["value"] = master.wait_mark("go/p1", timeout_s=10, forget=("ready/p1",))
+        waited["seconds"] = time.monotonic() - t0
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert [w.count_mark("ready/p1") for w in workers] == [1, 2]  # atomic across ranks
+    time.sleep(0.2)
+    assert "value" not in waited  # nobody said go yet
+    workers[1].mark("go/p1", b"ok")
+    waiter.join(10)
+    assert waited["value"] == b"ok" and waited["seconds"] < 5
+    assert workers[0].count_mark("ready/p1") == 1  # the counter was forgotten with the mark
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match="go/p2"):
+        master.wait_mark("go/p2", timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    for g in [master, *workers]:
+        g.close()
+
+
 def test_missing_rank_times_out():
     t0 = time.monotonic()
     master, res = _form(3, timeout_s=2.0, ranks=[1])  # rank 2 never comes
