@@ -7,8 +7,9 @@ import asyncio
 import logging
 import time
 
-from weight_sync.engine_sync import commit_results
-from weight_sync.engine_sync import close_weight_sync, join_engines, load_on_engines, receive_on_engines
+from weight_sync.engine_sync import (
+    close_weight_sync, commit_results, join_engines, load_on_engines, receive_on_engines,
+)
 from weight_sync.manifest import Manifest
 
 log = logging.getLogger(__name__)

@@ -132,13 +132,9 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
                               f"{len(engines)} engines were given; init_weight_sync(engines, sender) with these "
                               "engines", refused=True)
     prepared = sender.prepare(weights, version, reuse_layout=True)
-    if pause_mode is not None:
-        try:
-            await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
-        except BaseException:
-            await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
-            raise
     try:
+        if pause_mode is not None:
+            await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
         t0 = asyncio.get_running_loop().time()
         results, trainer = await _push_once(engines, sender, prepared, timeout)
         if isinstance(trainer, StaleManifestError):  # nothing moved; list the weights first this time
@@ -170,7 +166,7 @@ async def _push_once(engines: Sequence, sender: WeightSender, prepared, timeout:
             return
         state["off"] = f"engine {i}: {_reason(task.exception())}"
         try:
-            group.mark(f"go/{push_id}", b"off")
+            group.call_off(push_id)
         except Exception as e:  # the trainer then times out of the gate
             log.warning("could not call push %s off: %s", push_id, e)
 
@@ -178,9 +174,9 @@ async def _push_once(engines: Sequence, sender: WeightSender, prepared, timeout:
         task.add_done_callback(lambda t, i=i: call_off(i, t))
 
     def before_vote() -> None:
-        go = group.wait_mark(f"go/{push_id}", group.timeout_s, forget=(f"ready/{push_id}",))
-        state["gate"] = go.decode()
-        if go != b"ok":
+        go = group.wait_ready(push_id, group.timeout_s)
+        state["gate"] = "ok" if go else "off"
+        if not go:
             raise WeightSyncError(f"push of version {prepared.manifest.version} called off before any byte moved: "
                                   f"{state['off']}; the trainer's group is closed, init_weight_sync again")
 

@@ -192,32 +192,35 @@ class WeightSyncGroup:
                  self.group_name, self.backend_name, time.monotonic() - t0)
         return self
 
-    # -- marks: small facts in the store, beside the collectives ------------------------------
-    # They let the trainer wait for every worker to be about to vote, so it never enters a
-    # collective that some rank will not join (and can be called off while it waits).
-    def mark(self, key: str, value: bytes = b"1") -> None:
-        self._prefix_store().set(f"mark/{key}", value)
+    # -- readiness marks: small facts in the store, beside the collectives ---------------------
+    # The trainer enters a push's vote only once every worker is about to vote, so it never
+    # waits in a collective that some rank will not join, and it can be called off meanwhile.
+    def mark_ready(self, push_id: str) -> None:
+        """A worker about to vote on push `push_id`: count it in; the last one says go."""
+        if int(self._prefix_store().add(f"mark/ready/{push_id}", 1)) == self.world_size - 1:
+            self._prefix_store().set(f"mark/go/{push_id}", b"ok")
 
-    def count_mark(self, key: str) -> int:
-        """Add one to counter `key`; returns the count (atomic across ranks)."""
-        return int(self._prefix_store().add(f"mark/{key}", 1))
+    def call_off(self, push_id: str) -> None:
+        """End the trainer's wait for push `push_id` without a vote (a worker will not come)."""
+        self._prefix_store().set(f"mark/go/{push_id}", b"off")
 
-    def wait_mark(self, key: str, timeout_s: float, forget: tuple[str, ...] = ()) -> bytes:
-        """The value of `key` once it is set (raises GroupError after `timeout_s`); then deletes
-        it and the marks named in `forget`."""
+    def wait_ready(self, push_id: str, timeout_s: float) -> bool:
+        """The trainer: True once every worker marked itself ready for push `push_id`, False if it
+        was called off; raises GroupError after `timeout_s`. Forgets the push's marks."""
         # A store connection of its own: a client serves one request at a time, and this wait
-        # must not hold up the mark (from another thread) that ends it.
+        # must not hold up the call_off (from another thread) that ends it.
         if self._wait_store is None:
             self._wait_store = TCPStore(self.host, self.port, None, False, _td(self.timeout_s))
         store = self._prefix_store(self._wait_store)
+        go = f"mark/go/{push_id}"
         try:
-            store.wait([f"mark/{key}"], _td(timeout_s))
-            value = store.get(f"mark/{key}")
-            for k in (key, *forget):
-                store.delete_key(f"mark/{k}")
+            store.wait([go], _td(timeout_s))
+            value = store.get(go)
+            for key in (go, f"mark/ready/{push_id}"):
+                store.delete_key(key)
         except Exception as e:
-            raise GroupError(f"waiting for {key} on rank {self.rank}: {_short(e)}") from e
-        return value
+            raise GroupError(f"waiting for the workers of push {push_id} on rank {self.rank}: {_short(e)}") from e
+        return value == b"ok"
 
     @property
     def ready(self) -> bool:

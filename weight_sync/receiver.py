@@ -302,10 +302,8 @@ class WeightSyncExtension:
 
     @staticmethod
     def _ws_mark_ready(g: WeightSyncGroup, push_id: str) -> None:
-        """Count this worker in; the last one tells the trainer to vote."""
         try:
-            if g.count_mark(f"ready/{push_id}") == g.world_size - 1:
-                g.mark(f"go/{push_id}", b"ok")
+            g.mark_ready(push_id)
         except Exception as e:  # the trainer then times out of its wait, and this rank out of the vote
             log.warning("could not mark this worker ready for push %s: %s", push_id, e)
 

@@ -150,7 +150,7 @@ class WeightSender:
         ctx = gather_context(weights)
         with ctx or contextlib.nullcontext(), torch.no_grad():
             named = list_weights(weights)
-            specs = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+            specs = self._specs(named)
         return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
 
     def walk(self, prepared: PreparedPush) -> None:
@@ -168,10 +168,13 @@ class WeightSender:
             return
         prepared.named = named
 
+    def _specs(self, named: list) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, wire dtype, shape) of each listed tensor: what a manifest says of it."""
+        return [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+
     def _check(self, named: list, m: Manifest) -> tuple[int, str]:
         """Whether listed weights still fit the manifest (a reused layout may not)."""
-        got = [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
-        if got != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
+        if self._specs(named) != [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]:
             return VOTE_STALE, "the weights changed names, dtypes or shapes since prepare()"
         return VOTE_OK, ""
 

@@ -71,29 +71,35 @@ def test_form_broadcast_vote_close_and_form_again():
             master.broadcast(src)
 
 
-def test_marks_count_wake_the_waiter_and_are_forgotten():
+def test_ready_marks_count_wake_the_waiter_and_are_forgotten():
     master, res = _form(3)
     workers = res[1:]
     waited = {}
 
-    def wait():
+    def wait(push_id):
         t0 = time.monotonic()
-        waited["value"] = master.wait_mark("go/p1", timeout_s=10, forget=("ready/p1",))
-        waited["seconds"] = time.monotonic() - t0
+        waited[push_id] = master.wait_ready(push_id, timeout_s=10)
+        waited[push_id + "/seconds"] = time.monotonic() - t0
 
-    waiter = threading.Thread(target=wait)
+    waiter = threading.Thread(target=wait, args=("p1",))
     waiter.start()
-    assert [w.count_mark("ready/p1") for w in workers] == [1, 2]  # atomic across ranks
+    workers[0].mark_ready("p1")
     time.sleep(0.2)
-    assert "value" not in waited  # nobody said go yet
-    workers[1].mark("go/p1", b"ok")
+    assert "p1" not in waited  # one of two workers is not go
+    workers[1].mark_ready("p1")  # the last one counted says go
     waiter.join(10)
-    assert waited["value"] == b"ok" and waited["seconds"] < 5
-    assert workers[0].count_mark("ready/p1") == 1  # the counter was forgotten with the mark
+    assert waited["p1"] is True and waited["p1/seconds"] < 5
+    workers[0].mark_ready("p1")  # the count was forgotten with the wait: one again, not go
     t0 = time.monotonic()
-    with pytest.raises(GroupError, match="go/p2"):
-        master.wait_mark("go/p2", timeout_s=0.5)
+    with pytest.raises(GroupError, match="p1"):
+        master.wait_ready("p1", timeout_s=0.5)
     assert time.monotonic() - t0 < 5
+    waiter = threading.Thread(target=wait, args=("p2",))  # called off while it waits
+    waiter.start()
+    time.sleep(0.2)
+    master.call_off("p2")
+    waiter.join(10)
+    assert waited["p2"] is False and waited["p2/seconds"] < 5
     for g in [master, *workers]:
         g.close()
 
