@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
 
     from engine import AsyncEngine, EngineConfig
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
 
     size = "tiny" if args.quick else "small"
     model = args.model or str(build_tiny_model(default_model_dir(size), size))

@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig
 
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
 
     size = "tiny" if args.quick else "small"
     model_dir = args.model or str(build_tiny_model(default_model_dir(size, "qwen2"), size, "qwen2"))

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         raise SystemExit("trl is not installed here; see `python -m bench.grpo_step --help` for the bench venv")
 
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
 
     out = Path(args.out or tempfile.mkdtemp(prefix="grpo_step_"))
     out.mkdir(parents=True, exist_ok=True)

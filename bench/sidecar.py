@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
     from transformers import AutoConfig
 
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
     from rollout.launcher import LocalSidecar
 
     size = "tiny" if args.quick else "small"

@@ -2,9 +2,9 @@
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineGenerateError
+from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineConfig", "EngineDeadError", "EngineGenerateError", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["AsyncEngine", "EngineConfig", "EngineDeadError", "EngineGenerateError", "EngineUnhealthyError", "LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

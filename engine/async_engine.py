@@ -26,7 +26,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import load_tokenizer
-from engine.errors import EngineDeadError, EngineGenerateError
+from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
 from engine.inputs import tokenize_prompt, validate_prompt_ids
 from engine.messages import (
     AbortRequests, AddRequest, CallResult, EngineOutput, Ready, RequestError, Shutdown, StepOutputs, UtilityCall,
@@ -87,7 +87,6 @@ class AsyncEngine:
         self._reader: threading.Thread | None = None
         self._stop_reading = False
         self.dead = False
-        self._paused = False
         threading.Thread(target=self._watch_process, daemon=True, name="engine-watch").start()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -116,7 +115,10 @@ class AsyncEngine:
         self.proc.wait()
         if self._shutdown_called:
             return
-        log.error("engine core process died (exit code %s)", self.proc.returncode)
+        code = self.proc.returncode
+        # Exit code 0 is an exit the core chose (SIGTERM, a Shutdown): not an error, but gone all the same.
+        log.log(logging.INFO if code == 0 else logging.ERROR, "engine core process %s (exit code %s)",
+                "exited" if code == 0 else "died", code)
         self.dead = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -285,11 +287,9 @@ class AsyncEngine:
         """abort: end in-flight requests now (finish_reason "abort"); wait: let them finish;
         keep: freeze them in place. New requests wait until resume_generation()."""
         await self._call("pause", mode=mode, clear_cache=clear_cache)
-        self._paused = True
 
     async def resume_generation(self) -> None:
         await self._call("resume")
-        self._paused = False
 
     async def is_paused(self) -> bool:
         return await self._call("is_paused")
@@ -317,10 +317,17 @@ class AsyncEngine:
     async def wake_up(self) -> None:
         await self._call("wake_up")
 
-    async def check_health(self) -> None:
+    async def check_health(self, timeout: float = 30.0) -> dict:
+        """Raises EngineDeadError if the core is gone, EngineUnhealthyError (with the problems:
+        weights released, no KV cache, a fixed-input forward failing or not finite, a broken
+        extension state) if it cannot serve, TimeoutError if it does not answer in `timeout`.
+        Returns the worker's report ({"ok", "problems", "weight_version"})."""
         if self.errored:
             raise EngineDeadError("engine core process is dead")
-        await self._call("check_health", timeout=30)
+        report = await self._call("check_health", timeout=timeout)
+        if not report["ok"]:
+            raise EngineUnhealthyError(report["problems"])
+        return report
 
     async def get_stats(self) -> dict:
         return await self._call("stats")

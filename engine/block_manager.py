@@ -127,7 +127,7 @@ class BlockManager:
         if len(seq) % self.block_size == 0:  # the last block is now full: make it shareable
             self._register(seq, len(seq) // self.block_size - 1)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update the cached KV is stale). Blocks of
         running sequences lose their hash too, so nothing computed before the reset is shared."""
         self.hash_to_block.clear()

@@ -11,12 +11,14 @@ from engine.config import EngineConfig
 from engine.inputs import validate_prompt_ids
 from engine.messages import SeqDelta
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import PauseState, Scheduler
 from engine.sequence import Sequence
 from engine.stop_checker import check_stop
 from engine.worker import make_worker
 
 log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 def load_tokenizer(path: str):
@@ -43,7 +45,6 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
-        self.weight_version = 0
         self.num_generated_tokens = 0
         log.info(
             "engine core ready: %s on %s (%s), %d KV blocks of %d tokens",
@@ -53,6 +54,15 @@ class EngineCore:
     @property
     def runner(self):
         return self.worker.runner
+
+    @property
+    def weight_version(self) -> int:
+        """The version every token sampled now is tagged with: the worker's weights' version."""
+        return self.worker.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.worker.weight_version = int(version)
 
     # -- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -84,6 +94,36 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # -- pausing (vLLM's pause_scheduler) ----------------------------------------------------
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[SeqDelta]:
+        """abort: end what is in flight now (returns their final deltas); wait: keep stepping
+        until every request that arrived before the pause finished (see `drained()`); keep:
+        freeze in place. Requests added while paused are held until `resume()`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        deltas = []
+        if mode == "abort":
+            held = {s.request_id for s in self.scheduler.held}
+            deltas = self.abort_requests([r for r in self.requests if r not in held])
+        if clear_cache:
+            self.reset_prefix_cache()
+        self.scheduler.pause(drain=mode == "wait")
+        return deltas
+
+    def drained(self) -> bool:
+        """True once paused with nothing left to finish (a "wait" pause is then complete)."""
+        return self.scheduler.drained()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def can_step(self) -> bool:
+        return self.scheduler.can_step()
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:
@@ -126,11 +166,11 @@ class EngineCore:
         return deltas
 
     def wake_up(self) -> None:
+        """Reallocate what sleep freed; weights reloaded from the checkpoint serve as version 0."""
         self.worker.wake_up()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
-        return True
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -145,4 +185,6 @@ class EngineCore:
             "num_generated_tokens": self.num_generated_tokens,
             "forward_seconds": self.runner.forward_seconds,
             "weight_version": self.weight_version,
+            "paused": self.is_paused,
+            "num_held": len(self.scheduler.held),
         }

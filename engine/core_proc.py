@@ -21,7 +21,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import (
-    AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, SeqDelta, Shutdown, StepOutputs,
+    AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, Shutdown, StepOutputs,
     UtilityCall,
 )
 from engine.sampling_params import SamplingParams
@@ -52,9 +52,7 @@ class EngineCoreProc:
         self.core = EngineCore(cfg)
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
-        self.paused = False
-        self.drain_call: int | None = None  # call id of a pause(mode="wait") waiting for the drain
-        self.held: list[AddRequest] = []  # requests that arrived while paused
+        self.drain_calls: list[int] = []  # call ids of pause(mode="wait") calls, answered once drained
         self.running = True
         ctx = zmq.Context()
         self.in_sock = ctx.socket(zmq.DEALER)
@@ -98,20 +96,11 @@ class EngineCoreProc:
     # -- main loop ----------------------------------------------------------------------------
     def run(self) -> None:
         while self.running:
-            self._handle_inputs(block=not self._can_step())
-            if self.running and self._can_step():
+            self._handle_inputs(block=not self.core.can_step())
+            if self.running and self.core.can_step():
                 self._step()
-            if self.drain_call is not None and not self.core.scheduler.has_in_flight():
-                self.paused = True
-                self.core.scheduler.admit_new = True
-                self.outputs.put(CallResult(self.drain_call, True, True))
-                self.drain_call = None
-
-    def _can_step(self) -> bool:
-        sched = self.core.scheduler
-        if self.drain_call is not None:
-            return sched.has_in_flight()
-        return not self.paused and sched.has_unfinished()
+            if self.drain_calls and self.core.drained():
+                self._answer_drain_calls()
 
     def _handle_inputs(self, block: bool) -> None:
         try:
@@ -140,10 +129,7 @@ class EngineCoreProc:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
-            if self.paused or self.drain_call is not None:
-                self.held.append(msg)
-            else:
-                self._add(msg)
+            self._add(msg)
         elif isinstance(msg, AbortRequests):
             self._abort(msg.request_ids)
         elif isinstance(msg, UtilityCall):
@@ -159,13 +145,7 @@ class EngineCoreProc:
             self.outputs.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}"))
 
     def _abort(self, request_ids: list[str]) -> None:
-        ids = set(request_ids)
-        deltas = []
-        for held in [h for h in self.held if h.request_id in ids]:
-            self.held.remove(held)
-            n = held.params.get("n", 1) if isinstance(held.params.get("n", 1), int) else 1
-            deltas += [SeqDelta(held.request_id, i, [], [], self.core.weight_version, "abort") for i in range(n)]
-        deltas += self.core.abort_requests(list(ids))
+        deltas = self.core.abort_requests(request_ids)
         if deltas:
             self.outputs.put(StepOutputs(deltas))
 
@@ -185,29 +165,26 @@ class EngineCoreProc:
             self.outputs.put(CallResult(msg.call_id, True, value))
 
     def _util_pause(self, mode: str = "abort", clear_cache: bool = True):
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        if mode == "abort":
-            self._abort(list(self.core.requests))
-        if clear_cache:
-            self.core.reset_prefix_cache()
-        if mode == "wait" and self.core.scheduler.has_in_flight():
-            # finish what has started; requests still queued wait for resume like new ones
-            self.core.scheduler.admit_new = False
-            self.drain_call = self._current_call_id
+        deltas = self.core.pause(mode, clear_cache)
+        if deltas:
+            self.outputs.put(StepOutputs(deltas))
+        if not self.core.drained():  # "wait": answered by run() once every earlier request finished
+            self.drain_calls.append(self._current_call_id)
             return _DEFERRED
-        self.paused = True
         return True
 
+    def _answer_drain_calls(self) -> None:
+        for call_id in self.drain_calls:
+            self.outputs.put(CallResult(call_id, True, True))
+        self.drain_calls = []
+
     def _util_resume(self):
-        self.paused = False
-        held, self.held = self.held, []
-        for msg in held:
-            self._add(msg)
+        self.core.resume()
+        self._answer_drain_calls()  # resumed before a drain completed: that pause is over
         return True
 
     def _util_is_paused(self):
-        return self.paused
+        return self.core.is_paused
 
     def _util_collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None):
         worker = self.core.worker
@@ -220,7 +197,8 @@ class EngineCoreProc:
         return self.core.weight_version
 
     def _util_reset_prefix_cache(self):
-        return self.core.reset_prefix_cache()
+        self.core.reset_prefix_cache()
+        return True
 
     def _util_sleep(self, level: int = 1):
         deltas = self.core.sleep(level)
@@ -236,7 +214,7 @@ class EngineCoreProc:
         return self.core.worker.check_health()
 
     def _util_stats(self):
-        return {**self.core.stats(), "paused": self.paused, "num_held": len(self.held)}
+        return self.core.stats()
 
 
 _DEFERRED = object()

@@ -4,3 +4,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineGenerateError(RuntimeError):
     """A request failed inside the engine (other requests are unaffected)."""
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine-core process is alive but cannot serve (`problems` says why)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("engine unhealthy: " + "; ".join(problems))
+        self.problems = list(problems)

@@ -187,6 +187,29 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
+    def probe(self, num_tokens: int = 4) -> bool:
+        """A forward of a fixed input on a scratch one-block cache (the real cache and its
+        sequences are untouched): True if every logit is finite. For health checks."""
+        n = min(num_tokens, self.block_size)
+        scratch = (self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim)
+        dev = self.device
+        ctx = attention.AttnContext(
+            is_prefill=True,
+            k_cache=torch.zeros(scratch, dtype=self.cfg.torch_dtype, device=dev),
+            v_cache=torch.zeros(scratch, dtype=self.cfg.torch_dtype, device=dev),
+            slot_mapping=torch.arange(n, device=dev),
+            prefill_spans=[(0, n, 0, None)],
+        )
+        ids = torch.arange(n, device=dev) % self.vocab_size
+        attention.set_context(ctx)
+        try:
+            logits = self.model(input_ids=ids.unsqueeze(0), position_ids=torch.arange(n, device=dev).unsqueeze(0),
+                                use_cache=False, logits_to_keep=1).logits
+        finally:
+            attention.set_context(None)
+        return bool(torch.isfinite(logits).all())
+
+    @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         params = [s.params for s in seqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)

@@ -1,13 +1,24 @@
 """Continuous batching: every step either prefills newly admitted sequences or decodes one token
 for every running sequence. Sequences join and leave the batch between steps; when KV blocks run
-out, the newest running sequence is preempted (its blocks freed) and later recomputed."""
+out, the newest running sequence is preempted (its blocks freed) and later recomputed.
+
+Pausing (as vLLM's `PauseState`): while paused, new sequences are held aside until `resume()`;
+"draining" (pause mode "wait") keeps stepping every sequence that arrived before the pause,
+queued ones included, and becomes paused once none is left."""
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SeqStatus
+
+
+class PauseState(enum.Enum):
+    UNPAUSED = "unpaused"
+    DRAINING = "draining"  # finishing what arrived before the pause; new sequences are held
+    PAUSED = "paused"  # nothing steps; new sequences are held
 
 
 class Scheduler:
@@ -17,27 +28,44 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.held: deque[Sequence] = deque()  # arrived while paused; scheduled after resume()
         self.num_preemptions = 0
-        self.admit_new = True  # False while draining: only preempted sequences may (re)start
-
-    def has_in_flight(self) -> bool:
-        """Running sequences, or preempted ones waiting to be recomputed."""
-        return bool(self.running) or any(s.num_output_tokens for s in self.waiting)
+        self.pause_state = PauseState.UNPAUSED
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        (self.waiting if self.pause_state == PauseState.UNPAUSED else self.held).append(seq)
 
     def has_unfinished(self) -> bool:
+        """Sequences that a step could advance (held ones wait for resume)."""
         return bool(self.waiting or self.running)
 
+    # -- pausing ------------------------------------------------------------------------------
+    def pause(self, drain: bool) -> None:
+        """Stop stepping now, or (drain) once every sequence already admitted has finished."""
+        self.pause_state = PauseState.DRAINING if drain and self.has_unfinished() else PauseState.PAUSED
+
+    def drained(self) -> bool:
+        """True once a draining pause has nothing left to finish (it is then paused)."""
+        if self.pause_state == PauseState.DRAINING and not self.has_unfinished():
+            self.pause_state = PauseState.PAUSED
+        return self.pause_state == PauseState.PAUSED
+
+    def resume(self) -> None:
+        self.pause_state = PauseState.UNPAUSED
+        self.waiting.extend(self.held)
+        self.held.clear()
+
+    def can_step(self) -> bool:
+        return self.pause_state != PauseState.PAUSED and self.has_unfinished()
+
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences; returns (seqs, is_prefill)."""
+        """Pick this step's sequences; returns (seqs, is_prefill). Nothing while paused."""
+        if self.pause_state == PauseState.PAUSED:
+            return [], False
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.admit_new and seq.num_output_tokens == 0:
-                break
             hits = self.bm.cached_prefix_blocks(seq)
             new_tokens = len(seq) - len(hits) * self.bm.block_size
             if new_tokens > budget or self.bm.blocks_needed(seq, hits) > self.bm.num_free_blocks:
@@ -83,7 +111,7 @@ class Scheduler:
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.status == SeqStatus.WAITING:
-                self.waiting.remove(seq)
+                (self.held if seq in self.held else self.waiting).remove(seq)
             elif seq.status == SeqStatus.RUNNING:
                 self.bm.free_seq(seq)
                 self.running.remove(seq)

@@ -34,3 +34,23 @@ def truncate_at_stop(text: str, stop_reason: int | str | None, include_stop_str:
     if i == -1:
         return text
     return text[: i + len(stop_reason)] if include_stop_str else text[:i]
+
+
+def first_stop_string(token_ids: list[int], stops: list[str], tokenizer, first_new: int) -> tuple[int, str] | None:
+    """For a completion whose tokens before `first_new` hold no stop string: (k, s) for the
+    shortest prefix `token_ids[:k]` whose text holds a stop string `s`, or None. For a completion
+    generated in pieces, where a stop string may straddle two (each piece's engine sees only
+    its own text).
+
+    Only a window of tokens before the k-th is decoded: a stop string of c characters ending in
+    token k starts at most 4c tokens earlier (a character is at most 4 byte-level tokens); the
+    margin keeps a character cut at the window's start away from the string."""
+    if not stops:
+        return None
+    width = 4 * max(len(s) for s in stops) + 8
+    for k in range(first_new + 1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[max(0, k - width):k], skip_special_tokens=True)
+        for s in stops:
+            if s in text:
+                return k, s
+    return None

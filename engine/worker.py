@@ -25,6 +25,8 @@ class Worker:
         self.device = torch.device(cfg.device)
         self.runner = ModelRunner(cfg)
         self.weights_released = False
+        # The version of the weights this worker serves: 0 is the checkpoint's; pushes set it.
+        self.weight_version = 0
 
     @property
     def model(self) -> torch.nn.Module:
@@ -41,14 +43,37 @@ class Worker:
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
         }
 
-    def check_health(self) -> bool:
-        return True
+    def check_health(self) -> dict:
+        """What keeps this worker from serving, checked for real: weights present, KV cache
+        allocated, a tiny forward on a fixed input giving finite logits, and the problems an
+        extension reports (`_health_problems`, e.g. a weight-sync group stuck half-formed).
+        Returns {"ok", "problems", "weight_version"}."""
+        problems = []
+        if self.weights_released:
+            problems.append("weights released (sleep level 2): wake_up() first")
+        if self.runner.k_cache is None:
+            problems.append("KV cache not allocated (asleep): wake_up() first")
+        if not self.weights_released:
+            try:
+                if not self.runner.probe():
+                    problems.append("a forward on a fixed input gave non-finite logits")
+            except Exception as e:
+                problems.append(f"a forward on a fixed input failed: {type(e).__name__}: {e}")
+        extra = getattr(self, "_health_problems", None)
+        if extra is not None:
+            problems += extra()
+        return {"ok": not problems, "problems": problems, "weight_version": self.weight_version}
 
     def reload_weights(self) -> bool:
-        """Load the weights from the model directory again (after sleep level 2, or to undo pushes)."""
+        """Load the weights from the model directory again (after sleep level 2, or to undo
+        pushes): the checkpoint's weights, so version 0 again."""
         fresh = load_model(self.cfg)
         self.runner.model = fresh
         self.weights_released = False
+        self.weight_version = 0
+        reloaded = getattr(self, "_weights_reloaded", None)
+        if reloaded is not None:  # an extension that tracks pushed versions forgets them
+            reloaded()
         return True
 
     # -- sleep / wake (called by the core, not over RPC) -------------------------------------

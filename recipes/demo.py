@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from engine import LLM, EngineConfig, SamplingParams
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
 
     model = args.model or str(build_tiny_model(default_model_dir(args.size), args.size))
     llm = LLM(EngineConfig(model=model, device=args.device, max_num_seqs=64, max_model_len=512, seed=0))

@@ -106,7 +106,7 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
     from engine import SamplingParams
     from recipes.tasks import make_task
     from recipes.tracking import Tracker
-    from recipes.tiny_model import build_tiny_model, default_model_dir
+    from engine.tiny_model import build_tiny_model, default_model_dir
     from rollout import RolloutClient
     from weight_sync import flatten_parameters
 

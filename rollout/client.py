@@ -169,7 +169,8 @@ class AsyncRolloutClient:
         info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
         offsets = list(itertools.accumulate([1] + workers[:-1]))
         sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
-                                      rank_offset=offsets[i], group_name=info["group_name"], timeout_s=timeout_s))
+                                      rank_offset=offsets[i], group_name=info["group_name"], timeout_s=timeout_s,
+                                      secret=info["secret"]))
                 for i in range(len(self._socks))]
         join = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
         replies = await asyncio.gather(*(self._reply(i, cid, q, "init_weight_sync", timeout_s + 60)
@@ -179,7 +180,7 @@ class AsyncRolloutClient:
         if errors or isinstance(joined, BaseException):
             self.sender.close_group()
             raise SidecarError("init_weight_sync failed: " + "; ".join(str(e) for e in errors or [joined]))
-        return {"world_size": world, "rank_offsets": offsets, **info}
+        return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None) -> dict:

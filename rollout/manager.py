@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from engine import AsyncEngine, SamplingParams
 from engine.inputs import tokenize_prompt
-from engine.stop_checker import truncate_at_stop
+from engine.stop_checker import first_stop_string, truncate_at_stop
+from rollout.protocol import PROTOCOL_VERSION
 from rollout.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class _Sample:
         self.versions: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason = None
+        self.stale = False  # returned stale after max_stale_restarts regenerations
 
     def extend(self, c) -> None:
         self.token_ids += c.token_ids
@@ -44,20 +46,27 @@ class _Sample:
         self.versions += c.weight_versions
         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
+    def truncate(self, k: int) -> None:
+        del self.token_ids[k:], self.logprobs[k:], self.versions[k:]
+
 
 class RolloutManager:
-    def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep"):
+    def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep",
+                 max_stale_restarts: int = 3):
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        if max_stale_restarts < 0:
+            raise ValueError(f"max_stale_restarts must be >= 0, got {max_stale_restarts}")
         self.engines = engines
         self.tokenizer = engines[0].tokenizer
         self.max_model_len = engines[0].cfg.max_model_len
         self.vocab_size = engines[0].vocab_size
         self.max_staleness = max_staleness
+        self.max_stale_restarts = max_stale_restarts
         self.pause_mode = pause_mode
         self.version = 0
         self.load = [0] * len(engines)  # sequences in flight per engine
@@ -67,7 +76,7 @@ class RolloutManager:
         self.counters = {
             "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
             "transfer_seconds": 0.0, "pause_seconds": 0.0, "aborted_resubmitted": 0, "stale_restarts": 0,
-            "failed_pushes": 0,
+            "stale_returned": 0, "failed_pushes": 0,
         }
 
     # -- generation ---------------------------------------------------------------------------
@@ -79,16 +88,23 @@ class RolloutManager:
         validate_prompt_ids(ids, self.max_model_len, self.vocab_size)
         return ids
 
-    async def _run(self, prompt_ids: list[int], params: SamplingParams):
+    async def _stream(self, prompt_ids: list[int], params: SamplingParams):
+        """The outputs of one request on the least loaded engine."""
         i = min(range(len(self.engines)), key=self.load.__getitem__)
         self.load[i] += params.n
+        outputs = self.engines[i].generate(prompt_ids, params, request_id=f"m{next(self._ids)}")
         try:
-            out = None
-            async for out in self.engines[i].generate(prompt_ids, params, request_id=f"m{next(self._ids)}"):
-                pass
-            return out
+            async for out in outputs:
+                yield out
         finally:
+            await outputs.aclose()  # left early: the engine aborts the request now, not at garbage collection
             self.load[i] -= params.n
+
+    async def _run(self, prompt_ids: list[int], params: SamplingParams):
+        out = None
+        async for out in self._stream(prompt_ids, params):
+            pass
+        return out
 
     async def _complete(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
         """Resubmit an aborted sample (prompt + its tokens so far) until it ends for real."""
@@ -99,8 +115,31 @@ class RolloutManager:
             left = None if params.max_tokens is None else params.max_tokens - len(sample.token_ids)
             seed = None if params.seed is None else params.seed + 7919 * attempt + sample.index
             cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind="final")
-            out = await self._run(prompt_ids + sample.token_ids, cont)
-            sample.extend(out.outputs[0])
+            if params.stop:
+                await self._continue_watching_stops(prompt_ids, cont, sample)
+            else:
+                out = await self._run(prompt_ids + sample.token_ids, cont)
+                sample.extend(out.outputs[0])
+
+    async def _continue_watching_stops(self, prompt_ids: list[int], cont: SamplingParams, sample: _Sample) -> None:
+        """A continuation streamed token by token: its engine sees only the continuation's text,
+        so a stop string that straddles the resubmission point is found here, over the whole
+        completion, and the sample cut at it (its request then aborted)."""
+        before = len(sample.token_ids)  # what the earlier pieces produced
+        first_new = before
+        stream = self._stream(prompt_ids + sample.token_ids, replace(cont, output_kind="cumulative"))
+        try:
+            async for out in stream:
+                sample.truncate(before)
+                sample.extend(out.outputs[0])
+                hit = first_stop_string(sample.token_ids, cont.stop, self.tokenizer, first_new)
+                if hit is not None:
+                    sample.truncate(hit[0])
+                    sample.finish_reason, sample.stop_reason = "stop", hit[1]
+                    return
+                first_new = len(sample.token_ids)
+        finally:
+            await stream.aclose()  # leaving early aborts the engine request
 
     def _stale(self, sample: _Sample) -> bool:
         return (self.max_staleness is not None and bool(sample.versions)
@@ -123,8 +162,17 @@ class RolloutManager:
         return rollouts
 
     async def _sample_until_fresh(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
+        """Complete the sample; regenerate it while it is too stale, at most max_stale_restarts
+        times (pushes faster than a sample's generation would otherwise loop forever), then
+        return it marked stale."""
         await self._complete(prompt_ids, params, sample)
+        restarts = 0
         while self._stale(sample):
+            if restarts == self.max_stale_restarts:
+                sample.stale = True
+                self.counters["stale_returned"] += 1
+                return
+            restarts += 1
             self.counters["stale_restarts"] += 1
             fresh = _Sample(sample.index)
             seed = None if params.seed is None else params.seed + 104729 * (self.counters["stale_restarts"])
@@ -137,7 +185,7 @@ class RolloutManager:
         text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         text = truncate_at_stop(text, s.stop_reason, params.include_stop_str_in_output)
         return Rollout(prompt_ids, s.token_ids, s.logprobs, text, s.finish_reason, s.versions, s.index,
-                       s.stop_reason)
+                       s.stop_reason, s.stale)
 
     # -- weights ------------------------------------------------------------------------------
     async def run_paused(self, mode: str | None, work, on_paused=None):
@@ -156,6 +204,21 @@ class RolloutManager:
             finally:
                 await asyncio.gather(*(e.resume_generation() for e in self.engines), return_exceptions=True)
                 self.counters["pause_seconds"] += time.monotonic() - t0
+
+    # -- health -------------------------------------------------------------------------------
+    async def health(self, timeout: float = 30.0) -> dict:
+        """Each engine checked for real (see AsyncEngine.check_health): an engine that is gone,
+        answers nothing in `timeout` or reports a problem is "dead" here, with the reason."""
+        results = await asyncio.gather(*(e.check_health(timeout) for e in self.engines), return_exceptions=True)
+        states = []
+        for r in results:
+            if isinstance(r, BaseException):
+                states.append({"state": "dead", "version": None, "restarts": 0, "reason": f"{type(r).__name__}: {r}"})
+            else:
+                states.append({"state": "live", "version": r["weight_version"], "restarts": 0})
+        live = sum(s["state"] == "live" for s in states)
+        return {"ok": live == len(self.engines), "version": self.version, "engines": live,
+                "workers": len(self.engines), "engine_states": states, "protocol": PROTOCOL_VERSION}
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -33,6 +33,7 @@ class InitWeightSync(msgspec.Struct, tag="init_weight_sync"):
     rank_offset: int
     group_name: str = ""
     timeout_s: float = 60.0
+    secret: str = ""  # the group's: its store keys live under it (weight_sync.group)
     token: str = ""
 
 

@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how in-flight rollouts are paused for a weight push unless the push says otherwise")
     p.add_argument("--max-staleness", type=int, default=None,
                    help="a rollout may start at most this many weight versions behind the newest (default: no bound)")
+    p.add_argument("--max-stale-restarts", type=int, default=3,
+                   help="regenerate a too-stale rollout at most this many times, then return it with stale=True")
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
@@ -61,7 +63,7 @@ async def run(args) -> int:
 
     model = args.model
     if model is None:
-        from recipes.tiny_model import build_tiny_model, default_model_dir
+        from engine.tiny_model import build_tiny_model, default_model_dir
 
         model = str(build_tiny_model(default_model_dir("tiny"), "tiny"))
     engines = []
@@ -71,7 +73,8 @@ async def run(args) -> int:
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
                                worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
             engines.append(AsyncEngine(cfg, log_level=args.log_level))
-        manager = RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode)
+        manager = RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
+                                 max_stale_restarts=args.max_stale_restarts)
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
     except BaseException:
         for e in engines:

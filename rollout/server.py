@@ -111,7 +111,7 @@ class RolloutServer:
 
     async def _on_initweightsync(self, identity: bytes, call: P.InitWeightSync) -> dict:
         return await self.weights.init(call.host, call.port, call.world_size, call.rank_offset, call.group_name,
-                                       call.timeout_s)
+                                       call.timeout_s, call.secret)
 
     async def _on_pushweights(self, identity: bytes, call: P.PushWeights) -> dict:
         async def paused():
@@ -133,9 +133,7 @@ class RolloutServer:
         return self.manager.stats()
 
     async def _on_health(self, identity: bytes, call: P.Health) -> dict:
-        await asyncio.gather(*(e.check_health() for e in self.manager.engines))
-        return {"ok": True, "version": self.manager.version, "engines": len(self.manager.engines),
-                "workers": len(self.manager.engines), "protocol": P.PROTOCOL_VERSION}
+        return await self.manager.health()
 
 
 def _call_id_of(body: bytes) -> int:

@@ -14,6 +14,9 @@ class Rollout(msgspec.Struct, array_like=True):
     weight_versions: list[int]  # the weight version each token was sampled under
     index: int = 0  # which of the group's n samples
     stop_reason: int | str | None = None
+    # True when it is still more than max_staleness versions old after the sidecar regenerated it
+    # max_stale_restarts times (pushes came faster than it could be generated)
+    stale: bool = False
 
     @property
     def start_version(self) -> int:

@@ -20,9 +20,9 @@ class SidecarWeights:
         self.manager = manager
 
     async def init(self, host: str, port: int, world_size: int, rank_offset: int, group_name: str,
-                   timeout_s: float) -> dict:
+                   timeout_s: float, secret: str) -> dict:
         info = {"host": host, "port": port, "world_size": world_size, "group_name": group_name,
-                "timeout_s": timeout_s}
+                "timeout_s": timeout_s, "secret": secret}
         engines = self.manager.engines
         await join_engines(engines, info, rank_offset, timeout=timeout_s + 30)
         log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,

@@ -18,7 +18,7 @@ def loop():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Tiny Qwen2 and Llama model directories, built offline once per test session."""
-    from recipes.tiny_model import build_tiny_model
+    from engine.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in ("qwen2", "llama")}

@@ -10,6 +10,11 @@ Collectives are called on the backend object itself with group ranks
 (`backend.broadcast(tensor, root=0, timeout=...)`), so the "broadcast needs global ranks"
 limitation of wrapping a stateless group in `dist.broadcast` does not apply.
 
+Who may join: the store listens on the host the trainer gave (loopback by default) and every key
+of a group lives under a prefix holding a per-group secret (128 random bits) that the trainer
+hands to the workers over the authenticated control plane; whoever lacks it cannot read the
+group's metadata, claim a rank or touch a push's marks.
+
 Roles: the trainer is rank 0 and hosts the `TCPStore` (port 0 picks a free port); each
 engine worker joins as a store client with rank `rank_offset + local index`. Every generation of
 a group gets a fresh name (the store prefix) and a fresh store, so keys of a dead generation can
@@ -24,6 +29,8 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
+import socket
 import time
 import uuid
 
@@ -64,8 +71,22 @@ def is_loopback(host: str) -> bool:
 
 
 def create_master_store(host: str, port: int, world_size: int, timeout_s: float) -> TCPStore:
-    """The trainer's store (rank 0 is the server). `port=0` lets the OS pick; read `.port`."""
-    return TCPStore(host, int(port), int(world_size), True, _td(timeout_s), wait_for_workers=False)
+    """The trainer's store (rank 0 is the server), listening on `host` only: TCPStore alone
+    listens on every interface, so it is handed a socket bound here. `port=0` lets the OS pick;
+    read `.port`."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # detach(): the store owns the descriptor from now on and closes it when it goes
+    return TCPStore(host, port, int(world_size), True, _td(timeout_s), wait_for_workers=False,
+                    master_listen_fd=sock.detach())
 
 
 def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: float, host: str):
@@ -105,7 +126,7 @@ class WeightSyncGroup:
     """
 
     def __init__(self, *, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float,
-                 device: torch.device | str, store: TCPStore | None = None):
+                 device: torch.device | str, secret: str, store: TCPStore | None = None):
         if world_size < 2:
             raise ValueError(f"a weight-sync group needs the trainer and at least one worker; world_size={world_size}")
         if not 0 <= rank < world_size:
@@ -114,6 +135,7 @@ class WeightSyncGroup:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.host, self.world_size, self.rank = host, int(world_size), int(rank)
         self.group_name, self.timeout_s = group_name, float(timeout_s)
+        self._secret = secret
         self.device = torch.device(device)
         self.backend_name = backend_for_device(self.device)
         self._store = store
@@ -129,17 +151,18 @@ class WeightSyncGroup:
         """Rank 0: create the store now (so the port is known), rendezvous later with `join()`."""
         store = create_master_store(host, port, world_size, timeout_s)
         g = cls(host=host, port=store.port, world_size=world_size, rank=0, group_name=group_name or new_group_name(),
-                timeout_s=timeout_s, device=device, store=store)
+                timeout_s=timeout_s, device=device, secret=secrets.token_hex(16), store=store)
         prefix = g._prefix_store()
         prefix.set(_META_KEY, json.dumps({"backend": g.backend_name, "world_size": g.world_size}))
         return g
 
     @classmethod
-    def connect(cls, *, host: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float = 60.0,
-                device: torch.device | str = "cpu") -> "WeightSyncGroup":
-        """Ranks >= 1: connect to the trainer's store and rendezvous (blocks until all ranks joined)."""
+    def connect(cls, *, host: str, port: int, world_size: int, rank: int, group_name: str, secret: str,
+                timeout_s: float = 60.0, device: torch.device | str = "cpu") -> "WeightSyncGroup":
+        """Ranks >= 1: connect to the trainer's store and rendezvous (blocks until all ranks joined).
+        `secret` is the one in the trainer's `connection_info()`: without it nothing is found."""
         g = cls(host=host, port=port, world_size=world_size, rank=rank, group_name=group_name, timeout_s=timeout_s,
-                device=device)
+                device=device, secret=secret)
         try:
             g._store = TCPStore(host, int(port), None, False, _td(timeout_s))
         except Exception as e:
@@ -148,12 +171,13 @@ class WeightSyncGroup:
         return g
 
     def connection_info(self) -> dict:
-        """What a worker needs to join (msgpack-able)."""
+        """What a worker needs to join (msgpack-able). Holds the group's secret: send it only
+        over an authenticated channel, never log it."""
         return {"host": self.host, "port": self.port, "world_size": self.world_size, "group_name": self.group_name,
-                "timeout_s": self.timeout_s}
+                "timeout_s": self.timeout_s, "secret": self._secret}
 
     def _prefix_store(self, store: TCPStore | None = None) -> PrefixStore:
-        return PrefixStore(f"weight_sync/{self.group_name}/", store or self._store)
+        return PrefixStore(f"weight_sync/{self.group_name}/{self._secret}/", store or self._store)
 
     def join(self) -> "WeightSyncGroup":
         """Check the group's metadata, claim this rank, then form the backend (blocks for every rank)."""
@@ -164,7 +188,7 @@ class WeightSyncGroup:
         t0 = time.monotonic()
         prefix = self._prefix_store()
         try:
-            meta = json.loads(prefix.get(_META_KEY))  # blocks until rank 0 set it, or times out
+            meta = json.loads(prefix.get(_META_KEY))  # blocks until rank 0 set it (under the secret), or times out
             claims = prefix.add(f"rank/{self.rank}", 1)
         except Exception as e:
             raise GroupError(f"weight-sync group {self.group_name!r}: no answer from the store within "

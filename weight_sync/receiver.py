@@ -84,12 +84,13 @@ class WeightSyncExtension:
         return int(getattr(self, "local_rank", 0))  # one worker per engine today
 
     # -- RPC: group -------------------------------------------------------------------------
-    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 60.0,
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
                          group_name: str = "weight-sync", keep_staging: bool | None = None,
                          commit: str | None = None) -> dict:
         """Join a fresh weight-sync group headed by the trainer (rank 0). `rank` is this engine's
-        rank offset: its worker i takes rank `rank + i`. Any previous group is closed first.
-        Blocks until every rank joined or `timeout_s` passed."""
+        rank offset: its worker i takes rank `rank + i`; `secret` is the group's (from the
+        trainer's connection info). Any previous group is closed first. Blocks until every rank
+        joined or `timeout_s` passed."""
         st = self._ws()
         if commit is not None and commit not in COMMIT_MODES:
             raise ValueError(f"commit must be one of {COMMIT_MODES}, got {commit!r}")
@@ -102,7 +103,8 @@ class WeightSyncExtension:
             st.commit = commit
         my_rank = int(rank) + self._ws_local_rank()
         st.group = WeightSyncGroup.connect(host=host, port=int(port), world_size=int(world_size), rank=my_rank,
-                                           group_name=group_name, timeout_s=float(timeout_s), device=self.device)
+                                           group_name=group_name, secret=str(secret), timeout_s=float(timeout_s),
+                                           device=self.device)
         return {"rank": my_rank, "world_size": int(world_size), "backend": st.group.backend_name,
                 "group_name": group_name, "pid": os.getpid()}
 
@@ -128,6 +130,17 @@ class WeightSyncExtension:
             "commit": st.commit,
             "spare_bytes": int(st.spare.numel()) if st.spare is not None else 0,
         }
+
+    # -- hooks the worker calls (private: not RPCs) ----------------------------------------
+    def _health_problems(self) -> list[str]:
+        g = self._ws().group
+        if g is not None and not g.ready:
+            return [f"weight-sync group {g.group_name} is not usable ({g!r}): init_weight_sync again"]
+        return []
+
+    def _weights_reloaded(self) -> None:
+        st = self._ws()
+        st.version, st.current = None, None  # the checkpoint's weights again, in storage of their own
 
     # -- RPC: checks ------------------------------------------------------------------------
     def weights_checksum(self) -> str:

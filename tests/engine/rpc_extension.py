@@ -27,3 +27,9 @@ class RpcTestExtension:
 
     def unsendable(self):
         return object()
+
+    def poison_weights(self) -> bool:
+        """A NaN in the first weight: every forward's logits become NaN."""
+        with torch.no_grad():
+            next(self.model.parameters()).view(-1)[0] = float("nan")
+        return True

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, SamplingParams
+from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineUnhealthyError, SamplingParams
 from tests.engine.helpers import random_prompts
 from tests.procs import descendants
 
@@ -190,6 +190,66 @@ def test_pause_wait_drains_in_flight(engine, loop):
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 50 for o in outs)
 
 
+def test_pause_wait_finishes_requests_queued_before_it(engine, loop):
+    """vLLM's wait_for_inflight_requests: every request sent before the pause finishes while it
+    is paused, the queued ones too (max_num_seqs=64 runs at most 64; the extra are queued)."""
+    prompts = random_prompts(96, 3, 40, 2000, seed=55)
+    lengths = [4 + (7 * i) % 29 for i in range(96)]
+
+    async def run():
+        tasks = [asyncio.ensure_future(_collect(engine, p, SamplingParams(temperature=0, max_tokens=n,
+                                                                         ignore_eos=True), f"pw{i}"))
+                 for i, (p, n) in enumerate(zip(prompts, lengths))]
+        await asyncio.sleep(0)  # every request is sent before the pause
+        await asyncio.wait_for(engine.pause_generation(mode="wait"), 120)
+        done = [t.done() for t in tasks]
+        late = asyncio.ensure_future(_collect(engine, [5, 6], SamplingParams(temperature=0, max_tokens=3)))
+        await asyncio.sleep(0.3)
+        late_waited = not late.done()
+        await engine.resume_generation()
+        return done, late_waited, await asyncio.gather(*tasks), await late
+
+    done, late_waited, outs, late = loop.run_until_complete(run())
+    assert all(done), f"{done.count(False)} of 96 requests sent before the pause had not finished"
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    assert late_waited and len(late.outputs[0].token_ids) == 3
+
+
+def test_wake_up_after_sleep_2_serves_the_checkpoint_as_version_0(engine, loop):
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def run():
+        await engine.set_weight_version(5)
+        tagged = await _collect(engine, [9, 10], params)
+        await engine.sleep(1)  # the KV cache only: the pushed weights (version 5) stay
+        await engine.wake_up()
+        kept = await _collect(engine, [9, 10], params)
+        await engine.sleep(2)  # the weights too: wake_up reloads the checkpoint
+        await engine.wake_up()
+        return tagged, kept, await _collect(engine, [9, 10], params)
+
+    tagged, kept, reloaded = loop.run_until_complete(run())
+    assert tagged.outputs[0].weight_versions == [5] * 4 and kept.outputs[0].weight_versions == [5] * 4
+    assert reloaded.outputs[0].weight_versions == [0] * 4
+
+
+def test_check_health_is_a_real_check(engine, loop):
+    async def run():
+        report = await engine.check_health()
+        await engine.sleep(1)
+        with pytest.raises(EngineUnhealthyError, match="KV cache"):
+            await engine.check_health()
+        await engine.wake_up()
+        await engine.collective_rpc("poison_weights")
+        with pytest.raises(EngineUnhealthyError, match="non-finite"):
+            await engine.check_health()
+        await engine.collective_rpc("reload_weights")
+        return report, await engine.check_health()
+
+    report, healed = loop.run_until_complete(run())
+    assert report["ok"] and report["problems"] == [] and healed["ok"]
+
+
 def test_collective_rpc_errors_leave_the_engine_serving(engine, loop):
     async def run():
         assert await engine.collective_rpc("add", args=(2, 3)) == [5]
@@ -299,6 +359,28 @@ def test_killed_core_fails_every_waiter_fast(cfg):
     finally:
         eng.shutdown()
         loop.close()
+
+
+def test_exits_are_logged_by_what_caused_them(cfg, caplog):
+    """A core that exits 0 (SIGTERM, as a sidecar's process group gets on Ctrl-C) asked to go: no
+    ERROR; a core killed is an error. Both leave the engine dead for its callers."""
+    for sig, level in ((signal.SIGTERM, "INFO"), (signal.SIGKILL, "ERROR")):
+        eng = AsyncEngine(cfg)
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO", logger="engine.async_engine"):
+                os.kill(eng.proc.pid, sig)
+                deadline = time.monotonic() + 10
+                while not eng.errored or not caplog.records:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            assert [(r.levelname, "exit code" in r.getMessage()) for r in caplog.records] == [(level, True)]
+        finally:
+            eng.shutdown()
+    with caplog.at_level("INFO", logger="engine.async_engine"):
+        caplog.clear()
+        AsyncEngine(cfg).shutdown()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_shutdown_leaves_no_process(cfg):

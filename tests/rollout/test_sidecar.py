@@ -32,7 +32,7 @@ def perturb(model, seed, scale=0.02):
 
 @pytest.fixture(scope="module")
 def sidecar(qwen2_dir):
-    s = Sidecar(qwen2_dir, "--max-staleness", "2")
+    s = Sidecar(qwen2_dir, "--max-staleness", "2", "--max-stale-restarts", "1000")
     yield s
     s.stop()
 

@@ -36,7 +36,7 @@ def _form(world_size=3, timeout_s=10.0, ranks=None):
     ranks = ranks if ranks is not None else list(range(1, world_size))
     res = _run([master.join] + [
         (lambda r=r: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=world_size, rank=r,
-                                             group_name=info["group_name"], timeout_s=timeout_s))
+                                             group_name=info["group_name"], secret=info["secret"], timeout_s=timeout_s))
         for r in ranks
     ])
     return master, res
@@ -116,7 +116,8 @@ def test_missing_rank_times_out():
 def test_unreachable_store_times_out():
     t0 = time.monotonic()
     with pytest.raises(GroupError, match="cannot reach"):
-        WeightSyncGroup.connect(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", timeout_s=1.0)
+        WeightSyncGroup.connect(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", secret="s",
+                                timeout_s=1.0)
     assert time.monotonic() - t0 < 10
 
 
@@ -125,12 +126,12 @@ def test_wrong_world_size_and_duplicate_rank_are_named():
     info = master.connection_info()
     res = _run([
         lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=4, rank=1,
-                                        group_name=info["group_name"], timeout_s=2.0),
+                                        group_name=info["group_name"], secret=info["secret"], timeout_s=2.0),
     ])
     assert isinstance(res[0], GroupError) and "world_size mismatch" in str(res[0])
     res = _run([master.join] + [
         lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=3, rank=2,
-                                        group_name=info["group_name"], timeout_s=2.0)
+                                        group_name=info["group_name"], secret=info["secret"], timeout_s=2.0)
         for _ in range(2)
     ])
     assert any(isinstance(r, GroupError) and "claimed twice" in str(r) for r in res[1:]), res
@@ -155,6 +156,47 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         WeightSyncGroup.master(world_size=1)
     with pytest.raises(ValueError):
-        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=2, group_name="x", timeout_s=1, device="cpu")
+        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=2, group_name="x", timeout_s=1, device="cpu",
+                        secret="s")
     with pytest.raises(ValueError):
-        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", timeout_s=0, device="cpu")
+        WeightSyncGroup(host="127.0.0.1", port=1, world_size=2, rank=1, group_name="x", timeout_s=0, device="cpu",
+                        secret="s")
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses with a listening TCP socket on `port` (from /proc/net/tcp and tcp6)."""
+    out = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                    out.append(addr)
+    return out
+
+
+def test_store_listens_only_on_the_given_host():
+    master = WeightSyncGroup.master(world_size=2, timeout_s=2.0)  # host 127.0.0.1
+    try:
+        assert _listening(master.port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+    finally:
+        master.close()
+
+
+def test_joining_needs_the_groups_secret():
+    master = WeightSyncGroup.master(world_size=2, timeout_s=1.5)
+    info = master.connection_info()
+    assert len(info["secret"]) >= 32 and info["secret"] not in repr(master)
+    t0 = time.monotonic()
+    res = _run([master.join, lambda: WeightSyncGroup.connect(
+        host=info["host"], port=info["port"], world_size=2, rank=1, group_name=info["group_name"],
+        secret="guessed", timeout_s=1.5)])
+    assert isinstance(res[1], GroupError) and "no answer from the store" in str(res[1])
+    assert isinstance(res[0], GroupError)  # rank 1 never claimed: the trainer's rendezvous times out
+    assert time.monotonic() - t0 < 15
+    master.close()
+    master, res = _form(2, timeout_s=5.0)  # with the secret it forms
+    assert all(isinstance(r, WeightSyncGroup) and r.ready for r in res), res
+    for g in [master, *res[1:]]:
+        g.close()

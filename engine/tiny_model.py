@@ -1,0 +1,158 @@
+"""Build tiny HF causal LMs offline: a byte-level BPE tokenizer trained on a built-in corpus,
+a Qwen2 or Llama config, seeded random init, saved with `save_pretrained`.
+
+The result is an ordinary model directory: everything downstream loads it exactly as it would a
+real checkpoint (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# name -> (hidden, layers, heads, kv_heads, intermediate, vocab target)
+SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "micro": (64, 2, 4, 2, 128, 512),  # ~0.1M: fixed-overhead benchmarks
+    "mini": (128, 4, 4, 2, 384, 2048),  # ~1M: the micro shape of bench/grpo_step.py
+    "tiny": (256, 4, 4, 2, 768, 2048),  # ~4M: tests
+    "small": (576, 14, 9, 3, 1536, 4096),  # ~50M: benchmarks
+    "medium": (1536, 20, 16, 4, 4096, 8192),  # ~500M: weight-sync benchmarks
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|bos|>"]
+EOS, PAD, BOS = SPECIAL_TOKENS
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _corpus() -> list[str]:
+    """A deterministic built-in corpus: English words, made-up words, numbers and arithmetic,
+    varied enough for BPE to learn a few thousand merges."""
+    import random
+
+    rng = random.Random(0)
+    words = (
+        "the a an of to and in is it that for on with as was at by be this from or have not are but "
+        "one two three four five six seven eight nine ten zero add sum answer question what how many "
+        "plus minus times equals number count letter word reverse copy repeat sort list first last "
+        "model policy reward value train step token sample group prompt completion engine weight "
+        "hello world python torch rollout cat dog sun moon red blue green apple tree house river"
+    ).split()
+    syllables = "ka lo mi ne ru sa ti po ve da zu fi go he ja le mo nu pa qui ro se ta vo wi xe yu ze".split()
+    words += ["".join(rng.choice(syllables) for _ in range(rng.randint(2, 4))) for _ in range(3000)]
+    lines = []
+    for i in range(6000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        w = " ".join(rng.choice(words) for _ in range(8))
+        lines.append(f"{w.capitalize()}. {a} + {b} = {a + b}. Q: {rng.choice(words)}? A: {rng.choice(words)}!")
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE on the built-in corpus and wrap it as a `PreTrainedTokenizerFast`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Qwen2's own normaliser and pre-tokeniser: transformers 5's AutoTokenizer rebuilds a qwen2
+    # tokenizer with these whatever tokenizer.json says, so the two must agree.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=BOS)
+
+
+def build_config(arch: str, size: str, vocab_size: int, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    hidden, layers, heads, kv_heads, inter, _ = SIZES[size]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # a peakier random model than 0.02, so greedy ties are rare
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown arch {arch!r}; expected 'qwen2' or 'llama'")
+
+
+def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
+    """Build (or reuse, if already built with the same recipe) a model directory and return its path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
+    out = Path(out_dir)
+    stamp = {"size": size, "arch": arch, "seed": seed, "builder": 1}
+    stamp_file = out / "tiny_model.json"
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+    log.info("building %s %s model in %s", size, arch, out)
+    tokenizer = build_tokenizer(SIZES[size][5])
+    config = build_config(arch, size, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # Without this, AutoTokenizer picks a class by model_type (LlamaTokenizer forces Metaspace).
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "TokenizersBackend"
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    stamp_file.write_text(json.dumps(stamp))
+    return out
+
+
+def default_model_dir(size: str = "tiny", arch: str = "qwen2") -> Path:
+    """Where shared builds are cached: $ROLLOUT_CACHE or ~/.cache/rollout-sidecar."""
+    root = Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout-sidecar"))
+    return root / f"{arch}-{size}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m recipes.tiny_model",
+        description="Build a tiny random-weight HF model directory offline (tokenizer included)."
+    )
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default: tiny, ~4M params)")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="model architecture")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    p.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = build_tiny_model(args.out or default_model_dir(args.size, args.arch), args.size, args.arch, args.seed)
+    log.info("model ready at %s", out)
+
+
+if __name__ == "__main__":
+    main()
