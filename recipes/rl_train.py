@@ -246,7 +246,7 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
             adv = L.grpo_advantages(rewards.to(device), args.group_size, not args.no_std_scale)
 
     B = len(rollouts)
-    clip_fracs, kls, losses = [], [], []
+    clip_fracs, kls, losses, vlosses = [], [], [], []
     for _ in range(args.epochs):
         perm = torch.randperm(B, device=device)
         for idx in perm.chunk(args.minibatches):
@@ -272,6 +272,7 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
             if ppo:
                 vloss = L.masked_mean(L.clipped_value_loss(values, old_values[idx], returns[idx], m, args.value_clip), m)
                 loss = loss + args.vf_coef * vloss
+                vlosses.append(vloss.item())
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(module.parameters(), 1.0)
@@ -282,7 +283,9 @@ def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, 
     diff = (old_logp - batch.engine_logp).abs() * mask
     is_ratio = torch.exp(old_logp - batch.engine_logp)
     n_tok = mask.sum().clamp(min=1)
+    extra = {"value_loss": sum(vlosses) / len(vlosses)} if vlosses else {}
     return {
+        **extra,
         "loss": sum(losses) / len(losses),
         "kl": sum(kls) / len(kls),
         "entropy": entropy,

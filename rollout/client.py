@@ -249,6 +249,14 @@ class AsyncRolloutClient:
         raise SidecarError(f"push_weights failed on {self.urls[i]}: "
                            f"{msg.error if isinstance(msg, P.Reply) else 'unexpected ' + type(msg).__name__}")
 
+    async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
+                           timeout_s: float = 300.0) -> list[dict]:
+        """The file fallback: every sidecar's engines load the push that
+        `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
+        every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
+        return await self._call_all(P.LoadWeights, "load_weights", timeout_s, path=str(path), version=int(version),
+                                    pause_mode=pause_mode or "")
+
     async def close_weight_sync(self) -> None:
         await self._call_all(P.CloseWeightSync, "close_weight_sync")
         if self.sender is not None:
@@ -313,6 +321,10 @@ class RolloutClient:
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                      timeout_s: float = 300.0, progress=None) -> dict:
         return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress))
+
+    def load_weights(self, path: str, version: int, pause_mode: str | None = None,
+                     timeout_s: float = 300.0) -> list[dict]:
+        return self._run(self._client.load_weights(path, version, pause_mode, timeout_s))
 
     def close_weight_sync(self) -> None:
         self._run(self._client.close_weight_sync())

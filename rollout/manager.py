@@ -70,6 +70,7 @@ class RolloutManager:
         self.pause_mode = pause_mode
         self.version = 0
         self.load = [0] * len(engines)  # sequences in flight per engine
+        self.requests_per_engine = [0] * len(engines)
         self._ids = itertools.count()
         self._push_lock = asyncio.Lock()
         self.started = time.monotonic()
@@ -92,6 +93,7 @@ class RolloutManager:
         """The outputs of one request on the least loaded engine."""
         i = min(range(len(self.engines)), key=self.load.__getitem__)
         self.load[i] += params.n
+        self.requests_per_engine[i] += 1
         outputs = self.engines[i].generate(prompt_ids, params, request_id=f"m{next(self._ids)}")
         try:
             async for out in outputs:
@@ -229,6 +231,7 @@ class RolloutManager:
             "version": self.version,
             "tokens_per_s": c["generated_tokens"] / up if up > 0 else 0.0,
             "queue_depth": sum(self.load),
+            "requests_per_engine": list(self.requests_per_engine),
             "engines": len(self.engines),
             "uptime_s": up,
         }

@@ -1,5 +1,8 @@
 """Reference computations with plain HF transformers, for checking the engine against."""
 
+import contextlib
+import math
+
 import torch
 
 
@@ -27,3 +30,46 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     # skip ids 0-2 (special tokens) so prompts look like text
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+# fp32's unit roundoff: the relative error of one rounded operation.
+U32 = 2.0 ** -24
+
+
+def activation_magnitude(model, ids: list[int]) -> float:
+    """The largest |value| on the way through the model (residual stream and logits) for `ids`."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return max(max(h.abs().max().item() for h in out.hidden_states), out.logits.abs().max().item())
+
+
+def fp32_logprob_tolerance(config, magnitude: float, statistic: str = "max") -> float:
+    """How far two fp32 computations of one token's logprob may differ through rounding alone
+    (engine vs HF, packed vs padded batches, one CPU or thread count vs another), derived
+    from the arithmetic rather than from digits seen on one machine:
+
+    - each of the 2L sublayers adds to the residual stream sums of at most K products (K the
+      widest inner dimension); a sum's rounding error is a random walk of K steps of u·M, so
+      about sqrt(K)·u·M, and the 2L sublayers add up the same way: sqrt(2L·K)·u·M, where M is the
+      largest magnitude a value takes (`activation_magnitude`) and u = 2^-24;
+    - x2: both computations carry such an error; x2: a logprob z_t - logsumexp(z) moves by at
+      most twice the largest logit error;
+    - "max" over up to a few thousand tokens: x4 (a normal's maximum over that many draws stays
+      within 4 standard deviations); "mean" of absolute differences: x1.
+    Real faults (wrong weights or versions, shifted positions, a wrong temperature) move
+    logprobs by 1e-2 and more, far above this."""
+    k = max(config.hidden_size, config.intermediate_size, config.num_attention_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads))
+    sigma = math.sqrt(2 * config.num_hidden_layers * k) * U32 * magnitude
+    return 2 * 2 * sigma * (4 if statistic == "max" else 1)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a block with torch on `n` threads (results differ in the last bits across counts)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

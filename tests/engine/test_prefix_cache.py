@@ -6,7 +6,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams as SP
 from engine.sequence import Sequence
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, random_prompts
 
 
 def _run(model, caching, prompts, params):
@@ -16,7 +16,7 @@ def _run(model, caching, prompts, params):
     return llm, [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
 
 
-def test_outputs_equal_with_caching_on_or_off(qwen2_dir):
+def test_outputs_equal_with_caching_on_or_off(qwen2_dir, hf_models):
     prefix = random_prompts(1, 33, 33, 2000, seed=30)[0]
     prompts = [prefix + t for t in random_prompts(3, 2, 20, 2000, seed=31)] + [prefix, prefix]
     for params in (SamplingParams(n=4, temperature=0, max_tokens=20), SamplingParams(n=4, max_tokens=20, seed=9)):
@@ -26,7 +26,11 @@ def test_outputs_equal_with_caching_on_or_off(qwen2_dir):
         for ra, rb in zip(a, b):
             for (ta, la), (tb, lb) in zip(ra, rb):
                 assert ta == tb
-                assert la == pytest.approx(lb, abs=1e-4)
+                # a cache hit attends through another path (gathered blocks, offset mask): the
+                # same arithmetic in another order
+                hf = hf_models["qwen2"]
+                tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, prompts[0] + ta))
+                assert la == pytest.approx(lb, abs=tol)
 
 
 def test_group_samples_share_the_prompt_blocks(qwen2_dir):

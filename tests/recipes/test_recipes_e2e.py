@@ -6,6 +6,8 @@ import pytest
 
 from recipes import grpo, ppo
 from recipes.tasks import JsonlTask, final_number
+from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
+from tests.recipes import wandb_log
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -20,11 +22,22 @@ def _rows(out_dir):
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _mean_logprob_tolerance(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    return fp32_logprob_tolerance(model.config, activation_magnitude(model, ids), "mean")
+
+
 def _check_run(out_dir, steps):
     rows = _rows(out_dir)
     assert len(rows) == steps and all(m in rows[0] for m in TRL_METRICS)
-    # the engine's sampled-token logprobs equal the trainer's forward (fp32) after every push
-    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-4 for r in rows)
+    # the engine's sampled-token logprobs equal the trainer's forward (fp32) after every push,
+    # within what fp32 rounding explains at the trained model's magnitudes
+    tol = _mean_logprob_tolerance(out_dir / "checkpoint-final")
+    assert all(r["sampling/sampling_logp_difference/mean"] <= tol for r in rows), tol
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     assert (out_dir / "checkpoint-final" / "model.safetensors").exists()
     assert (out_dir / "reward_curve.png").stat().st_size > 1000
@@ -44,7 +57,24 @@ def test_ppo_short_run(qwen2_dir, tmp_path):
     ppo.main(["--model", qwen2_dir, "--max-steps", "3", "--check-sync", "--output-dir", str(out),
               "--epochs", "2", "--minibatches", "2"])
     rows = _check_run(out, 3)
-    assert any(r["clip_ratio"] > 0 or r["loss"] != 0 for r in rows)
+    assert all(r["value_loss"] >= 0 for r in rows)
+
+
+def test_ppo_learns_on_the_default_task_and_logs_to_wandb(tmp_path, monkeypatch):
+    """PPO with its defaults on the embedded model: the reward rises and the critic learns (its
+    loss falls); with --report-to wandb (offline) the run file holds every logged step."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "ppo"
+    summary = ppo.main(["--output-dir", str(out), "--report-to", "wandb"])
+    rows = _rows(out)
+    assert summary["steps"] == 40 and summary["last_reward"] - summary["first_reward"] >= 0.3, summary
+    value_loss = [r["value_loss"] for r in rows]
+    assert sum(value_loss[-10:]) < 0.5 * sum(value_loss[:10]), value_loss
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = wandb_log.history(run_file)
+    assert [h["_step"] for h in logged] == list(range(1, 41))
+    assert [h["reward"] for h in logged] == [r["reward"] for r in rows]
+    assert all(h["value_loss"] == r["value_loss"] for h, r in zip(logged, rows))
 
 
 def test_async_grpo_is_one_step_stale(qwen2_dir, tmp_path):

@@ -20,7 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from tests.engine.helpers import hf_greedy, hf_logprobs, random_prompts
+from tests.engine.helpers import (
+    activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts,
+)
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
 from weight_sync.engine_sync import (
     engines_checksums, join_engines, load_on_engines, push_to_engines, receive_on_engines,
@@ -126,7 +128,11 @@ def test_push_reaches_both_engines_exactly(engines, trainer, sender, group, loop
         assert [o.token_ids for o in outs] == expected
         assert all(v == 1 for o in outs for v in o.weight_versions)
         for p, o in zip(prompts, outs):
-            assert o.logprobs == pytest.approx(hf_logprobs(trainer, p, o.token_ids), abs=1e-5)
+            tol = fp32_logprob_tolerance(trainer.config, activation_magnitude(trainer, p + o.token_ids))
+            assert o.logprobs == pytest.approx(hf_logprobs(trainer, p, o.token_ids), abs=tol)
+    # the same weights and the same batches on the same code, one request at a time: bit for bit
+    alone = [[run(loop, _generate(e, p)).logprobs for p in prompts] for e in engines]
+    assert alone[0] == alone[1]
 
 
 def test_repeated_pushes_keep_matching(engines, trainer, sender, group, loop):
