@@ -29,7 +29,8 @@ from engine.core import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
 from engine.inputs import tokenize_prompt, validate_prompt_ids
 from engine.messages import (
-    AbortRequests, AddRequest, CallResult, EngineOutput, Ready, RequestError, Shutdown, StepOutputs, UtilityCall,
+    INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Ready, RequestError, Shutdown, StepOutputs,
+    UtilityCall,
 )
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
@@ -45,7 +46,7 @@ class _Collector:
     def __init__(self, state: RequestState):
         self.state = state
         self.event = asyncio.Event()
-        self.error: str | None = None
+        self.error: RequestError | None = None
 
 
 class AsyncEngine:
@@ -72,6 +73,8 @@ class AsyncEngine:
             env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
         )
         self._shutdown_called = False
+        self._reader: threading.Thread | None = None
+        self._stop_reading = False
         atexit.register(_kill_quietly, weakref.ref(self))
         try:
             ready = self._handshake(start_timeout)
@@ -84,8 +87,6 @@ class AsyncEngine:
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
-        self._stop_reading = False
         self.dead = False
         threading.Thread(target=self._watch_process, daemon=True, name="engine-watch").start()
 
@@ -181,11 +182,11 @@ class AsyncEngine:
                 if msg.ok:
                     fut.set_result(msg.value)
                 else:
-                    fut.set_exception(_call_error(msg.error))
+                    fut.set_exception((ValueError if msg.error_kind == INVALID else RuntimeError)(msg.error))
         elif isinstance(msg, RequestError):
             c = self.requests.get(msg.request_id)
             if c is not None:
-                c.error = msg.error
+                c.error = msg
                 c.event.set()
 
     def _send(self, msg) -> None:
@@ -248,7 +249,8 @@ class AsyncEngine:
                 await collector.event.wait()
                 collector.event.clear()
                 if collector.error is not None:
-                    raise _request_error(collector.error)
+                    e = collector.error
+                    raise (ValueError if e.error_kind == INVALID else EngineGenerateError)(e.error)
                 if self.dead and not collector.state.finished:
                     raise EngineDeadError("engine core process died")
                 out = collector.state.make_output(self.tokenizer, delta=delta)
@@ -331,14 +333,6 @@ class AsyncEngine:
 
     async def get_stats(self) -> dict:
         return await self._call("stats")
-
-
-def _call_error(text: str) -> Exception:
-    return (ValueError if text.startswith("ValueError") else RuntimeError)(text)
-
-
-def _request_error(text: str) -> Exception:
-    return ValueError(text) if text.startswith("ValueError") else EngineGenerateError(text)
 
 
 def _kill_quietly(ref) -> None:

@@ -21,8 +21,8 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import (
-    AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, Shutdown, StepOutputs,
-    UtilityCall,
+    FAILED, AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, Shutdown, StepOutputs,
+    UtilityCall, error_kind,
 )
 from engine.sampling_params import SamplingParams
 from engine.serial import Decoder, Encoder
@@ -54,6 +54,13 @@ class EngineCoreProc:
         self.outputs: queue.Queue = queue.Queue()
         self.drain_calls: list[int] = []  # call ids of pause(mode="wait") calls, answered once drained
         self.running = True
+        # the utility calls AsyncEngine may make (UtilityCall.method -> handler)
+        self.utilities = {
+            "pause": self._pause, "resume": self._resume, "is_paused": self._is_paused,
+            "collective_rpc": self._collective_rpc, "set_weight_version": self._set_weight_version,
+            "reset_prefix_cache": self._reset_prefix_cache, "sleep": self._sleep, "wake_up": self._wake_up,
+            "check_health": self._check_health, "stats": self._stats,
+        }
         ctx = zmq.Context()
         self.in_sock = ctx.socket(zmq.DEALER)
         self.in_sock.setsockopt(zmq.IDENTITY, identity)
@@ -89,7 +96,7 @@ class EngineCoreProc:
             except TypeError as e:  # a result we cannot serialise becomes an error for its caller
                 if isinstance(msg, CallResult):
                     self.out_sock.send_multipart(encoder.encode(
-                        CallResult(msg.call_id, False, None, f"result cannot be sent: {e}")))
+                        CallResult(msg.call_id, False, None, f"result cannot be sent: {e}", FAILED)))
                 else:
                     log.error("cannot send output: %s", e)
 
@@ -122,7 +129,7 @@ class EngineCoreProc:
             failed = {s.request_id for s in self.core.scheduler.running}
             for rid in failed:
                 self.core.abort_requests([rid])
-                self.outputs.put(RequestError(rid, f"engine step failed: {e!r}"))
+                self.outputs.put(RequestError(rid, f"engine step failed: {e!r}", FAILED))
             return
         if deltas:
             self.outputs.put(StepOutputs(deltas))
@@ -142,7 +149,7 @@ class EngineCoreProc:
             params = SamplingParams.from_dict(msg.params)
             self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
         except Exception as e:
-            self.outputs.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}"))
+            self.outputs.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}", error_kind(e)))
 
     def _abort(self, request_ids: list[str]) -> None:
         deltas = self.core.abort_requests(request_ids)
@@ -153,18 +160,18 @@ class EngineCoreProc:
     def _call(self, msg: UtilityCall) -> None:
         self._current_call_id = msg.call_id  # a deferred result (pause "wait") answers it later
         try:
-            handler = getattr(self, f"_util_{msg.method}", None)
+            handler = self.utilities.get(msg.method)
             if handler is None:
                 raise ValueError(f"unknown engine call {msg.method!r}")
             value = handler(*msg.args, **msg.kwargs)
         except Exception as e:
             log.debug("call %s failed", msg.method, exc_info=True)
-            self.outputs.put(CallResult(msg.call_id, False, None, f"{type(e).__name__}: {e}"))
+            self.outputs.put(CallResult(msg.call_id, False, None, f"{type(e).__name__}: {e}", error_kind(e)))
             return
         if value is not _DEFERRED:
             self.outputs.put(CallResult(msg.call_id, True, value))
 
-    def _util_pause(self, mode: str = "abort", clear_cache: bool = True):
+    def _pause(self, mode: str = "abort", clear_cache: bool = True):
         deltas = self.core.pause(mode, clear_cache)
         if deltas:
             self.outputs.put(StepOutputs(deltas))
@@ -178,42 +185,42 @@ class EngineCoreProc:
             self.outputs.put(CallResult(call_id, True, True))
         self.drain_calls = []
 
-    def _util_resume(self):
+    def _resume(self):
         self.core.resume()
         self._answer_drain_calls()  # resumed before a drain completed: that pause is over
         return True
 
-    def _util_is_paused(self):
+    def _is_paused(self):
         return self.core.is_paused
 
-    def _util_collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None):
+    def _collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None):
         worker = self.core.worker
         if not isinstance(method, str) or method.startswith("_") or not worker.rpc_allowed(method):
             raise ValueError(f"method {method!r} is not callable over collective_rpc")
         return [getattr(worker, method)(*(args or []), **(kwargs or {}))]
 
-    def _util_set_weight_version(self, version: int):
+    def _set_weight_version(self, version: int):
         self.core.weight_version = int(version)
         return self.core.weight_version
 
-    def _util_reset_prefix_cache(self):
+    def _reset_prefix_cache(self):
         self.core.reset_prefix_cache()
         return True
 
-    def _util_sleep(self, level: int = 1):
+    def _sleep(self, level: int = 1):
         deltas = self.core.sleep(level)
         if deltas:
             self.outputs.put(StepOutputs(deltas))
         return True
 
-    def _util_wake_up(self):
+    def _wake_up(self):
         self.core.wake_up()
         return True
 
-    def _util_check_health(self):
+    def _check_health(self):
         return self.core.worker.check_health()
 
-    def _util_stats(self):
+    def _stats(self):
         return self.core.stats()
 
 

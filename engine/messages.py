@@ -59,16 +59,28 @@ class StepOutputs(msgspec.Struct, tag="out", array_like=True):
     deltas: list[SeqDelta]
 
 
+# What kind of failure an error is, carried as data (never read out of its text):
+# "invalid": the caller's input was refused and nothing changed (a ValueError where it was raised);
+# "failed": anything else.
+INVALID, FAILED = "invalid", "failed"
+
+
+def error_kind(e: BaseException) -> str:
+    return INVALID if isinstance(e, ValueError) else FAILED
+
+
 class CallResult(msgspec.Struct, tag="result", array_like=True):
     call_id: int
     ok: bool
     value: Any = None
     error: str = ""
+    error_kind: str = FAILED
 
 
 class RequestError(msgspec.Struct, tag="req_error", array_like=True):
     request_id: str
     error: str
+    error_kind: str = FAILED
 
 
 EngineOutput = Union[Ready, StepOutputs, CallResult, RequestError]

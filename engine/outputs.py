@@ -19,7 +19,9 @@ class CompletionOutput:
     def cumulative_logprob(self) -> float:
         return float(sum(self.logprobs))
 
+    @property
     def finished(self) -> bool:
+        """A field-like property, as `RequestOutput.finished` (vLLM has a method here)."""
         return self.finish_reason is not None
 
 

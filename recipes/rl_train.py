@@ -8,6 +8,7 @@ import concurrent.futures
 import copy
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from recipes import losses as L
+from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
 
 log = logging.getLogger("recipes")
@@ -57,30 +59,8 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="trainer device: cpu or cuda (accelerate picks when cuda)")
     p.add_argument("--log-level", default="INFO")
-    if algo == "grpo":
-        p.add_argument("--no-std-scale", action="store_true", help="Dr. GRPO: do not divide advantages by the std")
-    else:
-        p.add_argument("--gamma", type=float, default=1.0)
-        p.add_argument("--lam", type=float, default=0.95)
-        p.add_argument("--vf-coef", type=float, default=0.5)
-        p.add_argument("--value-clip", type=float, default=0.2)
+    ALGORITHMS[algo].add_args(p)
     return p
-
-
-class PolicyWithValue(torch.nn.Module):
-    """PPO's actor-critic: the HF policy plus a scalar value head on its last hidden state. Its
-    forward runs both, so accelerate / DDP wrap one module and see every parameter used."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy = policy
-        self.value_head = torch.nn.Linear(policy.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, **kwargs):
-        out = self.policy(**kwargs, output_hidden_states=True)
-        return SimpleNamespace(logits=out.logits, value_estimates=self.value_head(out.hidden_states[-1]).squeeze(-1))
 
 
 def _rollout_source(args, model_dir: str):
@@ -97,16 +77,55 @@ def _rollout_source(args, model_dir: str):
     return RolloutClient(url, token=args.token), sidecar, url
 
 
+@dataclass
+class Run:
+    """Everything one training run holds, built once by `setup`."""
+
+    args: argparse.Namespace
+    algo: object  # recipes.algorithms.GRPO | PPO
+    accelerator: object
+    module: torch.nn.Module  # what trains (the policy, or policy + value head), prepared by accelerate
+    optimizer: torch.optim.Optimizer
+    ref: torch.nn.Module | None  # the frozen initial policy, for the KL term
+    tokenizer: object
+    task: object
+    tracker: object
+    client: object  # rollout.RolloutClient
+    sidecar: object | None  # the sidecar this run started, if any
+    gen_client: object | None = None  # --async: a second client that generates while the first pushes
+    pool: concurrent.futures.ThreadPoolExecutor | None = None
+    params: object = None  # engine.SamplingParams of every generate
+    version: int = 0
+    pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
+
+    def policy(self) -> torch.nn.Module:
+        return self.algo.policy_of(self.accelerator.unwrap_model(self.module))
+
+
 def train(algo: str, argv: list[str] | None = None) -> dict:
     args = build_parser(algo).parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = setup(ALGORITHMS[algo](args), args)
+    try:
+        push(run)  # the sidecar serves exactly the trainer's weights from the start
+        bar = tqdm(range(args.max_steps), desc=algo, unit="step", disable=not run.accelerator.is_main_process)
+        for step in bar:
+            metrics = train_step(run, step)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
+        return finish(run)
+    finally:
+        close(run)
+
+
+def setup(algo, args: argparse.Namespace) -> Run:
+    """Model, optimizer (accelerate), task, tracker and a connected rollout client."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine import SamplingParams
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_model import build_tiny_model, default_model_dir
     from recipes.tasks import make_task
     from recipes.tracking import Tracker
-    from engine.tiny_model import build_tiny_model, default_model_dir
     from rollout import RolloutClient
     from weight_sync import flatten_parameters
 
@@ -120,96 +139,106 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
     if args.device == "cpu":  # pushes then send straight from the weights' memory (weight_sync/README.md)
         flatten_parameters(policy)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
-    module = PolicyWithValue(policy) if algo == "ppo" else policy
+    module = algo.wrap(policy)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
     module, optimizer = accelerator.prepare(module, optimizer)
     if ref is not None:
         ref = ref.to(accelerator.device)
     task = make_task(args.task, tokenizer, args.data, args.seed)
-    tracker = Tracker(out_dir, args.report_to, f"{algo}-{args.task}", vars(args))
-
+    tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args))
     client, sidecar, url = _rollout_source(args, model_dir)
-    gen_client = RolloutClient(url, token=args.token) if args.async_ else None
-    pool = concurrent.futures.ThreadPoolExecutor(1) if args.async_ else None
-    summary: dict = {}
-    try:
-        client.init_weight_sync()
-        version = 0
+    run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
+              params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens))
+    if args.async_:
+        run.gen_client = RolloutClient(url, token=args.token)
+        run.pool = concurrent.futures.ThreadPoolExecutor(1)
+    client.init_weight_sync()
+    return run
 
-        def unwrapped_policy():
-            m = accelerator.unwrap_model(module)
-            return m.policy if algo == "ppo" else m
 
-        def push(v: int) -> float:
-            t = time.perf_counter()
-            client.push_weights(unwrapped_policy(), version=v, pause_mode=args.pause_mode)
-            if args.check_sync:
-                want = client._client.sender.checksum(unwrapped_policy())
-                got = client.weights_checksums()
-                if any(c != want for c in got):
-                    raise RuntimeError(f"weights checksum mismatch after push {v}: {got} != {want}")
-            return time.perf_counter() - t
+def push(run: Run) -> float:
+    """Push the trainer's policy as `run.version`; with --check-sync, check what the engines hold."""
+    t = time.perf_counter()
+    run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode)
+    if run.args.check_sync:
+        want = run.client.checksum_of(run.policy())
+        got = run.client.weights_checksums()
+        if any(c != want for c in got):
+            raise RuntimeError(f"weights checksum mismatch after push {run.version}: {got} != {want}")
+    return time.perf_counter() - t
 
-        push(version)  # the sidecar serves exactly the trainer's weights from the start
-        params = SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens)
 
-        def generate(c):
-            items = task.prompts(args.prompts_per_step)
-            t = time.perf_counter()
-            groups = c.generate([it["prompt"] for it in items], params)
-            return items, groups, time.perf_counter() - t
+def _generate(run: Run, client) -> tuple[list, list, float]:
+    items = run.task.prompts(run.args.prompts_per_step)
+    t = time.perf_counter()
+    groups = client.generate([it["prompt"] for it in items], run.params)
+    return items, groups, time.perf_counter() - t
 
-        pending = pool.submit(generate, gen_client) if args.async_ else None
-        bar = tqdm(range(args.max_steps), desc=algo, unit="step", disable=not accelerator.is_main_process)
-        for step in bar:
-            t_step = time.perf_counter()
-            if args.async_:
-                items, groups, t_gen = pending.result()
-                pending = pool.submit(generate, gen_client) if step + 1 < args.max_steps else None
-            else:
-                items, groups, t_gen = generate(client)
-            rollouts = [r for g in groups for r in g]
-            rewards = torch.tensor([task.reward(it, r.token_ids, r.text) for it, g in zip(items, groups) for r in g])
-            t_train = time.perf_counter()
-            metrics = _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, tokenizer)
-            t_train = time.perf_counter() - t_train
-            version += 1
-            t_sync = push(version)
-            lengths = [len(r.token_ids) for r in rollouts]
-            metrics.update({
-                "reward": rewards.mean().item(),
-                "reward_std": rewards.std().item(),
-                "completions/mean_length": sum(lengths) / len(lengths),
-                "timing/generate": t_gen,
-                "timing/train": t_train,
-                "timing/weight_sync": t_sync,
-                "timing/step": time.perf_counter() - t_step,
-                "staleness": version - 1 - min(r.weight_versions[0] for r in rollouts if r.weight_versions),
-                "weight_version": version,
-            })
-            tracker.log(step + 1, metrics)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
-            if args.save_steps and (step + 1) % args.save_steps == 0:
-                _save(unwrapped_policy(), tokenizer, out_dir / f"checkpoint-{step + 1}")
-        _save(unwrapped_policy(), tokenizer, out_dir / "checkpoint-final")
-        rows = tracker.rows
-        k = max(1, min(10, len(rows) // 2))
-        first = sum(r["reward"] for r in rows[:k]) / k
-        last = sum(r["reward"] for r in rows[-k:]) / k
-        summary = {"first_reward": first, "last_reward": last, "steps": len(rows), "output_dir": str(out_dir)}
-        log.info("reward: first %d steps %.3f -> last %d steps %.3f", k, first, k, last)
-    finally:
-        png = tracker.finish()
-        if png:
-            log.info("reward curve: %s", png)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        if gen_client is not None:
-            gen_client.close()
-        client.close()
-        if sidecar is not None:
-            sidecar.stop()
-    return summary
+
+def _next_rollouts(run: Run, step: int) -> tuple[list, list, float]:
+    """This step's rollouts: generated now, or (--async) while the previous step trained."""
+    if not run.args.async_:
+        return _generate(run, run.client)
+    if run.pending is None:
+        run.pending = run.pool.submit(_generate, run, run.gen_client)
+    items, groups, t_gen = run.pending.result()
+    more = step + 1 < run.args.max_steps
+    run.pending = run.pool.submit(_generate, run, run.gen_client) if more else None
+    return items, groups, t_gen
+
+
+def train_step(run: Run, step: int) -> dict:
+    """Rollouts -> rewards -> update -> push; logs and returns the step's metrics."""
+    t_step = time.perf_counter()
+    items, groups, t_gen = _next_rollouts(run, step)
+    rollouts = [r for g in groups for r in g]
+    rewards = torch.tensor([run.task.reward(it, r.token_ids, r.text) for it, g in zip(items, groups) for r in g])
+    t_train = time.perf_counter()
+    metrics = update(run, rollouts, rewards)
+    t_train = time.perf_counter() - t_train
+    run.version += 1
+    t_sync = push(run)
+    lengths = [len(r.token_ids) for r in rollouts]
+    metrics.update({
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "timing/generate": t_gen,
+        "timing/train": t_train,
+        "timing/weight_sync": t_sync,
+        "timing/step": time.perf_counter() - t_step,
+        "staleness": run.version - 1 - min(r.weight_versions[0] for r in rollouts if r.weight_versions),
+        "weight_version": run.version,
+    })
+    run.tracker.log(step + 1, metrics)
+    if run.args.save_steps and (step + 1) % run.args.save_steps == 0:
+        _save(run.policy(), run.tokenizer, Path(run.args.output_dir) / f"checkpoint-{step + 1}")
+    return metrics
+
+
+def finish(run: Run) -> dict:
+    """The final checkpoint, and the reward of the first and last steps."""
+    out_dir = Path(run.args.output_dir)
+    _save(run.policy(), run.tokenizer, out_dir / "checkpoint-final")
+    rows = run.tracker.rows
+    k = max(1, min(10, len(rows) // 2))
+    first = sum(r["reward"] for r in rows[:k]) / k
+    last = sum(r["reward"] for r in rows[-k:]) / k
+    log.info("reward: first %d steps %.3f -> last %d steps %.3f", k, first, k, last)
+    return {"first_reward": first, "last_reward": last, "steps": len(rows), "output_dir": str(out_dir)}
+
+
+def close(run: Run) -> None:
+    png = run.tracker.finish()
+    if png:
+        log.info("reward curve: %s", png)
+    if run.pool is not None:
+        run.pool.shutdown(wait=True, cancel_futures=True)
+    if run.gen_client is not None:
+        run.gen_client.close()
+    run.client.close()
+    if run.sidecar is not None:
+        run.sidecar.stop()
 
 
 def _save(policy, tokenizer, path: Path) -> None:
@@ -217,82 +246,79 @@ def _save(policy, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _update(algo, args, accelerator, module, optimizer, ref, rollouts, rewards, tokenizer) -> dict:
+def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     """One batch of rollouts -> `epochs` x `minibatches` optimizer steps. Returns metrics."""
-    device = accelerator.device
-    batch = build_batch(rollouts, tokenizer.pad_token_id or 0).to(device)
-    mask = batch.mask
-    ppo = algo == "ppo"
-    # GRPO with a single optimizer step per batch is on-policy: the pre-update logprobs are those
-    # of the training forward, detached (as TRL does with num_iterations=1), which saves a whole
-    # forward over the batch. PPO needs its values before the update, for GAE.
-    single_pass = not ppo and args.epochs == 1 and args.minibatches == 1
-    old_logp = entropy = None
-    with torch.no_grad():
-        if not single_pass:
-            logits, old_values = completion_logits(module, batch, args.temperature)
-            old_logp = token_logprobs(logits, batch.targets)
-            entropy = L.masked_mean(L.entropy_from_logits(logits), mask).item()
-            del logits
-        ref_logp = token_logprobs(completion_logits(ref, batch, args.temperature)[0], batch.targets) if ref else None
-        if ppo:
-            old_values = old_values * mask
-            token_rewards = torch.zeros_like(mask)
-            last = (mask.sum(1).long() - 1).clamp(min=0)
-            token_rewards[torch.arange(len(rollouts)), last] = rewards.to(device)
-            adv, returns = L.gae(token_rewards, old_values, mask, args.gamma, args.lam)
-            adv = L.whiten(adv, mask)
-        else:
-            adv = L.grpo_advantages(rewards.to(device), args.group_size, not args.no_std_scale)
-
-    B = len(rollouts)
-    clip_fracs, kls, losses, vlosses = [], [], [], []
+    args, device = run.args, run.accelerator.device
+    batch = build_batch(rollouts, run.tokenizer.pad_token_id or 0).to(device)
+    old = _before_update(run, batch, rewards.to(device))
+    stats = {"clip_ratio": [], "kl": [], "loss": [], "value_loss": []}
     for _ in range(args.epochs):
-        perm = torch.randperm(B, device=device)
+        perm = torch.randperm(len(rollouts), device=device)
         for idx in perm.chunk(args.minibatches):
-            mb = batch.select(idx)
-            m = mb.mask
-            logits, values = completion_logits(module, mb, args.temperature)
-            logp = token_logprobs(logits, mb.targets)
-            if old_logp is None:  # single pass: idx is a permutation of the whole batch
-                old_logp = torch.empty_like(logp).index_copy_(0, idx, logp.detach())
-                with torch.no_grad():
-                    entropy = L.masked_mean(L.entropy_from_logits(logits), m).item()
-            del logits
-            behaviour = batch.engine_logp if args.async_ else old_logp  # async: sampled from an older policy
-            is_w = None
-            if args.is_cap > 0 and not args.async_:
-                is_w = L.truncated_is_weights(old_logp[idx], batch.engine_logp[idx], args.is_cap)
-            pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], adv[idx], m, args.clip_low, args.clip_high, is_w)
-            loss = L.aggregate(pg, m, args.loss_agg, args.max_tokens)
-            kl = torch.zeros((), device=device)
-            if ref_logp is not None:
-                kl = L.masked_mean(L.k3_kl(logp, ref_logp[idx]), m)
-                loss = loss + args.beta * kl
-            if ppo:
-                vloss = L.masked_mean(L.clipped_value_loss(values, old_values[idx], returns[idx], m, args.value_clip), m)
-                loss = loss + args.vf_coef * vloss
-                vlosses.append(vloss.item())
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(module.parameters(), 1.0)
-            optimizer.step()
-            clip_fracs.append(L.masked_mean(clipped, m).item())
-            kls.append(kl.item())
-            losses.append(loss.item())
-    diff = (old_logp - batch.engine_logp).abs() * mask
-    is_ratio = torch.exp(old_logp - batch.engine_logp)
+            _minibatch_step(run, batch, old, idx, stats)
+    mask = batch.mask
+    diff = (old.logp - batch.engine_logp).abs() * mask
+    is_ratio = torch.exp(old.logp - batch.engine_logp)
     n_tok = mask.sum().clamp(min=1)
-    extra = {"value_loss": sum(vlosses) / len(vlosses)} if vlosses else {}
+    mean = {k: sum(v) / len(v) for k, v in stats.items() if v}
     return {
-        **extra,
-        "loss": sum(losses) / len(losses),
-        "kl": sum(kls) / len(kls),
-        "entropy": entropy,
-        "clip_ratio": sum(clip_fracs) / len(clip_fracs),
+        **mean,
+        "entropy": old.entropy,
         "sampling/sampling_logp_difference/mean": (diff.sum() / n_tok).item(),
         "sampling/sampling_logp_difference/max": diff.max().item(),
         "sampling/importance_sampling_ratio/min": is_ratio[mask.bool()].min().item(),
         "sampling/importance_sampling_ratio/mean": L.masked_mean(is_ratio, mask).item(),
         "sampling/importance_sampling_ratio/max": is_ratio[mask.bool()].max().item(),
     }
+
+
+def _before_update(run: Run, batch: Batch, rewards: torch.Tensor) -> SimpleNamespace:
+    """What the update needs from the policy as it was: logprobs, values, entropy (unless the
+    algorithm takes them from the training forward), the reference's logprobs, advantages."""
+    args = run.args
+    old = SimpleNamespace(logp=None, values=None, entropy=None, ref_logp=None, adv=None, returns=None)
+    with torch.no_grad():
+        if not run.algo.single_pass:
+            logits, old.values = completion_logits(run.module, batch, args.temperature)
+            old.logp = token_logprobs(logits, batch.targets)
+            old.entropy = L.masked_mean(L.entropy_from_logits(logits), batch.mask).item()
+            del logits
+        if run.ref is not None:
+            old.ref_logp = token_logprobs(completion_logits(run.ref, batch, args.temperature)[0], batch.targets)
+        old.adv, old.returns = run.algo.advantages(rewards, batch.mask, old.values)
+    return old
+
+
+def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Tensor, stats: dict) -> None:
+    args = run.args
+    mb = batch.select(idx)
+    m = mb.mask
+    logits, values = completion_logits(run.module, mb, args.temperature)
+    logp = token_logprobs(logits, mb.targets)
+    if old.logp is None:  # single pass: idx is a permutation of the whole batch
+        old.logp = torch.empty_like(logp).index_copy_(0, idx, logp.detach())
+        with torch.no_grad():
+            old.entropy = L.masked_mean(L.entropy_from_logits(logits), m).item()
+    del logits
+    behaviour = batch.engine_logp if args.async_ else old.logp  # async: sampled from an older policy
+    is_w = None
+    if args.is_cap > 0 and not args.async_:
+        is_w = L.truncated_is_weights(old.logp[idx], batch.engine_logp[idx], args.is_cap)
+    pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], old.adv[idx], m, args.clip_low, args.clip_high, is_w)
+    loss = L.aggregate(pg, m, args.loss_agg, args.max_tokens)
+    kl = torch.zeros((), device=logp.device)
+    if old.ref_logp is not None:
+        kl = L.masked_mean(L.k3_kl(logp, old.ref_logp[idx]), m)
+        loss = loss + args.beta * kl
+    extra = run.algo.extra_loss(values, None if old.values is None else old.values[idx],
+                                None if old.returns is None else old.returns[idx], m)
+    if extra is not None:
+        loss = loss + args.vf_coef * extra
+        stats["value_loss"].append(extra.item())
+    run.optimizer.zero_grad(set_to_none=True)
+    run.accelerator.backward(loss)
+    run.accelerator.clip_grad_norm_(run.module.parameters(), 1.0)
+    run.optimizer.step()
+    stats["clip_ratio"].append(L.masked_mean(clipped, m).item())
+    stats["kl"].append(kl.item())
+    stats["loss"].append(loss.item())

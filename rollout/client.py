@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -24,7 +23,12 @@ log = logging.getLogger(__name__)
 
 
 class SidecarError(RuntimeError):
-    """A sidecar refused or failed a call; the message is the sidecar's reason."""
+    """A sidecar refused or failed a call; the message is the sidecar's reason, `kind` how it
+    failed, as the sidecar said it (protocol.ERROR_KINDS; "" when not the sidecar's word)."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
 def _params_wire(params, n_prompts: int):
@@ -94,7 +98,7 @@ class AsyncRolloutClient:
                 msg = await self._next(i, q, what, timeout)
                 if isinstance(msg, P.Reply):
                     if not msg.ok:
-                        raise SidecarError(f"{what} failed on {self.urls[i]}: {msg.error}")
+                        raise SidecarError(f"{what} failed on {self.urls[i]}: {msg.error}", msg.error_kind)
                     return msg.value
         finally:
             self._queues.pop((i, call_id), None)
@@ -136,7 +140,7 @@ class AsyncRolloutClient:
                     if isinstance(msg, P.GroupOut):
                         yield r.start + msg.index, msg.rollouts
                     elif not msg.ok:
-                        raise SidecarError(f"generate failed on {self.urls[i]}: {msg.error}")
+                        raise SidecarError(f"generate failed on {self.urls[i]}: {msg.error}", msg.error_kind)
                     else:
                         del open_calls[(i, msg.call_id)]
             finally:
@@ -184,70 +188,31 @@ class AsyncRolloutClient:
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None) -> dict:
-        """Pause every sidecar, broadcast the weights, commit, resume. Raises SidecarError with the
-        sidecars' reasons (and the trainer's) on any failure; the previous weights then keep serving.
-        `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out."""
+        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
+        delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
+        sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
+        serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out."""
+        from weight_sync.push import run_push
+
         if self.sender is None or self.sender.group is None:
             raise SidecarError("init_weight_sync() first")
-        return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, reuse_layout=True)
+        group_name = self.sender.group.group_name
 
-    async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
-                    reuse_layout: bool) -> dict:
-        from weight_sync.sender import StaleManifestError
+        def deliver(manifest) -> list:
+            return [(self.urls[i], self._push_call(i, manifest.to_wire(), pause_mode, timeout_s, group_name))
+                    for i in range(len(self._socks))]
 
-        # The trainer's thread walks the weights (on the previous push's layout) while the sidecars
-        # pause, and votes only once every sidecar has paused.
-        prepared = self.sender.prepare(weights, version, reuse_layout=reuse_layout)
-        sent = [(i, *await self._send(i, P.PushWeights, manifest=prepared.manifest.to_wire(),
-                                      pause_mode=pause_mode or "", timeout_s=timeout_s))
-                for i in range(len(self._socks))]
-        self.sender.walk(prepared)  # while the sidecars pause; here, as a thread would hold the GIL the replies need
-        go, verdict = threading.Event(), []
+        outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
+        if outcome.errors:
+            raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors))
+        return {"version": version, "trainer": outcome.trainer, "sidecars": outcome.results}
 
-        def before_vote() -> None:
-            go.wait()
-            if verdict:
-                raise verdict[0]
-
-        send = asyncio.ensure_future(asyncio.to_thread(self.sender.send, prepared, progress, before_vote))
-        # Broadcast only once every sidecar has paused (a "wait" drain can take long): the
-        # group's timeout then bounds the transfer alone.
-        try:
-            paused = await asyncio.gather(*(self._paused(i, cid, q, timeout_s + 60) for i, cid, q in sent),
-                                          return_exceptions=True)
-        except BaseException:  # cancelled: call the trainer's side off; paused workers time out of the vote
-            verdict.append(SidecarError(f"push of version {version} cancelled"))
-            go.set()
-            self.sender.close_group()
-            raise
-        errors = [str(e) for e in paused if isinstance(e, BaseException)]
-        if errors:
-            verdict.append(SidecarError("a sidecar did not pause: " + "; ".join(errors)))
-        go.set()
-        trainer = (await asyncio.gather(send, return_exceptions=True))[0]
-        if errors:
-            trainer = None
-            self.sender.close_group()  # workers that did pause time out of the vote and recover
-        live = [(i, cid, q) for (i, cid, q), p in zip(sent, paused) if p is True]
-        replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in live),
-                                       return_exceptions=True)
-        if isinstance(trainer, StaleManifestError) and reuse_layout:  # every rank refused before a byte moved
-            return await self._push(prepared.weights, version, pause_mode, timeout_s, progress, reuse_layout=False)
-        errors += [str(r) for r in replies if isinstance(r, BaseException)]
-        if isinstance(trainer, BaseException):
-            errors.insert(0, f"trainer: {trainer}")
-        if errors:
-            raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))
-        return {"version": version, "trainer": trainer, "sidecars": replies}
-
-    async def _paused(self, i: int, call_id: int, q: asyncio.Queue, timeout: float) -> bool:
-        """True once sidecar i reports its engines paused; raises if it answered with an error."""
-        msg = await self._next(i, q, "push_weights", timeout)
-        if isinstance(msg, P.Progress) and msg.stage == "paused":
-            return True
-        self._queues.pop((i, call_id), None)
-        raise SidecarError(f"push_weights failed on {self.urls[i]}: "
-                           f"{msg.error if isinstance(msg, P.Reply) else 'unexpected ' + type(msg).__name__}")
+    async def _push_call(self, i: int, manifest: dict, pause_mode: str | None, timeout_s: float,
+                         group_name: str) -> dict:
+        """Sidecar i pauses its engines, which receive the push in the trainer's group."""
+        call_id, q = await self._send(i, P.PushWeights, manifest=manifest, pause_mode=pause_mode or "",
+                                      timeout_s=timeout_s, group_name=group_name)
+        return await self._reply(i, call_id, q, "push_weights", timeout_s + 60)
 
     async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0) -> list[dict]:
@@ -261,6 +226,13 @@ class AsyncRolloutClient:
         await self._call_all(P.CloseWeightSync, "close_weight_sync")
         if self.sender is not None:
             self.sender.close_group()
+
+    def checksum_of(self, model_or_named_tensors) -> str:
+        """The checksum every engine's `weights_checksums()` entry equals after pushing this
+        model (in the push's dtype); for checking a push."""
+        if self.sender is None:
+            raise SidecarError("init_weight_sync() first")
+        return self.sender.checksum(model_or_named_tensors)
 
     async def weights_checksums(self) -> list[str]:
         """Every worker's weights checksum, sidecars in order (compare with WeightSender.checksum)."""
@@ -331,6 +303,9 @@ class RolloutClient:
 
     def weights_checksums(self) -> list[str]:
         return self._run(self._client.weights_checksums())
+
+    def checksum_of(self, model_or_named_tensors) -> str:
+        return self._client.checksum_of(model_or_named_tensors)
 
     def stats(self) -> list[dict] | dict:
         s = self._run(self._client.stats())

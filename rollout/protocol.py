@@ -4,7 +4,8 @@ Every call is one message type carrying a call id and the shared token (empty on
 The server answers each call with exactly one `Reply` (ok + value, or the error text); a
 `generate` call first streams one `GroupOut` per prompt as each group finishes (any order,
 `index` says which prompt), then its `Reply`; a `push_weights` call sends `Progress("paused")`
-once its engines are paused (the trainer starts broadcasting then), then its `Reply`.
+once its engines are paused (informational: the trainer starts broadcasting once every worker
+marked itself ready in the group's store), then its `Reply`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class PushWeights(msgspec.Struct, tag="push_weights"):
     manifest: dict[str, Any]  # weight_sync.Manifest in wire form
     pause_mode: str = ""  # "" = the sidecar's default
     timeout_s: float = 300.0
+    group_name: str = ""  # the trainer's group: its workers mark themselves ready there (weight_sync.push)
     token: str = ""
 
 
@@ -94,11 +96,23 @@ class Progress(msgspec.Struct, tag="progress"):
     stage: str
 
 
+# How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or
+# load refused before any byte moved: nothing changed, the group still usable), "failed".
+ERROR_KINDS = ("invalid", "refused", "failed")
+
+
+def error_kind(e: BaseException) -> str:
+    if getattr(e, "refused", False):
+        return "refused"
+    return "invalid" if isinstance(e, (ValueError, PermissionError)) else "failed"
+
+
 class Reply(msgspec.Struct, tag="reply"):
     call_id: int
     ok: bool
     value: Any = None
     error: str = ""
+    error_kind: str = ""  # one of ERROR_KINDS when ok is false
 
 
 ServerMessage = Union[GroupOut, Progress, Reply]

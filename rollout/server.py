@@ -37,6 +37,17 @@ class RolloutServer:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.tasks: set[asyncio.Task] = set()
         self.accepting = True
+        # one handler per call type of rollout.protocol.Call
+        self.handlers = {
+            P.Generate: self._on_generate,
+            P.InitWeightSync: self._on_init_weight_sync,
+            P.PushWeights: self._on_push_weights,
+            P.LoadWeights: self._on_load_weights,
+            P.CloseWeightSync: self._on_close_weight_sync,
+            P.Checksum: self._on_checksum,
+            P.Stats: self._on_stats,
+            P.Health: self._on_health,
+        }
 
     async def serve(self, stop: asyncio.Event) -> None:
         log.info("sidecar listening on %s", self.address)
@@ -62,10 +73,12 @@ class RolloutServer:
             try:
                 call = P.call_decoder.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                await self._reply(identity, P.Reply(_call_id_of(body), False, error=f"malformed message: {e}"))
+                await self._reply(identity, P.Reply(_call_id_of(body), False, error=f"malformed message: {e}",
+                                                    error_kind="invalid"))
                 continue
             if not self.accepting:
-                await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down"))
+                await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down",
+                                                    error_kind="failed"))
                 continue
             task = asyncio.ensure_future(self._handle(identity, call))
             self.tasks.add(task)
@@ -83,15 +96,16 @@ class RolloutServer:
         try:
             if self.token and not hmac.compare_digest(call.token.encode(), self.token.encode()):
                 raise PermissionError("wrong or missing token")
-            handler = getattr(self, f"_on_{type(call).__name__.lower()}")
-            value = await handler(identity, call)
+            value = await self.handlers[type(call)](identity, call)
             await self._reply(identity, P.Reply(call.call_id, True, value))
         except asyncio.CancelledError:
-            await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down"))
+            await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down",
+                                                error_kind="failed"))
             raise
         except Exception as e:
             log.info("call %s failed: %s", type(call).__name__, e)
-            await self._reply(identity, P.Reply(call.call_id, False, error=f"{type(e).__name__}: {e}"))
+            await self._reply(identity, P.Reply(call.call_id, False, error=f"{type(e).__name__}: {e}",
+                                                error_kind=P.error_kind(e)))
 
     async def _on_generate(self, identity: bytes, call: P.Generate) -> dict:
         n = len(call.prompts)
@@ -109,20 +123,21 @@ class RolloutServer:
         await asyncio.gather(*(one(i) for i in range(n)))
         return {"groups": n, "seconds": time.monotonic() - t0}
 
-    async def _on_initweightsync(self, identity: bytes, call: P.InitWeightSync) -> dict:
+    async def _on_init_weight_sync(self, identity: bytes, call: P.InitWeightSync) -> dict:
         return await self.weights.init(call.host, call.port, call.world_size, call.rank_offset, call.group_name,
                                        call.timeout_s, call.secret)
 
-    async def _on_pushweights(self, identity: bytes, call: P.PushWeights) -> dict:
+    async def _on_push_weights(self, identity: bytes, call: P.PushWeights) -> dict:
         async def paused():
             await self._send(identity, P.Progress(call.call_id, "paused"))
 
-        return await self.weights.push(call.manifest, call.pause_mode or None, call.timeout_s, paused)
+        return await self.weights.push(call.manifest, call.pause_mode or None, call.timeout_s, paused,
+                                       call.group_name or None)
 
-    async def _on_loadweights(self, identity: bytes, call: P.LoadWeights) -> dict:
+    async def _on_load_weights(self, identity: bytes, call: P.LoadWeights) -> dict:
         return await self.weights.load(call.path, call.version, call.pause_mode or None)
 
-    async def _on_closeweightsync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
+    async def _on_close_weight_sync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
         await self.weights.close()
         return True
 

@@ -29,14 +29,15 @@ class SidecarWeights:
                  rank_offset + len(engines) - 1, world_size)
         return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
 
-    async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None) -> dict:
+    async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None,
+                   group_name: str | None = None) -> dict:
         manifest = Manifest.from_wire(manifest_wire)  # a malformed manifest fails here, before any pause
         m = self.manager
         t0 = time.monotonic()
 
         async def work():
             t1 = time.monotonic()
-            results = await receive_on_engines(m.engines, manifest, timeout_s)
+            results = await receive_on_engines(m.engines, manifest, timeout_s, group_name)
             transfer = time.monotonic() - t1
             try:
                 out = await commit_results(m.engines, results, manifest.version, "push")

@@ -3,7 +3,8 @@ methods `collective_rpc`, `reset_prefix_cache`, `set_weight_version`, `pause_gen
 `resume_generation`). No server code: the rollout manager calls these.
 
 The trainer's side of every step blocks (rendezvous, broadcasts), so it runs in a thread
-(`asyncio.to_thread`) while the workers' RPCs are awaited concurrently.
+(`asyncio.to_thread`) while the workers' RPCs are awaited concurrently. A push's steps are
+`weight_sync.push`; this module only delivers them to local engines.
 
 ```python
 sender = WeightSender()
@@ -23,15 +24,11 @@ import logging
 from collections.abc import Sequence
 
 from weight_sync.manifest import Manifest
-from weight_sync.sender import StaleManifestError, WeightSender, WeightSyncError
+from weight_sync.push import describe, run_push
+from weight_sync.sender import WeightSender
+from weight_sync.votes import WeightSyncError
 
 log = logging.getLogger(__name__)
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e)
-    # errors from a worker arrive as "ValueError: ..." texts already
-    return text if text.startswith(("ValueError", "RuntimeError", "TimeoutError")) else f"{type(e).__name__}: {text}"
 
 
 async def join_engines(engines: Sequence, info: dict, rank_offset: int = 1, timeout: float | None = None,
@@ -42,7 +39,7 @@ async def join_engines(engines: Sequence, info: dict, rank_offset: int = 1, time
     calls = [e.collective_rpc("init_weight_sync", timeout=timeout, kwargs={**kwargs, "rank": rank_offset + i})
              for i, e in enumerate(engines)]
     results = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [f"engine {i}: {_reason(r)}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+    errors = [f"engine {i}: {describe(r)}" for i, r in enumerate(results) if isinstance(r, BaseException)]
     if errors:
         raise WeightSyncError("joining the weight-sync group failed: " + "; ".join(errors), reasons=errors)
     return [r[0] for r in results]
@@ -71,34 +68,41 @@ async def init_weight_sync(engines: Sequence, sender: WeightSender, host: str = 
 async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float | None = None,
                              group_name: str | None = None) -> list:
     """Each engine's `receive_weights(manifest)`; one result or exception per engine. With
-    `group_name`, a worker outside that group refuses at once."""
-    return await asyncio.gather(*_receive_calls(engines, manifest, timeout, group_name), return_exceptions=True)
+    `group_name`, each worker marks itself ready in that group's store (a worker outside that
+    group fails at once)."""
+    return await asyncio.gather(*(outcome for _, outcome in _deliveries(engines, manifest, timeout, group_name)),
+                                return_exceptions=True)
 
 
-def _receive_calls(engines: Sequence, manifest: Manifest | dict, timeout: float | None,
-                   group_name: str | None) -> list[asyncio.Task]:
-    """The receive_weights RPCs as tasks: their requests go out at the loop's next turn."""
+def _deliveries(engines: Sequence, manifest: Manifest | dict, timeout: float | None,
+                group_name: str | None) -> list[tuple[str, asyncio.Future]]:
+    """The receive_weights RPCs, named "engine i", as run_push's `deliver` returns them."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
     kwargs = {"group_name": group_name} if group_name is not None else None
-    return [asyncio.ensure_future(e.collective_rpc("receive_weights", timeout=timeout, args=(wire,), kwargs=kwargs))
-            for e in engines]
+    return [(f"engine {i}", asyncio.ensure_future(e.collective_rpc("receive_weights", timeout=timeout, args=(wire,),
+                                                                   kwargs=kwargs)))
+            for i, e in enumerate(engines)]
 
 
 async def commit_results(engines: Sequence, results: list, version: int, what: str = "push",
                          trainer_error: BaseException | None = None) -> dict:
-    """After `receive_on_engines` (results: one per engine, a list of worker results or an
+    """After the engines received (results: one per engine, a list of worker results or an
     exception): reset the prefix cache and set the version on the engines that committed, then
-    raise WeightSyncError with every reason if any engine (or the trainer) failed."""
+    raise WeightSyncError with every reason if any engine (or the trainer) failed. It is
+    `refused` (nothing changed, the group still usable) when every engine refused the push
+    (ValueError: an "invalid" call) and the trainer, if it failed, was refused too."""
     committed = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
     # Their weights did change: the cache and the version tag must follow. Both calls go out at
     # once (the core answers them in order), one round trip instead of two.
     await asyncio.gather(*(call for i in committed
                            for call in (engines[i].reset_prefix_cache(), engines[i].set_weight_version(version))))
-    reasons = [f"engine {i}: {_reason(r)}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+    reasons = [f"engine {i}: {describe(r)}" for i, r in failed]
     if trainer_error is not None:
-        reasons.insert(0, f"trainer: {_reason(trainer_error)}")
+        reasons.insert(0, f"trainer: {describe(trainer_error)}")
     if reasons:
-        refused = not committed and all("refused" in r for r in reasons)
+        refused = (not committed and all(isinstance(r, ValueError) for _, r in failed)
+                   and (trainer_error is None or getattr(trainer_error, "refused", False)))
         raise WeightSyncError(f"{what} of version {version} failed ({len(committed)}/{len(engines)} engines "
                               f"committed): " + " | ".join(reasons), refused=refused, reasons=reasons)
     first = results[0][0] if results and results[0] else {}
@@ -108,22 +112,15 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
 
 async def push_to_engines(engines: Sequence, sender: WeightSender, weights, version: int,
                           timeout: float | None = None, pause_mode: str | None = None) -> dict:
-    """One push: the manifest goes to every engine's worker (`receive_weights`) while the trainer
-    broadcasts in a thread; then, on the engines that committed, prefix cache reset and version
-    tag. Raises WeightSyncError with the trainer's and the workers' reasons on any failure
-    (`.refused` is True when it was refused before any byte moved: nothing changed anywhere).
+    """One push (weight_sync.push.run_push) delivered as every engine's `receive_weights`; then,
+    on the engines that committed, prefix cache reset and version tag. Raises WeightSyncError
+    with the trainer's and the workers' reasons on any failure (`.refused` is True when it was
+    refused before any byte moved: nothing changed anywhere).
 
     `pause_mode` ("abort" | "wait" | "keep") pauses the engines around the push; None leaves
     pausing to the caller (the engines do not step while a push runs either way: collective_rpc
-    runs on the engine's main loop). `timeout` bounds each worker RPC; every network step is also
-    bounded by the group's own timeout.
-
-    The trainer votes only once every worker marked itself ready in the group's store, so an
-    engine outside the group (or gone) calls the push off at once instead of leaving the trainer
-    in the vote. The trainer lists its weights while the workers check the manifest, which
-    reuses the previous push's layout: weights that no longer fit it are refused by every rank
-    before a byte moves, and the push runs again on a fresh layout.
-    """
+    runs on the engine's main loop). `timeout` bounds each worker RPC and the wait for the
+    workers to be ready; every network step is also bounded by the group's own timeout."""
     if sender.group is None or not sender.group.ready:
         raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
     workers = sender.group.world_size - 1
@@ -131,60 +128,21 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
         raise WeightSyncError(f"push of version {version} not started: the trainer's group has {workers} workers but "
                               f"{len(engines)} engines were given; init_weight_sync(engines, sender) with these "
                               "engines", refused=True)
-    prepared = sender.prepare(weights, version, reuse_layout=True)
+    group_name = sender.group.group_name
     try:
         if pause_mode is not None:
             await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
         t0 = asyncio.get_running_loop().time()
-        results, trainer = await _push_once(engines, sender, prepared, timeout)
-        if isinstance(trainer, StaleManifestError):  # nothing moved; list the weights first this time
-            prepared = sender.prepare(prepared.weights, version)
-            results, trainer = await _push_once(engines, sender, prepared, timeout)
-        trainer_error = trainer if isinstance(trainer, BaseException) else None
-        out = await commit_results(engines, results, version, "push", trainer_error)
+        outcome = await run_push(sender, weights, version, lambda m: _deliveries(engines, m, timeout, group_name),
+                                 timeout)
+        trainer_error = outcome.trainer if isinstance(outcome.trainer, BaseException) else None
+        out = await commit_results(engines, outcome.results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0
-        out["trainer"] = trainer
+        out["trainer"] = outcome.trainer
         return out
     finally:
         if pause_mode is not None:
             await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
-
-
-async def _push_once(engines: Sequence, sender: WeightSender, prepared, timeout: float | None) -> tuple[list, object]:
-    """Every worker's receive_weights beside the trainer's send: (worker results, trainer result
-    or error)."""
-    group, push_id = sender.group, prepared.manifest.push_id
-    receiving = _receive_calls(engines, prepared.manifest, timeout, group.group_name)
-    await asyncio.sleep(0)  # the requests leave now, and the trainer lists its weights meanwhile (on
-    sender.walk(prepared)   # this thread: a thread of its own would hold the GIL the replies need)
-    state = {"gate": "waiting", "off": None}
-
-    def call_off(i: int, task: asyncio.Task) -> None:
-        # A worker that answers before voting (outside the group, no group, engine gone) would
-        # leave the trainer waiting at the gate: open it with "off".
-        if task.cancelled() or task.exception() is None or state["gate"] != "waiting" or state["off"]:
-            return
-        state["off"] = f"engine {i}: {_reason(task.exception())}"
-        try:
-            group.call_off(push_id)
-        except Exception as e:  # the trainer then times out of the gate
-            log.warning("could not call push %s off: %s", push_id, e)
-
-    for i, task in enumerate(receiving):
-        task.add_done_callback(lambda t, i=i: call_off(i, t))
-
-    def before_vote() -> None:
-        go = group.wait_ready(push_id, group.timeout_s)
-        state["gate"] = "ok" if go else "off"
-        if not go:
-            raise WeightSyncError(f"push of version {prepared.manifest.version} called off before any byte moved: "
-                                  f"{state['off']}; the trainer's group is closed, init_weight_sync again")
-
-    trainer = (await asyncio.gather(asyncio.to_thread(sender.send, prepared, None, before_vote),
-                                    return_exceptions=True))[0]
-    if state["gate"] != "ok":  # workers that marked themselves ready wait in the vote: closing the group frees them
-        sender.close_group()
-    return await asyncio.gather(*receiving, return_exceptions=True), trainer
 
 
 async def load_on_engines(engines: Sequence, path: str, version: int, manifest: Manifest | dict | None = None,

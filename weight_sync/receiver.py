@@ -43,7 +43,7 @@ from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import (
     DTYPES, Manifest, model_params, param_infos, validate_manifest,
 )
-from weight_sync.sender import VOTE_OK, VOTE_REFUSED
+from weight_sync.votes import VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote
 
 log = logging.getLogger(__name__)
 
@@ -149,87 +149,24 @@ class WeightSyncExtension:
 
     # -- RPC: pushes ------------------------------------------------------------------------
     def receive_weights(self, manifest, group_name: str | None = None) -> dict:
-        """Take one push over the group (the trainer broadcasts concurrently). Returns
-        {"version", "bytes", "seconds", ...}. Raises ValueError if the push was refused (nothing
-        changed, group still usable) or RuntimeError if the transfer failed (nothing changed,
-        group closed: init_weight_sync again). `group_name`: the trainer's group, given by a trainer
-        that votes only once every worker marked itself ready (engine_sync.push_to_engines); a
-        worker in another group (or none) refuses at once instead."""
-        st = self._ws()
-        g = st.group
-        if g is None or not g.ready:
-            raise RuntimeError("no weight-sync group: call init_weight_sync first (a failed push closes the group)")
-        if group_name is not None and g.group_name != group_name:
-            raise RuntimeError(f"weight push refused, nothing changed: this worker is in group {g.group_name}, "
-                               f"the trainer's is {group_name}; init_weight_sync again")
+        """Take one push over the group (the trainer broadcasts concurrently): check -> vote ->
+        receive buckets -> commit. Returns {"version", "bytes", "seconds", ...}. Raises PushRefused
+        (a ValueError) if the push was refused (nothing changed, group still usable) or
+        RuntimeError if it failed (nothing changed, group closed: init_weight_sync again).
+        `group_name`: the trainer's group, given by a trainer that votes only once every worker
+        marked itself ready (weight_sync.push); a worker in another group (or none) fails at once."""
         t0 = time.perf_counter()
-        m, problems = self._ws_check(manifest)
-        staging = None
-        if not problems:
-            try:  # before the vote: a worker that cannot hold the push refuses it
-                staging = self._ws_staging(m.layout_bytes)
-            except Exception as e:
-                problems = [f"cannot allocate {m.layout_bytes} bytes of staging memory: {e}"]
-        digest = m.digest() if m is not None else 0
-        status = VOTE_REFUSED if problems else VOTE_OK
+        g = self._ws_group(group_name)
+        m, staging, problems = self._ws_check_and_stage(manifest)
         if group_name is not None and m is not None:
             self._ws_mark_ready(g, m.push_id)
-        try:
-            r = g.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
-        except GroupError as e:
-            self.close_weight_sync(drop_staging=False)
-            self._ws_release(staging)
-            raise RuntimeError(f"weight push failed at the manifest vote, nothing changed; the group is closed: {e}")
-        if problems or int(r[0]) != VOTE_OK or int(r[1]) != digest or int(-r[2]) != digest:
-            self._ws_release(staging)
-        if problems:
-            raise ValueError("weight push refused, nothing changed: " + "; ".join(problems))
-        if int(r[0]) != VOTE_OK:
-            raise ValueError(f"weight push of version {m.version} refused by another rank (the trainer or "
-                             "another worker; see its error), nothing changed")
-        if int(r[1]) != digest or int(-r[2]) != digest:
-            raise ValueError(f"weight push of version {m.version} refused: the ranks hold different manifests")
-
+        self._ws_vote(g, m, staging, problems)
         t1 = time.perf_counter()
-        received = 0
-        plan = None
-        try:
-            inflight: deque = deque()
-            for k, b in enumerate(m.buckets):
-                if b.nbytes == 0:
-                    continue
-                if len(inflight) >= st.max_inflight and plan is None:
-                    plan = self._ws_plan_commit(m, staging)  # while the first buckets arrive
-                while len(inflight) >= st.max_inflight:
-                    received += self._ws_retire(g, inflight)
-                inflight.append((g.broadcast(staging[b.start:b.end], src=0), k, b.nbytes))
-            if plan is None:
-                plan = self._ws_plan_commit(m, staging)
-            while inflight:
-                received += self._ws_retire(g, inflight)
-            g.synchronize()
-            if g.world_size > 2:  # other workers: commit only if every one holds every byte
-                r = g.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
-                if int(r[0]) != VOTE_OK:
-                    raise GroupError("another rank did not receive every byte")
-        except Exception as e:
-            self.close_weight_sync(drop_staging=False)
-            self._ws_release(staging)
-            del staging
-            old = "the checkpoint's weights" if st.version is None else f"version {st.version}"
-            raise RuntimeError(
-                f"weight push of version {m.version} failed after {received} of "
-                f"{sum(b.nbytes for b in m.buckets)} bytes: {e}. "
-                f"Nothing was committed: {old} still serving. The group is closed; init_weight_sync again."
-            ) from None
+        plan = self._ws_receive(g, m, staging)
         t2 = time.perf_counter()
         self._ws_commit(m, staging, plan)
         del plan
-        t3 = time.perf_counter()
-        st.version = m.version
-        st.last = {"version": m.version, "bytes": m.total_bytes, "buckets": len(m.buckets), "seconds": t3 - t0,
-                   "receive_seconds": t2 - t1, "commit_seconds": t3 - t2, "transport": "broadcast"}
-        return dict(st.last)
+        return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
 
     def load_weights_from_path(self, path: str, manifest=None) -> dict:
         """The file fallback: load a push written by `weight_sync.files.write_safetensors` from
@@ -271,11 +208,88 @@ class WeightSyncExtension:
             raise ValueError(f"weight load from {path} failed, nothing changed: {e}") from None
         t1 = time.perf_counter()
         self._ws_commit(m, staging)
-        t2 = time.perf_counter()
+        return self._ws_done(m, t0, t0, t1, "safetensors", 0)
+
+    # -- the steps of a push ----------------------------------------------------------------
+    def _ws_group(self, group_name: str | None) -> WeightSyncGroup:
+        g = self._ws().group
+        if g is None or not g.ready:
+            raise RuntimeError("no weight-sync group: call init_weight_sync first (a failed push closes the group)")
+        if group_name is not None and g.group_name != group_name:
+            raise RuntimeError(f"weight push not taken, nothing changed: this worker is in group {g.group_name}, "
+                               f"the trainer's is {group_name}; init_weight_sync again")
+        return g
+
+    def _ws_check_and_stage(self, manifest) -> tuple[Manifest | None, torch.Tensor | None, list[str]]:
+        """The manifest checked against this worker's model, and staging memory for it (a worker
+        that cannot hold the push refuses it too)."""
+        m, problems = self._ws_check(manifest)
+        staging = None
+        if not problems:
+            try:
+                staging = self._ws_staging(m.layout_bytes)
+            except Exception as e:
+                problems = [f"cannot allocate {m.layout_bytes} bytes of staging memory: {e}"]
+        return m, staging, problems
+
+    def _ws_vote(self, g: WeightSyncGroup, m: Manifest | None, staging, problems: list[str]) -> None:
+        """Cast this worker's manifest vote; raises unless every rank accepted the same manifest."""
+        try:
+            verdict = manifest_vote(g, VOTE_REFUSED if problems else VOTE_OK, m.digest() if m is not None else 0)
+        except GroupError as e:
+            self.close_weight_sync(drop_staging=False)
+            self._ws_release(staging)
+            raise RuntimeError(f"weight push failed at the manifest vote, nothing changed; the group is closed: {e}")
+        if problems or not verdict.ok:
+            self._ws_release(staging)
+        if problems:
+            raise PushRefused("weight push refused, nothing changed: " + "; ".join(problems))
+        if verdict.worst != VOTE_OK:
+            raise PushRefused(f"weight push of version {m.version} refused by another rank (the trainer or "
+                              "another worker; see its error), nothing changed")
+        if not verdict.same_manifest:
+            raise PushRefused(f"weight push of version {m.version} refused: the ranks hold different manifests")
+
+    def _ws_receive(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor) -> dict:
+        """Every bucket into staging (`max_inflight` broadcasts in flight; the commit is planned
+        while the first ones arrive), then the commit vote. Returns the commit plan. On any
+        failure: nothing committed, the group closed, RuntimeError."""
         st = self._ws()
+        received, plan, inflight = 0, None, deque()
+        try:
+            for k, b in enumerate(m.buckets):
+                if b.nbytes == 0:
+                    continue
+                if len(inflight) >= st.max_inflight and plan is None:
+                    plan = self._ws_plan_commit(m, staging)
+                while len(inflight) >= st.max_inflight:
+                    received += self._ws_retire(g, inflight)
+                inflight.append((g.broadcast(staging[b.start:b.end], src=0), k, b.nbytes))
+            if plan is None:
+                plan = self._ws_plan_commit(m, staging)
+            while inflight:
+                received += self._ws_retire(g, inflight)
+            g.synchronize()
+            if not commit_vote(g):  # other workers: commit only if every one holds every byte
+                raise GroupError("another rank did not receive every byte")
+        except Exception as e:
+            self.close_weight_sync(drop_staging=False)
+            self._ws_release(staging)
+            old = "the checkpoint's weights" if st.version is None else f"version {st.version}"
+            raise RuntimeError(
+                f"weight push of version {m.version} failed after {received} of "
+                f"{sum(b.nbytes for b in m.buckets)} bytes: {e}. "
+                f"Nothing was committed: {old} still serving. The group is closed; init_weight_sync again."
+            ) from None
+        return plan
+
+    def _ws_done(self, m: Manifest, t0: float, t1: float, t2: float, transport: str, buckets: int) -> dict:
+        """Record a committed push (version, sizes, timings) and return it."""
+        st = self._ws()
+        t3 = time.perf_counter()
         st.version = m.version
-        st.last = {"version": m.version, "bytes": m.total_bytes, "buckets": 0, "seconds": t2 - t0,
-                   "receive_seconds": t1 - t0, "commit_seconds": t2 - t1, "transport": "safetensors"}
+        st.last = {"version": m.version, "bytes": m.total_bytes, "buckets": buckets, "seconds": t3 - t0,
+                   "receive_seconds": t2 - t1, "commit_seconds": t3 - t2, "transport": transport}
         return dict(st.last)
 
     # -- internals --------------------------------------------------------------------------

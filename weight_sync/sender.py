@@ -32,6 +32,9 @@ from weight_sync.checksum import weights_checksum
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
+from weight_sync.votes import (
+    VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, StaleManifestError, WeightSyncError, commit_vote, manifest_vote,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,28 +42,6 @@ log = logging.getLogger(__name__)
 # reaches the transport's rate; smaller buckets pay per-collective overhead, larger ones grow the
 # trainer's two packing buffers for nothing. The DESIGN's "hundreds of MB" suits NCCL links.
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-
-# Votes (max over the ranks): any non-zero refuses the push before a byte moves.
-VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
-
-
-class WeightSyncError(RuntimeError):
-    """A push failed. `refused` is True when it was refused before any byte moved (the group is
-    still usable); otherwise the transfer broke and the group must be formed again."""
-
-    def __init__(self, message: str, refused: bool = False, reasons: list[str] | None = None):
-        super().__init__(message)
-        self.refused = refused
-        self.reasons = reasons or [message]
-
-
-class StaleManifestError(WeightSyncError):
-    """A push prepared with `reuse_layout=True` found the weights no longer match the reused
-    layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
-
-    def __init__(self, message: str):
-        super().__init__(message, refused=True)
-
 
 @dataclass
 class PreparedPush:
@@ -241,7 +222,8 @@ class WeightSender:
             self._vote(status, m, problem)
             try:
                 self._send_buckets(m, [t for _, t in named], progress)
-                self._commit_vote(m)
+                if not commit_vote(g):
+                    raise GroupError("a worker did not receive every byte")
             except Exception as e:
                 self.close_group()
                 raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
@@ -260,9 +242,8 @@ class WeightSender:
 
     # -- internals --------------------------------------------------------------------------
     def _vote(self, status: int, m: Manifest, problem: str) -> None:
-        digest = m.digest()
         try:
-            r = self.group.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
+            verdict = manifest_vote(self.group, status, m.digest())
         except GroupError as e:
             self.close_group()
             raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "
@@ -272,19 +253,12 @@ class WeightSender:
         if status != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}",
                                   refused=True)
-        if int(r[0]) != VOTE_OK:
+        if verdict.worst != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
                                   "workers' errors say why); nothing changed", refused=True)
-        if int(r[1]) != digest or int(-r[2]) != digest:
+        if not verdict.same_manifest:
             raise WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
                                   refused=True)
-
-    def _commit_vote(self, m: Manifest) -> None:
-        if self.group.world_size == 2:  # one worker: it commits on its own receive (see receiver.py)
-            return
-        r = self.group.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
-        if int(r[0]) != VOTE_OK:
-            raise GroupError("a worker did not receive every byte")
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._buffers[slot]

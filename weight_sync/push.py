@@ -1,0 +1,124 @@
+"""The trainer's side of a push, written once. Callers differ only in how the manifest reaches
+the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `receive_weights`,
+`rollout.client` sends `push_weights` to each sidecar, which pauses its engines and calls theirs.
+
+1. prepare: the manifest, on the previous push's layout when there is one (no walk yet);
+2. deliver: the manifest goes out; each receiver's outcome is awaited later;
+3. walk: the trainer lists its weights and checks them against the layout while the workers
+   check the manifest against their models;
+4. gate: the trainer votes only once every worker marked itself ready in the group's store
+   (`WeightSyncGroup.mark_ready`), so it never waits in a collective some rank will not join;
+   a receiver that fails before that calls the push off (nothing moved; the group is closed,
+   which frees the workers already voting);
+5. send: the votes and buckets (`WeightSender.send`, on a thread: it blocks);
+6. a layout that no longer fits is refused by every rank before a byte moves
+   (StaleManifestError): once more from 1, walking the weights afresh.
+
+What the receivers do with the outcome (commit version tags, error replies) is the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from weight_sync.manifest import Manifest
+from weight_sync.sender import PreparedPush, WeightSender
+from weight_sync.votes import StaleManifestError, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+# deliver(manifest) -> one (name, outcome) per receiver; the outcome is the receiver's result or raises its error
+Deliver = Callable[[Manifest], list[tuple[str, Awaitable]]]
+
+
+@dataclass
+class PushOutcome:
+    trainer: dict | BaseException  # WeightSender.send's result, or its error
+    names: list[str]  # the receivers, in delivery order
+    results: list  # one per receiver: its result, or its error
+
+    @property
+    def errors(self) -> list[str]:
+        """Every failure, the trainer's first, each as "who: why"."""
+        out = [f"{n}: {describe(r)}" for n, r in zip(self.names, self.results) if isinstance(r, BaseException)]
+        if isinstance(self.trainer, BaseException):
+            out.insert(0, f"trainer: {describe(self.trainer)}")
+        return out
+
+
+def describe(e: BaseException) -> str:
+    """An error for a person (errors from an engine arrive as "Type: message" already)."""
+    return str(e) or type(e).__name__
+
+
+async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,
+                   progress=None) -> PushOutcome:
+    """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
+    readiness (default: the group's timeout); every network step is bounded by the group's."""
+    if sender.group is None or not sender.group.ready:
+        raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
+    prepared = sender.prepare(weights, version, reuse_layout=True)
+    outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
+    if isinstance(outcome.trainer, StaleManifestError):
+        prepared = sender.prepare(prepared.weights, version)
+        outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
+    return outcome
+
+
+async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Deliver, timeout_s: float | None,
+                   progress) -> PushOutcome:
+    delivered = deliver(prepared.manifest)
+    names = [name for name, _ in delivered]
+    receivers = [asyncio.ensure_future(outcome) for _, outcome in delivered]
+    await asyncio.sleep(0)  # the manifest leaves now, and the trainer lists its weights meanwhile (on
+    sender.walk(prepared)   # this thread: a thread of its own would hold the GIL the replies need)
+    gate = _Gate(sender, prepared, names, receivers, timeout_s)
+    try:
+        trainer = (await asyncio.gather(asyncio.to_thread(sender.send, prepared, progress, gate.wait),
+                                        return_exceptions=True))[0]
+    except asyncio.CancelledError:  # the trainer's thread is told to stop at the gate; workers freed
+        gate.call_off("the push was cancelled")
+        sender.close_group()
+        for r in receivers:
+            r.cancel()
+        raise
+    if not gate.opened:  # workers that marked themselves ready wait in the vote: closing the group frees them
+        sender.close_group()
+    return PushOutcome(trainer, names, list(await asyncio.gather(*receivers, return_exceptions=True)))
+
+
+class _Gate:
+    """Step 4: opens once every worker is ready for this push, or is called off by the first
+    receiver that fails before that (it would never vote)."""
+
+    def __init__(self, sender: WeightSender, prepared: PreparedPush, names: list[str], receivers: list,
+                 timeout_s: float | None):
+        self.group, self.push_id, self.version = sender.group, prepared.manifest.push_id, prepared.manifest.version
+        self.timeout_s = timeout_s or self.group.timeout_s
+        self.opened = False
+        self.reason: str | None = None
+        for name, r in zip(names, receivers):
+            r.add_done_callback(lambda task, name=name: self._on_done(name, task))
+
+    def _on_done(self, name: str, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.opened:
+            self.call_off(f"{name}: {describe(task.exception())}")
+
+    def call_off(self, reason: str) -> None:
+        if self.reason is not None:
+            return
+        self.reason = reason
+        try:
+            self.group.call_off(self.push_id)
+        except Exception as e:  # the trainer then times out of the gate
+            log.warning("could not call push %s off: %s", self.push_id, e)
+
+    def wait(self) -> None:
+        """On the trainer's thread, right before its vote."""
+        if not self.group.wait_ready(self.push_id, self.timeout_s):
+            raise WeightSyncError(f"push of version {self.version} called off before any byte moved: "
+                                  f"{self.reason}; the trainer's group is closed, init_weight_sync again")
+        self.opened = True

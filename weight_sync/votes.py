@@ -1,0 +1,69 @@
+"""The votes of a push, as every rank casts them (trainer and workers alike), and the push's errors.
+
+A push has at most two votes, each an element-wise MAX over every rank of a few integers:
+
+1. the manifest vote, before any byte moves: each rank says whether it accepts the manifest
+   (`VOTE_OK`) or why not, and which manifest it holds (its digest, twice: max of d and of -d
+   are both d only if every rank holds the same one);
+2. the commit vote, after the last bucket: every rank holds every byte. With a single worker
+   there is none: its own receive tells it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Statuses, ordered: the worst (largest) one wins the MAX.
+VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
+
+
+class WeightSyncError(RuntimeError):
+    """A push failed. `refused` is True when it was refused before any byte moved (the group is
+    still usable); otherwise the transfer broke and the group must be formed again."""
+
+    def __init__(self, message: str, refused: bool = False, reasons: list[str] | None = None):
+        super().__init__(message)
+        self.refused = refused
+        self.reasons = reasons or [message]
+
+
+class StaleManifestError(WeightSyncError):
+    """A push prepared with `reuse_layout=True` found the weights no longer match the reused
+    layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
+
+    def __init__(self, message: str):
+        super().__init__(message, refused=True)
+
+
+class PushRefused(ValueError):
+    """A worker refused a push before any byte moved; nothing changed and its group is still
+    usable. A ValueError, so it crosses the engine's process boundary as an "invalid" call."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the manifest vote decided."""
+
+    worst: int  # the largest status any rank cast
+    same_manifest: bool  # every rank holds the manifest with this rank's digest
+
+    @property
+    def ok(self) -> bool:
+        return self.worst == VOTE_OK and self.same_manifest
+
+
+def manifest_vote(group, status: int, digest: int) -> Verdict:
+    """Cast this rank's vote on a manifest and read the verdict (raises GroupError if the
+    collective fails)."""
+    r = group.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
+    return Verdict(int(r[0]), int(r[1]) == digest and int(-r[2]) == digest)
+
+
+def commit_vote(group) -> bool:
+    """True when every rank received every byte. One worker needs no vote (see the module doc)."""
+    if group.world_size == 2:
+        return True
+    r = group.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
+    return int(r[0]) == VOTE_OK
