@@ -33,3 +33,17 @@ class RpcTestExtension:
         with torch.no_grad():
             next(self.model.parameters()).view(-1)[0] = float("nan")
         return True
+
+    def refuse(self):
+        raise Refusal("nothing changed")
+
+    def mislabelled(self):
+        raise ValueErrorLookalike("a failure whose name merely starts like ValueError")
+
+
+class Refusal(ValueError):
+    """A ValueError under another name: the caller must still see a ValueError."""
+
+
+class ValueErrorLookalike(RuntimeError):
+    pass

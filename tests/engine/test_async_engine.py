@@ -273,6 +273,19 @@ def test_collective_rpc_errors_leave_the_engine_serving(engine, loop):
     loop.run_until_complete(run())
 
 
+def test_error_kinds_cross_the_process_as_data(engine, loop):
+    """Whether a call was refused (ValueError: nothing changed) or failed travels as a field of
+    the result, not read out of the error's text."""
+    async def run():
+        with pytest.raises(ValueError, match="Refusal: nothing changed"):
+            await engine.collective_rpc("refuse")
+        with pytest.raises(RuntimeError, match="ValueErrorLookalike") as err:
+            await engine.collective_rpc("mislabelled")
+        assert not isinstance(err.value, ValueError)
+
+    loop.run_until_complete(run())
+
+
 def test_bad_requests_fail_alone(engine, loop):
     async def run():
         good = asyncio.ensure_future(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=30)))
