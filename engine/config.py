@@ -21,7 +21,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(4096, max_model_len)
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # default: room for every running sequence at full length
-    kv_cache_memory_gb: float = 4.0  # cap on the automatic KV-cache size
+    kv_cache_memory_gb: float = 4.0  # cap on the automatic KV-cache size on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory this engine may fill (vLLM's name)
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the shared generator used by requests without their own seed
     logprobs_mode: str = "processed"  # "processed": from the sampling distribution; "raw": model softmax
@@ -35,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_num_seqs", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -43,10 +43,24 @@ def decode_chunks(num_blocks: list[int], min_rows: int = 16) -> list[tuple[int, 
     return chunks
 
 
+def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: int) -> int:
+    """KV blocks to allocate: enough for every running sequence at full length (`want`) if the
+    budget holds them, else what it holds; never fewer than one full-length sequence needs
+    (raises when even that does not fit)."""
+    fits = max(0, budget_bytes) // per_block
+    if fits < min_blocks:
+        raise ValueError(f"the KV cache budget ({budget_bytes / 2**30:.2f} GiB) holds {fits} blocks, fewer than "
+                         f"one sequence of max_model_len needs ({min_blocks}): lower max_model_len or raise "
+                         "gpu_memory_utilization / kv_cache_memory_gb")
+    return min(want, fits)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":  # this process's current device: kernels, NCCL and allocations land here
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             # Always set it, even to torch's own default: left unset, a core process next to a
             # busy parent ran small steps 20x slower (OpenMP workers stalling each other).
@@ -60,7 +74,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache()
-        self.shared_generator = torch.Generator().manual_seed(cfg.seed)
+        # noise is drawn where the logits are: no batch x vocab copy to the device per step
+        self.shared_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.forward_seconds = 0.0
         self.decode_chunk_min_rows = 16  # see decode_chunks
 
@@ -76,9 +91,17 @@ class ModelRunner:
                     f"{cfg.max_model_len} tokens (needs {min_blocks} blocks of {self.block_size})"
                 )
             return cfg.num_kv_blocks
-        want = cfg.max_num_seqs * min_blocks
-        cap = int(cfg.kv_cache_memory_gb * 2**30) // per_block
-        return max(min_blocks, min(want, cap))
+        return kv_cache_blocks(self._kv_budget_bytes(per_block * min_blocks), per_block, cfg.max_num_seqs * min_blocks,
+                               min_blocks)
+
+    def _kv_budget_bytes(self, one_sequence: int) -> int:
+        """What the KV cache may take: on CUDA, gpu_memory_utilization of the GPU less what is in
+        use already (the weights, other processes); on CPU, kv_cache_memory_gb (a cap of the
+        automatic size: one full-length sequence always gets room)."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * self.cfg.gpu_memory_utilization) - (total - free)
+        return max(int(self.cfg.kv_cache_memory_gb * 2**30), one_sequence)
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
@@ -179,8 +202,8 @@ class ModelRunner:
             logits = out.logits[0].float()
             if order is not None:  # back to the caller's order
                 logits = torch.empty_like(logits).index_copy_(0, torch.tensor(order, device=logits.device), logits)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            # NOTE: no device sync here: the sampled tokens' trip to the host is the step's one
+            # sync point. On CUDA, forward_seconds is thus the host's side of the forward only.
         finally:
             attention.set_context(None)
         self.forward_seconds += time.perf_counter() - t0
@@ -209,6 +232,12 @@ class ModelRunner:
             attention.set_context(None)
         return bool(torch.isfinite(logits).all())
 
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded sequence's own generator, on this device (sample i of n uses seed + i)."""
+        if seq.generator is None and seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
+        return seq.generator
+
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         params = [s.params for s in seqs]
@@ -219,7 +248,7 @@ class ModelRunner:
         if any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         if not all(p.greedy for p in params):
-            gens = [s.generator for s in seqs]
+            gens = [self.generator(s) for s in seqs]
             noise = exponential_noise(len(seqs), logits.shape[-1], gens, self.shared_generator, self.device)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, noise, self.cfg.logprobs_mode == "raw")
         return tokens.tolist(), logprobs.tolist()

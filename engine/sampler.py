@@ -39,18 +39,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 def exponential_noise(
     batch: int, vocab: int, generators: list[torch.Generator | None], shared: torch.Generator, device
 ) -> torch.Tensor:
-    """Exp(1) noise per row; a row with its own generator draws from it alone, so its samples do
-    not depend on the rest of the batch. Drawn on the CPU so seeds give the same tokens anywhere."""
-    noise = torch.empty(batch, vocab)
+    """Exp(1) noise per row, drawn on `device` (the generators live there too); a row with its
+    own generator draws from it alone, so its samples do not depend on the rest of the batch.
+    A seed gives the same tokens on every machine of one device type (CPU and CUDA generators
+    are different streams)."""
+    noise = torch.empty(batch, vocab, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == batch:
         noise.exponential_(generator=shared)
     elif unseeded:  # draw only the rows that need it: seeded rows draw vocab-sized noise anyway
-        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=shared)
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=shared)
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
-    return noise.to(device, non_blocking=True)
+    return noise
 
 
 def sample(

@@ -38,10 +38,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_check_from = 0  # output-text offset before which no stop string can start
-        # A per-sequence generator makes a seeded request reproducible whatever shares its batch.
+        # A per-sequence generator makes a seeded request reproducible whatever shares its batch;
+        # the model runner makes it on its device at the first sample (ModelRunner.generator).
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -58,12 +58,32 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
                    help="after each push, check the sidecar's weights checksum equals the trainer's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="trainer device: cpu or cuda (accelerate picks when cuda)")
+    p.add_argument("--sidecar-device", default=None,
+                   help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
+                        "after the trainer's); passed to rollout.serve --device")
     p.add_argument("--log-level", default="INFO")
     ALGORITHMS[algo].add_args(p)
     return p
 
 
-def _rollout_source(args, model_dir: str):
+def sidecar_device(trainer_device: torch.device, requested: str | None = None) -> str:
+    """Where the sidecar this run starts puts its engine: as asked, else the CPU beside a CPU
+    trainer, else the GPU after the trainer's (one NCCL group cannot hold two ranks on one GPU)."""
+    if requested:
+        return requested
+    if trainer_device.type != "cuda":
+        return "cpu"
+    index = trainer_device.index if trainer_device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index + 1}"
+
+
+def sidecar_command(args, model_dir: str, trainer_device: torch.device) -> list[str]:
+    """The flags of the sidecar this run starts (after `--model`)."""
+    return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
+            "--device", sidecar_device(trainer_device, args.sidecar_device)]
+
+
+def _rollout_source(args, model_dir: str, trainer_device: torch.device):
     """A connected RolloutClient, and the sidecar we started (or None)."""
     from rollout import RolloutClient
     from rollout.launcher import LocalSidecar
@@ -71,8 +91,7 @@ def _rollout_source(args, model_dir: str):
     sidecar = None
     url = args.rollout_url
     if url is None:
-        sidecar = LocalSidecar(model_dir, "--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0",
-                               "--max-num-seqs", "128", token=args.token)
+        sidecar = LocalSidecar(model_dir, *sidecar_command(args, model_dir, trainer_device), token=args.token)
         url = sidecar.url
     return RolloutClient(url, token=args.token), sidecar, url
 
@@ -146,13 +165,13 @@ def setup(algo, args: argparse.Namespace) -> Run:
         ref = ref.to(accelerator.device)
     task = make_task(args.task, tokenizer, args.data, args.seed)
     tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args))
-    client, sidecar, url = _rollout_source(args, model_dir)
+    client, sidecar, url = _rollout_source(args, model_dir, accelerator.device)
     run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
               params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens))
     if args.async_:
         run.gen_client = RolloutClient(url, token=args.token)
         run.pool = concurrent.futures.ThreadPoolExecutor(1)
-    client.init_weight_sync()
+    client.init_weight_sync(device=accelerator.device)  # the group's backend follows: gloo on CPU, NCCL on CUDA
     return run
 
 

@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind; anything but loopback requires --token")
     p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
     p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or cuda:N (engine i uses cuda:N+i with 'cuda')")
+    p.add_argument("--device", default="cpu",
+                   help="cpu; cuda (engine i on cuda:i, or on the GPUs of --gpus); or one device per engine, "
+                        "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
+    p.add_argument("--gpus", default=None,
+                   help="with --device cuda: the GPU indices of the engines, e.g. 1,2 (keep the trainer's GPU free)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
@@ -49,18 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_device(device: str, i: int) -> str:
-    if device == "cuda":
-        return f"cuda:{i}"
-    return device
-
-
 async def run(args) -> int:
     from engine import AsyncEngine, EngineConfig
     from rollout.manager import RolloutManager
     from rollout.server import RolloutServer
     from rollout.stats_logger import StatsLogger
 
+    from weight_sync.devices import engine_devices
+
+    devices = engine_devices(args.device, args.num_engines, args.gpus)
     model = args.model
     if model is None:
         from engine.tiny_model import build_tiny_model, default_model_dir
@@ -69,7 +70,7 @@ async def run(args) -> int:
     engines = []
     try:
         for i in range(args.num_engines):
-            cfg = EngineConfig(model=model, device=_engine_device(args.device, i), dtype=args.dtype,
+            cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
                                worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
             engines.append(AsyncEngine(cfg, log_level=args.log_level))
@@ -111,8 +112,12 @@ def main(argv: list[str] | None = None) -> None:
 
     if not is_loopback(args.host) and not args.token:
         sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")
-    if args.num_engines < 1:
-        sys.exit("--num-engines must be >= 1")
+    from weight_sync.devices import engine_devices
+
+    try:  # placement is checked before anything starts
+        engine_devices(args.device, args.num_engines, args.gpus)
+    except ValueError as e:
+        sys.exit(f"bad placement: {e}")
     sys.exit(asyncio.run(run(args)))
 
 

@@ -37,6 +37,8 @@ import uuid
 import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
+
 log = logging.getLogger(__name__)
 
 _META_KEY = "meta"
@@ -136,7 +138,7 @@ class WeightSyncGroup:
         self.host, self.world_size, self.rank = host, int(world_size), int(rank)
         self.group_name, self.timeout_s = group_name, float(timeout_s)
         self._secret = secret
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.backend_name = backend_for_device(self.device)
         self._store = store
         self._wait_store: TCPStore | None = None
@@ -203,6 +205,8 @@ class WeightSyncGroup:
         if claims != 1:
             raise GroupError(f"rank {self.rank} was claimed twice in group {self.group_name!r}: check the rank "
                              "offsets of the engines / sidecars")
+        if self.backend_name == "nccl":
+            self._check_placement(prefix)
         try:
             self._pg = _make_backend(self.backend_name, PrefixStore("pg/", prefix), self.rank, self.world_size,
                                      self.timeout_s, self.host)
@@ -215,6 +219,21 @@ class WeightSyncGroup:
         log.info("rank %d/%d joined weight-sync group %s (%s) in %.2fs", self.rank, self.world_size,
                  self.group_name, self.backend_name, time.monotonic() - t0)
         return self
+
+    def _check_placement(self, prefix: PrefixStore) -> None:
+        """Every rank publishes its device and reads everyone's: two ranks on one GPU are named
+        here, before NCCL forms a communicator that would refuse them (or hang until the timeout)."""
+        prefix.set(f"device/{self.rank}", json.dumps(device_identity(self.device)))
+        keys = [f"device/{r}" for r in range(self.world_size)]
+        try:
+            prefix.wait(keys, _td(self.timeout_s))
+            identities = {r: json.loads(prefix.get(k)) for r, k in enumerate(keys)}
+        except Exception as e:
+            raise GroupError(f"weight-sync group {self.group_name!r}: not every rank said where it runs within "
+                             f"{self.timeout_s}s: {_short(e)}") from e
+        problems = duplicate_gpus(identities)
+        if problems:
+            raise GroupError(f"weight-sync group {self.group_name!r} cannot form: " + "; ".join(problems))
 
     # -- readiness marks: small facts in the store, beside the collectives ---------------------
     # The trainer enters a push's vote only once every worker is about to vote, so it never

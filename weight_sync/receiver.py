@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from weight_sync.checksum import weights_checksum as _checksum
+from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import (
     DTYPES, Manifest, model_params, param_infos, validate_manifest,
@@ -316,7 +317,7 @@ class WeightSyncExtension:
     def _ws_staging(self, nbytes: int) -> torch.Tensor:
         st = self._ws()
         spare, st.spare = st.spare, None
-        if spare is not None and spare.numel() >= nbytes and spare.device == self.device:
+        if spare is not None and spare.numel() >= nbytes and spare.device == normalize_device(self.device):
             return spare[:nbytes]
         del spare
         return _alloc(nbytes, self.device)

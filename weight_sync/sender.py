@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from weight_sync.checksum import weights_checksum
+from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
@@ -74,12 +75,13 @@ class WeightSender:
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype (floating weights are cast to it), got {dtype}")
         self.bucket_bytes = int(bucket_bytes)
-        self.device = torch.device(device) if device is not None else None
+        self.device = normalize_device(device) if device is not None else None
         self.dtype = dtype
         self.timeout_s = float(timeout_s)
         self.max_inflight = max(1, int(max_inflight))
         self.group: WeightSyncGroup | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last prepare
 
     # -- group ------------------------------------------------------------------------------
@@ -89,7 +91,7 @@ class WeightSender:
         what workers need to join ({host, port, world_size, group_name, timeout_s}). Then call
         `join_group()` while the workers join."""
         self.close_group()
-        dev = torch.device(device) if device is not None else (self.device or torch.device("cpu"))
+        dev = normalize_device(device) if device is not None else (self.device or torch.device("cpu"))
         self.group = WeightSyncGroup.master(host=host, port=port, world_size=world_size,
                                             timeout_s=timeout_s or self.timeout_s, device=dev, group_name=group_name)
         return self.group.connection_info()
@@ -203,6 +205,7 @@ class WeightSender:
         m = prepared.manifest
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._on_device(g.device))
             named = prepared.named
             status, problem = prepared.verdict or (VOTE_OK, "")
             try:
@@ -231,6 +234,20 @@ class WeightSender:
         seconds = time.perf_counter() - t0
         log.info("pushed %s in %.3fs (%.2f GB/s)", m.summary(), seconds, m.total_bytes / seconds / 1e9)
         return {"version": m.version, "bytes": m.total_bytes, "seconds": seconds, "buckets": len(m.buckets)}
+
+    def _on_device(self, device: torch.device):
+        """Run a push on `device` whatever thread sends it (CUDA's current device and stream are
+        per thread: a sender in `asyncio.to_thread` would otherwise pack on cuda:0's default
+        stream): its own stream, ordered after the work already queued on the device."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(device))
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.default_stream(device))  # the optimizer's writes land first
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def gather_only(self, weights) -> None:
         """On trainer ranks other than the sender: take part in the gathers (DTensor

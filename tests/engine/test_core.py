@@ -1,5 +1,7 @@
 """EngineCore driven step by step: continuous batching, abort at any time."""
 
+import pytest
+
 from engine import EngineConfig, SamplingParams
 from engine.core import EngineCore
 from tests.engine.helpers import random_prompts
@@ -36,3 +38,19 @@ def test_abort_waiting_and_running(qwen2_dir):
         done |= {d.request_id for d in core.step() if d.finish_reason}
     assert done == {"r1", "r2"}
     assert core.block_manager.num_free_blocks == core.runner.num_blocks
+
+
+def test_kv_cache_size_from_a_memory_budget():
+    from engine.model_runner import kv_cache_blocks
+
+    assert kv_cache_blocks(100 * 10, 10, want=64, min_blocks=8) == 64  # room for every sequence
+    assert kv_cache_blocks(20 * 10 + 9, 10, want=64, min_blocks=8) == 20  # what the budget holds
+    for budget in (7 * 10, -5):  # less than one full-length sequence (or a GPU already full)
+        with pytest.raises(ValueError, match="fewer than one sequence"):
+            kv_cache_blocks(budget, 10, want=64, min_blocks=8)
+
+
+def test_gpu_memory_utilization_is_checked(qwen2_dir):
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(model=qwen2_dir, gpu_memory_utilization=bad)
