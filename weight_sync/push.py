@@ -14,6 +14,9 @@ the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `rec
 6. a layout that no longer fits is refused by every rank before a byte moves
    (StaleManifestError): once more from 1, walking the weights afresh.
 
+A trainer of several ranks pushes from rank 0; the others call `trainer_ranks.follow_push`
+meanwhile and take part in rank 0's gathers until it tells them DONE (at the end of run_push).
+
 What the receivers do with the outcome (commit version tags, error replies) is the caller's.
 """
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 from weight_sync.manifest import Manifest
 from weight_sync.sender import PreparedPush, WeightSender
+from weight_sync.trainer_ranks import DONE, tell_peers
 from weight_sync.votes import StaleManifestError, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -58,14 +62,17 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
                    progress=None) -> PushOutcome:
     """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
     readiness (default: the group's timeout); every network step is bounded by the group's."""
-    if sender.group is None or not sender.group.ready:
-        raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
-    prepared = sender.prepare(weights, version, reuse_layout=True)
-    outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
-    if isinstance(outcome.trainer, StaleManifestError):
-        prepared = sender.prepare(prepared.weights, version)
+    try:
+        if sender.group is None or not sender.group.ready:
+            raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
+        prepared = sender.prepare(weights, version, reuse_layout=True)
         outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
-    return outcome
+        if isinstance(outcome.trainer, StaleManifestError):
+            prepared = sender.prepare(prepared.weights, version)
+            outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
+        return outcome
+    finally:
+        tell_peers(DONE)  # a trainer's other ranks (trainer_ranks.follow_push) stop following
 
 
 async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Deliver, timeout_s: float | None,

@@ -32,6 +32,7 @@ from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
+from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
 from weight_sync.votes import (
     VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, StaleManifestError, WeightSyncError, commit_vote, manifest_vote,
@@ -82,6 +83,7 @@ class WeightSender:
         self.group: WeightSyncGroup | None = None
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
+        self._gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last prepare
 
     # -- group ------------------------------------------------------------------------------
@@ -127,6 +129,10 @@ class WeightSender:
         """
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
+        if has_peers() and gather_context(weights) is not None:
+            raise ValueError("FSDP1 (FullyShardedDataParallel) with several trainer ranks: its summon_full_params "
+                             "would have every rank follow each step of the push; shard with FSDP2 (fully_shard), "
+                             "whose parameters are gathered tensor by tensor")
         last = self._last_layout
         if reuse_layout and last is not None and last[0][1] == self.bucket_bytes:
             return PreparedPush(self._versioned(last[1], version), weights, None)
@@ -176,9 +182,14 @@ class WeightSender:
         return manifest
 
     def checksum(self, weights) -> str:
-        """The checksum the engine's `weights_checksum()` reports after this push (same dtype)."""
-        with named_weights(weights) as named:
-            return weights_checksum((n, full(t)) for n, t in named)
+        """The checksum the engine's `weights_checksum()` reports after this push (same dtype).
+        A trainer of several ranks: the others call `follow_push(weights)` meanwhile."""
+        tell_peers(GATHER)
+        try:
+            with named_weights(weights) as named:
+                return weights_checksum((n, full(t)) for n, t in named)
+        finally:
+            tell_peers(DONE)
 
     def push(self, weights, version: int, progress: Callable[[int, int], None] | None = None) -> dict:
         """prepare + send: only for when the workers already hold the manifest's twin (tests,
@@ -224,7 +235,7 @@ class WeightSender:
                                           refused=True) from e
             self._vote(status, m, problem)
             try:
-                self._send_buckets(m, [t for _, t in named], progress)
+                self._send_buckets_with_peers(m, [t for _, t in named], progress)
                 if not commit_vote(g):
                     raise GroupError("a worker did not receive every byte")
             except Exception as e:
@@ -308,12 +319,27 @@ class WeightSender:
             return None
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (b.nbytes,))
 
+    def _send_buckets_with_peers(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
+        """_send_buckets; a trainer's other ranks (weight_sync.trainer_ranks) take part in its
+        gathers, and if it breaks off, this rank finishes the gathers so none is left waiting."""
+        self._gathered = 0
+        if not has_peers():
+            return self._send_buckets(m, tensors, progress)
+        tell_peers(GATHER)
+        try:
+            self._send_buckets(m, tensors, progress)
+        except BaseException:
+            for t in [t for t in tensors if hasattr(t, "full_tensor")][self._gathered:]:
+                t.full_tensor()
+            raise
+
     def _pack(self, m: Manifest, b, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         for i in range(b.first, b.last):
             spec = m.tensors[i]
+            src = full(tensors[i])  # every sharded tensor is gathered, in order, even an empty one
+            self._gathered += hasattr(tensors[i], "full_tensor")
             if not spec.nbytes:
                 continue
-            src = full(tensors[i])
             lo = spec.offset - b.start
             dst = out[lo: lo + spec.nbytes].view(dtype_from(spec.dtype)).view(spec.shape)
             dst.copy_(src)
