@@ -18,6 +18,9 @@ from tqdm.auto import tqdm
 from recipes import losses as L
 from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
+from recipes.ranks import my_rows, same_permutation, share
+from rollout.types import Rollout
+from weight_sync.trainer_ranks import follow_push
 
 log = logging.getLogger("recipes")
 
@@ -109,7 +112,7 @@ class Run:
     tokenizer: object
     task: object
     tracker: object
-    client: object  # rollout.RolloutClient
+    client: object | None  # rollout.RolloutClient; None on ranks other than 0 (recipes/ranks.py)
     sidecar: object | None  # the sidecar this run started, if any
     gen_client: object | None = None  # --async: a second client that generates while the first pushes
     pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -164,20 +167,28 @@ def setup(algo, args: argparse.Namespace) -> Run:
     if ref is not None:
         ref = ref.to(accelerator.device)
     task = make_task(args.task, tokenizer, args.data, args.seed)
-    tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args))
-    client, sidecar, url = _rollout_source(args, model_dir, accelerator.device)
+    main = accelerator.is_main_process
+    tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args), enabled=main)
+    client, sidecar, url = _rollout_source(args, model_dir, accelerator.device) if main else (None, None, None)
     run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
               params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens))
-    if args.async_:
+    if args.async_ and main:
         run.gen_client = RolloutClient(url, token=args.token)
         run.pool = concurrent.futures.ThreadPoolExecutor(1)
-    client.init_weight_sync(device=accelerator.device)  # the group's backend follows: gloo on CPU, NCCL on CUDA
+    if main:  # the group's backend follows the trainer's device: gloo on CPU, NCCL on CUDA
+        client.init_weight_sync(device=accelerator.device)
     return run
 
 
 def push(run: Run) -> float:
-    """Push the trainer's policy as `run.version`; with --check-sync, check what the engines hold."""
+    """Push the trainer's policy as `run.version`; with --check-sync, check what the engines hold.
+    Ranks other than 0 follow rank 0's push (and checksum): they take part in its gathers."""
     t = time.perf_counter()
+    if run.client is None:
+        follow_push(run.policy())
+        if run.args.check_sync:
+            follow_push(run.policy())
+        return time.perf_counter() - t
     run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode)
     if run.args.check_sync:
         want = run.client.checksum_of(run.policy())
@@ -209,7 +220,8 @@ def _next_rollouts(run: Run, step: int) -> tuple[list, list, float]:
 def train_step(run: Run, step: int) -> dict:
     """Rollouts -> rewards -> update -> push; logs and returns the step's metrics."""
     t_step = time.perf_counter()
-    items, groups, t_gen = _next_rollouts(run, step)
+    mine = _next_rollouts(run, step) if run.client is not None else None
+    items, groups, t_gen = share(run.accelerator, mine, tuple[list[dict], list[list[Rollout]], float])
     rollouts = [r for g in groups for r in g]
     rewards = torch.tensor([run.task.reward(it, r.token_ids, r.text) for it, g in zip(items, groups) for r in g])
     t_train = time.perf_counter()
@@ -230,7 +242,7 @@ def train_step(run: Run, step: int) -> dict:
         "weight_version": run.version,
     })
     run.tracker.log(step + 1, metrics)
-    if run.args.save_steps and (step + 1) % run.args.save_steps == 0:
+    if run.args.save_steps and (step + 1) % run.args.save_steps == 0 and run.accelerator.is_main_process:
         _save(run.policy(), run.tokenizer, Path(run.args.output_dir) / f"checkpoint-{step + 1}")
     return metrics
 
@@ -238,7 +250,9 @@ def train_step(run: Run, step: int) -> dict:
 def finish(run: Run) -> dict:
     """The final checkpoint, and the reward of the first and last steps."""
     out_dir = Path(run.args.output_dir)
-    _save(run.policy(), run.tokenizer, out_dir / "checkpoint-final")
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.is_main_process:
+        _save(run.policy(), run.tokenizer, out_dir / "checkpoint-final")
     rows = run.tracker.rows
     k = max(1, min(10, len(rows) // 2))
     first = sum(r["reward"] for r in rows[:k]) / k
@@ -255,7 +269,8 @@ def close(run: Run) -> None:
         run.pool.shutdown(wait=True, cancel_futures=True)
     if run.gen_client is not None:
         run.gen_client.close()
-    run.client.close()
+    if run.client is not None:
+        run.client.close()
     if run.sidecar is not None:
         run.sidecar.stop()
 
@@ -271,11 +286,17 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     batch = build_batch(rollouts, run.tokenizer.pad_token_id or 0).to(device)
     old = _before_update(run, batch, rewards.to(device))
     stats = {"clip_ratio": [], "kl": [], "loss": [], "value_loss": []}
-    for _ in range(args.epochs):
-        perm = torch.randperm(len(rollouts), device=device)
+    if len(rollouts) // args.minibatches < run.accelerator.num_processes:
+        raise ValueError(f"{len(rollouts)} rollouts in {args.minibatches} minibatches leave a rank of "
+                         f"{run.accelerator.num_processes} without rows")
+    own = torch.zeros(len(rollouts), dtype=torch.bool, device=device)  # the rows this rank trains on
+    for epoch in range(args.epochs):
+        perm = same_permutation(len(rollouts), args.seed * 1_000_003 + run.version * 101 + epoch, device)
         for idx in perm.chunk(args.minibatches):
+            idx = my_rows(idx, run.accelerator)
+            own[idx] = True
             _minibatch_step(run, batch, old, idx, stats)
-    mask = batch.mask
+    mask = batch.mask * own.unsqueeze(1)
     diff = (old.logp - batch.engine_logp).abs() * mask
     is_ratio = torch.exp(old.logp - batch.engine_logp)
     n_tok = mask.sum().clamp(min=1)
@@ -297,7 +318,9 @@ def _before_update(run: Run, batch: Batch, rewards: torch.Tensor) -> SimpleNames
     args = run.args
     old = SimpleNamespace(logp=None, values=None, entropy=None, ref_logp=None, adv=None, returns=None)
     with torch.no_grad():
-        if not run.algo.single_pass:
+        if run.algo.single_pass:  # filled, row by row, by the training forward
+            old.logp = torch.zeros_like(batch.engine_logp)
+        else:
             logits, old.values = completion_logits(run.module, batch, args.temperature)
             old.logp = token_logprobs(logits, batch.targets)
             old.entropy = L.masked_mean(L.entropy_from_logits(logits), batch.mask).item()
@@ -314,8 +337,8 @@ def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Ten
     m = mb.mask
     logits, values = completion_logits(run.module, mb, args.temperature)
     logp = token_logprobs(logits, mb.targets)
-    if old.logp is None:  # single pass: idx is a permutation of the whole batch
-        old.logp = torch.empty_like(logp).index_copy_(0, idx, logp.detach())
+    if run.algo.single_pass:  # one minibatch step per row: its pre-update logprobs are these
+        old.logp[idx] = logp.detach()
         with torch.no_grad():
             old.entropy = L.masked_mean(L.entropy_from_logits(logits), m).item()
     del logits

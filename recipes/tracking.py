@@ -12,31 +12,38 @@ log = logging.getLogger(__name__)
 
 
 class Tracker:
-    def __init__(self, output_dir: Path, report_to: str, run_name: str, config: dict):
+    def __init__(self, output_dir: Path, report_to: str, run_name: str, config: dict, enabled: bool = True):
+        """`enabled=False` (ranks other than 0): keep the rows in memory, write nothing."""
         self.output_dir = output_dir
         self.path = output_dir / "metrics.jsonl"
-        self.path.write_text("")
+        self.enabled = enabled
+        if enabled:
+            self.path.write_text("")
         self.rows: list[dict] = []
         self.run = None
-        if report_to == "wandb":
+        if report_to not in ("wandb", "none"):
+            raise ValueError(f"--report-to must be 'wandb' or 'none', got {report_to!r}")
+        if report_to == "wandb" and enabled:
             import wandb
 
             if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
                 os.environ["WANDB_MODE"] = "offline"  # no credentials: keep the run on disk
             self.run = wandb.init(project="rollout-sidecar", name=run_name, config=config,
                                   dir=str(output_dir))
-        elif report_to != "none":
-            raise ValueError(f"--report-to must be 'wandb' or 'none', got {report_to!r}")
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **metrics}
         self.rows.append(row)
+        if not self.enabled:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
 
     def finish(self) -> Path | None:
+        if not self.enabled:
+            return None
         png = self.plot_reward()
         if self.run is not None:
             self.run.finish()

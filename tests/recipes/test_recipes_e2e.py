@@ -106,3 +106,33 @@ def test_jsonl_task_exact_match(tmp_path):
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"q": 1}) + "\n")
         JsonlTask(str(bad))
+
+
+@pytest.mark.parametrize("algo,extra", [("grpo", []), ("ppo", ["--epochs", "2", "--minibatches", "2"])])
+def test_two_trainer_ranks_train_and_push(qwen2_dir, tmp_path, algo, extra):
+    """torchrun with 2 ranks (gloo, DDP): rank 0 owns the sidecar, the other gets the rollouts
+    from it and follows its pushes; after every push the engine holds exactly the trainer's
+    weights (--check-sync) and matches its forward."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / f"{algo}2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "-m", f"recipes.{algo}", "--model", qwen2_dir, "--max-steps", "3",
+           "--check-sync", "--output-dir", str(out), "--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd(), "WANDB_MODE": "offline"})
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # leave no rank behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    _check_run(out, 3)
