@@ -21,6 +21,7 @@ chosen from it), one block each.
 
     python -m bench.weight_sync                 # small (~50M) and medium (~500M) models
     python -m bench.weight_sync --quick         # smoke run on the tiny model
+    python -m bench.weight_sync --trainer-device cuda:0 --engine-device cuda:1   # NCCL, two GPUs
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class BenchExtension(WeightSyncExtension):
         if spare is not None and spare.numel() >= nbytes:
             buf = spare[:nbytes]
         elif buf is None or buf.numel() < nbytes:
-            buf = self._bench_buf = torch.zeros(int(nbytes), dtype=torch.uint8)
+            buf = self._bench_buf = torch.zeros(int(nbytes), dtype=torch.uint8, device=self.device)
         for _ in range(repeats):
             g.wait(g.broadcast(buf[:nbytes], src=0))
             g.allreduce_max(torch.zeros(1, dtype=torch.int64), "ack")
@@ -65,7 +66,7 @@ class BenchExtension(WeightSyncExtension):
         params = dict(self.model.named_parameters())
         for _ in range(repeats):
             for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=DTYPES[dtype])
+                t = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
                 g.wait(g.broadcast(t.view(-1).view(torch.uint8), src=0))
                 with torch.no_grad():
                     params[name].copy_(t)
@@ -77,9 +78,11 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s: float) -> dict:
+async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s: float,
+                      trainer_device: str = "cpu", engine_device: str = "cpu") -> dict:
     """Every timed push of ours is paired with a raw broadcast right before it, so the ratios hold
-    even when the machine's load drifts during the run."""
+    even when the machine's load drifts during the run. On CUDA (trainer and engine on two GPUs)
+    the group is NCCL and the raw baseline an NCCL broadcast."""
     from transformers import AutoModelForCausalLM
 
     from engine import AsyncEngine, EngineConfig
@@ -91,17 +94,18 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
     # The trainer's weights laid out as a push lays them out, as the recipes do on CPU
     # (weight_sync.flatten_parameters); a plain copy shows the packing path.
-    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(trainer_device)
     flatten_parameters(trainer)
-    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(trainer_device)
     nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
     nparams = sum(p.numel() for p in trainer.parameters())
     log.info("%s: %.1fM parameters, %.1f MB fp32", size, nparams / 1e6, nbytes / 1e6)
-    engine = AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=4, max_model_len=256, kv_cache_memory_gb=0.05,
-                                      worker_extension_cls=EXT))
-    sender = WeightSender(timeout_s=timeout_s)
-    out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}, "ratio": {}, "extra": {}, "raw_samples": []}
-    raw_buf = torch.ones(nbytes, dtype=torch.uint8)
+    engine = AsyncEngine(EngineConfig(model=model_dir, device=engine_device, max_num_seqs=4, max_model_len=256,
+                                      kv_cache_memory_gb=0.05, gpu_memory_utilization=0.5, worker_extension_cls=EXT))
+    sender = WeightSender(timeout_s=timeout_s, device=trainer_device)
+    out = {"size": size, "params": nparams, "bytes": nbytes, "ours": {}, "ratio": {}, "extra": {}, "raw_samples": [],
+           "backend": "nccl" if torch.device(trainer_device).type == "cuda" else "gloo"}
+    raw_buf = torch.ones(nbytes, dtype=torch.uint8, device=trainer_device)
     try:
         def nudge(model):
             """New values in every parameter before each push, written as an optimizer step writes
@@ -212,7 +216,7 @@ def report(results: list[dict]) -> str:
         gb = r["bytes"] / 1e9
         lines.append(f"\n{r['size']}: {r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB fp32")
         lines.append(f"  {'variant':<52}{'s/push':>8}{'GB/s':>7}{'vs raw':>8}{'+ms':>8}")
-        rows = [("raw gloo broadcast (1 flat buffer)", r["raw"], 1.0, 0.0),
+        rows = [(f"raw {r.get('backend', 'gloo')} broadcast (1 flat buffer)", r["raw"], 1.0, 0.0),
                 ("one broadcast per param", r["per_param"], r["per_param_ratio"], r["per_param_extra"])]
         rows += [(f"ours, bucket {k}", v, r["ratio"][k], r["extra"][k]) for k, v in r["ours"].items()]
         for name, s, ratio, extra in rows:
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout-s", type=float, default=120.0, help="weight-sync group timeout (default: 120)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, two bucket sizes, one repeat")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--trainer-device", default="cpu", help="the trainer's device (cuda:0 for an NCCL run)")
+    p.add_argument("--engine-device", default="cpu", help="the engine's device (another GPU: cuda:1)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("torch %s, %d threads, %d CPUs", torch.__version__, torch.get_num_threads(), os.cpu_count())
 
     async def run_all():
-        return [await bench_model(s, buckets, args.repeats, args.timeout_s) for s in sizes]
+        return [await bench_model(s, buckets, args.repeats, args.timeout_s, args.trainer_device, args.engine_device)
+                for s in sizes]
 
     results = asyncio.run(run_all())
     print(report(results))

@@ -1,0 +1,85 @@
+"""The CUDA paths, run where CUDA is (`python -m pytest -m gpu tests/gpu`); skipped elsewhere."""
+
+import asyncio
+
+import pytest
+import torch
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from tests.engine.helpers import hf_greedy, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def test_greedy_on_cuda_matches_hf_on_cuda(qwen2_dir, hf_models):
+    llm = LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256))
+    hf = hf_models["qwen2"].to("cuda")
+    try:
+        prompts = random_prompts(8, 4, 40, 2000, seed=120)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        with torch.device("cuda"):
+            want = [hf_greedy(hf, p, 16, ignore_eos=True) for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == want
+    finally:
+        hf_models["qwen2"].to("cpu")
+
+
+def test_seeded_sampling_on_cuda_ignores_the_batch(qwen2_dir):
+    llm = LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256))
+    p = [5, 6, 7, 8]
+    alone = llm.generate([p], SamplingParams(max_tokens=12, seed=3, ignore_eos=True), use_tqdm=False)
+    crowd = llm.generate([p] + random_prompts(7, 4, 20, 2000, seed=121),
+                         [SamplingParams(max_tokens=12, seed=3, ignore_eos=True)] + [SamplingParams(max_tokens=12)] * 7,
+                         use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == crowd[0].outputs[0].token_ids
+
+
+def test_kv_cache_follows_gpu_memory_utilization(qwen2_dir):
+    small = LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256, max_num_seqs=10**6,
+                             gpu_memory_utilization=0.2))
+    runner = small.core.runner
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    assert runner.k_cache.nbytes + runner.v_cache.nbytes <= 0.2 * total
+
+
+def test_two_ranks_on_one_gpu_are_refused_by_name(qwen2_dir):
+    from weight_sync import EXTENSION, WeightSender
+    from weight_sync.engine_sync import init_weight_sync
+
+    async def run():
+        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
+                                          worker_extension_cls=EXTENSION))
+        try:
+            with pytest.raises(Exception, match="both on GPU"):
+                await init_weight_sync([engine], WeightSender(device="cuda:0", timeout_s=20))
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+@two_gpus
+def test_a_push_over_nccl_reaches_the_engine_exactly(qwen2_dir, hf_models):
+    from weight_sync import EXTENSION, WeightSender, flatten_parameters
+    from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
+
+    async def run():
+        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:1", max_model_len=256,
+                                          worker_extension_cls=EXTENSION))
+        trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
+        flatten_parameters(trainer)  # the zero-copy path, on CUDA
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.mul_(1.01)
+        sender = WeightSender(device="cuda", timeout_s=60)  # normalised to cuda:0
+        try:
+            info = await init_weight_sync([engine], sender)
+            assert sender.group.backend_name == "nccl" and info["world_size"] == 2
+            await push_to_engines([engine], sender, trainer, version=1)
+            assert await engines_checksums([engine]) == [sender.checksum(trainer)]
+        finally:
+            sender.close_group()
+            engine.shutdown()
+
+    asyncio.run(run())
