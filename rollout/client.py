@@ -187,13 +187,20 @@ class AsyncRolloutClient:
         return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                           timeout_s: float = 300.0, progress=None) -> dict:
+                           timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
         """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
-        serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out."""
+        serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out.
+        `transport="shared"`: sidecars on this machine read the weights from memory the trainer
+        shares (weight_sync.shared; `flatten_parameters(model, shared=True)` first): no group,
+        no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC)."""
         from weight_sync.push import run_push
 
+        if transport == "shared":
+            return await self._push_shared(model_or_named_tensors, version, pause_mode, timeout_s)
+        if transport != "group":
+            raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
         if self.sender is None or self.sender.group is None:
             raise SidecarError("init_weight_sync() first")
         group_name = self.sender.group.group_name
@@ -206,6 +213,26 @@ class AsyncRolloutClient:
         if outcome.errors:
             raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors))
         return {"version": version, "trainer": outcome.trainer, "sidecars": outcome.results}
+
+    async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float) -> dict:
+        from weight_sync.sender import WeightSender
+        from weight_sync.shared import export_weights
+        from weight_sync.trainer_weights import named_weights
+
+        if self.sender is None:
+            self.sender = WeightSender(timeout_s=timeout_s)
+        prepared = self.sender.prepare(weights, version)
+        with named_weights(prepared.weights) as named:
+            shared = export_weights(prepared.manifest, named)
+        wire = prepared.manifest.to_wire()
+        sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
+                                      timeout_s=timeout_s, shared=shared)) for i in range(len(self._socks))]
+        replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in sent),
+                                       return_exceptions=True)
+        errors = [str(r) for r in replies if isinstance(r, BaseException)]
+        if errors:
+            raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))
+        return {"version": version, "sidecars": replies}
 
     async def _push_call(self, i: int, manifest: dict, pause_mode: str | None, timeout_s: float,
                          group_name: str) -> dict:
@@ -291,8 +318,9 @@ class RolloutClient:
         return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device))
 
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                     timeout_s: float = 300.0, progress=None) -> dict:
-        return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress))
+                     timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
+        return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
+                                                   transport))
 
     def load_weights(self, path: str, version: int, pause_mode: str | None = None,
                      timeout_s: float = 300.0) -> list[dict]:

@@ -44,6 +44,7 @@ class PushWeights(msgspec.Struct, tag="push_weights"):
     pause_mode: str = ""  # "" = the sidecar's default
     timeout_s: float = 300.0
     group_name: str = ""  # the trainer's group: its workers mark themselves ready there (weight_sync.push)
+    shared: dict[str, Any] = {}  # instead of the group: a weight_sync.shared handle (same machine)
     token: str = ""
 
 

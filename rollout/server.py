@@ -132,7 +132,7 @@ class RolloutServer:
             await self._send(identity, P.Progress(call.call_id, "paused"))
 
         return await self.weights.push(call.manifest, call.pause_mode or None, call.timeout_s, paused,
-                                       call.group_name or None)
+                                       call.group_name or None, call.shared or None)
 
     async def _on_load_weights(self, identity: bytes, call: P.LoadWeights) -> dict:
         return await self.weights.load(call.path, call.version, call.pause_mode or None)

@@ -4,6 +4,7 @@ pause -> receive -> commit -> resume across every engine (weight_sync does the t
 from __future__ import annotations
 
 import asyncio
+import asyncio
 import logging
 import time
 
@@ -30,14 +31,22 @@ class SidecarWeights:
         return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
 
     async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None,
-                   group_name: str | None = None) -> dict:
+                   group_name: str | None = None, shared: dict | None = None) -> dict:
+        """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine."""
         manifest = Manifest.from_wire(manifest_wire)  # a malformed manifest fails here, before any pause
         m = self.manager
         t0 = time.monotonic()
 
+        async def receive() -> list:
+            if not shared:
+                return await receive_on_engines(m.engines, manifest, timeout_s, group_name)
+            calls = [e.collective_rpc("receive_weights_shared", timeout=timeout_s, args=(manifest_wire, shared))
+                     for e in m.engines]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
         async def work():
             t1 = time.monotonic()
-            results = await receive_on_engines(m.engines, manifest, timeout_s, group_name)
+            results = await receive()
             transfer = time.monotonic() - t1
             try:
                 out = await commit_results(m.engines, results, manifest.version, "push")

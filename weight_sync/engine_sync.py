@@ -145,6 +145,29 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
             await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
 
 
+async def push_shared_to_engines(engines: Sequence, sender: WeightSender, weights, version: int,
+                                 timeout: float | None = None, pause_mode: str | None = None) -> dict:
+    """A push with no process group, to engines on this machine (weight_sync.shared): each reads
+    the trainer's buffer (`flatten_parameters(model, shared=True)`) and commits. The sender only
+    builds the manifest; it needs no group."""
+    from weight_sync.shared import export_weights
+    from weight_sync.trainer_weights import named_weights
+
+    prepared = sender.prepare(weights, version)
+    with named_weights(prepared.weights) as named:
+        handle = export_weights(prepared.manifest, named)
+    wire = prepared.manifest.to_wire()
+    try:
+        if pause_mode is not None:
+            await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
+        calls = [e.collective_rpc("receive_weights_shared", timeout=timeout, args=(wire, handle)) for e in engines]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return await commit_results(engines, results, version, "shared-memory push")
+    finally:
+        if pause_mode is not None:
+            await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
+
+
 async def load_on_engines(engines: Sequence, path: str, version: int, manifest: Manifest | dict | None = None,
                           timeout: float | None = None) -> dict:
     """The file fallback: every engine loads the push written to `path` by

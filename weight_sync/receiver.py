@@ -169,6 +169,34 @@ class WeightSyncExtension:
         del plan
         return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
 
+    def receive_weights_shared(self, manifest, handle: dict) -> dict:
+        """A push with no process group (weight_sync.shared): map the trainer's buffer, check it
+        holds the manifest's layout, copy it into staging, commit. Raises PushRefused (nothing
+        changed) for a bad manifest or a buffer that cannot be mapped."""
+        from weight_sync.shared import open_weights
+
+        t0 = time.perf_counter()
+        m, staging, problems = self._ws_check_and_stage(manifest)
+        src = None
+        if not problems:
+            try:
+                src = open_weights(handle)
+                if src.numel() < m.layout_bytes:
+                    problems = [f"the shared buffer holds {src.numel()} bytes, the manifest {m.layout_bytes}"]
+            except Exception as e:
+                problems = [f"cannot map the trainer's weights: {type(e).__name__}: {e}"]
+        if problems:
+            self._ws_release(staging)
+            raise PushRefused("weight push refused, nothing changed: " + "; ".join(problems))
+        t1 = time.perf_counter()
+        staging.copy_(src[:m.layout_bytes])  # every byte is here before anything is committed
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        del src
+        t2 = time.perf_counter()
+        self._ws_commit(m, staging)
+        return self._ws_done(m, t0, t1, t2, f"shared ({handle.get('kind')})", 0)
+
     def load_weights_from_path(self, path: str, manifest=None) -> dict:
         """The file fallback: load a push written by `weight_sync.files.write_safetensors` from
         `path` (a directory, e.g. under /dev/shm). Same validation; all tensors are read into

@@ -95,13 +95,15 @@ def named_weights(weights) -> Iterable[list[tuple[str, torch.Tensor]]]:
         yield list_weights(weights)
 
 
-def flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
+def flatten_parameters(model: torch.nn.Module, shared: bool = False) -> torch.Tensor:
     """Move a model's parameters into one flat buffer laid out exactly as a push lays them out
     (push order, tied weights once, ALIGNMENT-aligned offsets): every bucket of a later push is
     then a slice of that buffer and goes on the wire with no packing copy, which on CPU is the
     cost that separates a push from a raw broadcast. Parameters keep their identity (optimizer
     state, DDP hooks and accelerate still hold the same objects); only their storage moves, so
-    call it once, before training. Not for sharded models (FSDP, DTensor). Returns the buffer."""
+    call it once, before training. Not for sharded models (FSDP, DTensor). `shared=True` puts the
+    buffer where engines on this machine can read it (weight_sync.shared: /dev/shm on the CPU, a
+    CUDA IPC handle on a GPU), for pushes with no process group. Returns the buffer."""
     root = unwrap_model(model)
     if _fsdp1_root(root) is not None:
         raise ValueError("flatten_parameters is for unsharded models (FSDP shards its own flat parameters)")
@@ -113,7 +115,13 @@ def flatten_parameters(model: torch.nn.Module) -> torch.Tensor:
         if len(devices) != 1:
             raise ValueError(f"parameters live on several devices: {sorted(map(str, devices))}")
         offsets, layout, _ = plan_layout([t.numel() * t.element_size() for _, t in named], 1)
-        buf = torch.empty(layout + ALIGNMENT, dtype=torch.uint8, device=devices.pop())
+        device = devices.pop()
+        if shared:
+            from weight_sync.shared import shared_buffer
+
+            buf = shared_buffer(layout + ALIGNMENT, device)
+        else:
+            buf = torch.empty(layout + ALIGNMENT, dtype=torch.uint8, device=device)
         shift = -buf.data_ptr() % ALIGNMENT  # offsets are relative: align the start like a staging buffer
         flat = buf[shift: shift + layout]
         with torch.no_grad():

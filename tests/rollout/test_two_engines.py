@@ -90,6 +90,22 @@ def test_safetensors_load_reaches_both_engines_and_a_bad_one_changes_nothing(cli
     assert client.weights_checksums() == [want, want] and client.stats()["version"] == version
 
 
+def test_a_shared_memory_push_needs_no_group(client, trainer):
+    """transport="shared": both engines read the trainer's /dev/shm buffer; no process group."""
+    from weight_sync import flatten_parameters
+
+    shared = copy.deepcopy(trainer)
+    flatten_parameters(shared, shared=True)
+    _perturb(shared, 3)
+    client.close_weight_sync()  # no group at all from here on
+    version = client.stats()["version"] + 1
+    client.push_weights(shared, version=version, transport="shared")
+    want = weights_checksum(shared.named_parameters())
+    assert client.weights_checksums() == [want, want] and client.stats()["version"] == version
+    with pytest.raises(ValueError, match="shared=True"):
+        client.push_weights(trainer, version=version + 1, transport="shared")  # not in shared memory
+
+
 def test_health_names_an_engine_that_died(sidecar, client):
     """Last in this module: it kills one engine's core process for good."""
     cores = [p for p in descendants(sidecar.proc.pid) if b"engine.core_proc" in open(f"/proc/{p}/cmdline", "rb").read()]

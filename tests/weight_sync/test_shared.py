@@ -1,0 +1,84 @@
+"""Pushes with no process group, through memory shared on one machine (/dev/shm on the CPU; the
+same code takes a CUDA IPC handle on a GPU): same validation, nothing half-applied."""
+
+import os
+
+import pytest
+import torch
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from tests.engine.helpers import hf_greedy
+from weight_sync import EXTENSION, WeightSender, flatten_parameters
+from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_dir, loop):
+    e = AsyncEngine(EngineConfig(model=qwen2_dir, max_model_len=256, kv_cache_memory_gb=0.1,
+                                 worker_extension_cls=EXTENSION))
+    yield e
+    e.shutdown()
+
+
+def _perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+async def _greedy(engine, prompt):
+    out = None
+    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)):
+        pass
+    return out.outputs[0]
+
+
+def test_a_shared_memory_push_reaches_the_engine_exactly(engine, hf_models, loop):
+    trainer = type(hf_models["qwen2"]).from_pretrained(hf_models["qwen2"].name_or_path, dtype=torch.float32)
+    flat = flatten_parameters(trainer, shared=True)
+    sender = WeightSender()  # builds the manifest only: no group
+    for version in (1, 2):  # the trainer writes in place between pushes, as an optimizer does
+        _perturb(trainer, version)
+        out = loop.run_until_complete(push_shared_to_engines([engine], sender, trainer, version, pause_mode="keep"))
+        assert out["worker_results"][0]["transport"] == "shared (shm)"
+        assert loop.run_until_complete(engines_checksums([engine])) == [sender.checksum(trainer)]
+        got = loop.run_until_complete(_greedy(engine, [9, 10, 11]))
+        assert got.token_ids == hf_greedy(trainer, [9, 10, 11], 8, ignore_eos=True)
+        assert got.weight_versions == [version] * 8
+    assert flat.numel() >= sum(p.numel() * 4 for p in trainer.parameters())
+
+
+def test_weights_not_in_shared_memory_are_refused_before_anything_is_sent(engine, hf_models, loop):
+    before = loop.run_until_complete(engines_checksums([engine]))
+    for shared in (None, False):  # not flattened at all; flattened into private memory
+        trainer = type(hf_models["qwen2"]).from_pretrained(hf_models["qwen2"].name_or_path, dtype=torch.float32)
+        if shared is not None:
+            flatten_parameters(trainer, shared=shared)
+        with pytest.raises(ValueError, match="flatten_parameters\\(model, shared=True\\)"):
+            loop.run_until_complete(push_shared_to_engines([engine], WeightSender(), trainer, 9))
+    assert loop.run_until_complete(engines_checksums([engine])) == before
+
+
+def test_a_forged_or_short_handle_is_refused_and_changes_nothing(engine, hf_models, loop, tmp_path):
+    trainer = type(hf_models["qwen2"]).from_pretrained(hf_models["qwen2"].name_or_path, dtype=torch.float32)
+    flatten_parameters(trainer, shared=True)
+    sender = WeightSender()
+    prepared = sender.prepare(trainer, 7)
+    from weight_sync.shared import export_weights
+
+    handle = export_weights(prepared.manifest, prepared.named)
+    before = loop.run_until_complete(engines_checksums([engine]))
+    secret = tmp_path / "not-weights"
+    secret.write_bytes(b"x" * 64)
+    for bad, match in (({**handle, "path": str(secret)}, "not a shared weight buffer"),
+                       ({**handle, "path": "/dev/shm/../etc/passwd"}, "not a shared weight buffer"),
+                       ({**handle, "size": handle["size"] * 2}, "claims"),
+                       ({**handle, "kind": "tcp"}, "unknown shared-memory kind")):
+        with pytest.raises(ValueError, match=match):
+            loop.run_until_complete(engine.collective_rpc("receive_weights_shared",
+                                                          args=(prepared.manifest.to_wire(), bad)))
+    assert loop.run_until_complete(engines_checksums([engine])) == before
+    assert os.path.exists(handle["path"])  # the trainer's buffer is untouched and still there
