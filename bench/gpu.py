@@ -6,13 +6,13 @@
   2. the engine-vs-trainer logprob mismatch in that dtype: the share of sampled tokens whose
      ratio exp(engine logprob - trainer logprob) falls outside [0.9, 1.1] (TRL reports 7.5%
      with vLLM in bf16; our goal is under 1%), with the trainer's logprobs from a plain HF forward;
-  3. with two GPUs or more: a push over NCCL (trainer on cuda:0, engine on cuda:1) against a raw
+  3. a colocated push (engine on the trainer's device, through weight_sync.shared: CUDA IPC on a
+     GPU, /dev/shm on the CPU) of the --push-size model against a plain copy of the same bytes;
+  4. with two GPUs or more: a push over NCCL (trainer on cuda:0, engine on cuda:1) against a raw
      NCCL broadcast of the same bytes (bench.weight_sync on CUDA).
 
     python -m bench.gpu                        # CUDA, bf16, the small model
     python -m bench.gpu --device cpu --quick   # the same code on the CPU (fp32): a smoke run
-
-A colocated push (CUDA IPC, trainer and engine on one GPU) is not built yet: see the README.
 """
 
 from __future__ import annotations
@@ -106,6 +106,46 @@ def mismatch(model, outs, device: torch.device) -> tuple[float, float, int]:
     return outside / d.numel(), float(d.mean()), d.numel()
 
 
+def colocated_push(size: str, device: torch.device, repeats: int) -> dict:
+    """A push through shared memory to an engine on the trainer's own device (CUDA IPC on a GPU,
+    /dev/shm on the CPU) against a plain copy of the same bytes on that device."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import AsyncEngine, EngineConfig
+    from engine.tiny_model import build_tiny_model, default_model_dir
+    from weight_sync import EXTENSION, WeightSender, flatten_parameters
+    from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+
+    model_dir = str(build_tiny_model(default_model_dir(size), size))
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    flat = flatten_parameters(trainer, shared=True)
+    copy_dst = torch.empty_like(flat)
+
+    async def run() -> dict:
+        engine = AsyncEngine(EngineConfig(model=model_dir, device=str(device), max_num_seqs=4, max_model_len=256,
+                                          kv_cache_memory_gb=0.05, gpu_memory_utilization=0.6,
+                                          worker_extension_cls=EXTENSION))
+        sender, pushes, copies = WeightSender(), [], []
+        try:
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                copy_dst.copy_(flat)
+                _sync(device)
+                copied = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                await push_shared_to_engines([engine], sender, trainer, version=i + 1)
+                pushed = time.perf_counter() - t0
+                if i:  # the first is a warm-up
+                    pushes.append(pushed)
+                    copies.append(copied)
+            assert await engines_checksums([engine]) == [sender.checksum(trainer)]
+        finally:
+            engine.shutdown()
+        return {"bytes": flat.numel(), "push": sorted(pushes)[len(pushes) // 2], "copy": sorted(copies)[len(copies) // 2]}
+
+    return asyncio.run(run())
+
+
 def nccl_push(size: str, repeats: int) -> dict | None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return None
@@ -158,6 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     verdict = "OK" if share < TARGET_MISMATCH else "MISS"
     print(f"  logprob mismatch engine vs trainer forward ({dtype}): {share:.2%} of {tokens} tokens outside "
           f"ratio [0.9, 1.1] (target < {TARGET_MISMATCH:.0%}) {verdict}; mean |diff| {mean_diff:.2e}")
+    co = colocated_push(args.push_size, device, 2 if args.quick else 10)
+    kind = "CUDA IPC" if device.type == "cuda" else "/dev/shm"
+    print(f"  colocated push ({kind}) of {co['bytes'] / 1e6:.0f} MB: {co['push'] * 1e3:.1f} ms vs a plain copy of the "
+          f"same bytes on the device {co['copy'] * 1e3:.1f} ms: {co['copy'] / co['push']:.2f} of the copy's speed")
     push = nccl_push(args.push_size, 1 if args.quick else 10)
     if push is None:
         print("  NCCL push: needs two GPUs (one NCCL group cannot hold two ranks on one GPU)")

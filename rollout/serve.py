@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
     p.add_argument("--gpus", default=None,
                    help="with --device cuda: the GPU indices of the engines, e.g. 1,2 (keep the trainer's GPU free)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of each engine's GPU it may fill (KV cache included); lower it when a trainer "
+                        "shares the GPU")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
@@ -71,6 +74,7 @@ async def run(args) -> int:
     try:
         for i in range(args.num_engines):
             cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
+                               gpu_memory_utilization=args.gpu_memory_utilization,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
                                worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
             engines.append(AsyncEngine(cfg, log_level=args.log_level))

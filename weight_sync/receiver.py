@@ -66,6 +66,7 @@ class _SyncState:
     # engine changes parameters' shapes only through a new model object (reload_weights) or by
     # releasing them (sleep level 2, refused before this check).
     validated: tuple | None = None
+    shared: tuple | None = None  # (handle key, mapped tensor) of the trainer's shared buffer (weight_sync.shared)
 
 
 class WeightSyncExtension:
@@ -117,6 +118,7 @@ class WeightSyncExtension:
             st.group = None
         if drop_staging:
             st.spare = None
+            st.shared = None
         return True
 
     def weight_sync_info(self) -> dict:
@@ -180,7 +182,7 @@ class WeightSyncExtension:
         src = None
         if not problems:
             try:
-                src = open_weights(handle)
+                src = self._ws_shared_source(handle, open_weights)
                 if src.numel() < m.layout_bytes:
                     problems = [f"the shared buffer holds {src.numel()} bytes, the manifest {m.layout_bytes}"]
             except Exception as e:
@@ -192,7 +194,6 @@ class WeightSyncExtension:
         staging.copy_(src[:m.layout_bytes])  # every byte is here before anything is committed
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        del src
         t2 = time.perf_counter()
         self._ws_commit(m, staging)
         return self._ws_done(m, t0, t1, t2, f"shared ({handle.get('kind')})", 0)
@@ -238,6 +239,17 @@ class WeightSyncExtension:
         t1 = time.perf_counter()
         self._ws_commit(m, staging)
         return self._ws_done(m, t0, t0, t1, "safetensors", 0)
+
+    def _ws_shared_source(self, handle: dict, open_weights) -> torch.Tensor:
+        """The trainer's shared buffer, mapped once and kept while the handle stays the same (a
+        training run pushes from one buffer): mapping it afresh costs a page fault per page."""
+        st = self._ws()
+        key = tuple(sorted((k, v) for k, v in handle.items() if k in ("kind", "path", "handle", "size", "offset",
+                                                                       "nbytes", "storage_offset", "device")))
+        if st.shared is None or st.shared[0] != key:
+            st.shared = None
+            st.shared = (key, open_weights(handle))
+        return st.shared[1]
 
     # -- the steps of a push ----------------------------------------------------------------
     def _ws_group(self, group_name: str | None) -> WeightSyncGroup:

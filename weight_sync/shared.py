@@ -7,8 +7,8 @@ fields (bytes, ints, a path), never pickle.
 
 The trainer's weights must lie in one buffer laid out as the push's manifest lays them out:
 `flatten_parameters(model, shared=True)` puts them there once, before training. Engines map the
-buffer read-only (CPU: a private mapping; CUDA: they only read), so no engine can change the
-trainer's weights, and only files this module made (under /dev/shm, with its prefix) are opened.
+buffer once and keep the mapping while the handle stays the same; they only ever copy out of it,
+and only files this module made (under /dev/shm, with its prefix) are opened.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def open_weights(handle: dict) -> torch.Tensor:
         size = int(handle["size"])
         if os.path.getsize(path) < size or offset + nbytes > size:
             raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, the handle claims {offset + nbytes}")
-        buf = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)  # private: never writes back
+        # MAP_SHARED, so a mapping kept between pushes sees the trainer's later writes; the engine
+        # only ever reads it (receive_weights_shared copies out of it)
+        buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return buf[offset:offset + nbytes]
     if handle["kind"] == "cuda":
         torch.cuda._lazy_init()

@@ -83,3 +83,28 @@ def test_a_push_over_nccl_reaches_the_engine_exactly(qwen2_dir, hf_models):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_colocated_push_through_cuda_ipc(qwen2_dir, hf_models):
+    """Trainer and engine on one GPU: the engine maps the trainer's buffer by CUDA IPC handle."""
+    from weight_sync import EXTENSION, WeightSender, flatten_parameters
+    from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+
+    async def run():
+        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
+                                          gpu_memory_utilization=0.3, worker_extension_cls=EXTENSION))
+        trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
+        flatten_parameters(trainer, shared=True)
+        sender = WeightSender()
+        try:
+            for version in (1, 2):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.mul_(1.01)
+                out = await push_shared_to_engines([engine], sender, trainer, version)
+                assert out["worker_results"][0]["transport"] == "shared (cuda)"
+                assert await engines_checksums([engine]) == [sender.checksum(trainer)]
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
