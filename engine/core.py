@@ -46,6 +46,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_generated_tokens = 0
+        self.asleep = False
+        self._paused_before_sleep = False
         log.info(
             "engine core ready: %s on %s (%s), %d KV blocks of %d tokens",
             cfg.model, cfg.device, cfg.dtype, self.runner.num_blocks, cfg.block_size,
@@ -108,6 +110,9 @@ class EngineCore:
             deltas = self.abort_requests([r for r in self.requests if r not in held])
         if clear_cache:
             self.reset_prefix_cache()
+        if self.asleep:  # stays paused after wake_up
+            self._paused_before_sleep = True
+            return deltas
         self.scheduler.pause(drain=mode == "wait")
         return deltas
 
@@ -120,6 +125,9 @@ class EngineCore:
         return self.scheduler.pause_state != PauseState.UNPAUSED
 
     def resume(self) -> None:
+        if self.asleep:  # nothing can step without a KV cache: serve again at wake_up()
+            self._paused_before_sleep = False
+            return
         self.scheduler.resume()
 
     def can_step(self) -> bool:
@@ -157,17 +165,26 @@ class EngineCore:
             del self.requests[request_id]
 
     def sleep(self, level: int = 1) -> list[SeqDelta]:
-        """Free the KV cache (level 1) and the weights too (level 2); aborts what is in flight."""
+        """Free the KV cache (level 1) and the weights too (level 2); aborts what is in flight.
+        Requests that arrive while asleep are held (as in a pause) until `wake_up()`."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         deltas = self.abort_requests(list(self.requests))
         self.block_manager.reset_prefix_cache()
+        if not self.asleep:
+            self._paused_before_sleep = self.is_paused
+            self.scheduler.pause(drain=False)
+            self.asleep = True
         self.worker.sleep(level)
         return deltas
 
     def wake_up(self) -> None:
-        """Reallocate what sleep freed; weights reloaded from the checkpoint serve as version 0."""
+        """Reallocate what sleep freed (weights reloaded from the checkpoint serve as version 0),
+        then serve the requests held meanwhile, unless the engine was paused before it slept."""
         self.worker.wake_up()
+        if self.asleep and not self._paused_before_sleep:
+            self.scheduler.resume()
+        self.asleep = False
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

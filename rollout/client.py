@@ -265,6 +265,16 @@ class AsyncRolloutClient:
         """Every worker's weights checksum, sidecars in order (compare with WeightSender.checksum)."""
         return [c for per in await self._call_all(P.Checksum, "checksum", timeout=120) for c in per]
 
+    # -- sharing a GPU ------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Every engine frees its KV cache (level 1) or its weights too (level 2), for a trainer
+        that shares the GPU; rollouts in flight are resubmitted and wait for `wake_up()`. After
+        level 2 the engines hold the checkpoint again (version 0): push before generating."""
+        await self._call_all(P.Sleep, "sleep", level=int(level))
+
+    async def wake_up(self) -> None:
+        await self._call_all(P.WakeUp, "wake_up")
+
     # -- status -------------------------------------------------------------------------------
     async def stats(self) -> list[dict]:
         return await self._call_all(P.Stats, "stats", timeout=30)
@@ -334,6 +344,12 @@ class RolloutClient:
 
     def checksum_of(self, model_or_named_tensors) -> str:
         return self._client.checksum_of(model_or_named_tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        self._run(self._client.sleep(level))
+
+    def wake_up(self) -> None:
+        self._run(self._client.wake_up())
 
     def stats(self) -> list[dict] | dict:
         s = self._run(self._client.stats())

@@ -70,6 +70,20 @@ class Checksum(msgspec.Struct, tag="checksum"):
     token: str = ""
 
 
+class Sleep(msgspec.Struct, tag="sleep"):
+    """Free every engine's KV cache (level 1) and weights too (level 2), e.g. while a colocated
+    trainer needs the GPU; rollouts in flight are resubmitted and wait for `wake_up`."""
+
+    call_id: int
+    level: int = 1
+    token: str = ""
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    call_id: int
+    token: str = ""
+
+
 class Stats(msgspec.Struct, tag="stats"):
     call_id: int
     token: str = ""
@@ -80,7 +94,8 @@ class Health(msgspec.Struct, tag="health"):
     token: str = ""
 
 
-Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Stats, Health]
+Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Sleep, WakeUp, Stats,
+             Health]
 
 
 class GroupOut(msgspec.Struct, tag="group"):

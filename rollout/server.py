@@ -45,6 +45,8 @@ class RolloutServer:
             P.LoadWeights: self._on_load_weights,
             P.CloseWeightSync: self._on_close_weight_sync,
             P.Checksum: self._on_checksum,
+            P.Sleep: self._on_sleep,
+            P.WakeUp: self._on_wake_up,
             P.Stats: self._on_stats,
             P.Health: self._on_health,
         }
@@ -143,6 +145,14 @@ class RolloutServer:
 
     async def _on_checksum(self, identity: bytes, call: P.Checksum) -> list[str]:
         return await engines_checksums(self.manager.engines, timeout=120)
+
+    async def _on_sleep(self, identity: bytes, call: P.Sleep) -> bool:
+        await asyncio.gather(*(e.sleep(call.level) for e in self.manager.engines))
+        return True
+
+    async def _on_wake_up(self, identity: bytes, call: P.WakeUp) -> bool:
+        await asyncio.gather(*(e.wake_up() for e in self.manager.engines))
+        return True
 
     async def _on_stats(self, identity: bytes, call: P.Stats) -> dict:
         return self.manager.stats()

@@ -87,3 +87,27 @@ def test_a_sample_too_stale_is_regenerated_at_most_the_cap_then_marked(manager, 
     assert len(rollouts) == 2 and all(len(r.token_ids) == 24 for r in rollouts)
     assert restarts <= 2 * 2 and returned == sum(r.stale for r in rollouts) >= 1
     assert all(r.weight_versions[0] < r.weight_versions[-1] for r in rollouts if r.stale)
+
+
+def test_requests_sent_while_asleep_wait_for_wake_up(manager, loop):
+    """sleep aborts what runs (the manager resubmits it) and holds what comes after; wake_up
+    serves both, whole."""
+    engine = manager.engines[0]
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+    async def run():
+        running = asyncio.ensure_future(manager.generate_group([5, 6, 7], params))
+        await asyncio.sleep(0.05)
+        await engine.sleep(1)
+        later = asyncio.ensure_future(manager.generate_group([8, 9], params))
+        await asyncio.sleep(0.3)
+        held = not running.done() and not later.done()
+        await engine.wake_up()
+        return held, await running, await later
+
+    before = manager.counters["aborted_resubmitted"]
+    held, running, later = loop.run_until_complete(run())
+    assert held and len(running[0].token_ids) == 240 and len(later[0].token_ids) == 240
+    alone = loop.run_until_complete(manager.generate_group([5, 6, 7], params))
+    assert running[0].token_ids == alone[0].token_ids  # greedy: the resubmitted sample is the same
+    assert manager.counters["aborted_resubmitted"] > before  # cut by the sleep, then completed

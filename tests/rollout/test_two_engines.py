@@ -106,6 +106,15 @@ def test_a_shared_memory_push_needs_no_group(client, trainer):
         client.push_weights(trainer, version=version + 1, transport="shared")  # not in shared memory
 
 
+def test_sleep_and_wake_up_for_a_trainer_that_shares_the_gpu(client):
+    client.sleep(1)
+    health = client.health()
+    assert not health["ok"] and all("KV cache" in e["reason"] for e in health["engine_states"])
+    client.wake_up()
+    assert client.health()["ok"]
+    assert len(client.generate([[5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))[0][0].token_ids) == 4
+
+
 def test_health_names_an_engine_that_died(sidecar, client):
     """Last in this module: it kills one engine's core process for good."""
     cores = [p for p in descendants(sidecar.proc.pid) if b"engine.core_proc" in open(f"/proc/{p}/cmdline", "rb").read()]
