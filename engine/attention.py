@@ -35,6 +35,9 @@ class AttnContext:
     decode_chunks: list[DecodeChunk] | None = None
     gather_k: torch.Tensor | None = None  # [>= blocks gathered by the largest chunk, bs, kvh, d]
     gather_v: torch.Tensor | None = None
+    # prefill with no cached prefix anywhere: one SDPA call over every packed token with this
+    # block-diagonal causal mask [T, T] instead of one call per sequence (set by the runner on GPUs)
+    packed_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,6 +55,17 @@ _ctx: AttnContext | None = None
 def set_context(ctx: AttnContext | None) -> None:
     global _ctx
     _ctx = ctx
+
+
+def packed_causal_mask(spans: list[tuple[int, int]], device) -> torch.Tensor:
+    """[T, T] bool: token i may attend token j when both lie in one span (one sequence) and j <= i."""
+    total = spans[-1][1]
+    seq = torch.empty(total, dtype=torch.long)
+    for k, (start, end) in enumerate(spans):
+        seq[start:end] = k
+    pos = torch.arange(total)
+    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    return mask.to(device)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -73,6 +87,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v_new)
     gqa = query.shape[1] != key.shape[1]
 
+    if ctx.is_prefill and ctx.packed_mask is not None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.packed_mask, scale=scaling,
+                                             enable_gqa=gqa)
+        return out.transpose(1, 2), None  # [1, T, H, d]
     if ctx.is_prefill:
         outs = []
         for start, end, computed, block_table in ctx.prefill_spans:
