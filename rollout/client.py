@@ -219,11 +219,16 @@ class AsyncRolloutClient:
         from weight_sync.shared import export_weights
         from weight_sync.trainer_weights import named_weights
 
+        from weight_sync.trainer_ranks import DONE, tell_peers
+
         if self.sender is None:
             self.sender = WeightSender(timeout_s=timeout_s)
-        prepared = self.sender.prepare(weights, version)
-        with named_weights(prepared.weights) as named:
-            shared = export_weights(prepared.manifest, named)
+        try:
+            prepared = self.sender.prepare(weights, version)
+            with named_weights(prepared.weights) as named:
+                shared = export_weights(prepared.manifest, named)
+        finally:
+            tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
         wire = prepared.manifest.to_wire()
         sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
                                       timeout_s=timeout_s, shared=shared)) for i in range(len(self._socks))]

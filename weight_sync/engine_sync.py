@@ -151,11 +151,15 @@ async def push_shared_to_engines(engines: Sequence, sender: WeightSender, weight
     the trainer's buffer (`flatten_parameters(model, shared=True)`) and commits. The sender only
     builds the manifest; it needs no group."""
     from weight_sync.shared import export_weights
+    from weight_sync.trainer_ranks import DONE, tell_peers
     from weight_sync.trainer_weights import named_weights
 
-    prepared = sender.prepare(weights, version)
-    with named_weights(prepared.weights) as named:
-        handle = export_weights(prepared.manifest, named)
+    try:
+        prepared = sender.prepare(weights, version)
+        with named_weights(prepared.weights) as named:
+            handle = export_weights(prepared.manifest, named)
+    finally:
+        tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
     wire = prepared.manifest.to_wire()
     try:
         if pause_mode is not None:
