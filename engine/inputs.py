@@ -1,12 +1,29 @@
-"""Prompt forms the engine accepts: str, list[int], or {"prompt_token_ids": [...]} / {"prompt": str}."""
+"""Prompt forms the engine accepts: str, list[int], {"prompt_token_ids": [...]} / {"prompt": str},
+or a conversation: a list of {"role", "content"} messages, rendered by the tokenizer's chat
+template with the generation prompt appended (as vLLM's `LLM.chat`)."""
 
 from __future__ import annotations
 
 
+def is_conversation(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+
+
 def is_single_prompt(prompts) -> bool:
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict)) or is_conversation(prompts):
         return True
     return isinstance(prompts, list) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
+
+
+def apply_chat_template(conversation: list[dict], tokenizer) -> tuple[str, list[int]]:
+    """(text, ids) of a conversation through the tokenizer's chat template, generation prompt
+    appended. The template writes any BOS itself: the ids get no second one."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template: send a string or token ids instead")
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    return text, list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
 def tokenize_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
@@ -18,13 +35,16 @@ def tokenize_prompt(prompt, tokenizer) -> tuple[str | None, list[int]]:
             prompt = prompt["prompt"]
         else:
             raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-    if isinstance(prompt, str):
-        return prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if is_conversation(prompt):
+        return apply_chat_template(prompt, tokenizer)
+    if isinstance(prompt, str):  # as the tokenizer does by default: BOS where the model expects one
+        return prompt, tokenizer(prompt)["input_ids"]
     if isinstance(prompt, (list, tuple)):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt token ids must be ints")
         return None, list(prompt)
-    raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+    raise ValueError("prompt must be a str, a list of token ids, a dict or a conversation (a list of "
+                     f"{{'role', 'content'}} messages), got {type(prompt).__name__}")
 
 
 def validate_prompt_ids(ids: list[int], max_model_len: int, vocab_size: int) -> None:

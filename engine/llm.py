@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.inputs import is_single_prompt, tokenize_prompt
+from engine.inputs import is_conversation, is_single_prompt, tokenize_prompt
 from engine.outputs import RequestOutput
 from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
@@ -53,3 +53,12 @@ class LLM:
                     if d.finish_reason is not None:
                         bar.update(1)
         return [st.make_output(self.tokenizer) for st in states.values()]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
+        of them, each rendered by the tokenizer's chat template with the generation prompt."""
+        conversations = [messages] if is_conversation(messages) else list(messages)
+        if not conversations or not all(is_conversation(c) for c in conversations):
+            raise ValueError("chat takes a conversation (a list of {'role', 'content'} messages) or a list of them")
+        return self.generate(conversations, sampling_params, use_tqdm)

@@ -24,6 +24,9 @@ SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "medium": (1536, 20, 16, 4, 4096, 8192),  # ~500M: weight-sync benchmarks
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|bos|>"]
+# ChatML, as Qwen2's: conversations go through the same template path a real chat model's do
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS, PAD, BOS = SPECIAL_TOKENS
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -112,7 +115,7 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     out = Path(out_dir)
-    stamp = {"size": size, "arch": arch, "seed": seed, "builder": 1}
+    stamp = {"size": size, "arch": arch, "seed": seed, "builder": 2}
     stamp_file = out / "tiny_model.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return out
@@ -123,6 +126,7 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     # Without this, AutoTokenizer picks a class by model_type (LlamaTokenizer forces Metaspace).
     tok_cfg_path = out / "tokenizer_config.json"

@@ -110,7 +110,12 @@ class AsyncRolloutClient:
     # -- generation ---------------------------------------------------------------------------
     async def generate_iter(self, prompts: list, sampling_params=None) -> AsyncIterator[tuple[int, list[Rollout]]]:
         """Yields (prompt index, its n rollouts) as each group finishes. Prompts are spread over
-        the sidecars in contiguous chunks."""
+        the sidecars in contiguous chunks. A prompt is a string, token ids, or a conversation (a
+        list of {"role", "content"} messages, put through the model's chat template)."""
+        from engine.inputs import is_conversation
+
+        if is_conversation(prompts):  # one conversation, not a list of dict prompts
+            prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts must be a non-empty list")
         wire = _params_wire(sampling_params, len(prompts))
@@ -153,6 +158,10 @@ class AsyncRolloutClient:
 
     async def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
         """One list of n rollouts per prompt, in prompt order."""
+        from engine.inputs import is_conversation
+
+        if is_conversation(prompts):
+            prompts = [prompts]
         groups: list = [None] * len(prompts)
         async for idx, rollouts in self.generate_iter(prompts, sampling_params):
             groups[idx] = rollouts

@@ -21,7 +21,7 @@ PROTOCOL_VERSION = 1
 
 class Generate(msgspec.Struct, tag="generate"):
     call_id: int
-    prompts: list[Union[str, list[int]]]
+    prompts: list[Union[str, list[Union[int, dict[str, str]]]]]  # text, token ids or a conversation
     params: Union[dict[str, Any], list[dict[str, Any]]]  # SamplingParams fields, one or per prompt
     token: str = ""
 

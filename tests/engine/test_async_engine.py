@@ -58,6 +58,13 @@ def test_concurrent_greedy_matches_offline_llm(engine, cfg, loop):
     assert all(o.finished and o.outputs[0].text == r.outputs[0].text for o, r in zip(outs, ref))
 
 
+def test_a_conversation_is_a_prompt(engine, loop):
+    conv = [{"role": "user", "content": "Hello there"}]
+    out = loop.run_until_complete(_collect(engine, conv, SamplingParams(temperature=0, max_tokens=4)))
+    want = engine.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert out.prompt_token_ids == list(want) and len(out.outputs[0].token_ids) == 4
+
+
 def test_n_samples_and_streaming_kinds(engine, loop):
     p = random_prompts(1, 10, 10, 2000, seed=51)[0]
 

@@ -73,6 +73,19 @@ def test_generate_push_and_match_hf(client, trainer):
     assert stats["version"] == version and stats["pushes"] >= 1 and stats["rollouts"] >= 16
 
 
+def test_conversations_go_through_the_chat_template(client, hf_models):
+    from transformers import AutoTokenizer
+
+    conv = [{"role": "user", "content": "Name a color."}]
+    groups = client.generate(conv, SamplingParams(n=2, max_tokens=5, ignore_eos=True))  # one conversation
+    assert len(groups) == 1 and len(groups[0]) == 2
+    tok = AutoTokenizer.from_pretrained(hf_models["qwen2"].name_or_path)
+    want = list(tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert all(r.prompt_token_ids == want for r in groups[0])
+    mixed = client.generate([conv, "plain text", [5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [len(g) for g in mixed] == [1, 1, 1] and mixed[0][0].prompt_token_ids == want
+
+
 def test_generate_iter_yields_each_group(client):
     prompts = random_prompts(5, 5, 20, 2000, seed=61)
     seen = dict(client.generate_iter(prompts, [SamplingParams(n=2, max_tokens=4 + 4 * i) for i in range(5)]))
