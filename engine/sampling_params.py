@@ -16,7 +16,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed: same seed, same output, whatever shares the batch
-    logprobs: int | None = None  # sampled-token logprobs are always returned; kept for vLLM parity
+    logprobs: int | None = None  # 0 / None: the sampled token's logprob (always returned); k > 0 not supported yet
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"  # streaming kind for AsyncEngine: "delta" | "cumulative" | "final"
 
@@ -46,6 +46,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative int or None, got {self.logprobs!r}")
+        if self.logprobs:  # never silently ignored (DESIGN): top-k logprobs per token are not built yet
+            raise ValueError(f"logprobs={self.logprobs}: top-k logprobs per token are not supported yet; the "
+                             "sampled token's logprob is always in .logprobs (logprobs=0 or None)")
         if self.output_kind not in ("delta", "cumulative", "final"):
             raise ValueError(f"output_kind must be 'delta', 'cumulative' or 'final', got {self.output_kind!r}")
 

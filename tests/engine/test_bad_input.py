@@ -47,6 +47,8 @@ def test_bad_prompt(llm, prompt, match):
         ({"top_k": -3}, "top_k"),
         ({"stop": [""]}, "stop"),
         ({"output_kind": "nope"}, "output_kind"),
+        ({"logprobs": 5}, "not supported yet"),  # never silently ignored
+        ({"logprobs": -1}, "logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
