@@ -139,14 +139,19 @@ class EngineCore:
         if not seqs:
             return []
         logits = self.runner.forward(seqs, is_prefill)
-        tokens, logprobs = self.runner.sample(seqs, logits)
+        result = self.runner.sample(seqs, logits)
+        tokens = result.tokens
         deltas = []
-        for seq, tok, lp in zip(seqs, tokens, logprobs):
+        for row, (seq, tok, lp) in enumerate(zip(seqs, tokens, result.logprobs)):
             seq.num_computed_tokens = len(seq)
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.weight_version)
             delta = SeqDelta(seq.request_id, seq.index, [tok], [lp], self.weight_version)
+            if seq.params.logprobs:
+                delta.top_logprobs = [result.top_logprobs[row]]
+            if seq.seq_id in self.runner.prompt_logprobs:
+                delta.prompt_logprobs = self.runner.prompt_logprobs.pop(seq.seq_id)
             if is_prefill and seq.num_output_tokens == 1:
                 delta.num_cached_tokens = seq.num_cached_prompt_tokens
             stop = check_stop(seq, self.eos_ids, self.cfg.max_model_len, self.tokenizer)

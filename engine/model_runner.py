@@ -6,15 +6,28 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from engine import attention
 from engine.config import EngineConfig
-from engine.sampler import exponential_noise, sample
+from engine.sampler import Penalties, SamplingTensors, sample, uniform_noise
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None = None  # per row, when some row asked for logprobs=k
+
+
+def _column(params: list, name: str, device, dtype=torch.float32) -> torch.Tensor:
+    """One sampling parameter of every row, as a tensor on the device."""
+    return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
 
 def available_cpus() -> int:
@@ -77,6 +90,8 @@ class ModelRunner:
         # noise is drawn where the logits are: no batch x vocab copy to the device per step
         self.shared_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.forward_seconds = 0.0
+        self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, length), one prefill
+        self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
         self.decode_chunk_min_rows = 16  # see decode_chunks
         # One attention call for a whole fresh prefill (block-diagonal causal mask) on GPUs, where
         # launches cost; on the CPU the per-sequence calls do less arithmetic (sum of L^2, not T^2).
@@ -130,6 +145,9 @@ class ModelRunner:
             slots.append(self._slots(seq, start, end))
             table = torch.tensor(seq.block_table, device=self.device) if start else None
             spans.append((offset, offset + end - start, start, table))
+            if seq.wants_prompt_logprobs:  # every position of this prompt: see prompt_logprobs
+                self.prompt_rows[seq.seq_id] = (len(last), end - start)
+                last.extend(range(offset, offset + end - start - 1))
             offset += end - start
             last.append(offset - 1)
         dev = self.device
@@ -198,6 +216,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Logits [B, V] (float32) of the next token of each sequence."""
+        self.prompt_rows = {}
         if is_prefill:
             ids, pos, ctx, keep = self._prepare_prefill(seqs)
             order = None
@@ -214,6 +233,8 @@ class ModelRunner:
                 logits_to_keep=keep if keep is not None else 0,
             )
             logits = out.logits[0].float()
+            if self.prompt_rows:
+                logits = self._take_prompt_logprobs(seqs, logits)
             if order is not None:  # back to the caller's order
                 logits = torch.empty_like(logits).index_copy_(0, torch.tensor(order, device=logits.device), logits)
             # NOTE: no device sync here: the sampled tokens' trip to the host is the step's one
@@ -222,6 +243,30 @@ class ModelRunner:
             attention.set_context(None)
         self.forward_seconds += time.perf_counter() - t0
         return logits
+
+    def _take_prompt_logprobs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """For the sequences that asked for prompt logprobs, turn their prompt rows into
+        `self.prompt_logprobs[seq_id]` (vLLM's shape: None for the first token, then {token:
+        logprob} plus the top k, from the model's raw distribution); return one row per sequence."""
+        keep = torch.ones(logits.shape[0], dtype=torch.bool)
+        for seq in seqs:
+            if seq.seq_id not in self.prompt_rows:
+                continue
+            first, length = self.prompt_rows.pop(seq.seq_id)
+            rows = torch.log_softmax(logits[first : first + length - 1], dim=-1)
+            keep[first : first + length - 1] = False
+            targets = seq.token_ids[1:length]
+            chosen = rows.gather(-1, torch.tensor(targets, device=rows.device).unsqueeze(-1)).squeeze(-1).tolist()
+            k = seq.params.prompt_logprobs
+            top = rows.topk(k, dim=-1) if k else None
+            entries: list[dict[int, float] | None] = [None]
+            for j, (tok, lp) in enumerate(zip(targets, chosen)):
+                entry = {tok: lp}
+                if top is not None:
+                    entry.update(zip(top.indices[j].tolist(), top.values[j].tolist()))
+                entries.append(entry)
+            self.prompt_logprobs[seq.seq_id] = entries
+        return logits[keep.to(logits.device)]
 
     @torch.inference_mode()
     def probe(self, num_tokens: int = 4) -> bool:
@@ -253,16 +298,48 @@ class ModelRunner:
         return seq.generator
 
     @torch.inference_mode()
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
+        t = self.sampling_tensors(seqs, logits.shape[-1])
+        tokens, logprobs, top = sample(logits, t)
+        tops = None
+        if top is not None:  # each row's own k of the batch's widest K
+            values, ids = top[0].tolist(), top[1].tolist()
+            tops = [dict(zip(i[: s.params.logprobs or 0], v)) for s, i, v in zip(seqs, ids, values)]
+        return SampleResult(tokens.tolist(), logprobs.tolist(), tops)
+
+    def sampling_tensors(self, seqs: list[Sequence], vocab: int) -> SamplingTensors:
         params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        top_k = top_p = noise = None
+        dev = self.device
+
+        def column(name: str, dtype=torch.float32) -> torch.Tensor:
+            return _column(params, name, dev, dtype)
+
+        t = SamplingTensors(column("temperature"), raw_logprobs=self.cfg.logprobs_mode == "raw")
+        t.any_greedy = any(p.greedy for p in params)
+        t.num_top_logprobs = max(p.logprobs or 0 for p in params)
         if any(p.top_k for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            t.top_k = column("top_k", torch.long)
         if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+            t.top_p = column("top_p")
+        if any(p.min_p > 0 for p in params):
+            t.min_p = column("min_p")
+        if any(p.penalised for p in params):
+            t.penalties = self.penalties(seqs, vocab)
         if not all(p.greedy for p in params):
-            gens = [self.generator(s) for s in seqs]
-            noise = exponential_noise(len(seqs), logits.shape[-1], gens, self.shared_generator, self.device)
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, noise, self.cfg.logprobs_mode == "raw")
-        return tokens.tolist(), logprobs.tolist()
+            t.uniforms = uniform_noise([self.generator(s) for s in seqs], self.shared_generator, dev)
+        return t
+
+    def penalties(self, seqs: list[Sequence], vocab: int) -> Penalties:
+        """Each row's output-token counts and prompt-token mask, built on the device from the
+        token ids (only in steps where some row has a penalty)."""
+        dev, rows = self.device, len(seqs)
+        counts = torch.zeros(rows, vocab, device=dev)
+        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        for i, s in enumerate(seqs):
+            if s.params.penalised:
+                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
+                counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
+                prompt[i, torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
+        params = [s.params for s in seqs]
+        return Penalties(*(_column(params, name, dev) for name in ("repetition_penalty", "presence_penalty",
+                                                                   "frequency_penalty")), counts, prompt)

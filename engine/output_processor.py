@@ -16,6 +16,10 @@ class RequestState:
         self.params = params
         self.outputs = [CompletionOutput(i, "", [], [], None, None, []) for i in range(params.n)]
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        if params.logprobs:
+            for o in self.outputs:
+                o.top_logprobs = []
         self.sent = [0] * params.n  # tokens already handed out, per completion (delta streaming)
 
     @property
@@ -27,6 +31,10 @@ class RequestState:
         out.token_ids += d.token_ids
         out.logprobs += d.logprobs
         out.weight_versions += [d.version] * len(d.token_ids)
+        if d.top_logprobs is not None and out.top_logprobs is not None:
+            out.top_logprobs += d.top_logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason is not None:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         if d.num_cached_tokens:
@@ -42,13 +50,15 @@ class RequestState:
                 text = truncate_at_stop(text, o.stop_reason, self.params.include_stop_str_in_output)
             if delta:  # text deltas: the new tail of the decoded text
                 text = text[len(tokenizer.decode(o.token_ids[:start], skip_special_tokens=True)) :]
+            top = None if o.top_logprobs is None else o.top_logprobs[start:]
             outs.append(
                 CompletionOutput(
                     o.index, text, o.token_ids[start:], o.logprobs[start:], o.finish_reason, o.stop_reason,
-                    o.weight_versions[start:],
+                    o.weight_versions[start:], top,
                 )
             )
             self.sent[i] = len(o.token_ids)
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, self.num_cached_tokens
+            self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, self.num_cached_tokens,
+            self.prompt_logprobs,
         )

@@ -14,6 +14,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     weight_versions: list[int] = field(default_factory=list)  # weight version each token was sampled under
+    # logprobs=k: per token, the k most likely tokens {id: logprob} of the distribution .logprobs
+    # come from (vLLM folds these into .logprobs; ours keeps .logprobs a plain list of floats)
+    top_logprobs: list[dict[int, float]] | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -33,3 +36,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # prompt_logprobs=k: per prompt token {its id: logprob, plus the top k} under the model's raw
+    # distribution, None for the first token (vLLM's shape)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -46,6 +46,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not computed them yet (a preempted sequence's
+        recompute has output tokens and needs none). Sample 0 of n computes them for the request."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and self.num_output_tokens == 0
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

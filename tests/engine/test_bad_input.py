@@ -47,8 +47,16 @@ def test_bad_prompt(llm, prompt, match):
         ({"top_k": -3}, "top_k"),
         ({"stop": [""]}, "stop"),
         ({"output_kind": "nope"}, "output_kind"),
-        ({"logprobs": 5}, "not supported yet"),  # never silently ignored
+        ({"logprobs": 21}, "logprobs"),  # vLLM's cap
         ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "0.1"}, "min_p must be a number"),
+        ({"temperature": float("nan")}, "temperature must be a number"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

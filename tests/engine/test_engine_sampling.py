@@ -68,9 +68,10 @@ def test_eos_and_ignore_eos(eos_model_dir):
 
     eos = json.loads((Path(eos_model_dir) / "generation_config.json").read_text())["eos_token_id"]
     llm = LLM(EngineConfig(model=eos_model_dir, max_model_len=256))
-    # the prompt whose greedy continuation holds the extra EOS id (see the fixture), sampled cool
+    # the prompt whose greedy continuation holds the extra EOS id (see the fixture): greedy, then
+    # sampled cool; and other prompts sampled
     prompts = random_prompts(1, 10, 10, 2000, seed=99) * 8 + random_prompts(8, 5, 30, 2000, seed=26)
-    params = [SamplingParams(temperature=0.3, max_tokens=40, seed=i) for i in range(16)]
+    params = [SamplingParams(temperature=0.3 if i else 0.0, max_tokens=40, seed=i) for i in range(16)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
     assert stopped, "no sample hit EOS; pick another seed"

@@ -1,40 +1,114 @@
-"""The sampler as pure functions: exact distribution, top-k / top-p sets, seeds."""
+"""The sampler as pure functions: exact distribution, each logits processor against HF's (or a
+hand computation), the processed-logprob contract with every processor, seeds."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from engine.sampler import apply_top_k_top_p, exponential_noise, sample
+from engine.sampler import (
+    Penalties,
+    SamplingTensors,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    block_size_for,
+    inverse_cdf,
+    sample,
+    uniform_noise,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]])
 
 
-def _draw(logits, n, temperature=1.0, top_k=None, top_p=None, seed=0):
+def _tensors(n, temperature=1.0, top_k=None, top_p=None, min_p=None, seed=0, **kw) -> SamplingTensors:
     g = torch.Generator().manual_seed(seed)
-    rows = logits.expand(n, -1)
-    noise = exponential_noise(n, logits.shape[-1], [None] * n, g, "cpu")
-    tk = None if top_k is None else torch.full((n,), top_k)
-    tp = None if top_p is None else torch.full((n,), top_p)
-    return sample(rows, torch.full((n,), temperature), tk, tp, noise)
+    full = lambda v: None if v is None else torch.full((n,), v)  # noqa: E731
+    return SamplingTensors(torch.full((n,), float(temperature)), full(top_k), full(top_p), full(min_p),
+                           uniform_noise([None] * n, g, "cpu"), any_greedy=temperature == 0, **kw)
+
+
+def _draw(logits, n, **kw):
+    tokens, logprobs, _ = sample(logits.expand(n, -1), _tensors(n, **kw))
+    return tokens, logprobs
+
+
+def _pvalue(tokens, probs, n):
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    keep = probs > 0
+    assert observed[~keep].sum() == 0, "a zero-probability token was sampled"
+    expected = probs.double()[keep] / probs.double()[keep].sum() * n
+    return chisquare(observed[keep].numpy(), expected.numpy()).pvalue
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_frequencies_match_the_distribution(temperature):
     n = 40000
-    tokens, logprobs = _draw(LOGITS, n, temperature)
+    tokens, logprobs = _draw(LOGITS, n, temperature=temperature)
     probs = torch.softmax(LOGITS[0] / temperature, -1)
-    observed = torch.bincount(tokens, minlength=8).double()
-    assert chisquare(observed.numpy(), (probs.double() / probs.double().sum() * n).numpy()).pvalue > 1e-3
+    assert _pvalue(tokens, probs, n) > 1e-3
     assert torch.allclose(logprobs, probs.log()[tokens], atol=1e-6)
 
 
 def test_chi_square_detects_a_wrong_distribution():
     """The test above can fail: the same check rejects samples from the wrong temperature."""
     n = 40000
-    tokens, _ = _draw(LOGITS, n, 1.0)
-    wrong = torch.softmax(LOGITS[0] / 0.8, -1)
-    observed = torch.bincount(tokens, minlength=8).double()
-    assert chisquare(observed.numpy(), (wrong.double() / wrong.double().sum() * n).numpy()).pvalue < 1e-6
+    tokens, _ = _draw(LOGITS, n, temperature=1.0)
+    assert _pvalue(tokens, torch.softmax(LOGITS[0] / 0.8, -1), n) < 1e-6
+
+
+def test_inverse_cdf_resolves_tokens_far_below_float32_steps():
+    """One token holds all but 2e-6 of the mass; 20000 tail tokens share the rest (1e-10
+    each). Conditioned on landing in the tail (u drawn in it), the tail tokens must come out
+    uniformly. A float32 uniform has only ~33 values in that range (steps of 6e-8), so most of
+    the tail would never be sampled; the float64 uniforms here resolve each tail token."""
+    vocab, tail = 20001, 1e-10
+    weights = torch.full((vocab,), tail)
+    weights[0] = 1.0
+    head = 1.0 / float(weights.double().sum())
+    n = 10000
+    u = head + (1 - head) * (1 - torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(8)))
+    idx = inverse_cdf(weights.expand(n, -1), u)
+    assert bool((idx > 0).all())
+    groups = (idx - 1) * 32 // (vocab - 1)
+    assert _pvalue(groups, torch.ones(32), n) > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [4096, 5003])  # blocks divide it; padded
+def test_inverse_cdf_frequencies_match_the_weights(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(vocab, generator=gen) ** 4
+    weights[torch.randperm(vocab, generator=gen)[:32]] += 10.0  # a head of 32 tokens, ~1/2 the mass
+    n = 20000
+    idx = inverse_cdf(weights.expand(n, -1), 1 - torch.rand(n, generator=gen))
+    head = weights > 1
+    label = torch.where(head, 32 + head.cumsum(0) - 1, torch.arange(vocab) * 32 // vocab)  # 32 tail groups, then the head
+    probs = torch.zeros(64, dtype=torch.float64).index_add_(0, label, weights.double())
+    assert _pvalue(label[idx], probs, n) > 1e-3
+
+
+def test_inverse_cdf_never_picks_a_zero_weight():
+    weights = torch.zeros(3, 5000)
+    weights[0, 0] = 1.0  # first column only
+    weights[1, -1] = 1.0  # last column only (a padded block follows it when 5000 is padded)
+    weights[2, 1234] = 2.0
+    weights[2, 4321] = 1e-30
+    for u in (1.0, 1e-12, 0.5, float(torch.finfo(torch.float32).tiny)):
+        assert inverse_cdf(weights, torch.full((3,), u)).tolist()[:2] == [0, 4999]
+    picks = inverse_cdf(weights.expand(3, -1).clone(), torch.tensor([1.0, 1.0, 1.0]))
+    assert picks[2] in (1234, 4321)
+
+
+def test_block_size_divides_known_vocabularies():
+    for vocab in (151936, 49152, 32000, 128256):
+        assert vocab % block_size_for(vocab) == 0
+    assert block_size_for(50257) == 1024  # no divisor nearby: padded
 
 
 def test_top_k_never_leaves_the_kept_set():
@@ -47,8 +121,7 @@ def test_top_k_never_leaves_the_kept_set():
 def test_top_p_never_leaves_the_kept_set():
     probs = torch.softmax(LOGITS[0], -1)
     order = probs.argsort(descending=True)
-    # smallest prefix reaching 0.8
-    k = int((probs[order].cumsum(0) < 0.8).sum()) + 1
+    k = int((probs[order].cumsum(0) < 0.8).sum()) + 1  # smallest prefix reaching 0.8
     tokens, _ = _draw(LOGITS, 5000, top_p=0.8)
     assert set(tokens.tolist()) == set(order[:k].tolist())
 
@@ -65,18 +138,109 @@ def test_top_k_then_top_p_masking():
     assert kept == [0, 1, 2]  # top-4 is {0,1,2,7}; renormalised over it, {0,1,2} hold 0.897 >= 0.85
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+def test_min_p_masks_as_hf(min_p):
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 2
+    ours = apply_min_p(logits, torch.full((6,), min_p))
+    theirs = MinPLogitsWarper(min_p)(None, logits.clone())
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+    assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
+
+
+def _penalties(prompt, output, vocab, repetition=1.0, presence=0.0, frequency=0.0) -> Penalties:
+    counts = torch.zeros(1, vocab).index_add_(1, torch.tensor(output, dtype=torch.long), torch.ones(1, len(output)))
+    mask = torch.zeros(1, vocab, dtype=torch.bool)
+    mask[0, prompt] = True
+    return Penalties(torch.tensor([repetition]), torch.tensor([presence]), torch.tensor([frequency]), counts, mask)
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_as_hf(penalty):
+    vocab = 40
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    prompt, output = [1, 5, 5, 9], [9, 12, 30, 30]
+    ours = apply_penalties(logits, _penalties(prompt, output, vocab, repetition=penalty))
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits.clone())
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_penalties_by_hand():
+    vocab = 10
+    logits = torch.zeros(1, vocab)
+    prompt, output = [1, 2], [2, 3, 3, 3]
+    ours = apply_penalties(logits, _penalties(prompt, output, vocab, presence=0.5, frequency=0.25))
+    want = torch.zeros(vocab)
+    want[2] = -0.5 - 0.25  # once in the output; the prompt does not count (OpenAI's definition)
+    want[3] = -0.5 - 3 * 0.25
+    torch.testing.assert_close(ours[0], want)
+
+
+def test_the_processed_logprob_contract_holds_with_every_processor():
+    """Penalties, temperature, min_p, top-k and top-p together: the samples follow the reference
+    distribution (HF's processors in vLLM's order) and each reported logprob is that
+    distribution's."""
+    vocab, n = 30, 60000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    prompt, output = [0, 1, 2, 3], [4, 4, 5]
+    pen = _penalties(prompt, output, vocab, repetition=1.2, presence=0.3, frequency=0.2)
+    ref = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([prompt + output]), logits.clone())
+    ref = ref - 0.2 * pen.output_counts - 0.3 * (pen.output_counts > 0).float()
+    for warper in (TemperatureLogitsWarper(0.7), MinPLogitsWarper(0.02), TopKLogitsWarper(20), TopPLogitsWarper(0.95)):
+        ref = warper(None, ref)
+    ref_logprobs = torch.log_softmax(ref[0], -1)
+    rows = Penalties(*(x.expand(n, *x.shape[1:]) for x in (pen.repetition, pen.presence, pen.frequency)),
+                     pen.output_counts.expand(n, -1), pen.prompt_mask.expand(n, -1))
+    t = _tensors(n, temperature=0.7, top_k=20, top_p=0.95, min_p=0.02, penalties=rows)
+    tokens, logprobs, _ = sample(logits.expand(n, -1), t)
+    assert _pvalue(tokens, ref_logprobs.exp(), n) > 1e-3
+    torch.testing.assert_close(logprobs, ref_logprobs[tokens], atol=1e-5, rtol=0)
+
+
+def test_top_logprobs_are_the_top_of_the_reported_distribution():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(6))
+    t = _tensors(4, temperature=0.5, num_top_logprobs=5)
+    t.temperature[0] = 0.0  # a greedy row reports the raw distribution
+    t.any_greedy = True
+    tokens, logprobs, (values, ids) = sample(logits, t)
+    processed = torch.log_softmax(logits / 0.5, -1)
+    raw = torch.log_softmax(logits, -1)
+    for row in range(4):
+        source = raw[row] if row == 0 else processed[row]
+        want_values, want_ids = source.topk(5)
+        assert ids[row].tolist() == want_ids.tolist()
+        torch.testing.assert_close(values[row], want_values)
+        torch.testing.assert_close(logprobs[row], source[tokens[row]])
+
+
+def test_raw_logprobs_mode_reports_the_model_distribution():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(7))
+    tokens, logprobs, _ = sample(logits, _tensors(3, temperature=0.3, top_k=5, raw_logprobs=True))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+
+
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    noise = torch.empty(4, 50).exponential_()
-    tokens, logprobs = sample(logits, torch.tensor([0.0, 1.0, 0.0, 1.0]), None, None, noise)
+    t = _tensors(4)
+    t.temperature = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    t.any_greedy = True
+    tokens, logprobs, _ = sample(logits, t)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     assert torch.allclose(logprobs[0], torch.log_softmax(logits[0], -1).max())
+
+
+def test_greedy_with_a_repetition_penalty_avoids_the_repeated_token():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    t = SamplingTensors(torch.zeros(1), penalties=_penalties([0], [], 3, repetition=1.2))
+    tokens, logprobs, _ = sample(logits, t)
+    assert tokens.tolist() == [1]
+    torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], -1)[1])  # the model's own logprob
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     shared_a, shared_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     gen = lambda: torch.Generator().manual_seed(42)  # noqa: E731
-    a = exponential_noise(3, 10, [None, gen(), None], shared_a, "cpu")
-    b = exponential_noise(5, 10, [None, None, None, None, gen()], shared_b, "cpu")
-    assert torch.equal(a[1], b[4])
-    assert not torch.equal(a[0], b[0])
+    a = uniform_noise([None, gen(), None], shared_a, "cpu")
+    b = uniform_noise([None, None, None, None, gen()], shared_b, "cpu")
+    assert a[1] == b[4]
+    assert a[0] != b[0]
+    assert bool(((a > 0) & (a <= 1)).all())
