@@ -8,7 +8,7 @@ import concurrent.futures
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +19,7 @@ from recipes import losses as L
 from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
 from recipes.ranks import my_rows, same_permutation, share
+from recipes.seeds import request_seed
 from rollout.types import Rollout
 from weight_sync.trainer_ranks import follow_push
 
@@ -59,7 +60,11 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--save-steps", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--check-sync", action="store_true",
                    help="after each push, check the sidecar's weights checksum equals the trainer's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds everything: prompts, the trainer's torch RNG, the sidecar and each request's sampling "
+                        "(the same seed gives the same first-step rollouts)")
+    p.add_argument("--log-completions", type=int, default=2, metavar="K",
+                   help="write the groups of the first K prompts of each step to completions.jsonl (0: none)")
     p.add_argument("--device", default="cpu", help="trainer device: cpu or cuda (accelerate picks when cuda)")
     p.add_argument("--sidecar-device", default=None,
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
@@ -83,7 +88,7 @@ def sidecar_device(trainer_device: torch.device, requested: str | None = None) -
 def sidecar_command(args, model_dir: str, trainer_device: torch.device) -> list[str]:
     """The flags of the sidecar this run starts (after `--model`)."""
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
-            "--device", sidecar_device(trainer_device, args.sidecar_device)]
+            "--device", sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed)]
 
 
 def _rollout_source(args, model_dir: str, trainer_device: torch.device):
@@ -116,7 +121,8 @@ class Run:
     sidecar: object | None  # the sidecar this run started, if any
     gen_client: object | None = None  # --async: a second client that generates while the first pushes
     pool: concurrent.futures.ThreadPoolExecutor | None = None
-    params: object = None  # engine.SamplingParams of every generate
+    params: object = None  # engine.SamplingParams of every generate (seeded per request in _generate)
+    generate_calls: int = 0
     version: int = 0
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
 
@@ -199,9 +205,13 @@ def push(run: Run) -> float:
 
 
 def _generate(run: Run, client) -> tuple[list, list, float]:
+    """One step's prompts and their groups, each prompt with its own seed (recipes/seeds.py), so
+    the same --seed gives the same rollouts however the sidecar batches them."""
     items = run.task.prompts(run.args.prompts_per_step)
+    call, run.generate_calls = run.generate_calls, run.generate_calls + 1
+    params = [replace(run.params, seed=request_seed(run.args.seed, call, i)) for i in range(len(items))]
     t = time.perf_counter()
-    groups = client.generate([it["prompt"] for it in items], run.params)
+    groups = client.generate([it["prompt"] for it in items], params)
     return items, groups, time.perf_counter() - t
 
 
@@ -242,9 +252,21 @@ def train_step(run: Run, step: int) -> dict:
         "weight_version": run.version,
     })
     run.tracker.log(step + 1, metrics)
+    run.tracker.log_completions(step + 1, _completion_rows(run, items, groups, rewards))
     if run.args.save_steps and (step + 1) % run.args.save_steps == 0 and run.accelerator.is_main_process:
         _save(run.policy(), run.tokenizer, Path(run.args.output_dir) / f"checkpoint-{step + 1}")
     return metrics
+
+
+def _completion_rows(run: Run, items: list, groups: list, rewards: torch.Tensor) -> list[dict]:
+    """The first --log-completions prompts' groups, for completions.jsonl."""
+    rows, flat = [], iter(rewards.tolist())
+    for item, group in zip(items, groups):
+        scores = [next(flat) for _ in group]
+        if len(rows) < run.args.log_completions * len(group):
+            rows += [{"prompt": item["prompt"], "answer": item.get("answer"), "text": r.text,
+                      "token_ids": r.token_ids, "reward": s} for r, s in zip(group, scores)]
+    return rows
 
 
 def finish(run: Run) -> dict:

@@ -19,6 +19,7 @@ class Tracker:
         self.enabled = enabled
         if enabled:
             self.path.write_text("")
+            (output_dir / "completions.jsonl").unlink(missing_ok=True)
         self.rows: list[dict] = []
         self.run = None
         if report_to not in ("wandb", "none"):
@@ -40,6 +41,15 @@ class Tracker:
             f.write(json.dumps(row) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """Sampled completions (prompt, text, token ids, reward) to completions.jsonl, to read
+        what the policy says as it learns."""
+        if not self.enabled or not rows:
+            return
+        with (self.output_dir / "completions.jsonl").open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
 
     def finish(self) -> Path | None:
         if not self.enabled:
