@@ -331,6 +331,9 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
         "sampling/importance_sampling_ratio/min": is_ratio[mask.bool()].min().item(),
         "sampling/importance_sampling_ratio/mean": L.masked_mean(is_ratio, mask).item(),
         "sampling/importance_sampling_ratio/max": is_ratio[mask.bool()].max().item(),
+        # share of tokens whose weight the cap truncated (0 with --is-cap 0: no weights)
+        "sampling/importance_sampling_ratio/capped": (
+            L.masked_mean((is_ratio > args.is_cap).float(), mask).item() if args.is_cap > 0 else 0.0),
     }
 
 
@@ -364,9 +367,13 @@ def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Ten
         with torch.no_grad():
             old.entropy = L.masked_mean(L.entropy_from_logits(logits), m).item()
     del logits
-    behaviour = batch.engine_logp if args.async_ else old.logp  # async: sampled from an older policy
+    # The clip is around the trainer's policy before this update (the proximal policy); truncated
+    # importance weights correct for the engine having sampled from another policy: its own
+    # numerics in sync mode, the previous step's weights with --async (AReaL's decoupled PPO).
+    # With --is-cap 0 and --async, the ratio is taken against the sampling policy instead.
+    behaviour = batch.engine_logp if args.async_ and args.is_cap <= 0 else old.logp
     is_w = None
-    if args.is_cap > 0 and not args.async_:
+    if args.is_cap > 0:
         is_w = L.truncated_is_weights(old.logp[idx], batch.engine_logp[idx], args.is_cap)
     pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], old.adv[idx], m, args.clip_low, args.clip_high, is_w)
     loss = L.aggregate(pg, m, args.loss_agg, args.max_tokens)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(600)
 TRL_METRICS = ["reward", "reward_std", "kl", "entropy", "clip_ratio", "completions/mean_length",
                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
                "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
-               "sampling/importance_sampling_ratio/max", "timing/generate", "timing/weight_sync", "timing/train",
+               "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/capped", "timing/generate", "timing/weight_sync", "timing/train",
                "timing/step", "staleness", "weight_version"]
 
 
@@ -82,6 +82,12 @@ def test_async_grpo_is_one_step_stale(qwen2_dir, tmp_path):
     grpo.main(["--model", qwen2_dir, "--max-steps", "4", "--check-sync", "--output-dir", str(out), "--async"])
     rows = _rows(out)
     assert len(rows) == 4 and max(r["staleness"] for r in rows) <= 1 and rows[-1]["staleness"] == 1
+    # truncated importance sampling is on in --async: the weights see the one-step-stale policy
+    # (the trainer's pre-update logprobs against the engine's, far beyond fp32 rounding)
+    stale = [r for r in rows if r["staleness"] == 1]
+    assert all(r["sampling/sampling_logp_difference/mean"] > 10 * _mean_logprob_tolerance(out / "checkpoint-final")
+               for r in stale)
+    assert all(0 <= r["sampling/importance_sampling_ratio/capped"] <= 1 for r in rows)
 
 
 def test_default_grpo_learns(tmp_path):
