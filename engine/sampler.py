@@ -156,17 +156,19 @@ def sample(
         return tokens, raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), _top(raw, t.num_top_logprobs)
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
     scaled = apply_top_k_top_p(apply_min_p(steered / temp.unsqueeze(-1), t.min_p), t.top_k, t.top_p)
-    processed = torch.log_softmax(scaled, dim=-1)
-    tokens = inverse_cdf(processed.exp(), t.uniforms)
+    probs = torch.softmax(scaled, dim=-1)
+    tokens = inverse_cdf(probs, t.uniforms)
     if t.any_greedy:
         tokens = torch.where(greedy, steered.argmax(dim=-1), tokens)
-    if t.raw_logprobs:
-        source = torch.log_softmax(logits, dim=-1)
-    elif t.any_greedy:
-        source = torch.where(greedy.unsqueeze(-1), torch.log_softmax(logits, dim=-1), processed)
-    else:
-        source = processed
-    return tokens, source.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), _top(source, t.num_top_logprobs)
+    if t.raw_logprobs or t.any_greedy or t.num_top_logprobs:  # whole log-distributions needed
+        raw = torch.log_softmax(logits, dim=-1) if t.raw_logprobs or t.any_greedy else None
+        source = raw if t.raw_logprobs else torch.log_softmax(scaled, dim=-1)
+        if t.any_greedy and not t.raw_logprobs:
+            source = torch.where(greedy.unsqueeze(-1), raw, source)
+        return tokens, source.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), _top(source, t.num_top_logprobs)
+    # the common case: only the sampled tokens' processed logprobs. A sampled token's probability
+    # is far above float32's underflow, so its log loses nothing a log_softmax would keep.
+    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), None
 
 
 def _top(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
