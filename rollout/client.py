@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -54,6 +55,9 @@ class AsyncRolloutClient:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(url)
             self._socks.append(s)
+        # a client dropped without close() must not leave its context to Context.__del__, whose
+        # term() blocks forever on sockets still open: close them (LINGER 0) when it goes
+        self._release = weakref.finalize(self, _release_sockets, self._ctx, list(self._socks))
         self._ids = itertools.count()
         self._queues: dict[tuple[int, int], asyncio.Queue] = {}
         self._readers: list[asyncio.Task] = []
@@ -131,16 +135,21 @@ class AsyncRolloutClient:
             merged: asyncio.Queue = asyncio.Queue()
 
             async def pump(i, cid, q):
-                while True:
-                    msg = await self._next(i, q, "generate")
-                    await merged.put((i, msg))
-                    if isinstance(msg, P.Reply):
-                        return
+                try:
+                    while True:
+                        msg = await self._next(i, q, "generate")
+                        await merged.put((i, msg))
+                        if isinstance(msg, P.Reply):
+                            return
+                except Exception as e:  # a timeout (dead or silent sidecar) must reach the consumer
+                    await merged.put((i, e))
 
             pumps = [asyncio.ensure_future(pump(i, cid, q)) for i, _, cid, q in sent]
             try:
                 while open_calls:
                     i, msg = await merged.get()
+                    if isinstance(msg, Exception):
+                        raise msg
                     r, _ = open_calls[(i, msg.call_id)]
                     if isinstance(msg, P.GroupOut):
                         yield r.start + msg.index, msg.rollouts
@@ -304,9 +313,23 @@ class AsyncRolloutClient:
         if self.sender is not None:
             self.sender.close_group()
             self.sender = None
-        for s in self._socks:
-            s.close(0)
-        self._ctx.term()
+        self._release()
+
+
+def _release_sockets(ctx: zmq.Context, socks: list) -> None:
+    for s in socks:
+        s.close(0)
+    ctx.term()
+
+
+def _abandon(loop: asyncio.AbstractEventLoop, client: AsyncRolloutClient) -> None:
+    """A RolloutClient dropped without close(): close it on its own (idle) loop, bounded."""
+    try:
+        loop.run_until_complete(asyncio.wait_for(client.close(), 5))
+    except Exception as e:  # noqa: BLE001 - a finalizer must not raise; the sockets go below anyway
+        log.warning("closing a dropped RolloutClient: %s", e)
+    client._release()
+    loop.close()
 
 
 class RolloutClient:
@@ -315,6 +338,7 @@ class RolloutClient:
     def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
         self._loop = asyncio.new_event_loop()
         self._client = self._run(_make(urls, token, timeout_s))
+        self._abandon = weakref.finalize(self, _abandon, self._loop, self._client)
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)
@@ -374,9 +398,7 @@ class RolloutClient:
         return h[0] if len(h) == 1 else h
 
     def close(self) -> None:
-        if not self._loop.is_closed():
-            self._run(self._client.close())
-            self._loop.close()
+        self._abandon()  # the same steps as for a dropped client, once
 
     def __enter__(self):
         return self

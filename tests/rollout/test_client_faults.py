@@ -1,0 +1,83 @@
+"""The client never hangs (issue 18): its timeout fires when the sidecar dies mid-call, and a client
+dropped without close() never blocks garbage collection."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from engine import SamplingParams
+from rollout import RolloutClient
+from tests.rollout.sidecar import TOKEN, Sidecar
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _kill_after(proc, seconds):
+    threading.Timer(seconds, lambda: os.kill(proc.pid, signal.SIGKILL)).start()
+
+
+def test_generate_raises_within_the_timeout_when_the_sidecar_is_killed(qwen2_dir):
+    sidecar = Sidecar(qwen2_dir)
+    client = RolloutClient(sidecar.url, token=TOKEN, timeout_s=5)
+    try:
+        client.health()
+        params = SamplingParams(n=4, max_tokens=200, ignore_eos=True)
+        _kill_after(sidecar.proc, 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer"):
+            client.generate([[5, 6, 7]] * 64, params)
+        assert time.monotonic() - t0 < 5 + 1.0 + 5  # the kill, then one timeout, plus slack for a busy machine
+        with pytest.raises(TimeoutError):  # and the next call too, not a hang
+            client.health()
+    finally:
+        client.close()
+        sidecar.stop()
+
+
+def test_generate_iter_raises_within_the_timeout_when_the_sidecar_is_killed(qwen2_dir):
+    sidecar = Sidecar(qwen2_dir)
+    client = RolloutClient(sidecar.url, token=TOKEN, timeout_s=5)
+    try:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        it = client.generate_iter([[5, 6, 7]] * 64, params)
+        _kill_after(sidecar.proc, 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 5 + 1.0 + 5
+    finally:
+        client.close()
+        sidecar.stop()
+
+
+DROP = textwrap.dedent("""
+    import gc, sys, time
+    from rollout import RolloutClient
+    client = RolloutClient(sys.argv[1], token=sys.argv[2])
+    client.health()  # the readers run now: their sockets are open
+    {drop}
+    t0 = time.monotonic()
+    gc.collect()
+    print(f"collected in {{time.monotonic() - t0:.3f}}s", flush=True)
+""")
+
+
+@pytest.mark.parametrize("drop, code", [("del client", 0), ("raise RuntimeError('a training step failed')", 1)])
+def test_a_client_dropped_without_close_never_blocks(qwen2_dir, drop, code):
+    """An exception that skips close() in a training script must not freeze the trainer, neither
+    at the next garbage collection nor at interpreter exit."""
+    sidecar = Sidecar(qwen2_dir)
+    try:
+        proc = subprocess.run([sys.executable, "-c", DROP.format(drop=drop), sidecar.url, TOKEN],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == code, proc.stderr[-2000:]
+        assert ("collected in" in proc.stdout) == (code == 0)
+    finally:
+        sidecar.stop()
