@@ -84,8 +84,10 @@ async def pause_latency(engine, num_requests: int, repeats: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+
     p = argparse.ArgumentParser(description="AsyncEngine vs in-process LLM throughput, and pause/resume latency.")
-    p.add_argument("--model", default=None, help="HF model dir (default: build the small model)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small; tiny with --quick)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -98,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
 
     from engine import AsyncEngine, EngineConfig
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model_arg
 
     size = "tiny" if args.quick else "small"
-    model = args.model or str(build_tiny_model(default_model_dir(size), size))
+    model = resolve_model_arg(args.model or size)
     if args.quick:
         args.num_prompts, args.n, args.pause_repeats = 8, 4, 10
     cfg = EngineConfig(model=model, max_num_seqs=args.max_num_seqs, max_model_len=512, seed=args.seed)

@@ -355,13 +355,14 @@ def report(title: str, results: list[Result], notes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+
     p = argparse.ArgumentParser(
         description="Engine throughput on an RL-shaped workload (P prompts x n samples, temperature 1, EOS "
         "ignored) against HF generate and HF continuous batching, on the CPU.",
     )
     # Workload flags default to None: the full default or, with --quick, the smoke-test value.
-    p.add_argument("--model", default=None,
-                   help="HF model directory (default: build the embedded small model; tiny with --quick)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small; tiny with --quick)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts in the workload (default: 64; --quick: 8)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default: 8; --quick: 4)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -405,10 +406,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig
 
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model_arg
 
     size = "tiny" if args.quick else "small"
-    model_dir = args.model or str(build_tiny_model(default_model_dir(size, "qwen2"), size, "qwen2"))
+    model_dir = resolve_model_arg(args.model or size)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     wl = make_workload(vocab, args.num_prompts, args.n, tuple(args.prompt_len), tuple(args.max_tokens), args.seed)
     # Warm-up workload: other prompts, same shape, a few short requests.

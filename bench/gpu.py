@@ -155,9 +155,11 @@ def nccl_push(size: str, repeats: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF model directory (default: the small tiny model, ~50M)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small, ~50M; tiny with --quick)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke run")
     p.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -170,14 +172,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model_arg
 
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     size = "tiny" if args.quick else "small"
     if args.quick:
         args.num_prompts, args.n, args.max_tokens, args.push_size = 8, 4, 32, "tiny"
-    model_dir = args.model or str(build_tiny_model(default_model_dir(size), size))
+    model_dir = resolve_model_arg(args.model or size)
     tdtype = getattr(torch, dtype)
     wl = make_workload(2048 if args.quick else 4096, args.num_prompts, args.n, (16, 128), (args.max_tokens // 4,
                        args.max_tokens), seed=0)

@@ -77,8 +77,10 @@ async def sidecar_figures(url: str, model: str, workload, pushes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+
     p = argparse.ArgumentParser(description="Sidecar vs in-process engine throughput, and the cost of a push.")
-    p.add_argument("--model", default=None, help="HF model dir (default: build the small model)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small; tiny with --quick)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -90,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
     from transformers import AutoConfig
 
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model_arg
     from rollout.launcher import LocalSidecar
 
     size = "tiny" if args.quick else "small"
-    model = args.model or str(build_tiny_model(default_model_dir(size), size))
+    model = resolve_model_arg(args.model or size)
     if args.quick:
         args.num_prompts, args.n, args.pushes = 8, 4, 3
     workload = make_workload(AutoConfig.from_pretrained(model).vocab_size, args.num_prompts, args.n, (16, 128),

@@ -12,3 +12,8 @@ class EngineUnhealthyError(RuntimeError):
     def __init__(self, problems: list[str]):
         super().__init__("engine unhealthy: " + "; ".join(problems))
         self.problems = list(problems)
+
+
+class MissingExtraError(ImportError):
+    """An optional part (a pip extra, a model package) is not installed. The message is one line
+    that ends with the command installing it, so a CLI can exit with it as is."""

@@ -137,10 +137,14 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     return out
 
 
-def default_model_dir(size: str = "tiny", arch: str = "qwen2") -> Path:
+def cache_root() -> Path:
     """Where shared builds are cached: $ROLLOUT_CACHE or ~/.cache/rollout-sidecar."""
-    root = Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout-sidecar"))
-    return root / f"{arch}-{size}"
+    return Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout-sidecar"))
+
+
+def default_model_dir(size: str = "tiny", arch: str = "qwen2") -> Path:
+    """The shared build of one tiny model, under `cache_root()`."""
+    return cache_root() / f"{arch}-{size}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,9 +11,13 @@ log = logging.getLogger("recipes.demo")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+    from engine.tiny_model import SIZES
+
     p = argparse.ArgumentParser(description="Generate with the rollout engine on the tiny offline model (CPU).")
-    p.add_argument("--model", default=None, help="HF model directory (default: build the embedded tiny model)")
-    p.add_argument("--size", default="tiny", help="size of the embedded model when --model is not given")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the embedded model of --size)")
+    p.add_argument("--size", default="tiny", choices=list(SIZES),
+                   help="size of the embedded model when --model is not given")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--num-prompts", type=int, default=8, help="number of prompts")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (a GRPO group)")
@@ -23,9 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model_arg
 
-    model = args.model or str(build_tiny_model(default_model_dir(args.size), args.size))
+    model = resolve_model_arg(args.model or args.size)
     llm = LLM(EngineConfig(model=model, device=args.device, max_num_seqs=64, max_model_len=512, seed=0))
     prompts = [f"Q: what is {i} + {i * 3}? A:" for i in range(args.num_prompts)]
     params = SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=1)

@@ -33,7 +33,8 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
                      "its own sidecar, trains on the toy 'a-game' task on CPU and shows the reward rising."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="local HF causal-LM directory (default: the embedded tiny model)")
+    p.add_argument("--model", default=None, help="local HF causal-LM directory, or a name: smollm2 (needs the 'real' "
+                   "extra, see README 'Real models') or a tiny size (default: the embedded tiny model)")
     p.add_argument("--rollout-url", default=None,
                    help="tcp://HOST:PORT of a running sidecar (default: start one for this run)")
     p.add_argument("--token", default="", help="the sidecar's shared token, if it has one")
@@ -150,8 +151,8 @@ def setup(algo, args: argparse.Namespace) -> Run:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.model_names import resolve_model_arg
     from engine.sampling_params import SamplingParams
-    from engine.tiny_model import build_tiny_model, default_model_dir
     from recipes.tasks import make_task
     from recipes.tracking import Tracker
     from rollout import RolloutClient
@@ -159,7 +160,7 @@ def setup(algo, args: argparse.Namespace) -> Run:
 
     torch.manual_seed(args.seed)
     accelerator = Accelerator(cpu=args.device == "cpu")
-    model_dir = args.model or str(build_tiny_model(default_model_dir("tiny"), "tiny"))
+    model_dir = resolve_model_arg(args.model or "tiny")  # a name (smollm2, tiny, ...): its cached directory
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -16,6 +16,8 @@ log = logging.getLogger("rollout.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.model_names import MODEL_HELP
+
     p = argparse.ArgumentParser(
         prog="python -m rollout.serve",
         description=(
@@ -25,8 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None,
-                   help="HF model directory (default: build the embedded tiny model offline)")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the embedded tiny model, built offline)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback requires --token")
     p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args) -> int:
     from engine import AsyncEngine, EngineConfig
+    from engine.model_names import resolve_model_arg
     from rollout.manager import RolloutManager
     from rollout.server import RolloutServer
     from rollout.stats_logger import StatsLogger
@@ -65,11 +67,7 @@ async def run(args) -> int:
     from weight_sync.devices import engine_devices
 
     devices = engine_devices(args.device, args.num_engines, args.gpus)
-    model = args.model
-    if model is None:
-        from engine.tiny_model import build_tiny_model, default_model_dir
-
-        model = str(build_tiny_model(default_model_dir("tiny"), "tiny"))
+    model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
     engines = []
     try:
         for i in range(args.num_engines):
