@@ -178,11 +178,21 @@ class AsyncRolloutClient:
 
     # -- weights ------------------------------------------------------------------------------
     async def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
-                               bucket_bytes: int | None = None, device=None) -> dict:
-        """Form one weight-sync group with every sidecar's workers; this trainer is rank 0."""
+                               bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
+        """Form one weight-sync group with every sidecar's workers; this trainer is rank 0.
+        One trainer owns a sidecar's weight sync at a time: while another one's group is open and
+        its trainer alive, this raises SidecarError (kind "refused") unless `take_over=True`."""
+        from rollout.weights import owned_message
         from weight_sync.sender import WeightSender
 
         health = await self.health()
+        for url, h in zip(self.urls, health):
+            owner = h.get("weight_sync_owner")
+            group = self.sender.group if self.sender is not None else None
+            mine = group is not None and owner and owner["group_name"] == group.group_name
+            if owner and owner["alive"] and not take_over and not mine:  # refused before opening a group
+                raise SidecarError(f"init_weight_sync refused by {url}: {owned_message(owner['group_name'])}",
+                                   "refused")
         workers = [h["workers"] for h in health]
         world = 1 + sum(workers)
         if self.sender is None:
@@ -192,7 +202,7 @@ class AsyncRolloutClient:
         offsets = list(itertools.accumulate([1] + workers[:-1]))
         sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
                                       rank_offset=offsets[i], group_name=info["group_name"], timeout_s=timeout_s,
-                                      secret=info["secret"]))
+                                      secret=info["secret"], take_over=take_over))
                 for i in range(len(self._socks))]
         join = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
         replies = await asyncio.gather(*(self._reply(i, cid, q, "init_weight_sync", timeout_s + 60)
@@ -229,7 +239,8 @@ class AsyncRolloutClient:
 
         outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
         if outcome.errors:
-            raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors))
+            raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
+                               "refused" if outcome.refused else "")
         return {"version": version, "trainer": outcome.trainer, "sidecars": outcome.results}
 
     async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float) -> dict:
@@ -362,8 +373,8 @@ class RolloutClient:
             self._run(agen.aclose())
 
     def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
-                         bucket_bytes: int | None = None, device=None) -> dict:
-        return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device))
+                         bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
+        return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over))
 
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                      timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:

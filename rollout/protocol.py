@@ -35,6 +35,7 @@ class InitWeightSync(msgspec.Struct, tag="init_weight_sync"):
     group_name: str = ""
     timeout_s: float = 60.0
     secret: str = ""  # the group's: its store keys live under it (weight_sync.group)
+    take_over: bool = False  # replace the group of a trainer that still lives (see rollout.weights)
     token: str = ""
 
 

@@ -127,7 +127,7 @@ class RolloutServer:
 
     async def _on_init_weight_sync(self, identity: bytes, call: P.InitWeightSync) -> dict:
         return await self.weights.init(call.host, call.port, call.world_size, call.rank_offset, call.group_name,
-                                       call.timeout_s, call.secret)
+                                       call.timeout_s, call.secret, call.take_over)
 
     async def _on_push_weights(self, identity: bytes, call: P.PushWeights) -> dict:
         async def paused():
@@ -158,7 +158,7 @@ class RolloutServer:
         return self.manager.stats()
 
     async def _on_health(self, identity: bytes, call: P.Health) -> dict:
-        return await self.manager.health()
+        return {**await self.manager.health(), "weight_sync_owner": await self.weights.owner_status()}
 
 
 def _call_id_of(body: bytes) -> int:

@@ -4,8 +4,8 @@ pause -> receive -> commit -> resume across every engine (weight_sync does the t
 from __future__ import annotations
 
 import asyncio
-import asyncio
 import logging
+import socket
 import time
 
 from weight_sync.engine_sync import (
@@ -16,16 +16,53 @@ from weight_sync.manifest import Manifest
 log = logging.getLogger(__name__)
 
 
+class WeightSyncRefused(RuntimeError):
+    """A weight-sync call the sidecar's state refuses (another trainer owns the group, a version
+    that does not go up); nothing changed. Reported with error kind "refused"."""
+
+    refused = True
+
+
+def trainer_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether the trainer that owns the group still listens on its rendezvous port (rank 0 hosts
+    the group's store there for the group's life): a dead trainer's port refuses at once."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def owned_message(group_name: str) -> str:
+    return (f"another trainer owns this sidecar's weight sync (group {group_name}); it must close_weight_sync() "
+            "first, or call init_weight_sync(take_over=True)")
+
+
 class SidecarWeights:
+    """One trainer owns the weight-sync group at a time: a second `init` is refused unless the
+    first closed its group, its trainer is gone (its rendezvous port refuses), or the caller takes
+    over. Versions only go up: a push or load of a version <= the sidecar's changes nothing."""
+
     def __init__(self, manager):
         self.manager = manager
+        self.owner: dict | None = None  # the group's host, port and name, while a trainer owns it
 
     async def init(self, host: str, port: int, world_size: int, rank_offset: int, group_name: str,
-                   timeout_s: float, secret: str) -> dict:
+                   timeout_s: float, secret: str, take_over: bool = False) -> dict:
         info = {"host": host, "port": port, "world_size": world_size, "group_name": group_name,
                 "timeout_s": timeout_s, "secret": secret}
         engines = self.manager.engines
+        if self.owner is not None and self.owner["group_name"] != group_name:
+            old = self.owner
+            alive = (await self.owner_status())["alive"]
+            if alive and not take_over:
+                raise WeightSyncRefused(owned_message(old["group_name"]))
+            log.warning("weight-sync group %s %s: leaving it for group %s", old["group_name"],
+                        "taken over" if alive else "lost its trainer", group_name)
+            self.owner = None
+            await close_weight_sync(engines)
         await join_engines(engines, info, rank_offset, timeout=timeout_s + 30)
+        self.owner = {"host": host, "port": port, "group_name": group_name}
         log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,
                  rank_offset + len(engines) - 1, world_size)
         return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
@@ -35,6 +72,10 @@ class SidecarWeights:
         """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine."""
         manifest = Manifest.from_wire(manifest_wire)  # a malformed manifest fails here, before any pause
         m = self.manager
+        if not shared and group_name and (self.owner is None or self.owner["group_name"] != group_name):
+            raise WeightSyncRefused(f"push over group {group_name}, which does not own this sidecar's weight sync "
+                                    f"(now {self.owner and self.owner['group_name']}): another trainer took over")
+        self._check_version(manifest.version)
         t0 = time.monotonic()
 
         async def receive() -> list:
@@ -63,8 +104,21 @@ class SidecarWeights:
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
 
+    async def owner_status(self) -> dict | None:
+        """The group that owns weight sync and whether its trainer still listens (None: no owner)."""
+        if self.owner is None:
+            return None
+        alive = await asyncio.to_thread(trainer_reachable, self.owner["host"], self.owner["port"])
+        return {"group_name": self.owner["group_name"], "alive": alive}
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.manager.version:
+            raise WeightSyncRefused(f"version {version} does not go up: this sidecar serves version "
+                                    f"{self.manager.version}; push a higher one")
+
     async def load(self, path: str, version: int, pause_mode: str | None) -> dict:
         m = self.manager
+        self._check_version(version)
 
         async def work():
             out = await load_on_engines(m.engines, path, version)
@@ -77,4 +131,5 @@ class SidecarWeights:
         return out
 
     async def close(self) -> None:
+        self.owner = None
         await close_weight_sync(self.manager.engines)

@@ -45,6 +45,13 @@ class PushOutcome:
     results: list  # one per receiver: its result, or its error
 
     @property
+    def refused(self) -> bool:
+        """Every receiver refused the push before touching its engines: nothing changed anywhere."""
+        return bool(self.results) and all(
+            isinstance(r, BaseException) and (getattr(r, "refused", False) or getattr(r, "kind", "") == "refused")
+            for r in self.results)
+
+    @property
     def errors(self) -> list[str]:
         """Every failure, the trainer's first, each as "who: why"."""
         out = [f"{n}: {describe(r)}" for n, r in zip(self.names, self.results) if isinstance(r, BaseException)]
@@ -92,9 +99,17 @@ async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Delive
         for r in receivers:
             r.cancel()
         raise
-    if not gate.opened:  # workers that marked themselves ready wait in the vote: closing the group frees them
+    # Workers that marked themselves ready wait in the vote: closing the group frees them. When every
+    # receiver refused the push up front (before any worker was touched) nobody waits: the group
+    # stays, and the trainer pushes again without a new init_weight_sync.
+    if not gate.opened and not all(r.done() and _refused(r) for r in receivers):
         sender.close_group()
     return PushOutcome(trainer, names, list(await asyncio.gather(*receivers, return_exceptions=True)))
+
+
+def _refused(task: asyncio.Future) -> bool:
+    e = None if task.cancelled() else task.exception()
+    return e is not None and (getattr(e, "refused", False) or getattr(e, "kind", "") == "refused")
 
 
 class _Gate:

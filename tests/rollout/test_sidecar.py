@@ -43,11 +43,18 @@ def trainer(hf_models):
 
 
 @pytest.fixture(scope="module")
-def client(sidecar):
+def module_client(sidecar):
     c = RolloutClient(sidecar.url, token=TOKEN)
-    c.init_weight_sync()
     yield c
     c.close()
+
+
+@pytest.fixture()
+def client(module_client):
+    """The module's client, owning the sidecar's weight sync for this test (other tests' trainers
+    took it over: one trainer owns it at a time)."""
+    module_client.init_weight_sync(take_over=True)
+    return module_client
 
 
 def _greedy(client, prompts, max_tokens=16):
@@ -100,7 +107,7 @@ def test_pushes_under_load_return_every_rollout_whole_once(sidecar, trainer, mod
 
     async def run():
         client = AsyncRolloutClient(sidecar.url, token=TOKEN)
-        await client.init_weight_sync()
+        await client.init_weight_sync(take_over=True)
         base = (await client.stats())[0]["version"]
         seen, versions_at_receipt = {}, {}
         pushed = [base]
@@ -199,7 +206,7 @@ from transformers import AutoModelForCausalLM
 from rollout import RolloutClient
 url, token, model = sys.argv[1:4]
 client = RolloutClient(url, token=token)
-client.init_weight_sync(timeout_s=5.0, bucket_bytes=256 * 1024)
+client.init_weight_sync(timeout_s=5.0, bucket_bytes=256 * 1024, take_over=True)  # the test's client owns it
 m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 with torch.no_grad():
     for p in m.parameters():
@@ -226,7 +233,7 @@ def test_trainer_killed_mid_push_sidecar_recovers(sidecar, client, trainer, qwen
     assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
     assert time.monotonic() - t0 < 30
     assert client.stats()["version"] == version
-    # a new client (the old group is gone) forms a new group and pushes
+    # the client forms a new group (its owner, the killed trainer, is gone: no take_over needed)
     client.init_weight_sync()
     client.push_weights(trainer, version=version + 1)
     assert client.stats()["version"] == version + 1
@@ -237,7 +244,7 @@ def test_two_sidecars_one_client_one_broadcast(sidecar, qwen2_dir, trainer):
     second = Sidecar(qwen2_dir)
     try:
         client = RolloutClient([sidecar.url, second.url], token=TOKEN)
-        info = client.init_weight_sync()
+        info = client.init_weight_sync(take_over=True)  # the module's client owns the first sidecar
         assert info["world_size"] == 3 and info["rank_offsets"] == [1, 2]
         perturb(trainer, 7)
         v = max(s["version"] for s in client.stats()) + 1
