@@ -20,6 +20,7 @@ from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
 from recipes.ranks import my_rows, same_permutation, share
 from recipes.seeds import request_seed
+from recipes.tasks import TASKS, reward_metrics
 from rollout.types import Rollout
 from weight_sync.trainer_ranks import follow_push
 
@@ -41,8 +42,14 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--output-dir", default=f"out/{algo}", help="checkpoint, metrics.jsonl, reward_curve.png")
     p.add_argument("--report-to", default="none", choices=["none", "wandb"], help="wandb runs offline without login")
-    p.add_argument("--task", default="a-game", choices=["a-game", "jsonl"], help="toy task, or prompts from --data")
-    p.add_argument("--data", default=None, help="JSONL of prompt/answer (GSM8K format) for --task jsonl")
+    p.add_argument("--task", default="a-game", choices=TASKS,
+                   help="toy task, generated arithmetic word problems, or GSM8K from --data (jsonl: same as gsm8k)")
+    p.add_argument("--data", default=None, help="JSONL of question/answer (GSM8K format) for --task gsm8k")
+    p.add_argument("--task-level", type=int, default=1, help="difficulty of --task arithmetic (1-4)")
+    p.add_argument("--answer-format", default="hashes", choices=["hashes", "boxed"],
+                   help="how arithmetic/gsm8k prompts ask for the answer: after '####' or in \\boxed{}")
+    p.add_argument("--format-reward", type=float, default=0.0, metavar="W",
+                   help="added to the 0/1 correctness when the answer uses --answer-format: rewards in [0, 1 + W]")
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (n)")
     p.add_argument("--max-tokens", type=int, default=16, help="completion length limit")
@@ -173,7 +180,8 @@ def setup(algo, args: argparse.Namespace) -> Run:
     module, optimizer = accelerator.prepare(module, optimizer)
     if ref is not None:
         ref = ref.to(accelerator.device)
-    task = make_task(args.task, tokenizer, args.data, args.seed)
+    task = make_task(args.task, tokenizer, args.data, args.seed, level=args.task_level,
+                     format_reward=args.format_reward, answer_format=args.answer_format)
     main = accelerator.is_main_process
     tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args), enabled=main)
     client, sidecar, url = _rollout_source(args, model_dir, accelerator.device) if main else (None, None, None)
@@ -252,6 +260,7 @@ def train_step(run: Run, step: int) -> dict:
         "staleness": run.version - 1 - min(r.weight_versions[0] for r in rollouts if r.weight_versions),
         "weight_version": run.version,
     })
+    metrics.update(reward_metrics(run.task, items, groups))  # reward/correct, reward/format: {} for a-game
     run.tracker.log(step + 1, metrics)
     run.tracker.log_completions(step + 1, _completion_rows(run, items, groups, rewards))
     if run.args.save_steps and (step + 1) % run.args.save_steps == 0 and run.accelerator.is_main_process:
