@@ -8,12 +8,14 @@ from __future__ import annotations
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ADV_EPS = 1e-4  # NOTE: TRL's GRPOTrainer adds this to the group std; the same value keeps the two comparable
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = ADV_EPS
                     ) -> torch.Tensor:
-    """Group-normalised advantages: (r - mean of its group) [/ std of its group]. rewards: [B],
-    consecutive runs of `group_size` samples form a group. Dr. GRPO turns the std scaling off."""
+    """Group-normalised advantages: (r - mean of its group) [/ (std of its group + eps)], the std
+    with Bessel's correction as TRL's. rewards: [B], consecutive runs of `group_size` samples form
+    a group. Dr. GRPO turns the std scaling off."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.view(-1, group_size)

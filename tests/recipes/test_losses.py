@@ -11,8 +11,8 @@ from recipes import losses as L
 def test_grpo_advantages_normalise_within_groups():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     adv = L.grpo_advantages(r, 4)
-    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # unbiased: sqrt(1/3)
-    assert adv[:4].tolist() == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5)
+    std = math.sqrt(1 / 3) + L.ADV_EPS  # unbiased (Bessel) std of 1 0 0 1, plus TRL's epsilon
+    assert adv[:4].tolist() == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-6)
     assert adv[4:].tolist() == [0.0] * 4  # a group with equal rewards teaches nothing
     dr = L.grpo_advantages(r, 4, scale_by_std=False)
     assert dr[:4].tolist() == [0.5, -0.5, -0.5, 0.5]
