@@ -41,7 +41,8 @@ def owned_message(group_name: str) -> str:
 class SidecarWeights:
     """One trainer owns the weight-sync group at a time: a second `init` is refused unless the
     first closed its group, its trainer is gone (its rendezvous port refuses), or the caller takes
-    over. Versions only go up: a push or load of a version <= the sidecar's changes nothing."""
+    over. Versions only go up: a push or load of a version <= the sidecar's changes nothing
+    (version 0 over version 0 excepted: a trainer's initial sync of the checkpoint)."""
 
     def __init__(self, manager):
         self.manager = manager
@@ -112,7 +113,9 @@ class SidecarWeights:
         return {"group_name": self.owner["group_name"], "alive": alive}
 
     def _check_version(self, version: int) -> None:
-        if version <= self.manager.version:
+        """Versions only go up. Version 0 names the checkpoint's weights: a trainer's initial
+        sync may push it while the sidecar still serves version 0."""
+        if version < self.manager.version or (version == self.manager.version and version != 0):
             raise WeightSyncRefused(f"version {version} does not go up: this sidecar serves version "
                                     f"{self.manager.version}; push a higher one")
 
