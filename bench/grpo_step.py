@@ -260,16 +260,18 @@ def model_dir_for(shape: dict, model: str | None) -> str:
     return resolve_model_arg(model or shape["size"])
 
 
-def finished_runs(path: Path, shape: str, steps: int, args: argparse.Namespace) -> dict:
-    """{(system, seed): run} already in --out's grpo_step.json from a run of the same settings, so
-    an interrupted benchmark goes on where it stopped (only whole runs are kept)."""
+def run_key(shape: str, steps: int, args: argparse.Namespace) -> dict:
+    return {"shape": shape, "steps": steps, "model": args.model or SHAPES[shape]["size"], "task": args.task,
+            "lr": args.lr}
+
+
+def finished_runs(path: Path, key: dict) -> dict:
+    """{(system, seed): run} of the runs in --out's runs.jsonl with these settings, so that an
+    interrupted benchmark goes on where it stopped (a run is written there once it is whole)."""
     if not path.exists():
         return {}
-    for r in json.loads(path.read_text()):
-        same = (r["shape"], r["steps"], r["task"], r["lr"]) == (shape, steps, args.task, args.lr)
-        if same and r["model"] == (args.model or SHAPES[shape]["size"]):
-            return {**{("ours", o["seed"]): o for o in r["ours"]}, **{("trl", t["seed"]): t for t in r["trl"]}}
-    return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {(r["system"], r["run"]["seed"]): r["run"] for r in rows if r["key"] == key}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                    "its batch and length)")
     p.add_argument("--task", default="a-game", help="the recipe's task, for both systems (recipes.tasks.make_task)")
     p.add_argument("--data", default=None, help="the task's data file (--task jsonl)")
-    p.add_argument("--out", default=None, help="where to write grpo_step.json and reward_curves.png "
-                   "(default: a temporary directory); runs already there with the same settings are kept")
+    p.add_argument("--out", default=None, help="where to write grpo_step.json and reward_curves.png (default: a "
+                   "temporary directory); the runs already there (runs.jsonl) with the same settings are kept")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "trl", "accelerate", "datasets"):
@@ -309,23 +311,24 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps if name == "realistic" else args.micro_steps
         model_dir = model_dir_for(shape, args.model)
         ours, theirs = [], []
-        done = finished_runs(out / "grpo_step.json", name, steps, args)
+        key = run_key(name, steps, args)
+        done = finished_runs(out / "runs.jsonl", key)
         for i, seed in enumerate(seeds if shape["all_seeds"] else seeds[:1]):
             order = [("ours", run_ours, ours), ("trl", run_trl, theirs)]
             for system, run, runs in order if i % 2 == 0 else order[::-1]:
                 if (system, seed) in done:
-                    log.info("%s, seed %d: %s kept from %s", name, seed, system, out / "grpo_step.json")
+                    log.info("%s, seed %d: %s kept from %s", name, seed, system, out / "runs.jsonl")
                     runs.append(done[system, seed])
                     continue
                 log.info("%s, seed %d: %s, %d steps", name, seed, system, steps)
                 t = time.perf_counter()
                 runs.append(run(model_dir, shape, steps, args.lr, seed, out / f"{system}-{name}-{seed}",
                                 args.task, args.data))
+                with (out / "runs.jsonl").open("a") as f:
+                    f.write(json.dumps({"key": key, "system": system, "run": runs[-1]}) + "\n")
                 log.info("%s, seed %d: %s took %.0f s", name, seed, system, time.perf_counter() - t)
-            entry = {**summarize(name, ours, theirs), "ours": ours, "trl": theirs, **shape, "steps": steps,
-                     "model": args.model or shape["size"], "task": args.task, "lr": args.lr,
+            entry = {**summarize(name, ours, theirs), "ours": ours, "trl": theirs, **shape, **key,
                      "trl_version": trl.__version__}
-            # after every seed, so that the seeds done survive a crash or an interrupted run
             (out / "grpo_step.json").write_text(json.dumps(results + [entry], indent=2))
         results.append(entry)
 

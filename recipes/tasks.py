@@ -54,11 +54,17 @@ def final_number(text: str) -> str | None:
     return None if value is None else canonical(value)
 
 
+# A short system prompt keeps a small chat model to the point: SmolLM2-135M-Instruct, level 1 at
+# temperature 0.7, was right 17% of the time with it and 12% without (it rambles on past the answer).
+SYSTEM_PROMPT = "You are a careful math tutor. Solve each problem in one short step."
+
+
 def make_prompt(question: str, tokenizer=None, answer_format: str = "hashes") -> str | list[dict]:
     """A conversation asking for the answer in `answer_format` when the tokenizer has a chat
     template (a chat model answers its own template best), else a plain completion prompt."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return [{"role": "user", "content": f"{question}\n{instruction(answer_format)}"}]
+        return [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"{question}\n{instruction(answer_format)}"}]
     return f"Question: {question}\nAnswer:"
 
 

@@ -52,6 +52,11 @@ EXTRACTIONS = [
     ("\\boxed{x}, so 6", "6"),  # an empty-of-numbers box falls through
     ("####\n\n11", "11"),
     ("12.0", "12.0"),
+    # as SmolLM2-135M-Instruct writes them
+    ("Tom has 11 - 7 = 2 shells left.", "2"),
+    ("9 + 2 = 11 balloons.\n##### 11\nThe final answer is 11.", "11"),
+    ("#### 10\n105", "10"),
+    ("#### #9", "9"),
 ]
 NO_ANSWER = ["", "no numbers here", "H2O and x2", "\\boxed{", "the answer is seven", "\\boxed{}", "####"]
 
@@ -158,13 +163,13 @@ def tokenizer():
 def test_a_chat_tokenizer_gets_a_conversation_and_a_plain_one_a_string(tokenizer):
     assert tokenizer.chat_template
     item = ArithmeticTask(tokenizer, 1, seed=0).prompts(1)[0]
-    [message] = item["prompt"]
-    assert message["role"] == "user" and message["content"].startswith(item["question"])
-    assert "####" in message["content"]
+    system, user = item["prompt"]
+    assert system["role"] == "system" and user["role"] == "user"
+    assert user["content"].startswith(item["question"]) and "####" in user["content"]
     text = tokenizer.apply_chat_template(item["prompt"], add_generation_prompt=True, tokenize=False)
     assert item["question"] in text and text.endswith("<|im_start|>assistant\n")
     boxed = ArithmeticTask(tokenizer, 1, seed=0, answer_format="boxed").prompts(1)[0]
-    assert "\\boxed{}" in boxed["prompt"][0]["content"]
+    assert "\\boxed{}" in boxed["prompt"][-1]["content"]
 
     plain_tokenizer = copy.deepcopy(tokenizer)
     plain_tokenizer.chat_template = None
@@ -213,7 +218,7 @@ def test_gsm8k_lines_give_questions_and_numeric_answers(tmp_path, tokenizer):
     for name in ("gsm8k", "jsonl"):
         task = make_task(name, tokenizer, path, seed=0)
         assert [i["answer"] for i in task.items] == ["234", "-3", "1500"]
-        assert task.items[0]["prompt"][0]["content"].startswith("Tom has 1,000 apples")
+        assert task.items[0]["prompt"][-1]["content"].startswith("Tom has 1,000 apples")
     assert task.reward(task.items[0], [], "1000 - 766 = 234 apples.") == 1.0
     assert task.reward(task.items[1], [], "her balance is \\boxed{-3}") == 1.0
     assert task.reward(task.items[2], [], "#### 1,500.00") == 1.0
