@@ -1,7 +1,8 @@
 """AsyncEngine: the asyncio frontend (after vLLM v1's AsyncLLM). The engine core runs in a
 background process; requests go in over ZMQ ROUTER -> DEALER, outputs come back PUSH -> PULL,
 all msgpack. Per-request collectors merge outputs when the consumer is slow; a dead core fails
-every waiter with EngineDeadError."""
+every waiter with EngineDeadError. Nothing but the event loop's own references keeps an engine
+alive: one that is garbage-collected shuts its core down (a finalizer, as vLLM's AsyncLLM)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
-from engine.inputs import tokenize_prompt, validate_prompt_ids
+from engine.inputs import is_single_prompt, tokenize_prompt, validate_prompt_ids
 from engine.messages import (
-    INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Ready, RequestError, Shutdown, StepOutputs,
-    UtilityCall,
+    INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Fatal, Ready, RequestError, Shutdown,
+    StepOutputs, UtilityCall,
 )
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
@@ -73,8 +74,13 @@ class AsyncEngine:
             env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
         )
         self._shutdown_called = False
-        self._reader: threading.Thread | None = None
-        self._stop_reading = False
+        self._threads: list[threading.Thread] = []  # the output reader, once started
+        self._stop_reading = threading.Event()
+        # Everything the finalizer needs, and nothing that refers back to the engine, so that an
+        # engine dropped without shutdown() is still collected and its core stopped.
+        self._finalizer = weakref.finalize(
+            self, _release, self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir,
+            self._stop_reading, self._threads)
         atexit.register(_kill_quietly, weakref.ref(self))
         try:
             ready = self._handshake(start_timeout)
@@ -88,7 +94,9 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead = False
-        threading.Thread(target=self._watch_process, daemon=True, name="engine-watch").start()
+        self.dead_reason = ""  # what the core said before it died (a Fatal), if anything
+        threading.Thread(target=_watch_process, args=(self.proc, weakref.ref(self)), daemon=True,
+                         name="engine-watch").start()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _handshake(self, timeout: float) -> Ready:
@@ -112,8 +120,7 @@ class AsyncEngine:
                         ready = msg
         return ready
 
-    def _watch_process(self) -> None:
-        self.proc.wait()
+    def _on_core_exit(self) -> None:
         if self._shutdown_called:
             return
         code = self.proc.returncode
@@ -133,41 +140,26 @@ class AsyncEngine:
             c.event.set()
         for fut in self.calls.values():
             if not fut.done():
-                fut.set_exception(EngineDeadError("engine core process died"))
+                fut.set_exception(EngineDeadError(self._dead_message()))
+
+    def _dead_message(self) -> str:
+        return "engine core process died" + (f": {self.dead_reason}" if self.dead_reason else "")
 
     def _ensure_started(self) -> None:
         if self.dead or self.proc.poll() is not None:
             self.dead = True
-            raise EngineDeadError("engine core process is dead")
+            raise EngineDeadError(self._dead_message())
         if self._shutdown_called:
             raise EngineDeadError("engine was shut down")
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            self._reader = threading.Thread(target=self._read_outputs, daemon=True, name="engine-outputs")
-            self._reader.start()
+            reader = threading.Thread(target=_read_outputs, daemon=True, name="engine-outputs",
+                                      args=(weakref.ref(self), self._out_sync, self._decoder, loop, self._stop_reading))
+            self._threads.append(reader)
+            reader.start()
         elif loop is not self._loop:
             raise RuntimeError("AsyncEngine is bound to the event loop it was first used in")
-
-    def _read_outputs(self) -> None:
-        """Output thread: receives and decodes the core's messages and hands them to the event
-        loop. A thread rather than a zmq.asyncio socket so that nothing of ours stays registered
-        with the loop after shutdown (a later engine's socket may reuse the file descriptor)."""
-        poller = zmq.Poller()
-        poller.register(self._out_sync, zmq.POLLIN)
-        while not self._stop_reading:
-            if not poller.poll(100):
-                continue
-            frames = self._out_sync.recv_multipart(copy=False)
-            try:
-                msg = self._decoder.decode([f.buffer for f in frames])
-            except Exception as e:
-                log.error("undecodable output from the engine core: %s", e)
-                continue
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                return
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutputs):
@@ -188,6 +180,9 @@ class AsyncEngine:
             if c is not None:
                 c.error = msg
                 c.event.set()
+        elif isinstance(msg, Fatal):  # the core is about to exit: it cannot serve any more
+            self.dead, self.dead_reason = True, msg.error
+            self._fail_all()
 
     def _send(self, msg) -> None:
         try:
@@ -205,33 +200,73 @@ class AsyncEngine:
         if self._shutdown_called:
             return
         self._shutdown_called = True
-        if self.proc.poll() is None:
-            try:
-                self._in.send_multipart([self._identity, *self._encoder.encode(Shutdown())], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._stop_reader()
-        self._in.close(0)
-        self._out_sync.close(0)
-        self._zctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def _stop_reader(self) -> None:
-        self._stop_reading = True
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=2.0)
+        self._finalizer.detach()
+        _release(self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir, self._stop_reading,
+                 self._threads, timeout)
 
     # -- requests -----------------------------------------------------------------------------
-    async def generate(
-        self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    def generate(
+        self, prompt, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        request_id: str | list[str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream outputs of one request (n completions). Closing or cancelling the generator
-        aborts the request. Bad input raises ValueError; a dead core raises EngineDeadError."""
+        """Stream outputs of one request (n completions), or of several when `prompt` is a list of
+        prompts (with a list of request ids, or none), their outputs interleaved as they come.
+        Closing or cancelling the generator aborts its requests. Bad input raises ValueError; a
+        dead core raises EngineDeadError."""
+        if not _is_prompt_list(prompt):
+            if isinstance(request_id, (list, tuple)):
+                raise ValueError(f"{len(request_id)} request ids for one prompt: a list of request ids goes with "
+                                 "a list of prompts")
+            if isinstance(sampling_params, (list, tuple)):
+                raise ValueError("a list of sampling params goes with a list of prompts")
+            return self._generate_one(prompt, sampling_params, request_id)
+        prompts = list(prompt)
+        ids = list(request_id) if isinstance(request_id, (list, tuple)) else None
+        if request_id is not None and ids is None:
+            raise ValueError(f"{len(prompts)} prompts but one request id: give a list of {len(prompts)}")
+        if ids is not None and len(ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(ids)} request ids")
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = ids or [uuid.uuid4().hex for _ in prompts]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be distinct")
+        return self._generate_many(prompts, params, ids)
+
+    async def _generate_many(self, prompts: list, params: list, ids: list[str]) -> AsyncGenerator[RequestOutput, None]:
+        """Several requests as one stream: each runs in its own task feeding one queue."""
+        self._ensure_started()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def feed(gen):
+            try:
+                async for out in gen:
+                    queue.put_nowait(out)
+                queue.put_nowait(done)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, who re-raises it
+                queue.put_nowait(e)
+
+        gens = [self._generate_one(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        tasks = [asyncio.ensure_future(feed(g)) for g in gens]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()  # cancelling a feeder closes its generator, which aborts its request
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, prompt, sampling_params: SamplingParams | None,
+                            request_id: str | None) -> AsyncGenerator[RequestOutput, None]:
         self._ensure_started()
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -252,7 +287,7 @@ class AsyncEngine:
                     e = collector.error
                     raise (ValueError if e.error_kind == INVALID else EngineGenerateError)(e.error)
                 if self.dead and not collector.state.finished:
-                    raise EngineDeadError("engine core process died")
+                    raise EngineDeadError(self._dead_message())
                 out = collector.state.make_output(self.tokenizer, delta=delta)
                 finished = out.finished
                 if finished or params.output_kind != "final":
@@ -268,9 +303,17 @@ class AsyncEngine:
                     pass
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests; their generators end with finish_reason "abort" and the partial tokens."""
+        """Abort requests; their generators end with finish_reason "abort" and the partial tokens.
+        Final at once, as vLLM's frontend: whatever the core sends for them later is dropped, so a
+        request whose last step was running still ends as aborted."""
         self._ensure_started()
-        self._send(AbortRequests([request_id] if isinstance(request_id, str) else list(request_id)))
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            c = self.requests.get(rid)
+            if c is not None:
+                c.state.abort()
+                c.event.set()
+        self._send(AbortRequests(ids))
 
     async def _call(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         self._ensure_started()
@@ -333,6 +376,75 @@ class AsyncEngine:
 
     async def get_stats(self) -> dict:
         return await self._call("stats")
+
+
+def _is_prompt_list(prompt) -> bool:
+    """Several prompts (strs, token-id lists, conversations, dicts), not one prompt of token ids
+    or one conversation; an empty or malformed list counts as one prompt, to fail as one."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not is_single_prompt(prompt)
+            and all(isinstance(p, (str, dict, list, tuple)) for p in prompt))
+
+
+def _watch_process(proc: subprocess.Popen, ref) -> None:
+    """Thread: waits for the core to exit and tells the engine, if anyone still holds it."""
+    proc.wait()
+    engine = ref()
+    if engine is not None:
+        engine._on_core_exit()
+
+
+def _read_outputs(ref, sock, decoder: Decoder, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+    """Output thread: receives and decodes the core's messages and hands them to the event loop.
+    A thread rather than a zmq.asyncio socket so that nothing of ours stays registered with the
+    loop after shutdown (a later engine's socket may reuse the file descriptor). It holds the
+    engine only by a weak reference, so that a dropped engine is collected."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        try:
+            if not poller.poll(100):
+                continue
+            frames = sock.recv_multipart(copy=False)
+        except zmq.ZMQError:  # closed under us by the finalizer
+            return
+        try:
+            msg = decoder.decode([f.buffer for f in frames])
+        except Exception as e:
+            log.error("undecodable output from the engine core: %s", e)
+            continue
+        engine = ref()
+        if engine is None:
+            return
+        try:
+            loop.call_soon_threadsafe(engine._dispatch, msg)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return
+        finally:
+            del engine
+
+
+def _release(proc: subprocess.Popen, in_sock, out_sock, zctx, identity: bytes, tmpdir: str, stop: threading.Event,
+             threads: list, timeout: float = 2.0) -> None:
+    """Stop the core (Shutdown, then SIGKILL after `timeout`) and free the sockets. Called by
+    shutdown(), or by the finalizer of an engine nobody holds any more."""
+    if proc.poll() is None:
+        try:
+            in_sock.send_multipart([identity, *Encoder().encode(Shutdown())], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    stop.set()
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=2.0)
+    in_sock.close(0)
+    out_sock.close(0)
+    zctx.term()
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _kill_quietly(ref) -> None:

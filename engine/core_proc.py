@@ -21,8 +21,8 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import (
-    FAILED, AbortRequests, AddRequest, CallResult, EngineInput, Ready, RequestError, Shutdown, StepOutputs,
-    UtilityCall, error_kind,
+    FAILED, AbortRequests, AddRequest, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
+    StepOutputs, UtilityCall, error_kind,
 )
 from engine.sampling_params import SamplingParams
 from engine.serial import Decoder, Encoder
@@ -54,6 +54,8 @@ class EngineCoreProc:
         self.outputs: queue.Queue = queue.Queue()
         self.drain_calls: list[int] = []  # call ids of pause(mode="wait") calls, answered once drained
         self.running = True
+        self.exit_code = 0
+        self.flushed = threading.Event()  # set by the output thread once everything queued is sent
         # the utility calls AsyncEngine may make (UtilityCall.method -> handler)
         self.utilities = {
             "pause": self._pause, "resume": self._resume, "is_paused": self._is_paused,
@@ -91,6 +93,9 @@ class EngineCoreProc:
         encoder = Encoder()
         while True:
             msg = self.outputs.get()
+            if msg is None:  # run() is over: everything before this is sent
+                self.flushed.set()
+                return
             try:
                 self.out_sock.send_multipart(encoder.encode(msg), copy=False)
             except TypeError as e:  # a result we cannot serialise becomes an error for its caller
@@ -124,12 +129,13 @@ class EngineCoreProc:
     def _step(self) -> None:
         try:
             deltas = self.core.step()
-        except Exception as e:  # fail the requests of this step, keep serving the rest
-            log.error("engine step failed:\n%s", traceback.format_exc())
-            failed = {s.request_id for s in self.core.scheduler.running}
-            for rid in failed:
-                self.core.abort_requests([rid])
-                self.outputs.put(RequestError(rid, f"engine step failed: {e!r}", FAILED))
+        except Exception as e:
+            # As in vLLM: after a failed forward (on a GPU, an illegal access or an OOM) the device
+            # state cannot be trusted, so the core does not step on. It says why and exits; the
+            # frontend fails every request with EngineDeadError and the rollout manager restarts it.
+            log.error("engine step failed; the engine core exits:\n%s", traceback.format_exc())
+            self.outputs.put(Fatal(f"engine step failed: {type(e).__name__}: {e}"))
+            self.running, self.exit_code = False, 1
             return
         if deltas:
             self.outputs.put(StepOutputs(deltas))
@@ -246,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         log.error("engine core failed to start:\n%s", traceback.format_exc())
         sys.exit(1)
     proc.run()
-    time.sleep(0.1)  # let the output thread flush
-    os._exit(0)
+    proc.outputs.put(None)
+    proc.flushed.wait(5.0)  # the last outputs (a Fatal above all) reach the frontend
+    time.sleep(0.05)  # the PUSH socket hands them to the kernel
+    os._exit(proc.exit_code)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Messages between the frontend and the engine-core process (msgpack via msgspec, no pickle).
 
 Input (frontend -> core, ROUTER -> DEALER): AddRequest, AbortRequests, UtilityCall, Shutdown.
-Output (core -> frontend, PUSH -> PULL): Ready, StepOutputs, CallResult, RequestError.
+Output (core -> frontend, PUSH -> PULL): Ready, StepOutputs, CallResult, RequestError, Fatal.
 Every utility call carries a call id and is answered by exactly one CallResult.
 """
 
@@ -85,4 +85,11 @@ class RequestError(msgspec.Struct, tag="req_error", array_like=True):
     error_kind: str = FAILED
 
 
-EngineOutput = Union[Ready, StepOutputs, CallResult, RequestError]
+class Fatal(msgspec.Struct, tag="fatal", array_like=True):
+    """The core's last word before it exits: a step failed (a CUDA error, an OOM), so nothing it
+    would compute after could be trusted."""
+
+    error: str
+
+
+EngineOutput = Union[Ready, StepOutputs, CallResult, RequestError, Fatal]

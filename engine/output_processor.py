@@ -26,8 +26,16 @@ class RequestState:
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
 
+    def abort(self) -> None:
+        """Finish every completion still running as aborted (the frontend's abort is final)."""
+        for o in self.outputs:
+            if o.finish_reason is None:
+                o.finish_reason = "abort"
+
     def apply(self, d: SeqDelta) -> None:
         out = self.outputs[d.index]
+        if out.finish_reason is not None:  # finished here already (an abort): later deltas are void
+            return
         out.token_ids += d.token_ids
         out.logprobs += d.logprobs
         out.weight_versions += [d.version] * len(d.token_ids)

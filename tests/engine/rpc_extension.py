@@ -34,6 +34,14 @@ class RpcTestExtension:
             next(self.model.parameters()).view(-1)[0] = float("nan")
         return True
 
+    def break_forward(self) -> bool:
+        """Every later forward raises, as a CUDA error or an OOM would: the engine must die of it."""
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+        self.runner.forward = broken
+        return True
+
     def refuse(self):
         raise Refusal("nothing changed")
 
@@ -47,3 +55,4 @@ class Refusal(ValueError):
 
 class ValueErrorLookalike(RuntimeError):
     pass
+
