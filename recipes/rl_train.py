@@ -8,6 +8,7 @@ import concurrent.futures
 import copy
 import logging
 import time
+from argparse import SUPPRESS
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
 from recipes.ranks import my_rows, same_permutation, share
 from recipes.seeds import request_seed
+from recipes.task_defaults import default_help, fill_task_defaults
 from recipes.tasks import TASKS, reward_metrics
 from rollout.types import Rollout
 from weight_sync.trainer_ranks import follow_push
@@ -39,7 +41,7 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--rollout-url", default=None,
                    help="tcp://HOST:PORT of a running sidecar (default: start one for this run)")
     p.add_argument("--token", default="", help="the sidecar's shared token, if it has one")
-    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--max-steps", type=int, default=SUPPRESS, help=f"optimizer steps {default_help('max_steps')}")
     p.add_argument("--output-dir", default=f"out/{algo}", help="checkpoint, metrics.jsonl, reward_curve.png")
     p.add_argument("--report-to", default="none", choices=["none", "wandb"], help="wandb runs offline without login")
     p.add_argument("--task", default="a-game", choices=TASKS,
@@ -48,13 +50,14 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--task-level", type=int, default=1, help="difficulty of --task arithmetic (1-4)")
     p.add_argument("--answer-format", default="hashes", choices=["hashes", "boxed"],
                    help="how arithmetic/gsm8k prompts ask for the answer: after '####' or in \\boxed{}")
-    p.add_argument("--format-reward", type=float, default=0.0, metavar="W",
-                   help="added to the 0/1 correctness when the answer uses --answer-format: rewards in [0, 1 + W]")
-    p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (n)")
-    p.add_argument("--max-tokens", type=int, default=16, help="completion length limit")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--format-reward", type=float, default=SUPPRESS, metavar="W",
+                   help="added to the 0/1 correctness when the answer uses --answer-format: rewards in [0, 1 + W] "
+                        + default_help("format_reward"))
+    p.add_argument("--prompts-per-step", type=int, default=SUPPRESS, help=default_help("prompts_per_step"))
+    p.add_argument("--group-size", type=int, default=SUPPRESS, help=f"samples per prompt (n) {default_help('group_size')}")
+    p.add_argument("--max-tokens", type=int, default=SUPPRESS, help=f"completion length limit {default_help('max_tokens')}")
+    p.add_argument("--temperature", type=float, default=SUPPRESS, help=default_help("temperature"))
+    p.add_argument("--lr", type=float, default=SUPPRESS, help=default_help("lr"))
     p.add_argument("--clip-low", type=float, default=0.2)
     p.add_argument("--clip-high", type=float, default=0.28, help="DAPO's clip-higher")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the initial policy (0: no reference model)")
@@ -139,7 +142,7 @@ class Run:
 
 
 def train(algo: str, argv: list[str] | None = None) -> dict:
-    args = build_parser(algo).parse_args(argv)
+    args = fill_task_defaults(build_parser(algo).parse_args(argv))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = setup(ALGORITHMS[algo](args), args)
     try:

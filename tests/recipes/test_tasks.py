@@ -246,3 +246,18 @@ def test_gsm8k_needs_a_file_and_an_unknown_task_is_refused(tokenizer, tmp_path):
         make_task("gsm8k", tokenizer, _write(tmp_path / "empty.jsonl", [""]))
     with pytest.raises(ValueError, match="unknown task"):
         make_task("chess", tokenizer)
+
+
+def test_task_dependent_defaults_fill_only_what_the_user_left_out():
+    from recipes.rl_train import build_parser
+    from recipes.task_defaults import TOY, VERIFIABLE, fill_task_defaults
+
+    def parse(*argv):
+        return vars(fill_task_defaults(build_parser("grpo").parse_args(list(argv))))
+
+    toy, real = parse(), parse("--task", "arithmetic")
+    assert {k: toy[k] for k in TOY} == TOY and {k: real[k] for k in VERIFIABLE} == VERIFIABLE
+    assert real["lr"] < toy["lr"]  # a pretrained model is fine-tuned, not trained from scratch
+    mine = parse("--task", "arithmetic", "--lr", "3e-4", "--format-reward", "0")
+    assert mine["lr"] == 3e-4 and mine["format_reward"] == 0.0 and mine["max_tokens"] == VERIFIABLE["max_tokens"]
+    assert "1e-05 for arithmetic/gsm8k" in " ".join(build_parser("ppo").format_help().split())
