@@ -203,6 +203,21 @@ class AsyncEngine:
         self._finalizer.detach()
         _release(self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir, self._stop_reading,
                  self._threads, timeout)
+        # whoever still waits on this engine (a call stuck behind a stalled push) hears it is gone
+        self.dead, self.dead_reason = True, self.dead_reason or "engine was shut down"
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                self._fail_all()
+            else:
+                try:
+                    loop.call_soon_threadsafe(self._fail_all)
+                except RuntimeError:
+                    pass
 
     # -- requests -----------------------------------------------------------------------------
     def generate(
@@ -287,7 +302,9 @@ class AsyncEngine:
                     e = collector.error
                     raise (ValueError if e.error_kind == INVALID else EngineGenerateError)(e.error)
                 if self.dead and not collector.state.finished:
-                    raise EngineDeadError(self._dead_message())
+                    error = EngineDeadError(self._dead_message())
+                    error.partial = collector.state.make_output(self.tokenizer)  # for a resubmission elsewhere
+                    raise error
                 out = collector.state.make_output(self.tokenizer, delta=delta)
                 finished = out.finished
                 if finished or params.output_kind != "final":

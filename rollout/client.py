@@ -62,6 +62,7 @@ class AsyncRolloutClient:
         self._queues: dict[tuple[int, int], asyncio.Queue] = {}
         self._readers: list[asyncio.Task] = []
         self.sender = None  # weight_sync.WeightSender once init_weight_sync ran
+        self._init_args: dict | None = None  # init_weight_sync's arguments, until close_weight_sync
 
     # -- plumbing -----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -193,6 +194,8 @@ class AsyncRolloutClient:
             if owner and owner["alive"] and not take_over and not mine:  # refused before opening a group
                 raise SidecarError(f"init_weight_sync refused by {url}: {owned_message(owner['group_name'])}",
                                    "refused")
+        self._init_args = {"host": host, "port": port, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes,
+                           "device": device}  # a regroup forms the next group the same way
         workers = [h["workers"] for h in health]
         world = 1 + sum(workers)
         if self.sender is None:
@@ -229,15 +232,22 @@ class AsyncRolloutClient:
             return await self._push_shared(model_or_named_tensors, version, pause_mode, timeout_s)
         if transport != "group":
             raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
+        if self.sender is not None and self.sender.group is None and self._init_args is not None:
+            # the last push failed and closed the group (e.g. an engine died in it): form a new one
+            await self.init_weight_sync(**self._init_args, take_over=True)
         if self.sender is None or self.sender.group is None:
             raise SidecarError("init_weight_sync() first")
-        group_name = self.sender.group.group_name
 
         def deliver(manifest) -> list:
+            group_name = self.sender.group.group_name
             return [(self.urls[i], self._push_call(i, manifest.to_wire(), pause_mode, timeout_s, group_name))
                     for i in range(len(self._socks))]
 
         outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
+        if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
+            log.warning("a sidecar's engines changed since the weight-sync group formed: forming a new group")
+            await self.init_weight_sync(**self._init_args, take_over=True)
+            outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
         if outcome.errors:
             raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
                                "refused" if outcome.refused else "")
@@ -285,6 +295,7 @@ class AsyncRolloutClient:
 
     async def close_weight_sync(self) -> None:
         await self._call_all(P.CloseWeightSync, "close_weight_sync")
+        self._init_args = None
         if self.sender is not None:
             self.sender.close_group()
 

@@ -11,10 +11,12 @@ import time
 
 class LocalSidecar:
     """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
-    SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0)."""
+    SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0). The sidecar also
+    shuts down by itself when this process exits, however it exits (SIGKILL included)."""
 
     def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0):
-        cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", *extra_args]
+        cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", "--parent-pid", str(os.getpid()),
+               *extra_args]
         if token:
             cmd += ["--token", token]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,

@@ -6,6 +6,8 @@
 - enforces `max_staleness`: a rollout whose first token is more than that many versions behind
   the newest when it completes is generated again from scratch;
 - runs pause -> receive -> commit -> resume across every engine for a weight push;
+- survives engine deaths: a request on an engine that dies goes on, from its tokens so far, on
+  a live engine, and the engine is restarted (rollout/supervision.py);
 - keeps the counters the sidecar reports.
 """
 
@@ -18,9 +20,11 @@ import time
 from dataclasses import replace
 
 from engine import AsyncEngine, SamplingParams
+from engine.errors import EngineDeadError
 from engine.inputs import tokenize_prompt
 from engine.stop_checker import first_stop_string, truncate_at_stop
 from rollout.protocol import PROTOCOL_VERSION
+from rollout.supervision import EngineSupervisor, NoEngineError
 from rollout.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,11 @@ class _Sample:
 
 class RolloutManager:
     def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep",
-                 max_stale_restarts: int = 3):
+                 max_stale_restarts: int = 3, engine_factory=None, max_restarts: int = 3,
+                 restart_window_s: float = 600.0, host_copy: bool = True):
+        """`engine_factory(i)` builds engine i afresh: with it, an engine that dies is restarted
+        (at most `max_restarts` times in `restart_window_s`); `host_copy` keeps the newest
+        committed weights in /dev/shm so that a lone engine catches up without the trainer."""
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if pause_mode not in PAUSE_MODES:
@@ -77,8 +85,25 @@ class RolloutManager:
         self.counters = {
             "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
             "transfer_seconds": 0.0, "pause_seconds": 0.0, "aborted_resubmitted": 0, "stale_restarts": 0,
-            "stale_returned": 0, "failed_pushes": 0,
+            "stale_returned": 0, "failed_pushes": 0, "engine_deaths": 0, "engine_restarts": 0,
+            "resubmitted_after_engine_death": 0,
         }
+        self.supervisor = EngineSupervisor(engines, engine_factory, max_restarts, restart_window_s,
+                                           host_copy=host_copy)
+        self.supervisor.lock = self._push_lock
+        self.supervisor.version_of = lambda: self.version
+        self.supervisor.on_restart = lambda i: self._count("engine_restarts")
+        self.supervisor.on_death = lambda i: self._count("engine_deaths")
+
+    def _count(self, name: str) -> None:
+        self.counters[name] += 1
+
+    def up_engines(self) -> list[AsyncEngine]:
+        """The engines weight sync reaches (live, or restarted and waiting for a push)."""
+        return [self.engines[i] for i in self.supervisor.up()]
+
+    def serving_engines(self) -> list[AsyncEngine]:
+        return [self.engines[i] for i in self.supervisor.live()]
 
     # -- generation ---------------------------------------------------------------------------
     def prepare_prompt(self, prompt) -> list[int]:
@@ -90,23 +115,44 @@ class RolloutManager:
         return ids
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams):
-        """The outputs of one request on the least loaded engine."""
-        i = min(range(len(self.engines)), key=self.load.__getitem__)
+        """The outputs of one request on the least loaded live engine. If that engine dies, it
+        leaves the rotation and EngineDeadError (with the request's output so far) is raised."""
+        self.supervisor.start()
+        i = min(await self.supervisor.wait_live(), key=self.load.__getitem__)
         self.load[i] += params.n
         self.requests_per_engine[i] += 1
         outputs = self.engines[i].generate(prompt_ids, params, request_id=f"m{next(self._ids)}")
         try:
             async for out in outputs:
                 yield out
+        except EngineDeadError as e:
+            self.supervisor.engine_died(i, str(e))
+            raise
         finally:
             await outputs.aclose()  # left early: the engine aborts the request now, not at garbage collection
             self.load[i] -= params.n
 
     async def _run(self, prompt_ids: list[int], params: SamplingParams):
-        out = None
-        async for out in self._stream(prompt_ids, params):
-            pass
-        return out
+        """The request's final output. On an engine's death, the output so far with every
+        unfinished sample marked "abort", so that `_complete` resubmits it to a live engine (or
+        from scratch when nothing came out yet)."""
+        while True:
+            out = None
+            try:
+                async for out in self._stream(prompt_ids, params):
+                    pass
+                return out
+            except NoEngineError:
+                raise
+            except EngineDeadError as e:
+                partial = getattr(e, "partial", None) or out
+                self.counters["resubmitted_after_engine_death"] += 1
+                if partial is None or not any(c.token_ids for c in partial.outputs):
+                    continue
+                for c in partial.outputs:
+                    if c.finish_reason is None:
+                        c.finish_reason = "abort"
+                return partial
 
     async def _complete(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
         """Resubmit an aborted sample (prompt + its tokens so far) until it ends for real."""
@@ -140,6 +186,11 @@ class RolloutManager:
                     sample.finish_reason, sample.stop_reason = "stop", hit[1]
                     return
                 first_new = len(sample.token_ids)
+        except NoEngineError:
+            raise
+        except EngineDeadError:  # its engine died: _complete goes on from the tokens so far
+            self.counters["resubmitted_after_engine_death"] += 1
+            sample.finish_reason = "abort"
         finally:
             await stream.aclose()  # leaving early aborts the engine request
 
@@ -196,31 +247,61 @@ class RolloutManager:
         mode = mode or self.pause_mode
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.supervisor.start()
         async with self._push_lock:
             t0 = time.monotonic()
-            await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in self.engines))
+            engines = self.up_engines()
+            await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in engines))
             try:
                 if on_paused is not None:
                     await on_paused()
                 return await work()
             finally:
-                await asyncio.gather(*(e.resume_generation() for e in self.engines), return_exceptions=True)
+                await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
                 self.counters["pause_seconds"] += time.monotonic() - t0
 
     # -- health -------------------------------------------------------------------------------
     async def health(self, timeout: float = 30.0) -> dict:
-        """Each engine checked for real (see AsyncEngine.check_health): an engine that is gone,
-        answers nothing in `timeout` or reports a problem is "dead" here, with the reason."""
-        results = await asyncio.gather(*(e.check_health(timeout) for e in self.engines), return_exceptions=True)
+        """Each live engine checked for real (see AsyncEngine.check_health): one that is gone,
+        answers nothing in `timeout` or reports a problem is "dead" here, with the reason; the
+        others as the supervisor sees them ("restarting", or "dead" once out of restarts).
+        During a weight push the engines are not asked (their cores are receiving): health
+        answers at once from the supervisor's view, with `pushing` true.
+        `workers`: the engines a weight-sync group would hold now."""
+        sup = self.supervisor
+        sup.start()
+        sup.check()
+        live = sup.live()
+        pushing = self._push_lock.locked()
+        if pushing:  # the engines' cores are busy receiving weights: answer now from what is known
+            results = [{"weight_version": self.version}] * len(live)
+        else:
+            results = await asyncio.gather(*(self.engines[i].check_health(timeout) for i in live),
+                                           return_exceptions=True)
+        checked = dict(zip(live, results))
+        for i, r in checked.items():
+            if isinstance(r, EngineDeadError):  # died since: the supervisor takes it from here
+                sup.engine_died(i, str(r))
+                checked[i] = None
         states = []
-        for r in results:
+        for i in range(len(self.engines)):
+            state = {"state": sup.states[i], "version": None, "restarts": sup.restarts[i], "pid": self.engines[i].proc.pid}
+            r = checked.get(i)
             if isinstance(r, BaseException):
-                states.append({"state": "dead", "version": None, "restarts": 0, "reason": f"{type(r).__name__}: {r}"})
-            else:
-                states.append({"state": "live", "version": r["weight_version"], "restarts": 0})
-        live = sum(s["state"] == "live" for s in states)
-        return {"ok": live == len(self.engines), "version": self.version, "engines": live,
-                "workers": len(self.engines), "engine_states": states, "protocol": PROTOCOL_VERSION}
+                state.update(state="dead", reason=f"{type(r).__name__}: {r}")
+            elif r is not None:
+                state["version"] = r["weight_version"]
+            elif sup.reasons[i]:
+                state["reason"] = sup.reasons[i]
+            states.append(state)
+        serving = sum(s["state"] == "live" for s in states)
+        out = {"ok": serving == len(self.engines), "version": self.version, "engines": serving,
+               "workers": len(sup.up()), "engine_states": states, "protocol": PROTOCOL_VERSION,
+               "pushing": pushing}
+        if serving < len(self.engines):
+            out["reason"] = "; ".join(f"engine {i} {s['state']}" + (f": {s['reason']}" if s.get("reason") else "")
+                                      for i, s in enumerate(states) if s["state"] != "live")
+        return out
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -233,5 +314,6 @@ class RolloutManager:
             "queue_depth": sum(self.load),
             "requests_per_engine": list(self.requests_per_engine),
             "engines": len(self.engines),
+            "last_restart": self.supervisor.last_restart,
             "uptime_s": up,
         }

@@ -115,10 +115,14 @@ class Progress(msgspec.Struct, tag="progress"):
 
 # How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or
 # load refused before any byte moved: nothing changed, the group still usable), "failed".
-ERROR_KINDS = ("invalid", "refused", "failed")
+# "regroup": a push over a weight-sync group the sidecar's engines no longer match (an engine was
+# restarted); nothing changed, and the client forms a new group and pushes again by itself.
+ERROR_KINDS = ("invalid", "refused", "regroup", "failed")
 
 
 def error_kind(e: BaseException) -> str:
+    if getattr(e, "regroup", False):
+        return "regroup"
     if getattr(e, "refused", False):
         return "refused"
     return "invalid" if isinstance(e, (ValueError, PermissionError)) else "failed"

@@ -49,11 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rollout may start at most this many weight versions behind the newest (default: no bound)")
     p.add_argument("--max-stale-restarts", type=int, default=3,
                    help="regenerate a too-stale rollout at most this many times, then return it with stale=True")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restart an engine that dies at most this many times per --restart-window; after that it "
+                        "stays dead and health says why (0: never restart)")
+    p.add_argument("--restart-window", type=float, default=600.0, help="seconds over which --max-restarts counts")
+    p.add_argument("--host-copy", default="auto", choices=["auto", "on", "off"],
+                   help="keep the newest pushed weights in /dev/shm (one model's bytes of RAM) so that a restarted "
+                        "engine with no live sibling catches up without the trainer; auto: on when it fits in "
+                        "half the free memory")
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
     p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
+                        "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
     return p
 
 
@@ -68,16 +79,23 @@ async def run(args) -> int:
 
     devices = engine_devices(args.device, args.num_engines, args.gpus)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
+
+    def make_engine(i: int) -> AsyncEngine:  # also how the manager restarts engine i
+        cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
+                           worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
+        return AsyncEngine(cfg, log_level=args.log_level)
+
     engines = []
     try:
         for i in range(args.num_engines):
-            cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
-                               gpu_memory_utilization=args.gpu_memory_utilization,
-                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
-                               worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
-            engines.append(AsyncEngine(cfg, log_level=args.log_level))
+            engines.append(make_engine(i))
         manager = RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
-                                 max_stale_restarts=args.max_stale_restarts)
+                                 max_stale_restarts=args.max_stale_restarts,
+                                 engine_factory=make_engine if args.max_restarts > 0 else None,
+                                 max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                                 host_copy=host_copy_wanted(args.host_copy, model))
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
     except BaseException:
         for e in engines:
@@ -87,24 +105,66 @@ async def run(args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.parent_pid is not None:
+        asyncio.ensure_future(_stop_when_parent_exits(args.parent_pid, stop))
     stats = StatsLogger(manager, args.stats_interval, args.wandb_project)
     stats.start()
     print(f"READY {server.address}", flush=True)  # a line scripts can wait for
     try:
         await server.serve(stop)
         log.info("shutting down: aborting in-flight rollouts")
-        await asyncio.gather(*(e.pause_generation(mode="abort") for e in engines if not e.errored),
-                             return_exceptions=True)
-        await server.drain()
-        await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=5) for e in engines
-                               if not e.errored), return_exceptions=True)
+        await manager.supervisor.close()  # no restart from now on
+        try:  # bounded: engines stuck in a stalled push cannot answer, and are then simply stopped
+            await asyncio.wait_for(_wind_down(manager, server), SHUTDOWN_GRACE_S)
+        except asyncio.TimeoutError:
+            log.warning("engines did not wind down in %.0f s (a stalled push?): stopping them", SHUTDOWN_GRACE_S)
+            for e in manager.engines:
+                e.shutdown(timeout=1.0)  # their waiters fail now, so the calls in flight can be answered
+            await server.drain()
     finally:
         stats.stop()
         server.close()
-        for e in engines:
-            e.shutdown()
+        await manager.supervisor.close()
+        for e in manager.engines:
+            e.shutdown(timeout=2.0)
     log.info("sidecar stopped")
     return 0
+
+
+SHUTDOWN_GRACE_S = 3.0
+
+
+async def _wind_down(manager, server) -> None:
+    """Abort in-flight rollouts (their callers hear the sidecar is going), answer the calls in
+    flight, and leave the weight-sync group."""
+    engines = [e for e in manager.engines if not e.errored]
+    await asyncio.gather(*(e.pause_generation(mode="abort") for e in engines), return_exceptions=True)
+    await server.drain()
+    await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=2) for e in engines), return_exceptions=True)
+
+
+async def _stop_when_parent_exits(parent_pid: int, stop: asyncio.Event) -> None:
+    import os
+
+    while os.getppid() == parent_pid:  # reparented once the parent is gone
+        await asyncio.sleep(0.5)
+    log.warning("parent process %d exited: shutting down", parent_pid)
+    stop.set()
+
+
+def host_copy_wanted(choice: str, model_dir: str) -> bool:
+    """--host-copy auto: on when the model's weights fit in half the memory free now."""
+    if choice != "auto":
+        return choice == "on"
+    import os
+    from pathlib import Path
+
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return False
+    return weights * 2 < free
 
 
 def main(argv: list[str] | None = None) -> None:

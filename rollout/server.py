@@ -144,14 +144,14 @@ class RolloutServer:
         return True
 
     async def _on_checksum(self, identity: bytes, call: P.Checksum) -> list[str]:
-        return await engines_checksums(self.manager.engines, timeout=120)
+        return await engines_checksums(self.manager.serving_engines(), timeout=120)
 
     async def _on_sleep(self, identity: bytes, call: P.Sleep) -> bool:
-        await asyncio.gather(*(e.sleep(call.level) for e in self.manager.engines))
+        await asyncio.gather(*(e.sleep(call.level) for e in self.manager.up_engines()))
         return True
 
     async def _on_wake_up(self, identity: bytes, call: P.WakeUp) -> bool:
-        await asyncio.gather(*(e.wake_up() for e in self.manager.engines))
+        await asyncio.gather(*(e.wake_up() for e in self.manager.up_engines()))
         return True
 
     async def _on_stats(self, identity: bytes, call: P.Stats) -> dict:

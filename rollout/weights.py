@@ -23,6 +23,13 @@ class WeightSyncRefused(RuntimeError):
     refused = True
 
 
+class WeightSyncRegroup(WeightSyncRefused):
+    """A push over a group that no longer holds the sidecar's engines (one was restarted since
+    the group formed): nothing changed; the client forms a new group and pushes again."""
+
+    regroup = True
+
+
 def trainer_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
     """Whether the trainer that owns the group still listens on its rendezvous port (rank 0 hosts
     the group's store there for the group's life): a dead trainer's port refuses at once."""
@@ -47,12 +54,13 @@ class SidecarWeights:
     def __init__(self, manager):
         self.manager = manager
         self.owner: dict | None = None  # the group's host, port and name, while a trainer owns it
+        self.members: list[int] = []  # id() of each engine in that group, in rank order
 
     async def init(self, host: str, port: int, world_size: int, rank_offset: int, group_name: str,
                    timeout_s: float, secret: str, take_over: bool = False) -> dict:
         info = {"host": host, "port": port, "world_size": world_size, "group_name": group_name,
                 "timeout_s": timeout_s, "secret": secret}
-        engines = self.manager.engines
+        engines = self.manager.up_engines()
         if self.owner is not None and self.owner["group_name"] != group_name:
             old = self.owner
             alive = (await self.owner_status())["alive"]
@@ -64,6 +72,7 @@ class SidecarWeights:
             await close_weight_sync(engines)
         await join_engines(engines, info, rank_offset, timeout=timeout_s + 30)
         self.owner = {"host": host, "port": port, "group_name": group_name}
+        self.members = [id(e) for e in engines]
         log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,
                  rank_offset + len(engines) - 1, world_size)
         return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
@@ -77,25 +86,35 @@ class SidecarWeights:
             raise WeightSyncRefused(f"push over group {group_name}, which does not own this sidecar's weight sync "
                                     f"(now {self.owner and self.owner['group_name']}): another trainer took over")
         self._check_version(manifest.version)
+        engines = m.up_engines()
+        if not shared and [id(e) for e in engines] != self.members:
+            raise WeightSyncRegroup(f"this sidecar's engines changed since group {group_name} formed (an engine was "
+                                    "restarted): init_weight_sync again (RolloutClient does so by itself)")
         t0 = time.monotonic()
 
         async def receive() -> list:
             if not shared:
-                return await receive_on_engines(m.engines, manifest, timeout_s, group_name)
+                return await receive_on_engines(engines, manifest, timeout_s, group_name)
             calls = [e.collective_rpc("receive_weights_shared", timeout=timeout_s, args=(manifest_wire, shared))
-                     for e in m.engines]
+                     for e in engines]
             return await asyncio.gather(*calls, return_exceptions=True)
 
         async def work():
             t1 = time.monotonic()
-            results = await receive()
+            watchdog = None if shared or self.owner is None else asyncio.ensure_future(self._watch_trainer(engines))
+            try:
+                results = await receive()
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             transfer = time.monotonic() - t1
             try:
-                out = await commit_results(m.engines, results, manifest.version, "push")
+                out = await commit_results(engines, results, manifest.version, "push")
             except Exception:
                 m.counters["failed_pushes"] += 1
                 raise
             m.version = manifest.version
+            m.supervisor.committed(manifest.version)
             m.counters["transfer_seconds"] += transfer
             return {**out, "transfer_seconds": transfer}
 
@@ -104,6 +123,24 @@ class SidecarWeights:
         m.counters["push_seconds"] += time.monotonic() - t0
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
+
+    async def _watch_trainer(self, engines: list, period_s: float = 0.5, misses: int = 2) -> None:
+        """During a push over the group: a trainer that dies leaves the workers blocked in its
+        transfer until the group's timeout (a minute on a real model). Its rendezvous port
+        refusing twice in a row says it is gone; the engines stuck in the transfer are then
+        stopped, and the supervisor restarts them with the last committed weights (from the host
+        copy), so the push fails with nothing committed within a couple of seconds. A trainer
+        that hangs instead keeps its port open: the group's timeout bounds that case."""
+        owner, missed = dict(self.owner), 0
+        while missed < misses:
+            await asyncio.sleep(period_s)
+            alive = await asyncio.to_thread(trainer_reachable, owner["host"], owner["port"], period_s)
+            missed = 0 if alive else missed + 1
+        log.error("the trainer of group %s is gone mid-push: stopping the engines stuck in its transfer",
+                  owner["group_name"])
+        for e in engines:
+            if e.proc.poll() is None:
+                e.proc.kill()
 
     async def owner_status(self) -> dict | None:
         """The group that owns weight sync and whether its trainer still listens (None: no owner)."""
@@ -124,8 +161,9 @@ class SidecarWeights:
         self._check_version(version)
 
         async def work():
-            out = await load_on_engines(m.engines, path, version)
+            out = await load_on_engines(m.up_engines(), path, version)
             m.version = version
+            m.supervisor.committed(version)
             return out
 
         out = await m.run_paused(pause_mode, work)
@@ -135,4 +173,5 @@ class SidecarWeights:
 
     async def close(self) -> None:
         self.owner = None
-        await close_weight_sync(self.manager.engines)
+        self.members = []
+        await close_weight_sync(self.manager.up_engines())

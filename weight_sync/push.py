@@ -47,9 +47,13 @@ class PushOutcome:
     @property
     def refused(self) -> bool:
         """Every receiver refused the push before touching its engines: nothing changed anywhere."""
-        return bool(self.results) and all(
-            isinstance(r, BaseException) and (getattr(r, "refused", False) or getattr(r, "kind", "") == "refused")
-            for r in self.results)
+        return bool(self.results) and all(isinstance(r, BaseException) and _is_refusal(r) for r in self.results)
+
+    @property
+    def regroup(self) -> bool:
+        """Refused, and some receiver asked for a new group (its engines changed since this one formed)."""
+        return self.refused and any(getattr(r, "regroup", False) or getattr(r, "kind", "") == "regroup"
+                                    for r in self.results)
 
     @property
     def errors(self) -> list[str]:
@@ -107,9 +111,14 @@ async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Delive
     return PushOutcome(trainer, names, list(await asyncio.gather(*receivers, return_exceptions=True)))
 
 
+def _is_refusal(e: BaseException) -> bool:
+    """Refused before any engine was touched (the receiver's own error, or a sidecar's reply kind)."""
+    return getattr(e, "refused", False) or getattr(e, "kind", "") in ("refused", "regroup")
+
+
 def _refused(task: asyncio.Future) -> bool:
     e = None if task.cancelled() else task.exception()
-    return e is not None and (getattr(e, "refused", False) or getattr(e, "kind", "") == "refused")
+    return e is not None and _is_refusal(e)
 
 
 class _Gate:

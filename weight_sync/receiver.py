@@ -240,6 +240,16 @@ class WeightSyncExtension:
         self._ws_commit(m, staging)
         return self._ws_done(m, t0, t0, t1, "safetensors", 0)
 
+    def save_weights(self, path: str, version: int) -> dict:
+        """Write this worker's weights as a push directory (`weight_sync.files`) that another
+        engine can `load_weights_from_path`: how a restarted engine catches up from a sibling or
+        from the sidecar's host copy without the trainer."""
+        from weight_sync.files import write_safetensors
+
+        t0 = time.perf_counter()
+        m = write_safetensors(self.model, path, version)
+        return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+
     def _ws_shared_source(self, handle: dict, open_weights) -> torch.Tensor:
         """The trainer's shared buffer, mapped once and kept while the handle stays the same (a
         training run pushes from one buffer): mapping it afresh costs a page fault per page."""

@@ -13,6 +13,7 @@ import pytest
 
 from engine import SamplingParams
 from rollout import RolloutClient
+from tests.procs import descendants
 from tests.rollout.sidecar import TOKEN, Sidecar
 
 pytestmark = pytest.mark.timeout(180)
@@ -81,3 +82,37 @@ def test_a_client_dropped_without_close_never_blocks(qwen2_dir, drop, code):
         assert ("collected in" in proc.stdout) == (code == 0)
     finally:
         sidecar.stop()
+
+
+def test_a_killed_trainer_takes_its_own_sidecar_with_it(qwen2_dir, tmp_path):
+    """A trainer that started its sidecar with LocalSidecar and is then killed (SIGTERM from a
+    scheduler, SIGKILL from the OOM killer) leaves no sidecar or engine behind."""
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, time\n"
+        "from rollout.launcher import LocalSidecar\n"
+        f"s = LocalSidecar({qwen2_dir!r}, '--log-level', 'WARNING', '--stats-interval', '0')\n"
+        "print('UP', s.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": os.getcwd()})
+        line = trainer.stdout.readline()
+        assert line.startswith("UP"), line
+        sidecar_pid = int(line.split()[1])
+        family = [sidecar_pid, *descendants(sidecar_pid)]
+        assert len(family) >= 2  # the sidecar and its engine core
+        trainer.send_signal(sig)
+        trainer.wait(10)
+        deadline = time.monotonic() + 60  # a bound for a loaded machine; idle, it is about a second
+        while alive := [p for p in family if _running(p)]:
+            assert time.monotonic() < deadline, f"{alive} outlived their trainer ({sig.name})"
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

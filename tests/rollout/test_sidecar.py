@@ -204,9 +204,9 @@ TRAINER = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
 from rollout import RolloutClient
-url, token, model = sys.argv[1:4]
+url, token, model, timeout = sys.argv[1:5]
 client = RolloutClient(url, token=token)
-client.init_weight_sync(timeout_s=5.0, bucket_bytes=256 * 1024, take_over=True)  # the test's client owns it
+client.init_weight_sync(timeout_s=float(timeout), bucket_bytes=256 * 1024, take_over=True)  # the test's client owns it
 m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 with torch.no_grad():
     for p in m.parameters():
@@ -222,16 +222,20 @@ client.push_weights(m, version=999, progress=stall)
 def test_trainer_killed_mid_push_sidecar_recovers(sidecar, client, trainer, qwen2_dir):
     before = _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids
     version = client.stats()["version"]
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER, sidecar.url, TOKEN, qwen2_dir], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, sidecar.url, TOKEN, qwen2_dir, "120"],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     line = proc.stdout.readline()
     assert json.loads(line) == {"stalled": 3}
+    t0 = time.monotonic()
+    health = client.health()  # answered at once mid-push, not after the group's timeout
+    assert time.monotonic() - t0 < 2 and health["pushing"] and health["engines"] == 1
     proc.kill()
     proc.wait()
     t0 = time.monotonic()
-    # the sidecar's workers time out (5 s group timeout), keep the old weights and serve again
+    # not the group's timeout (120 s): the sidecar sees the trainer's port close, stops the engines
+    # stuck in the transfer and restarts them with the old weights, which serve again
     assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 30  # about 1 s to notice + an engine start (~4 s idle)
     assert client.stats()["version"] == version
     # the client forms a new group (its owner, the killed trainer, is gone: no take_over needed)
     client.init_weight_sync()
@@ -284,6 +288,28 @@ def test_sigterm_under_load_exits_cleanly(qwen2_dir):
     assert err and "shutting down" in err
     loop.run_until_complete(client.close())
     loop.close()
+    time.sleep(0.5)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"]
+
+
+def test_sigterm_during_a_stalled_push_exits_within_10_s(qwen2_dir):
+    """A trainer frozen mid-push (alive, its port open: the sidecar cannot tell it from a slow
+    one) holds the engines in the transfer; SIGTERM still stops the sidecar in seconds, with
+    nothing committed, instead of waiting out the group's timeout."""
+    s = Sidecar(qwen2_dir)
+    kids = descendants(s.proc.pid)
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, s.url, TOKEN, qwen2_dir, "120"], stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert json.loads(trainer.stdout.readline()) == {"stalled": 3}
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        trainer.kill()
+        trainer.wait()
+        s.stop()
     time.sleep(0.5)
     assert not [k for k in kids if os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"]
 

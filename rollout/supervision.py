@@ -1,0 +1,242 @@
+"""Engine supervision: the rollout manager's engines kept serving through engine deaths.
+
+An engine whose core dies (killed, OOM, a failed forward: engine/async_engine.py) leaves the
+rotation at once; its requests are resubmitted by the manager. The supervisor restarts it with
+backoff, at most `max_restarts` times in `restart_window_s` (after that the engine stays "dead"
+and the sidecar's health says why), and lets it back into the rotation only once it holds the
+newest committed weights and version:
+
+1. from a live sibling engine, which writes its weights to /dev/shm for the new one to load;
+2. else from the host copy: after each committed push one engine writes the weights to
+   /dev/shm (one model's bytes of RAM; `host_copy=False` saves them, at the price of case 3);
+3. else it waits, out of the rotation, for the trainer's next push (the client re-forms the
+   weight-sync group by itself, see rollout/weights.py).
+
+States per engine (health's `engine_states`): "live" (serving), "restarting" (being restarted
+or catching up), "dead" (restart budget spent, or nothing to restart it with).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+
+from engine import AsyncEngine
+from engine.errors import EngineDeadError
+from weight_sync.engine_sync import load_on_engines
+
+log = logging.getLogger(__name__)
+
+LIVE, RESTARTING, DEAD = "live", "restarting", "dead"
+
+
+class NoEngineError(EngineDeadError):
+    """No engine can serve, and none is being restarted."""
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+class EngineSupervisor:
+    def __init__(self, engines: list[AsyncEngine], factory: Callable[[int], AsyncEngine] | None = None,
+                 max_restarts: int = 3, restart_window_s: float = 600.0, backoff_s: float = 0.5,
+                 host_copy: bool = True):
+        self.engines = engines
+        self.factory = factory
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.backoff_s = backoff_s
+        self.host_copy = host_copy and factory is not None
+        n = len(engines)
+        self.states = [LIVE] * n
+        self.reasons = [""] * n
+        self.restarts = [0] * n
+        self.stale = [False] * n  # up, but waiting for the trainer's next push (no weights to catch up from)
+        self._attempts: list[list[float]] = [[] for _ in range(n)]  # restart times, for the budget
+        self._changed = asyncio.Event()  # set whenever an engine's state changes
+        self._tasks: set[asyncio.Task] = set()
+        self._watch: asyncio.Task | None = None
+        self._host_dir: str | None = None  # the newest committed weights, as a push directory
+        self._host_task: asyncio.Task | None = None
+        self.weights_pushed = False  # the engines hold other weights than their checkpoint
+        self.last_restart: dict | None = None  # what the last restart cost, stage by stage (stats)
+        self.lock: asyncio.Lock | None = None  # the manager's push lock: no push while an engine catches up
+        self.version_of: Callable[[], int] = lambda: 0
+        self.on_restart: Callable[[int], None] = lambda i: None
+        self.on_death: Callable[[int], None] = lambda i: None
+        self.closed = False
+
+    # -- which engines ------------------------------------------------------------------------
+    def live(self) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s == LIVE and not self.engines[i].errored]
+
+    def up(self) -> list[int]:
+        """Engines that take part in weight sync: live ones and restarted ones waiting for a push."""
+        return [i for i, s in enumerate(self.states)
+                if not self.engines[i].errored and (s == LIVE or (s == RESTARTING and self.stale[i]))]
+
+    async def wait_live(self) -> list[int]:
+        """The live engines, waiting while none is but one is being restarted; raises
+        EngineDeadError when no engine can serve any more."""
+        while True:
+            self.check()
+            live = self.live()
+            if live:
+                return live
+            if RESTARTING not in self.states:
+                raise NoEngineError("no engine can serve: " + "; ".join(
+                    f"engine {i}: {r or 'dead'}" for i, r in enumerate(self.reasons)))
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- death and restart --------------------------------------------------------------------
+    def start(self) -> None:
+        """Watch the engines (a core that dies while idle is noticed within 0.2 s)."""
+        if self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_engines())
+
+    async def _watch_engines(self) -> None:
+        while True:
+            self.check()
+            await asyncio.sleep(0.2)
+
+    def check(self) -> None:
+        for i, e in enumerate(self.engines):
+            if self.states[i] == LIVE and e.errored:
+                self.engine_died(i, e.dead_reason or "engine core process died")
+
+    def engine_died(self, i: int, reason: str) -> None:
+        if self.states[i] != LIVE or self.closed:  # (closed: the sidecar is shutting its engines down)
+            return
+        log.error("engine %d died: %s", i, reason)
+        self.on_death(i)
+        self.reasons[i] = reason
+        self._set(i, RESTARTING)
+        self._spawn(self._restart(i))
+
+    def _within_budget(self, i: int) -> bool:
+        now = time.monotonic()
+        self._attempts[i] = [t for t in self._attempts[i] if now - t < self.restart_window_s]
+        return len(self._attempts[i]) < self.max_restarts
+
+    async def _restart(self, i: int) -> None:
+        old = self.engines[i]
+        await asyncio.to_thread(old.shutdown, 1.0)
+        while True:
+            if self.factory is None or not self._within_budget(i):
+                why = ("no way to restart it" if self.factory is None else
+                       f"restart budget spent ({self.max_restarts} restarts in {self.restart_window_s:.0f} s)")
+                self.reasons[i] = f"{self.reasons[i]}; {why}"
+                log.error("engine %d stays dead: %s", i, why)
+                self._set(i, DEAD)
+                return
+            await asyncio.sleep(self.backoff_s * 2 ** len(self._attempts[i]))
+            self._attempts[i].append(time.monotonic())
+            t0 = time.monotonic()
+            new = None
+            try:
+                new = await asyncio.to_thread(self.factory, i)
+                t_started = time.monotonic()
+                async with self.lock:  # no push commits while the new engine catches up
+                    t_locked = time.monotonic()
+                    source = await self._catch_up(i, new)
+                    caught_up = source is not None
+                    self.last_restart = {"engine": i, "start_s": t_started - t0, "lock_wait_s": t_locked - t_started,
+                                         "catch_up_s": time.monotonic() - t_locked, "source": source or "next push"}
+                    self.engines[i] = new
+                    self.restarts[i] += 1
+                    self.stale[i] = not caught_up
+                    self.on_restart(i)
+                    if caught_up:
+                        self.reasons[i] = ""
+                        self._set(i, LIVE)
+                log.warning("engine %d restarted in %.1f s%s", i, time.monotonic() - t0,
+                            "" if caught_up else "; it serves after the trainer's next push")
+                return
+            except Exception as e:  # noqa: BLE001 - a failed restart is retried within the budget
+                log.error("restart of engine %d failed: %s", i, e)
+                self.reasons[i] = f"restart failed: {e}"
+                if new is not None:
+                    await asyncio.to_thread(new.shutdown, 1.0)
+
+    async def _catch_up(self, i: int, new: AsyncEngine) -> str | None:
+        """Give `new` the newest committed weights and version; returns where they came from,
+        None when there is nothing to take them from (it then waits for the trainer's next push)."""
+        version = self.version_of()
+        if not self.weights_pushed:  # the checkpoint it loaded is what the others serve
+            await new.set_weight_version(version)
+            return "checkpoint"
+        sibling = next((j for j in self.live() if j != i), None)
+        if sibling is not None:
+            path = tempfile.mkdtemp(prefix="rollout-catch-up-", dir=SHM_DIR)
+            try:
+                await self.engines[sibling].collective_rpc("save_weights", args=(path, version))
+                await load_on_engines([new], path, version)
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+            log.info("engine %d caught up from engine %d (version %d)", i, sibling, version)
+            return f"engine {sibling}"
+        if self._host_task is not None:
+            await asyncio.gather(self._host_task, return_exceptions=True)
+        if self._host_dir is not None:
+            await load_on_engines([new], self._host_dir, version)
+            log.info("engine %d caught up from the host copy (version %d)", i, version)
+            return "host copy"
+        return None
+
+    # -- after each push ----------------------------------------------------------------------
+    def committed(self, version: int) -> None:
+        """A push or load committed on every engine that is up: stale engines are current now,
+        and the host copy is refreshed in the background (the push does not wait for it)."""
+        self.weights_pushed = True
+        for i in self.up():
+            if self.stale[i]:
+                self.stale[i] = False
+                self.reasons[i] = ""
+                self._set(i, LIVE)
+        if self.host_copy:
+            self._host_task = self._spawn(self._refresh_host_copy(version, self._host_task))
+
+    async def _refresh_host_copy(self, version: int, previous: asyncio.Task | None) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        live = self.live()
+        if not live or version != self.version_of():
+            return
+        path = tempfile.mkdtemp(prefix="rollout-host-copy-", dir=SHM_DIR)
+        try:
+            out = await self.engines[live[0]].collective_rpc("save_weights", args=(path, version))
+        except Exception as e:  # noqa: BLE001 - no copy: a restart then waits for the next push
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("host copy of version %d failed: %s", version, e)
+            return
+        old, self._host_dir = self._host_dir, path
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        log.debug("host copy of version %d: %s", version, out[0])
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _set(self, i: int, state: str) -> None:
+        self.states[i] = state
+        self._changed.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        self.closed = True
+        for t in [self._watch, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*[t for t in [self._watch, *self._tasks] if t is not None], return_exceptions=True)
+        if self._host_dir:
+            shutil.rmtree(self._host_dir, ignore_errors=True)

@@ -1,0 +1,144 @@
+"""Engines that heal: a real sidecar whose engine cores are SIGKILLed under load. Every rollout
+comes back whole, the engine is restarted and catches up (from its sibling, or from the host
+copy when it is alone), the next push reaches it with no init_weight_sync by the user, and a
+spent restart budget leaves the sidecar unhealthy with the reason."""
+
+import concurrent.futures
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from rollout import RolloutClient, SidecarError
+from tests.engine.helpers import hf_greedy, random_prompts
+from tests.procs import descendants
+from tests.rollout.sidecar import TOKEN, Sidecar
+from weight_sync import weights_checksum
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cores(sidecar) -> list[int]:
+    return sorted(p for p in descendants(sidecar.proc.pid)
+                  if b"engine.core_proc" in open(f"/proc/{p}/cmdline", "rb").read())
+
+
+def _perturbed(model, seed):
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def _wait_healthy(client, timeout=90.0) -> tuple[dict, float]:
+    t0 = time.monotonic()
+    while not (health := client.health())["ok"]:
+        assert time.monotonic() - t0 < timeout, f"not healthy {timeout} s after the kill: {health}"
+        time.sleep(0.1)
+    return health, time.monotonic() - t0
+
+
+def _kill_when_generating(client, sidecar, victim: int) -> None:
+    """SIGKILL core `victim` once both engines are decoding (tokens are coming out)."""
+    before = client.stats()["generated_tokens"]
+    deadline = time.monotonic() + 60
+    while client.stats()["queue_depth"] == 0:
+        assert time.monotonic() < deadline, "the load never started"
+        time.sleep(0.02)
+    time.sleep(0.5)  # decoding is under way on both engines
+    assert client.stats()["generated_tokens"] == before  # no group finished yet: the kill hits work in flight
+    os.kill(_cores(sidecar)[victim], signal.SIGKILL)
+
+
+def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, hf_models):
+    sidecar = Sidecar(qwen2_dir, "--num-engines", "2")
+    client = RolloutClient(sidecar.url, token=TOKEN)
+    loader = RolloutClient(sidecar.url, token=TOKEN)
+    try:
+        trainer = _perturbed(hf_models["qwen2"], 1)
+        client.init_weight_sync()
+        client.push_weights(trainer, version=1)
+        want = weights_checksum(trainer.named_parameters())
+        prompts = random_prompts(32, 5, 20, 2000, seed=7)
+        params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(loader.generate, prompts, params)
+            _kill_when_generating(client, sidecar, victim=1)
+            groups = pending.result(timeout=240)
+        # every rollout whole, greedy as HF on the pushed weights, however its pieces were generated
+        for p, g in zip(prompts, groups):
+            assert len(g) == 2
+            ref = hf_greedy(trainer, p, 40, ignore_eos=True)
+            for r in g:
+                assert r.finish_reason == "length" and r.token_ids == ref and r.weight_versions == [1] * 40
+        stats = client.stats()
+        assert stats["engine_deaths"] == 1 and stats["resubmitted_after_engine_death"] >= 1
+        health, _ = _wait_healthy(client)
+        assert [s["restarts"] for s in health["engine_states"]] == [0, 1]
+        assert [s["version"] for s in health["engine_states"]] == [1, 1]
+        assert client.stats()["engine_restarts"] == 1
+        assert client.weights_checksums() == [want, want]  # caught up from its sibling
+        # the next push reaches both engines: the client forms a new group by itself
+        trainer2 = _perturbed(trainer, 2)
+        client.push_weights(trainer2, version=2)
+        want2 = weights_checksum(trainer2.named_parameters())
+        assert client.weights_checksums() == [want2, want2]
+        out = client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [g[0].token_ids for g in out] == [hf_greedy(trainer2, p, 8, ignore_eos=True) for p in prompts[:4]]
+    finally:
+        loader.close()
+        client.close()
+        sidecar.stop()
+
+
+def test_a_lone_engine_comes_back_from_the_host_copy(qwen2_dir, hf_models):
+    sidecar = Sidecar(qwen2_dir, "--num-engines", "1", "--host-copy", "on")
+    client = RolloutClient(sidecar.url, token=TOKEN)
+    try:
+        trainer = _perturbed(hf_models["qwen2"], 3)
+        client.init_weight_sync()
+        client.push_weights(trainer, version=5)
+        want = weights_checksum(trainer.named_parameters())
+        time.sleep(0.5)  # the host copy is written in the background after the push
+        [core] = _cores(sidecar)
+        os.kill(core, signal.SIGKILL)
+        prompt = [11, 12, 13]
+        # a generate during the restart waits for the engine, then answers from the pushed weights
+        [[r]] = client.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert r.token_ids == hf_greedy(trainer, prompt, 6, ignore_eos=True) and r.weight_versions == [5] * 6
+        health, _ = _wait_healthy(client)
+        assert health["engine_states"][0]["restarts"] == 1 and _cores(sidecar) != [core]
+        assert client.weights_checksums() == [want]
+        trainer2 = _perturbed(trainer, 4)
+        client.push_weights(trainer2, version=6)
+        assert client.weights_checksums() == [weights_checksum(trainer2.named_parameters())]
+    finally:
+        client.close()
+        sidecar.stop()
+
+
+def test_a_spent_restart_budget_leaves_the_sidecar_unhealthy_with_the_reason(qwen2_dir):
+    sidecar = Sidecar(qwen2_dir, "--num-engines", "1", "--max-restarts", "1")
+    client = RolloutClient(sidecar.url, token=TOKEN, timeout_s=60)
+    try:
+        os.kill(_cores(sidecar)[0], signal.SIGKILL)
+        _wait_healthy(client)
+        os.kill(_cores(sidecar)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := client.health())["engine_states"][0]["state"] != "dead":
+            assert time.monotonic() < deadline, health
+            time.sleep(0.1)
+        assert not health["ok"] and health["engines"] == 0 and "restart budget spent" in health["reason"]
+        t0 = time.monotonic()
+        with pytest.raises(SidecarError, match="no engine can serve"):
+            client.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.close()
+        sidecar.stop()
