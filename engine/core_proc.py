@@ -233,15 +233,44 @@ class EngineCoreProc:
 _DEFERRED = object()
 
 
+def _warm_up(model_dir: str) -> None:
+    """What a standby core does before it is needed: import the model's modelling code (most of
+    an engine's start on CPU is importing torch and transformers, not loading the weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine import attention
+
+    attention.register()
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]  # imports the model class
+
+
+def _read_standby_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """A standby waits, warmed up, for one line on stdin: the arguments of the engine it becomes
+    (as JSON). EOF (its AsyncEngine side went away) ends it."""
+    try:
+        _warm_up(args.standby)
+    except Exception as e:  # noqa: BLE001 - a standby that cannot warm up still serves, just slower
+        log.warning("standby core could not warm up: %s", e)
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    return p.parse_args(json.loads(line))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Engine-core process (started by AsyncEngine; not for direct use).")
-    p.add_argument("--config-json", required=True, help="EngineConfig as JSON")
-    p.add_argument("--input-addr", required=True)
-    p.add_argument("--output-addr", required=True)
-    p.add_argument("--identity", required=True)
+    p.add_argument("--config-json", help="EngineConfig as JSON")
+    p.add_argument("--input-addr")
+    p.add_argument("--output-addr")
+    p.add_argument("--identity")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--standby", metavar="MODEL_DIR", default=None,
+                   help="start warm (imports done for this model) and wait for the other arguments on stdin")
     args = p.parse_args(argv)
+    if args.standby:
+        _die_with_parent(args.parent_pid)
+        args = _read_standby_args(p, args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -57,10 +57,11 @@ class _Sample:
 class RolloutManager:
     def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep",
                  max_stale_restarts: int = 3, engine_factory=None, max_restarts: int = 3,
-                 restart_window_s: float = 600.0, host_copy: bool = True):
-        """`engine_factory(i)` builds engine i afresh: with it, an engine that dies is restarted
-        (at most `max_restarts` times in `restart_window_s`); `host_copy` keeps the newest
-        committed weights in /dev/shm so that a lone engine catches up without the trainer."""
+                 restart_window_s: float = 600.0, host_copy: bool = True, spawn_standby=None):
+        """`engine_factory(i, standby)` builds engine i afresh: with it, an engine that dies is
+        restarted (at most `max_restarts` times in `restart_window_s`), from a warm standby core
+        when `spawn_standby` is given; `host_copy` keeps the newest committed weights in /dev/shm
+        so that a lone engine catches up without the trainer."""
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if pause_mode not in PAUSE_MODES:
@@ -89,7 +90,7 @@ class RolloutManager:
             "resubmitted_after_engine_death": 0,
         }
         self.supervisor = EngineSupervisor(engines, engine_factory, max_restarts, restart_window_s,
-                                           host_copy=host_copy)
+                                           host_copy=host_copy, spawn_standby=spawn_standby)
         self.supervisor.lock = self._push_lock
         self.supervisor.version_of = lambda: self.version
         self.supervisor.on_restart = lambda i: self._count("engine_restarts")

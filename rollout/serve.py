@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the newest pushed weights in /dev/shm (one model's bytes of RAM) so that a restarted "
                         "engine with no live sibling catches up without the trainer; auto: on when it fits in "
                         "half the free memory")
+    p.add_argument("--warm-standby", default="on", choices=["on", "off"],
+                   help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
+                        "so that a dead engine restarts in the time its weights take to load")
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args) -> int:
     from engine import AsyncEngine, EngineConfig
+    from engine.async_engine import spawn_standby
     from engine.model_names import resolve_model_arg
     from rollout.manager import RolloutManager
     from rollout.server import RolloutServer
@@ -80,12 +84,12 @@ async def run(args) -> int:
     devices = engine_devices(args.device, args.num_engines, args.gpus)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
 
-    def make_engine(i: int) -> AsyncEngine:  # also how the manager restarts engine i
+    def make_engine(i: int, standby=None) -> AsyncEngine:  # also how the manager restarts engine i
         cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
                            worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
-        return AsyncEngine(cfg, log_level=args.log_level)
+        return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
 
     engines = []
     try:
@@ -95,7 +99,9 @@ async def run(args) -> int:
                                  max_stale_restarts=args.max_stale_restarts,
                                  engine_factory=make_engine if args.max_restarts > 0 else None,
                                  max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                                 host_copy=host_copy_wanted(args.host_copy, model))
+                                 host_copy=host_copy_wanted(args.host_copy, model),
+                                 spawn_standby=(lambda: spawn_standby(model, args.log_level)) if args.warm_standby == "on"
+                                 else None)
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
     except BaseException:
         for e in engines:

@@ -6,9 +6,9 @@ backoff, at most `max_restarts` times in `restart_window_s` (after that the engi
 and the sidecar's health says why), and lets it back into the rotation only once it holds the
 newest committed weights and version:
 
-1. from a live sibling engine, which writes its weights to /dev/shm for the new one to load;
-2. else from the host copy: after each committed push one engine writes the weights to
-   /dev/shm (one model's bytes of RAM; `host_copy=False` saves them, at the price of case 3);
+1. from the host copy: after each committed push one engine writes the weights to /dev/shm in
+   the background (one model's bytes of RAM; `host_copy=False` saves them);
+2. else from a live sibling engine, which writes its weights to /dev/shm for the new one then;
 3. else it waits, out of the rotation, for the trainer's next push (the client re-forms the
    weight-sync group by itself, see rollout/weights.py).
 
@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,9 +42,11 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class EngineSupervisor:
-    def __init__(self, engines: list[AsyncEngine], factory: Callable[[int], AsyncEngine] | None = None,
+    def __init__(self, engines: list[AsyncEngine], factory: Callable[..., AsyncEngine] | None = None,
                  max_restarts: int = 3, restart_window_s: float = 600.0, backoff_s: float = 0.5,
-                 host_copy: bool = True):
+                 host_copy: bool = True, spawn_standby: Callable[[], subprocess.Popen] | None = None):
+        """`factory(i, standby)` builds engine i afresh, from `standby` (a warm core process from
+        `spawn_standby`, kept ready while the engines serve) when given one."""
         self.engines = engines
         self.factory = factory
         self.max_restarts = max_restarts
@@ -61,6 +64,7 @@ class EngineSupervisor:
         self._watch: asyncio.Task | None = None
         self._host_dir: str | None = None  # the newest committed weights, as a push directory
         self._host_task: asyncio.Task | None = None
+        self._host_version: int | None = None
         self.weights_pushed = False  # the engines hold other weights than their checkpoint
         self.last_restart: dict | None = None  # what the last restart cost, stage by stage (stats)
         self.lock: asyncio.Lock | None = None  # the manager's push lock: no push while an engine catches up
@@ -68,6 +72,8 @@ class EngineSupervisor:
         self.on_restart: Callable[[int], None] = lambda i: None
         self.on_death: Callable[[int], None] = lambda i: None
         self.closed = False
+        self.spawn_standby = spawn_standby if factory is not None else None
+        self._standby: subprocess.Popen | None = None
 
     # -- which engines ------------------------------------------------------------------------
     def live(self) -> list[int]:
@@ -97,9 +103,19 @@ class EngineSupervisor:
 
     # -- death and restart --------------------------------------------------------------------
     def start(self) -> None:
-        """Watch the engines (a core that dies while idle is noticed within 0.2 s)."""
+        """Watch the engines (a core that dies while idle is noticed within 0.2 s), and keep a
+        warm standby core ready for the next restart."""
         if self._watch is None:
             self._watch = asyncio.ensure_future(self._watch_engines())
+            self._refill_standby()
+
+    def _refill_standby(self) -> None:
+        if self.spawn_standby is not None and not self.closed and (self._standby is None or self._standby.poll() is not None):
+            self._standby = self.spawn_standby()
+
+    def _take_standby(self) -> subprocess.Popen | None:
+        standby, self._standby = self._standby, None
+        return standby if standby is not None and standby.poll() is None else None
 
     async def _watch_engines(self) -> None:
         while True:
@@ -141,7 +157,9 @@ class EngineSupervisor:
             t0 = time.monotonic()
             new = None
             try:
-                new = await asyncio.to_thread(self.factory, i)
+                standby = self._take_standby()
+                new = await asyncio.to_thread(self.factory, i, standby)
+                self._refill_standby()  # for the next one
                 t_started = time.monotonic()
                 async with self.lock:  # no push commits while the new engine catches up
                     t_locked = time.monotonic()
@@ -172,6 +190,12 @@ class EngineSupervisor:
         if not self.weights_pushed:  # the checkpoint it loaded is what the others serve
             await new.set_weight_version(version)
             return "checkpoint"
+        if self._host_task is not None:
+            await asyncio.gather(self._host_task, return_exceptions=True)
+        if self._host_dir is not None and self._host_version == version:  # written already: the cheapest
+            await load_on_engines([new], self._host_dir, version)
+            log.info("engine %d caught up from the host copy (version %d)", i, version)
+            return "host copy"
         sibling = next((j for j in self.live() if j != i), None)
         if sibling is not None:
             path = tempfile.mkdtemp(prefix="rollout-catch-up-", dir=SHM_DIR)
@@ -182,12 +206,6 @@ class EngineSupervisor:
                 shutil.rmtree(path, ignore_errors=True)
             log.info("engine %d caught up from engine %d (version %d)", i, sibling, version)
             return f"engine {sibling}"
-        if self._host_task is not None:
-            await asyncio.gather(self._host_task, return_exceptions=True)
-        if self._host_dir is not None:
-            await load_on_engines([new], self._host_dir, version)
-            log.info("engine %d caught up from the host copy (version %d)", i, version)
-            return "host copy"
         return None
 
     # -- after each push ----------------------------------------------------------------------
@@ -216,7 +234,7 @@ class EngineSupervisor:
             shutil.rmtree(path, ignore_errors=True)
             log.warning("host copy of version %d failed: %s", version, e)
             return
-        old, self._host_dir = self._host_dir, path
+        old, self._host_dir, self._host_version = self._host_dir, path, version
         if old:
             shutil.rmtree(old, ignore_errors=True)
         log.debug("host copy of version %d: %s", version, out[0])
@@ -240,3 +258,6 @@ class EngineSupervisor:
         await asyncio.gather(*[t for t in [self._watch, *self._tasks] if t is not None], return_exceptions=True)
         if self._host_dir:
             shutil.rmtree(self._host_dir, ignore_errors=True)
+        if self._standby is not None and self._standby.poll() is None:
+            self._standby.kill()
+            self._standby.wait()

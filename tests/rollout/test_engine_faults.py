@@ -15,16 +15,15 @@ import torch
 from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy, random_prompts
-from tests.procs import descendants
 from tests.rollout.sidecar import TOKEN, Sidecar
 from weight_sync import weights_checksum
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _cores(sidecar) -> list[int]:
-    return sorted(p for p in descendants(sidecar.proc.pid)
-                  if b"engine.core_proc" in open(f"/proc/{p}/cmdline", "rb").read())
+def _cores(client) -> list[int]:
+    """The engines' core processes, in engine order (a warm standby core is not among them)."""
+    return [s["pid"] for s in client.health()["engine_states"]]
 
 
 def _perturbed(model, seed):
@@ -44,7 +43,7 @@ def _wait_healthy(client, timeout=90.0) -> tuple[dict, float]:
     return health, time.monotonic() - t0
 
 
-def _kill_when_generating(client, sidecar, victim: int) -> None:
+def _kill_when_generating(client, victim: int) -> None:
     """SIGKILL core `victim` once both engines are decoding (tokens are coming out)."""
     before = client.stats()["generated_tokens"]
     deadline = time.monotonic() + 60
@@ -53,11 +52,11 @@ def _kill_when_generating(client, sidecar, victim: int) -> None:
         time.sleep(0.02)
     time.sleep(0.5)  # decoding is under way on both engines
     assert client.stats()["generated_tokens"] == before  # no group finished yet: the kill hits work in flight
-    os.kill(_cores(sidecar)[victim], signal.SIGKILL)
+    os.kill(_cores(client)[victim], signal.SIGKILL)
 
 
 def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, hf_models):
-    sidecar = Sidecar(qwen2_dir, "--num-engines", "2")
+    sidecar = Sidecar(qwen2_dir, "--num-engines", "2", "--host-copy", "off")  # the catch-up from the sibling
     client = RolloutClient(sidecar.url, token=TOKEN)
     loader = RolloutClient(sidecar.url, token=TOKEN)
     try:
@@ -69,7 +68,7 @@ def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, 
         params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(loader.generate, prompts, params)
-            _kill_when_generating(client, sidecar, victim=1)
+            _kill_when_generating(client, victim=1)
             groups = pending.result(timeout=240)
         # every rollout whole, greedy as HF on the pushed weights, however its pieces were generated
         for p, g in zip(prompts, groups):
@@ -83,7 +82,8 @@ def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, 
         assert [s["restarts"] for s in health["engine_states"]] == [0, 1]
         assert [s["version"] for s in health["engine_states"]] == [1, 1]
         assert client.stats()["engine_restarts"] == 1
-        assert client.weights_checksums() == [want, want]  # caught up from its sibling
+        assert client.weights_checksums() == [want, want]
+        assert client.stats()["last_restart"]["source"] == "engine 0"  # caught up from its sibling
         # the next push reaches both engines: the client forms a new group by itself
         trainer2 = _perturbed(trainer, 2)
         client.push_weights(trainer2, version=2)
@@ -106,15 +106,15 @@ def test_a_lone_engine_comes_back_from_the_host_copy(qwen2_dir, hf_models):
         client.push_weights(trainer, version=5)
         want = weights_checksum(trainer.named_parameters())
         time.sleep(0.5)  # the host copy is written in the background after the push
-        [core] = _cores(sidecar)
+        [core] = _cores(client)
         os.kill(core, signal.SIGKILL)
         prompt = [11, 12, 13]
         # a generate during the restart waits for the engine, then answers from the pushed weights
         [[r]] = client.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         assert r.token_ids == hf_greedy(trainer, prompt, 6, ignore_eos=True) and r.weight_versions == [5] * 6
         health, _ = _wait_healthy(client)
-        assert health["engine_states"][0]["restarts"] == 1 and _cores(sidecar) != [core]
-        assert client.weights_checksums() == [want]
+        assert health["engine_states"][0]["restarts"] == 1 and _cores(client) != [core]
+        assert client.weights_checksums() == [want] and client.stats()["last_restart"]["source"] == "host copy"
         trainer2 = _perturbed(trainer, 4)
         client.push_weights(trainer2, version=6)
         assert client.weights_checksums() == [weights_checksum(trainer2.named_parameters())]
@@ -127,9 +127,9 @@ def test_a_spent_restart_budget_leaves_the_sidecar_unhealthy_with_the_reason(qwe
     sidecar = Sidecar(qwen2_dir, "--num-engines", "1", "--max-restarts", "1")
     client = RolloutClient(sidecar.url, token=TOKEN, timeout_s=60)
     try:
-        os.kill(_cores(sidecar)[0], signal.SIGKILL)
+        os.kill(_cores(client)[0], signal.SIGKILL)
         _wait_healthy(client)
-        os.kill(_cores(sidecar)[0], signal.SIGKILL)
+        os.kill(_cores(client)[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while (health := client.health())["engine_states"][0]["state"] != "dead":
             assert time.monotonic() < deadline, health

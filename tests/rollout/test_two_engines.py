@@ -118,8 +118,8 @@ def test_sleep_and_wake_up_for_a_trainer_that_shares_the_gpu(client):
 def test_health_names_an_engine_that_died(sidecar, client):
     """An engine core killed: health says so at once (the engine is then restarted, see
     test_engine_faults.py)."""
-    cores = [p for p in descendants(sidecar.proc.pid) if b"engine.core_proc" in open(f"/proc/{p}/cmdline", "rb").read()]
-    assert len(cores) == 2
+    cores = [s["pid"] for s in client.health()["engine_states"]]
+    assert len(cores) == 2 and all(p in descendants(sidecar.proc.pid) for p in cores)
     os.kill(cores[1], signal.SIGKILL)
     deadline = time.monotonic() + 10
     while (health := client.health())["ok"]:
