@@ -47,13 +47,17 @@ def build_batch(rollouts: list, pad_id: int) -> Batch:
 def completion_logits(model, batch: Batch, temperature: float = 1.0):
     """Logits [B, T, V] (divided by the sampling temperature) at the positions that predict each
     completion token, and the value estimates there [B, T] when the model has a value head."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    idx = batch.positions
+    # Only the positions from the earliest completion on go through the LM head: a prompt's
+    # logits ([B, prompt, V], most of the batch with a real vocabulary) are never needed.
+    first = int(batch.positions[:, 0].min())
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                logits_to_keep=batch.input_ids.shape[1] - first)
+    idx = batch.positions - first
     logits = out.logits.gather(1, idx.unsqueeze(-1).expand(-1, -1, out.logits.shape[-1])).float()
     if temperature != 1.0:
         logits = logits / temperature
-    values = getattr(out, "value_estimates", None)  # set by PolicyWithValue
-    return logits, (values.gather(1, idx) if values is not None else None)
+    values = getattr(out, "value_estimates", None)  # set by PolicyWithValue, over every position
+    return logits, (values.gather(1, batch.positions) if values is not None else None)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
