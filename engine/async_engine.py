@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +36,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serial import Decoder, Encoder
+from engine.standby import hand_over, start_core
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +50,11 @@ class _Collector:
         self.error: RequestError | None = None
 
 
-def spawn_standby(model_dir: str, log_level: str = "WARNING") -> subprocess.Popen:
-    """An engine-core process started ahead of need: it imports torch, transformers and the
-    model's code, then waits. `AsyncEngine(cfg, standby=proc)` turns it into an engine in the time
-    the weights take to load, which is how a supervisor restarts a dead engine quickly (one idle
-    interpreter's memory, a few hundred MB, while it waits)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.core_proc", "--standby", model_dir, "--parent-pid", str(os.getpid()),
-         "--log-level", log_level],
-        stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
-    )
-
-
 class AsyncEngine:
     def __init__(self, cfg: EngineConfig, log_level: str = "WARNING", start_timeout: float = 300.0,
                  standby: subprocess.Popen | None = None):
-        """Starts the core process, or hands `standby` (from `spawn_standby`, still alive) its
-        arguments instead."""
+        """Starts the core process, or hands `standby` (from `engine.standby.spawn_standby`, still
+        alive) its arguments instead."""
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self._dir = tempfile.mkdtemp(prefix="engine-")
@@ -84,13 +72,7 @@ class AsyncEngine:
         self._encoder, self._decoder = Encoder(), Decoder(EngineOutput)
         core_args = ["--config-json", json.dumps(asdict(cfg)), "--input-addr", in_addr, "--output-addr", out_addr,
                      "--identity", self._identity.decode(), "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        if standby is not None and _hand_over(standby, core_args):
-            self.proc = standby
-        else:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.core_proc", *core_args],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
-            )
+        self.proc = standby if standby is not None and hand_over(standby, core_args) else start_core(core_args)
         self._shutdown_called = False
         self._threads: list[threading.Thread] = []  # the output reader, once started
         self._stop_reading = threading.Event()
@@ -411,19 +393,6 @@ class AsyncEngine:
 
     async def get_stats(self) -> dict:
         return await self._call("stats")
-
-
-def _hand_over(standby: subprocess.Popen, core_args: list[str]) -> bool:
-    """Give a standby core its arguments; False if it died meanwhile (a fresh one is started)."""
-    if standby.poll() is not None:
-        return False
-    try:
-        standby.stdin.write(json.dumps(core_args) + "\n")
-        standby.stdin.close()
-        return True
-    except OSError:
-        standby.kill()
-        return False
 
 
 def _is_prompt_list(prompt) -> bool:

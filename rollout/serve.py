@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args) -> int:
     from engine import AsyncEngine, EngineConfig
-    from engine.async_engine import spawn_standby
+    from engine.standby import spawn_standby
     from engine.model_names import resolve_model_arg
     from rollout.manager import RolloutManager
     from rollout.server import RolloutServer
