@@ -71,20 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(args) -> int:
+def build_manager(args):
+    """The engines and the rollout manager that supervises them (and restarts them with
+    `make_engine`, the same way they were first built)."""
     from engine import AsyncEngine, EngineConfig
-    from engine.standby import spawn_standby
     from engine.model_names import resolve_model_arg
+    from engine.standby import spawn_standby
     from rollout.manager import RolloutManager
-    from rollout.server import RolloutServer
-    from rollout.stats_logger import StatsLogger
-
     from weight_sync.devices import engine_devices
 
     devices = engine_devices(args.device, args.num_engines, args.gpus)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
 
-    def make_engine(i: int, standby=None) -> AsyncEngine:  # also how the manager restarts engine i
+    def make_engine(i: int, standby=None) -> AsyncEngine:
         cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
@@ -95,16 +94,28 @@ async def run(args) -> int:
     try:
         for i in range(args.num_engines):
             engines.append(make_engine(i))
-        manager = RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
-                                 max_stale_restarts=args.max_stale_restarts,
-                                 engine_factory=make_engine if args.max_restarts > 0 else None,
-                                 max_restarts=args.max_restarts, restart_window_s=args.restart_window,
-                                 host_copy=host_copy_wanted(args.host_copy, model),
-                                 spawn_standby=(lambda: spawn_standby(model, args.log_level)) if args.warm_standby == "on"
-                                 else None)
-        server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
+        return RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
+                              max_stale_restarts=args.max_stale_restarts,
+                              engine_factory=make_engine if args.max_restarts > 0 else None,
+                              max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                              host_copy=host_copy_wanted(args.host_copy, model),
+                              spawn_standby=(lambda: spawn_standby(model, args.log_level))
+                              if args.warm_standby == "on" else None)
     except BaseException:
         for e in engines:
+            e.shutdown()
+        raise
+
+
+async def run(args) -> int:
+    from rollout.server import RolloutServer
+    from rollout.stats_logger import StatsLogger
+
+    manager = build_manager(args)
+    try:
+        server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
+    except BaseException:
+        for e in manager.engines:
             e.shutdown()
         raise
     stop = asyncio.Event()
