@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-standby", default="on", choices=["on", "off"],
                    help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
                         "so that a dead engine restarts in the time its weights take to load")
+    p.add_argument("--push-stall-timeout", type=float, default=10.0,
+                   help="seconds a push's transfer may go without a bucket arriving (a frozen or stalled trainer) "
+                        "before the sidecar gives the push up and its engines serve the last weights again")
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
@@ -113,7 +116,8 @@ async def run(args) -> int:
 
     manager = build_manager(args)
     try:
-        server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token)
+        server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token,
+                               push_stall_s=args.push_stall_timeout)
     except BaseException:
         for e in manager.engines:
             e.shutdown()

@@ -11,6 +11,7 @@ import time
 from weight_sync.engine_sync import (
     close_weight_sync, commit_results, join_engines, load_on_engines, receive_on_engines,
 )
+from weight_sync.group import FAILED_MARK, PushProgress
 from weight_sync.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ class SidecarWeights:
     over. Versions only go up: a push or load of a version <= the sidecar's changes nothing
     (version 0 over version 0 excepted: a trainer's initial sync of the checkpoint)."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, stall_s: float = 10.0):
         self.manager = manager
+        self.stall_s = stall_s  # a push's transfer with no bucket out for this long is given up
         self.owner: dict | None = None  # the group's host, port and name, while a trainer owns it
+        self._info: dict = {}  # the owner's connection info, its secret included: never logged
         self.members: list[int] = []  # id() of each engine in that group, in rank order
 
     async def init(self, host: str, port: int, world_size: int, rank_offset: int, group_name: str,
@@ -72,6 +75,7 @@ class SidecarWeights:
             await close_weight_sync(engines)
         await join_engines(engines, info, rank_offset, timeout=timeout_s + 30)
         self.owner = {"host": host, "port": port, "group_name": group_name}
+        self._info = info
         self.members = [id(e) for e in engines]
         log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,
                  rank_offset + len(engines) - 1, world_size)
@@ -101,7 +105,8 @@ class SidecarWeights:
 
         async def work():
             t1 = time.monotonic()
-            watchdog = None if shared or self.owner is None else asyncio.ensure_future(self._watch_trainer(engines))
+            watchdog = None if shared or self.owner is None else asyncio.ensure_future(
+                self._watch_trainer(engines, manifest.push_id))
             try:
                 results = await receive()
             finally:
@@ -124,20 +129,44 @@ class SidecarWeights:
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
 
-    async def _watch_trainer(self, engines: list, period_s: float = 0.5, misses: int = 2) -> None:
-        """During a push over the group: a trainer that dies leaves the workers blocked in its
-        transfer until the group's timeout (a minute on a real model). Its rendezvous port
-        refusing twice in a row says it is gone; the engines stuck in the transfer are then
-        stopped, and the supervisor restarts them with the last committed weights (from the host
-        copy), so the push fails with nothing committed within a couple of seconds. A trainer
-        that hangs instead keeps its port open: the group's timeout bounds that case."""
-        owner, missed = dict(self.owner), 0
-        while missed < misses:
+    async def _watch_trainer(self, engines: list, push_id: str, period_s: float = 0.5, misses: int = 2) -> None:
+        """During a push over the group the workers wait in the trainer's transfer, where nothing
+        reaches them until the group's timeout (minutes). Three ways it cannot finish, noticed here:
+        - the trainer is gone: its rendezvous port refuses twice in a row;
+        - the trainer gave the push up (its broadcast failed: a peer of the group died): it marked
+          the push failed (WeightSyncGroup.mark_progress);
+        - the trainer stalled (frozen, or its link): no bucket marked, or its store silent, for
+          `stall_s` once the transfer began (the wait for every worker before it is the
+          trainer's, bounded by its own timeout).
+        The engines stuck in the transfer are then stopped, and the supervisor restarts them with
+        the last committed weights (host copy or sibling): the push fails with nothing committed."""
+        owner, progress = dict(self.owner), PushProgress(self._info, push_id, timeout_s=period_s)
+        missed, last, since, reading = 0, None, time.monotonic(), None
+        while True:
             await asyncio.sleep(period_s)
             alive = await asyncio.to_thread(trainer_reachable, owner["host"], owner["port"], period_s)
             missed = 0 if alive else missed + 1
-        log.error("the trainer of group %s is gone mid-push: stopping the engines stuck in its transfer",
-                  owner["group_name"])
+            if missed >= misses:
+                why = "is gone"
+                break
+            # a frozen trainer's store may never answer: one read at a time, given `period_s`
+            if reading is None or reading.done():
+                reading = asyncio.ensure_future(asyncio.to_thread(progress.read))
+            await asyncio.wait({reading}, timeout=period_s)
+            mark = "silent"  # a store that does not answer: no progress
+            if reading.done() and reading.exception() is None:
+                mark = reading.result()
+            now = time.monotonic()
+            if mark == FAILED_MARK:
+                why = "gave the push up"
+                break
+            if mark is None or mark != last:
+                last, since = mark, now
+            elif now - since > self.stall_s:
+                why = f"made no progress for {self.stall_s:.0f} s"
+                break
+        log.error("the trainer of group %s %s mid-push: stopping the engines stuck in its transfer",
+                  owner["group_name"], why)
         for e in engines:
             if e.proc.poll() is None:
                 e.proc.kill()

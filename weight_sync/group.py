@@ -247,6 +247,12 @@ class WeightSyncGroup:
         """End the trainer's wait for push `push_id` without a vote (a worker will not come)."""
         self._prefix_store().set(f"mark/go/{push_id}", b"off")
 
+    def mark_progress(self, push_id: str, buckets: int) -> None:
+        """The trainer: `buckets` of push `push_id` are out; FAILED_MARK: it gave the push up. A
+        sidecar's watchdog reads it (PushProgress) to tell a stalled or failed trainer from a slow
+        one: its engines wait in the transfer, where nothing else can reach them."""
+        self._prefix_store().set(f"mark/progress/{push_id}", str(int(buckets)))
+
     def wait_ready(self, push_id: str, timeout_s: float) -> bool:
         """The trainer: True once every worker marked itself ready for push `push_id`, False if it
         was called off; raises GroupError after `timeout_s`. Forgets the push's marks."""
@@ -323,6 +329,32 @@ class WeightSyncGroup:
         state = "ready" if self.ready else ("closed" if self.closed else "pending")
         return (f"WeightSyncGroup({self.group_name}, rank {self.rank}/{self.world_size}, {self.backend_name}, "
                 f"{self.host}:{self.port}, {state})")
+
+
+FAILED_MARK = -1
+
+
+class PushProgress:
+    """A push's progress as its trainer marks it (WeightSyncGroup.mark_progress), read from
+    outside the group by a process that holds the group's connection info."""
+
+    def __init__(self, info: dict, push_id: str, timeout_s: float = 1.0):
+        self.info, self.key, self.timeout_s = info, f"mark/progress/{push_id}", timeout_s
+        self._prefix: PrefixStore | None = None
+
+    def read(self) -> int | None:
+        """Buckets out so far (FAILED_MARK: given up); None before the transfer began. Raises when
+        the trainer's store does not answer within the timeout (a dead or frozen trainer)."""
+        try:
+            if self._prefix is None:
+                store = TCPStore(self.info["host"], int(self.info["port"]), None, False, _td(self.timeout_s))
+                self._prefix = PrefixStore(f"weight_sync/{self.info['group_name']}/{self.info['secret']}/", store)
+            if not self._prefix.check([self.key]):
+                return None
+            return int(self._prefix.get(self.key))
+        except Exception:
+            self._prefix = None  # a fresh connection next time
+            raise
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -30,7 +30,7 @@ import torch
 
 from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
-from weight_sync.group import GroupError, WeightSyncGroup
+from weight_sync.group import FAILED_MARK, GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
@@ -233,12 +233,14 @@ class WeightSender:
                 except Exception as e:
                     raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}",
                                           refused=True) from e
+            self._marks = _ProgressMarks(g, m.push_id)
             self._vote(status, m, problem)
             try:
                 self._send_buckets_with_peers(m, [t for _, t in named], progress)
                 if not commit_vote(g):
                     raise GroupError("a worker did not receive every byte")
             except Exception as e:
+                self._marks.failed()
                 self.close_group()
                 raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
                                       "form a new one (open_group / init_weight_sync)") from e
@@ -377,8 +379,36 @@ class WeightSender:
     def _retire(self, inflight: deque, slot_busy: list[bool]) -> None:
         work, _, slot, k = inflight.popleft()
         self.group.wait(work, f"broadcast of bucket {k}")
+        self._marks.sent(k + 1)
         if slot is not None:
             slot_busy[slot] = False
+
+
+class _ProgressMarks:
+    """What the trainer tells the sidecars' watchdogs about a push (WeightSyncGroup.mark_progress):
+    it began (0), how many buckets are out, at most every MARK_EVERY_S so the transfer pays a store
+    round trip only that often, and that it failed."""
+
+    MARK_EVERY_S = 0.5
+
+    def __init__(self, group, push_id: str):
+        self.group, self.push_id = group, push_id
+        self._last = time.monotonic()
+        self._mark(0)
+
+    def sent(self, buckets: int) -> None:
+        if time.monotonic() - self._last >= self.MARK_EVERY_S:
+            self._last = time.monotonic()
+            self._mark(buckets)
+
+    def failed(self) -> None:
+        self._mark(FAILED_MARK)
+
+    def _mark(self, value: int) -> None:
+        try:
+            self.group.mark_progress(self.push_id, value)
+        except Exception as e:  # noqa: BLE001 - a watchdog's hint: the push itself decides success
+            log.debug("could not mark push %s progress: %s", self.push_id, e)
 
 
 def dtype_from(name: str) -> torch.dtype:
