@@ -22,11 +22,14 @@ class LocalSidecar:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
         self.url: str | None = None
+        self.http_url: str | None = None  # with --http-port: the OpenAI-compatible front's base URL
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"sidecar exited with code {self.proc.wait()} before it was ready (see its log)")
+            if line.startswith("HTTP "):
+                self.http_url = line.split()[1]
             if line.startswith("READY "):
                 self.url = line.split()[1]
                 return

@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-stall-timeout", type=float, default=10.0,
                    help="seconds a push's transfer may go without a bucket arriving (a frozen or stalled trainer) "
                         "before the sidecar gives the push up and its engines serve the last weights again")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port, from the same engines (0: a free port; "
+                        "off by default)")
+    p.add_argument("--http-host", default=None, help="address for --http-port (default: --host); anything but "
+                                                      "loopback requires --token, sent as 'Authorization: Bearer'")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name HTTP clients must send (default: --model's last path part, or 'tiny')")
+    p.add_argument("--http-max-body-mb", type=float, default=8.0, help="HTTP request bodies larger than this get 413")
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
@@ -122,6 +131,9 @@ async def run(args) -> int:
         for e in manager.engines:
             e.shutdown()
         raise
+    front = None
+    if args.http_port is not None:
+        front = await _start_http(args, manager)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,6 +146,8 @@ async def run(args) -> int:
     try:
         await server.serve(stop)
         log.info("shutting down: aborting in-flight rollouts")
+        if front is not None:
+            front.stop_accepting()
         await manager.supervisor.close()  # no restart from now on
         try:  # bounded: engines stuck in a stalled push cannot answer, and are then simply stopped
             await asyncio.wait_for(_wind_down(manager, server), SHUTDOWN_GRACE_S)
@@ -144,6 +158,8 @@ async def run(args) -> int:
             await server.drain()
     finally:
         stats.stop()
+        if front is not None:
+            await front.close()
         server.close()
         await manager.supervisor.close()
         for e in manager.engines:
@@ -153,6 +169,23 @@ async def run(args) -> int:
 
 
 SHUTDOWN_GRACE_S = 3.0
+
+
+async def _start_http(args, manager):
+    from pathlib import Path
+
+    from rollout.openai_front.server import HttpFront
+
+    name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "tiny")
+    front = HttpFront(manager, args.http_host or args.host, args.http_port, name, token=args.token,
+                      max_body_bytes=int(args.http_max_body_mb * 2**20))
+    try:
+        print(f"HTTP {await front.start()}", flush=True)  # before READY: scripts read both
+    except BaseException:
+        for e in manager.engines:
+            e.shutdown()
+        raise
+    return front
 
 
 async def _wind_down(manager, server) -> None:
@@ -195,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if not is_loopback(args.host) and not args.token:
         sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")
+    if args.http_port is not None and not is_loopback(args.http_host or args.host) and not args.token:
+        sys.exit(f"refusing to serve HTTP on {args.http_host or args.host} without --token")
     from weight_sync.devices import engine_devices
 
     try:  # placement is checked before anything starts

@@ -1,0 +1,140 @@
+"""The n samples of one prompt, streamed as they are generated (the HTTP front's path; the ZMQ
+path returns whole groups through `RolloutManager.generate_group`).
+
+The same promise as a whole group: a sample cut short by an `abort` pause or by its engine's
+death goes on from its tokens so far on a live engine, and its stream simply continues; the
+deltas of a sample, joined, are the whole sample, with the weight version of every token. A
+stop string that straddles such a resubmission is found over the whole completion (as
+`RolloutManager._continue_watching_stops` does). What a stream cannot do is take back tokens it
+already handed out: streamed samples are not regenerated for `max_staleness` (their versions
+tell the trainer how stale they are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from engine import SamplingParams
+from engine.errors import EngineDeadError
+from engine.stop_checker import first_stop_string
+from rollout.supervision import NoEngineError
+
+
+@dataclass
+class SampleDelta:
+    """New tokens of sample `index` (possibly none, when it only finishes)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" on the sample's last delta
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Progress:
+    token_ids: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+async def stream_group(manager, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
+    """Deltas of the n samples, interleaved as the engines produce them; each sample ends with
+    exactly one delta whose finish_reason is set. Leaving early aborts every engine request."""
+    out: asyncio.Queue = asyncio.Queue()
+    samples = [_Progress() for _ in range(params.n)]
+    tasks: set[asyncio.Task] = set()
+
+    def spawn(coro) -> None:
+        t = asyncio.ensure_future(coro)
+        tasks.add(t)
+        t.add_done_callback(ended)
+
+    def ended(t: asyncio.Task) -> None:
+        tasks.discard(t)
+        out.put_nowait(None if t.cancelled() else t.exception())  # None: just a wake-up
+
+    async def first() -> None:
+        cut: list[int] = []
+        try:
+            async for ro in manager._stream(prompt_ids, replace(params, output_kind="delta")):
+                for c in ro.outputs:
+                    if c.finish_reason == "abort":
+                        emit(c.index, c, None)
+                        cut.append(c.index)
+                    elif c.token_ids or c.finish_reason:
+                        emit(c.index, c, c.finish_reason)
+        except NoEngineError:
+            raise
+        except EngineDeadError:  # every sample not finished goes on elsewhere
+            manager.counters["resubmitted_after_engine_death"] += 1
+            cut = [i for i, s in enumerate(samples) if not s.done]
+        for i in cut:
+            spawn(go_on(i))
+
+    def emit(i: int, c, finish: str | None, upto: int | None = None) -> None:
+        k = len(c.token_ids) if upto is None else upto
+        s = samples[i]
+        s.token_ids += c.token_ids[:k]
+        s.done = finish is not None
+        top = None if c.top_logprobs is None else c.top_logprobs[:k]
+        out.put_nowait(SampleDelta(i, c.token_ids[:k], c.logprobs[:k], c.weight_versions[:k], top, finish,
+                                   c.stop_reason if finish else None))
+
+    async def go_on(i: int) -> None:
+        """Sample i from its tokens so far, until it ends for real."""
+        attempt = 0
+        while not samples[i].done:
+            attempt += 1
+            manager.counters["aborted_resubmitted"] += 1
+            done_so_far = len(samples[i].token_ids)
+            left = None if params.max_tokens is None else params.max_tokens - done_so_far
+            seed = None if params.seed is None else params.seed + 7919 * attempt + i
+            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind="delta")
+            try:
+                async for ro in manager._stream(prompt_ids + samples[i].token_ids, cont):
+                    c = ro.outputs[0]
+                    if c.finish_reason == "abort":
+                        emit(i, c, None)
+                        break
+                    hit = None
+                    if params.stop and c.token_ids:  # over the whole completion: it may straddle the cut
+                        before = len(samples[i].token_ids)
+                        hit = first_stop_string(samples[i].token_ids + c.token_ids, params.stop, manager.tokenizer,
+                                                before)
+                    if hit is not None:
+                        emit(i, replace(c, stop_reason=hit[1]), "stop", upto=max(0, hit[0] - len(samples[i].token_ids)))
+                        return
+                    emit(i, c, c.finish_reason)
+                    if c.finish_reason:
+                        return
+            except NoEngineError:
+                raise
+            except EngineDeadError:
+                manager.counters["resubmitted_after_engine_death"] += 1
+
+    manager.counters["groups_in_flight"] += 1
+    spawn(first())
+    finished = 0  # samples whose last delta was handed out
+    try:
+        while finished < params.n:
+            item = await out.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                if not tasks and out.empty():
+                    raise RuntimeError("a sample's stream ended without finishing")  # a bug, not a hang
+                continue
+            if item.finish_reason:
+                finished += 1
+                manager.counters["rollouts"] += 1
+            manager.counters["generated_tokens"] += len(item.token_ids)
+            yield item
+    finally:
+        manager.counters["groups_in_flight"] -= 1
+        for t in list(tasks):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
