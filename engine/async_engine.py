@@ -305,10 +305,11 @@ class AsyncEngine:
                     error = EngineDeadError(self._dead_message())
                     error.partial = collector.state.make_output(self.tokenizer)  # for a resubmission elsewhere
                     raise error
+                if params.output_kind == "final" and not collector.state.finished:
+                    continue  # nothing to hand out yet: no decode per step
                 out = collector.state.make_output(self.tokenizer, delta=delta)
                 finished = out.finished
-                if finished or params.output_kind != "final":
-                    yield out
+                yield out
                 if finished:
                     return
         finally:

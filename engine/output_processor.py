@@ -53,11 +53,13 @@ class RequestState:
         outs = []
         for i, o in enumerate(self.outputs):
             start = self.sent[i] if delta else 0
-            text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-            if o.finish_reason is not None:
-                text = truncate_at_stop(text, o.stop_reason, self.params.include_stop_str_in_output)
-            if delta:  # text deltas: the new tail of the decoded text
-                text = text[len(tokenizer.decode(o.token_ids[:start], skip_special_tokens=True)) :]
+            text = ""
+            if self.params.detokenize:
+                text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
+                if o.finish_reason is not None:
+                    text = truncate_at_stop(text, o.stop_reason, self.params.include_stop_str_in_output)
+                if delta:  # text deltas: the new tail of the decoded text
+                    text = text[len(tokenizer.decode(o.token_ids[:start], skip_special_tokens=True)) :]
             top = None if o.top_logprobs is None else o.top_logprobs[start:]
             outs.append(
                 CompletionOutput(

@@ -27,6 +27,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # 0: each prompt token's logprob; k > 0: plus the top k
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"  # streaming kind for AsyncEngine: "delta" | "cumulative" | "final"
+    detokenize: bool = True  # False: outputs carry token ids only, text "" (a caller that decodes itself)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -35,15 +35,26 @@ class SampleDelta:
     stop_reason: int | str | None = None
 
 
+def _tail(c, k: int):
+    """Completion output `c` without its first k tokens."""
+    top = None if c.top_logprobs is None else c.top_logprobs[k:]
+    return replace(c, token_ids=c.token_ids[k:], logprobs=c.logprobs[k:], weight_versions=c.weight_versions[k:],
+                   top_logprobs=top)
+
+
 @dataclass
 class _Progress:
     token_ids: list[int] = field(default_factory=list)
     done: bool = False
 
 
-async def stream_group(manager, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[SampleDelta]:
+async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, stream: bool = True
+                       ) -> AsyncIterator[SampleDelta]:
     """Deltas of the n samples, interleaved as the engines produce them; each sample ends with
-    exactly one delta whose finish_reason is set. Leaving early aborts every engine request."""
+    exactly one delta whose finish_reason is set. Leaving early aborts every engine request.
+    `stream=False`: each engine request answers once, at its end (fewer, larger deltas). The
+    engines do not decode text here: the caller does, once per delta."""
+    kind = "delta" if stream else "final"
     out: asyncio.Queue = asyncio.Queue()
     samples = [_Progress() for _ in range(params.n)]
     tasks: set[asyncio.Task] = set()
@@ -60,7 +71,7 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams) -
     async def first() -> None:
         cut: list[int] = []
         try:
-            async for ro in manager._stream(prompt_ids, replace(params, output_kind="delta")):
+            async for ro in manager._stream(prompt_ids, replace(params, output_kind=kind, detokenize=False)):
                 for c in ro.outputs:
                     if c.finish_reason == "abort":
                         emit(c.index, c, None)
@@ -69,8 +80,11 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams) -
                         emit(c.index, c, c.finish_reason)
         except NoEngineError:
             raise
-        except EngineDeadError:  # every sample not finished goes on elsewhere
+        except EngineDeadError as e:  # every sample not finished goes on elsewhere, from its tokens so far
             manager.counters["resubmitted_after_engine_death"] += 1
+            for c in getattr(e, "partial", None).outputs if getattr(e, "partial", None) else ():
+                if not samples[c.index].done:  # the partial is cumulative: only what was not handed out
+                    emit(c.index, _tail(c, len(samples[c.index].token_ids)), None)
             cut = [i for i, s in enumerate(samples) if not s.done]
         for i in cut:
             spawn(go_on(i))
@@ -93,7 +107,7 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams) -
             done_so_far = len(samples[i].token_ids)
             left = None if params.max_tokens is None else params.max_tokens - done_so_far
             seed = None if params.seed is None else params.seed + 7919 * attempt + i
-            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind="delta")
+            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind=kind, detokenize=False)
             try:
                 async for ro in manager._stream(prompt_ids + samples[i].token_ids, cont):
                     c = ro.outputs[0]

@@ -37,7 +37,7 @@ class Choice:
         return self.text.add(d.token_ids, d.finish_reason is not None, d.stop_reason)
 
 
-async def choice_deltas(manager, prompts: list[list[int]], params: SamplingParams
+async def choice_deltas(manager, prompts: list[list[int]], params: SamplingParams, stream: bool = True
                         ) -> AsyncIterator[tuple[Choice, SampleDelta, str]]:
     """(its choice, the delta, the new text) for every delta of every prompt's group, as they
     come. Leaving early (a client gone) stops every engine request of the request."""
@@ -45,7 +45,7 @@ async def choice_deltas(manager, prompts: list[list[int]], params: SamplingParam
                                                               params.include_stop_str_in_output))
                for p, ids in enumerate(prompts) for i in range(params.n)]
     if len(prompts) == 1:  # the usual case: no merging
-        async for d in stream_group(manager, prompts[0], params):
+        async for d in stream_group(manager, prompts[0], params, stream):
             c = choices[d.index]
             yield c, d, c.add(d)
         return
@@ -53,7 +53,7 @@ async def choice_deltas(manager, prompts: list[list[int]], params: SamplingParam
 
     async def pump(p: int, ids: list[int]) -> None:
         try:
-            async for d in stream_group(manager, ids, params):
+            async for d in stream_group(manager, ids, params, stream):
                 await merged.put((p, d))
         except Exception as e:  # noqa: BLE001 - reaches the request
             await merged.put((p, e))
@@ -80,6 +80,6 @@ async def choice_deltas(manager, prompts: list[list[int]], params: SamplingParam
 async def whole_choices(manager, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
     """Every choice, finished, in index order (a request that does not stream)."""
     out: dict[int, Choice] = {}
-    async for c, _, _ in choice_deltas(manager, prompts, params):
+    async for c, _, _ in choice_deltas(manager, prompts, params, stream=False):
         out[c.index] = c
     return [out[i] for i in sorted(out)]

@@ -1,10 +1,50 @@
-"""Request bodies are bounded: a body over the limit is answered 413 before it is parsed (by its
-Content-Length when it gives one, else as its bytes arrive), so no client can make the server
-hold more than the limit for it."""
+"""What every request passes before an endpoint sees it, as pure ASGI middleware (Starlette's
+BaseHTTPMiddleware would pipe each streamed chunk through an extra memory stream):
+- Gate: 503 while the sidecar shuts down, 401 without the bearer token (when one is set; /health
+  is open to load balancers), and the count of answers by path and status for /metrics;
+- BodyLimit: a body over the limit is answered 413 before it is parsed (by its Content-Length
+  when it gives one, else as its bytes arrive), so no client makes the server hold more."""
 
 from __future__ import annotations
 
 import json
+import secrets
+
+
+def _send_error(status: int, message: str, kind: str):
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+
+    async def reply(send) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return reply
+
+
+class Gate:
+    def __init__(self, app, state, token: str, metrics):
+        self.app, self.state, self.metrics = app, state, metrics
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if not self.state.accepting:
+            return await _send_error(503, "the sidecar is shutting down", "service_unavailable")(send)
+        if self.expected is not None and path != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.request_done(path, 401)
+                return await _send_error(401, "missing or wrong bearer token", "authentication_error")(send)
+
+        async def counted(msg):
+            if msg["type"] == "http.response.start":
+                self.metrics.request_done(path, msg["status"])
+            await send(msg)
+
+        await self.app(scope, receive, counted)
 
 
 class BodyLimit:
@@ -42,9 +82,4 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {"message": f"request body over {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None, "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_error(413, f"request body over {self.max_bytes} bytes", "invalid_request_error")(send)

@@ -278,7 +278,7 @@ def test_pushes_under_http_load_lose_nothing(front, hf_models, mode):
             base = (await zc.stats())[0]["version"]
 
             async def one(i):
-                kw = {"model": MODEL, "max_tokens": 48, "temperature": 1.0, "seed": i, "extra_body": {"ignore_eos": True}}
+                kw = {"model": MODEL, "max_tokens": 96, "temperature": 1.0, "seed": i, "extra_body": {"ignore_eos": True}}
                 if i % 2:
                     kw["messages"] = [{"role": "user", "content": f"tell me {i}"}]
                     call = ac.chat.completions.create
@@ -297,9 +297,11 @@ def test_pushes_under_http_load_lose_nothing(front, hf_models, mode):
                 return c.token_ids, c.weight_versions, c.finish_reason
 
             async def pushes():
+                while not (await zc.stats())[0]["queue_depth"]:  # the first push lands mid-generation
+                    await asyncio.sleep(0.01)
                 for k in range(1, 4):
-                    await asyncio.sleep(0.3)
                     await zc.push_weights(_perturbed(trainer, k), version=base + k, pause_mode=mode)
+                    await asyncio.sleep(0.1)
 
             results, _ = await asyncio.gather(asyncio.gather(*(one(i) for i in range(12))), pushes())
             return base, results
@@ -309,7 +311,7 @@ def test_pushes_under_http_load_lose_nothing(front, hf_models, mode):
 
     base, results = asyncio.run(main())
     for ids, versions, finish in results:
-        assert len(ids) == len(versions) == 48 and finish == "length"
+        assert len(ids) == len(versions) == 96 and finish == "length"
         assert versions == sorted(versions) and base <= versions[0] and versions[-1] <= base + 3
     if mode != "wait":  # a push lands mid-request in keep and abort modes
         assert any(len(set(v)) > 1 for _, v, _ in results)
