@@ -22,6 +22,16 @@ from engine.stop_checker import first_stop_string
 from rollout.supervision import NoEngineError
 
 
+class ShuttingDown(RuntimeError):
+    """The sidecar is shutting down: a streamed group ends here (end_streams)."""
+
+
+def end_streams(manager, reason: str) -> None:
+    """Ends every streamed group now with ShuttingDown (their engine requests are aborted)."""
+    for q in list(manager.streams):
+        q.put_nowait(ShuttingDown(reason))
+
+
 @dataclass
 class SampleDelta:
     """New tokens of sample `index` (possibly none, when it only finishes)."""
@@ -131,6 +141,7 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, s
                 manager.counters["resubmitted_after_engine_death"] += 1
 
     manager.counters["groups_in_flight"] += 1
+    manager.streams.add(out)
     spawn(first())
     finished = 0  # samples whose last delta was handed out
     try:
@@ -148,6 +159,7 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, s
             manager.counters["generated_tokens"] += len(item.token_ids)
             yield item
     finally:
+        manager.streams.discard(out)
         manager.counters["groups_in_flight"] -= 1
         for t in list(tasks):
             t.cancel()

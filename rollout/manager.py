@@ -82,6 +82,7 @@ class RolloutManager:
         self.requests_per_engine = [0] * len(engines)
         self._ids = itertools.count()
         self._push_lock = asyncio.Lock()
+        self.streams: set[asyncio.Queue] = set()  # streamed groups' queues (rollout.group_stream), ended at shutdown
         self.started = time.monotonic()
         self.counters = {
             "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,

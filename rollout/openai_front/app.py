@@ -24,6 +24,7 @@ from rollout.openai_front.limits import BodyLimit, Gate
 from rollout.openai_front.metrics import FrontMetrics
 from rollout.openai_front.responses import LogprobFormat, envelope, error_body, new_id, usage
 from rollout.openai_front.schema import ChatCompletionRequest, CompletionRequest
+from rollout.group_stream import ShuttingDown
 from rollout.supervision import NoEngineError
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ async def _until_disconnected(request: Request, work):
                 log.info("client of %s went away: its request is aborted", request.url.path)
                 task.cancel()
                 raise HTTPException(499, detail={"message": "client disconnected"})
-    except NoEngineError as e:
+    except (NoEngineError, ShuttingDown) as e:
         raise HTTPException(503, detail={"message": str(e)})
     finally:
         if not task.done():
@@ -158,7 +159,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield b"data: " + _encode(chunk) + b"\n\n"
-        except NoEngineError as e:  # the status is sent already: an error event, as OpenAI's stream has
+        except (NoEngineError, ShuttingDown) as e:  # the status is out already: an error event, as OpenAI's
             yield b"data: " + _encode(error_body(503, str(e), "service_unavailable")) + b"\n\n"
         yield b"data: [DONE]\n\n"
 

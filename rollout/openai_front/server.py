@@ -11,6 +11,7 @@ import logging
 
 import uvicorn
 
+from rollout.group_stream import end_streams
 from rollout.openai_front.app import FrontState, build_app
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class HttpFront:
     def __init__(self, manager, host: str, port: int, model_name: str, token: str = "",
                  max_body_bytes: int = 8 << 20):
         self.state = FrontState()
-        self.host = host
+        self.manager, self.host = manager, host
         app = build_app(manager, model_name, token=token, max_body_bytes=max_body_bytes, state=self.state)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=3, timeout_keep_alive=30)
@@ -47,7 +48,9 @@ class HttpFront:
         return self.url
 
     def stop_accepting(self) -> None:
+        """New requests get 503; requests in flight end now (a stream with an error event)."""
         self.state.accepting = False
+        end_streams(self.manager, "the sidecar is shutting down")
 
     async def close(self) -> None:
         if self.task is None:

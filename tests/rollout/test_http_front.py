@@ -436,3 +436,27 @@ def test_an_agent_loop_feeds_a_grpo_update(front, oai, tools_dir):
     metrics = update(run, rollouts, rewards)
     assert metrics["sampling/sampling_logp_difference/max"] <= tol  # the trainer scores exactly what was sampled
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_sigterm_ends_http_streams_with_an_error_and_exits(qwen2_dir):
+    """A stream in flight when the sidecar is told to stop ends at once with an error event (the
+    openai client raises it), and the sidecar exits cleanly within seconds."""
+    import signal
+    import time
+
+    s = Sidecar(qwen2_dir, "--http-port", "0", "--served-model-name", MODEL)
+    client = openai.OpenAI(base_url=s.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    try:
+        stream = client.completions.create(model=MODEL, prompt="x", max_tokens=200, n=2, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 10
+        assert s.proc.wait(20) == 0
+    finally:
+        client.close()
+        s.stop()
