@@ -82,6 +82,7 @@ class RolloutManager:
         self.requests_per_engine = [0] * len(engines)
         self._ids = itertools.count()
         self._push_lock = asyncio.Lock()
+        self.receiving = 0  # overlapped pushes arriving while the engines generate (rollout.weights)
         self.streams: set[asyncio.Queue] = set()  # streamed groups' queues (rollout.group_stream), ended at shutdown
         self.started = time.monotonic()
         self.counters = {
@@ -274,8 +275,8 @@ class RolloutManager:
         sup.start()
         sup.check()
         live = sup.live()
-        pushing = self._push_lock.locked()
-        if pushing:  # the engines' cores are busy receiving weights: answer now from what is known
+        pushing = self._push_lock.locked() or self.receiving > 0
+        if self._push_lock.locked():  # the engines' cores are busy receiving weights: answer now from what is known
             results = [{"weight_version": self.version}] * len(live)
         else:
             results = await asyncio.gather(*(self.engines[i].check_health(timeout) for i in live),

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-standby", default="on", choices=["on", "off"],
                    help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
                         "so that a dead engine restarts in the time its weights take to load")
+    p.add_argument("--overlap-receive", default="on", choices=["on", "off"],
+                   help="on: a push's bytes arrive while the engines keep generating, which pause only for the "
+                        "swap (a pointer swap between two steps); off: the engines pause for the whole transfer. "
+                        "Both hold one extra copy of the weights while a push arrives")
     p.add_argument("--push-stall-timeout", type=float, default=10.0,
                    help="seconds a push's transfer may go without a bucket arriving (a frozen or stalled trainer) "
                         "before the sidecar gives the push up and its engines serve the last weights again")
@@ -126,7 +130,7 @@ async def run(args) -> int:
     manager = build_manager(args)
     try:
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token,
-                               push_stall_s=args.push_stall_timeout)
+                               push_stall_s=args.push_stall_timeout, overlap_receive=args.overlap_receive == "on")
     except BaseException:
         for e in manager.engines:
             e.shutdown()

@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class RolloutServer:
-    def __init__(self, manager: RolloutManager, address: str, token: str = "", push_stall_s: float = 10.0):
+    def __init__(self, manager: RolloutManager, address: str, token: str = "", push_stall_s: float = 10.0,
+                 overlap_receive: bool = True):
         self.manager = manager
-        self.weights = SidecarWeights(manager, push_stall_s)
+        self.weights = SidecarWeights(manager, push_stall_s, overlap_receive)
         self.token = token
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -9,10 +9,12 @@ import socket
 import time
 
 from weight_sync.engine_sync import (
-    close_weight_sync, commit_results, join_engines, load_on_engines, receive_on_engines,
+    close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
+    stage_on_engines,
 )
 from weight_sync.group import FAILED_MARK, PushProgress
 from weight_sync.manifest import Manifest
+from weight_sync.votes import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ class SidecarWeights:
     over. Versions only go up: a push or load of a version <= the sidecar's changes nothing
     (version 0 over version 0 excepted: a trainer's initial sync of the checkpoint)."""
 
-    def __init__(self, manager, stall_s: float = 10.0):
+    def __init__(self, manager, stall_s: float = 10.0, overlap: bool = True):
         self.manager = manager
+        self.overlap = overlap  # receive a push while the engines generate; pause only for the swap
         self.stall_s = stall_s  # a push's transfer with no bucket out for this long is given up
         self.owner: dict | None = None  # the group's host, port and name, while a trainer owns it
         self._info: dict = {}  # the owner's connection info, its secret included: never logged
@@ -95,6 +98,8 @@ class SidecarWeights:
             raise WeightSyncRegroup(f"this sidecar's engines changed since group {group_name} formed (an engine was "
                                     "restarted): init_weight_sync again (RolloutClient does so by itself)")
         t0 = time.monotonic()
+        if self.overlap and not shared:
+            return await self._push_overlapped(engines, manifest, pause_mode, timeout_s, group_name, t0)
 
         async def receive() -> list:
             if not shared:
@@ -106,7 +111,7 @@ class SidecarWeights:
         async def work():
             t1 = time.monotonic()
             watchdog = None if shared or self.owner is None else asyncio.ensure_future(
-                self._watch_trainer(engines, manifest.push_id))
+                self._stop_stuck_engines(engines, manifest.push_id))
             try:
                 results = await receive()
             finally:
@@ -129,7 +134,55 @@ class SidecarWeights:
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
 
-    async def _watch_trainer(self, engines: list, push_id: str, period_s: float = 0.5, misses: int = 2) -> None:
+    async def _push_overlapped(self, engines: list, manifest: Manifest, pause_mode: str | None, timeout_s: float,
+                               group_name: str | None, t0: float) -> dict:
+        """The bytes arrive while the engines keep generating (weight_sync.engine_sync.stage_on_engines);
+        the engines pause, per `pause_mode`, only for the swap, the prefix-cache reset and the
+        version tag. A push that fails before the swap leaves them serving the old weights, never
+        paused; one whose trainer is lost is given up without stopping them (their receiving
+        thread ends with the group's timeout)."""
+        m = self.manager
+        staging = asyncio.ensure_future(stage_on_engines(engines, manifest, timeout_s, group_name))
+        watchdog = asyncio.ensure_future(self._trainer_lost(manifest.push_id)) if self.owner is not None else None
+        m.receiving += 1
+        try:
+            await asyncio.wait({staging} | ({watchdog} if watchdog else set()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            m.receiving -= 1
+        if not staging.done():  # the trainer is gone, failed or stalled: nothing to wait for
+            staging.cancel()
+            m.counters["failed_pushes"] += 1
+            await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=5, args=(False,)) for e in engines),
+                                 return_exceptions=True)
+            raise WeightSyncError(f"push of version {manifest.version} failed: {watchdog.result()}; nothing was "
+                                  "committed and the engines never paused. init_weight_sync again")
+        if watchdog is not None:
+            watchdog.cancel()
+        staged = staging.result()
+        transfer = time.monotonic() - t0
+        if any(r != "staged" for r in staged):  # every engine raises its reason; none commits
+            results = await finish_on_engines(engines, staged, commit=False, timeout=timeout_s)
+            m.counters["failed_pushes"] += 1
+            await commit_results(engines, [r if isinstance(r, BaseException) else
+                                           RuntimeError("dropped: another engine failed") for r in results],
+                                 manifest.version, "push")
+
+        async def swap():
+            t1 = time.monotonic()
+            results = await finish_on_engines(engines, staged, commit=True, timeout=timeout_s)
+            out = await commit_results(engines, results, manifest.version, "push")
+            m.version = manifest.version
+            m.supervisor.committed(manifest.version)
+            return {**out, "swap_seconds": time.monotonic() - t1}
+
+        out = await m.run_paused(pause_mode, swap)
+        m.counters["pushes"] += 1
+        m.counters["transfer_seconds"] += transfer
+        m.counters["push_seconds"] += time.monotonic() - t0
+        out.pop("worker_results", None)
+        return {**out, "transfer_seconds": transfer, "seconds": time.monotonic() - t0}
+
+    async def _trainer_lost(self, push_id: str, period_s: float = 0.5, misses: int = 2) -> str:
         """During a push over the group the workers wait in the trainer's transfer, where nothing
         reaches them until the group's timeout (minutes). Three ways it cannot finish, noticed here:
         - the trainer is gone: its rendezvous port refuses twice in a row;
@@ -138,8 +191,8 @@ class SidecarWeights:
         - the trainer stalled (frozen, or its link): no bucket marked, or its store silent, for
           `stall_s` once the transfer began (the wait for every worker before it is the
           trainer's, bounded by its own timeout).
-        The engines stuck in the transfer are then stopped, and the supervisor restarts them with
-        the last committed weights (host copy or sibling): the push fails with nothing committed."""
+        Returns how it was lost; the caller stops the push (_stop_stuck_engines when the engines
+        wait in the transfer)."""
         owner, progress = dict(self.owner), PushProgress(self._info, push_id, timeout_s=period_s)
         missed, last, since, reading = 0, None, time.monotonic(), None
         while True:
@@ -165,8 +218,13 @@ class SidecarWeights:
             elif now - since > self.stall_s:
                 why = f"made no progress for {self.stall_s:.0f} s"
                 break
-        log.error("the trainer of group %s %s mid-push: stopping the engines stuck in its transfer",
-                  owner["group_name"], why)
+        return f"the trainer of group {owner['group_name']} {why} mid-push"
+
+    async def _stop_stuck_engines(self, engines: list, push_id: str) -> None:
+        """The engines wait in a transfer that will not finish: stopped, and the supervisor restarts
+        them with the last committed weights (host copy or sibling); nothing is committed."""
+        why = await self._trainer_lost(push_id)
+        log.error("%s: stopping the engines stuck in its transfer", why)
         for e in engines:
             if e.proc.poll() is None:
                 e.proc.kill()

@@ -244,12 +244,12 @@ def test_trainer_killed_mid_push_sidecar_recovers(sidecar, client, trainer, qwen
     assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == hf_greedy(trainer, [9, 10, 11], 8, True)
 
 
-@pytest.mark.parametrize("freeze", ["stalled", "stopped"])
-def test_a_trainer_frozen_mid_push_costs_the_stall_timeout(qwen2_dir, freeze):
+@pytest.mark.parametrize("freeze,overlap", [("stalled", "on"), ("stopped", "on"), ("stopped", "off")])
+def test_a_trainer_frozen_mid_push_costs_the_stall_timeout(qwen2_dir, freeze, overlap):
     """Alive, its port open, no bucket coming (stalled in its own code, or SIGSTOPped so its store
     is silent too): the sidecar gives the push up after --push-stall-timeout, not the group's
     timeout (120 s), and serves the old weights again."""
-    s = Sidecar(qwen2_dir, "--push-stall-timeout", "3")
+    s = Sidecar(qwen2_dir, "--push-stall-timeout", "3", "--overlap-receive", overlap)
     client = RolloutClient(s.url, token=TOKEN)
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, s.url, TOKEN, qwen2_dir, "120"],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -262,7 +262,10 @@ def test_a_trainer_frozen_mid_push_costs_the_stall_timeout(qwen2_dir, freeze):
         assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
         took = time.monotonic() - t0
         assert took < 3 + 1 + 20, took  # the stall timeout, a probe, an engine restart on a loaded machine
-        assert client.stats()["version"] == 0 and client.stats()["failed_pushes"] == 1
+        while client.stats()["failed_pushes"] == 0:  # the engines may serve before the push is given up
+            assert time.monotonic() - t0 < 3 + 1 + 20, "the stalled push was never given up"
+            time.sleep(0.1)
+        assert client.stats()["version"] == 0
     finally:
         proc.kill()
         proc.wait()
