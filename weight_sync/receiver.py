@@ -123,11 +123,15 @@ class WeightSyncExtension:
                 "group_name": group_name, "pid": os.getpid()}
 
     def close_weight_sync(self, drop_staging: bool = True) -> bool:
-        """Leave the group (if any); frees a kept staging buffer too unless told not to."""
+        """Leave the group (if any); frees a kept staging buffer too unless told not to. A group
+        an overlapped push is still arriving over is only left: its receiving thread waits in
+        it, and tearing it down from here would wait for that thread (up to the group's timeout);
+        the thread closes it when it ends."""
         st = self._ws()
-        if st.group is not None:
-            st.group.close()
-            st.group = None
+        g, st.group = st.group, None
+        staged = st.staged
+        if g is not None and not (staged is not None and staged.group is g and staged.thread.is_alive()):
+            g.close()
         if drop_staging:
             st.spare = None
             st.shared = None
@@ -227,6 +231,14 @@ class WeightSyncExtension:
             return {"dropped": m.version}
         self._ws_commit(m, staging, plan)
         return self._ws_done(m, t0, t1, t2, "broadcast, overlapped", len(m.buckets))
+
+    def _ws_close_group(self, g: WeightSyncGroup) -> None:
+        """A push over `g` failed: `g` is torn down, and left if it is still this worker's group
+        (an overlapped push's thread may end after a newer group formed)."""
+        g.close()
+        st = self._ws()
+        if st.group is g:
+            st.group = None
 
     def _ws_stage(self, staged: _Staged, g: WeightSyncGroup, manifest, group_name: str | None) -> None:
         try:
@@ -358,7 +370,7 @@ class WeightSyncExtension:
         try:
             verdict = manifest_vote(g, VOTE_REFUSED if problems else VOTE_OK, m.digest() if m is not None else 0)
         except GroupError as e:
-            self.close_weight_sync(drop_staging=False)
+            self._ws_close_group(g)
             self._ws_release(staging)
             raise RuntimeError(f"weight push failed at the manifest vote, nothing changed; the group is closed: {e}")
         if problems or not verdict.ok:
@@ -394,7 +406,7 @@ class WeightSyncExtension:
             if not commit_vote(g):  # other workers: commit only if every one holds every byte
                 raise GroupError("another rank did not receive every byte")
         except Exception as e:
-            self.close_weight_sync(drop_staging=False)
+            self._ws_close_group(g)
             self._ws_release(staging)
             old = "the checkpoint's weights" if st.version is None else f"version {st.version}"
             raise RuntimeError(
