@@ -87,8 +87,8 @@ class RolloutManager:
         self.started = time.monotonic()
         self.counters = {
             "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
-            "transfer_seconds": 0.0, "pause_seconds": 0.0, "aborted_resubmitted": 0, "stale_restarts": 0,
-            "stale_returned": 0, "failed_pushes": 0, "engine_deaths": 0, "engine_restarts": 0,
+            "transfer_seconds": 0.0, "pause_seconds": 0.0, "pause_wait_seconds": 0.0, "aborted_resubmitted": 0,
+            "stale_restarts": 0, "stale_returned": 0, "failed_pushes": 0, "engine_deaths": 0, "engine_restarts": 0,
             "resubmitted_after_engine_death": 0,
         }
         self.supervisor = EngineSupervisor(engines, engine_factory, max_restarts, restart_window_s,
@@ -255,13 +255,17 @@ class RolloutManager:
             t0 = time.monotonic()
             engines = self.up_engines()
             await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in engines))
+            # the engines stop after the step they are running (in "wait" mode, once their requests
+            # end): that wait is decoding, not a pause, and is counted apart
+            t1 = time.monotonic()
+            self.counters["pause_wait_seconds"] += t1 - t0
             try:
                 if on_paused is not None:
                     await on_paused()
                 return await work()
             finally:
                 await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
-                self.counters["pause_seconds"] += time.monotonic() - t0
+                self.counters["pause_seconds"] += time.monotonic() - t1
 
     # -- health -------------------------------------------------------------------------------
     async def health(self, timeout: float = 30.0) -> dict:

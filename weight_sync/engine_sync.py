@@ -75,7 +75,7 @@ async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeo
 
 
 async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float,
-                           group_name: str | None = None, poll_s: float = 0.002) -> list:
+                           group_name: str | None = None, poll_s: float = 0.01) -> list:
     """The overlapped receive: each engine's `begin_receive_weights(manifest)`, then its
     `staged_weights()` polled (a round trip between two of its steps) until no engine is still
     receiving. One result per engine: "staged", "failed" (finish_on_engines raises why), or the

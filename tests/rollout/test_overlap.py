@@ -1,0 +1,142 @@
+"""Overlapped pushes (issue 15): the bytes arrive while the engines keep generating, and the engines
+pause only for the swap. Real sidecar processes, a real trainer process, gloo on loopback."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine import SamplingParams
+from rollout import RolloutClient, SidecarError
+from tests.engine.helpers import hf_greedy
+from tests.rollout.sidecar import TOKEN, Sidecar
+from tests.rollout.test_engine_faults import _perturbed
+from weight_sync import weights_checksum
+
+pytestmark = pytest.mark.timeout(300)
+
+# A trainer whose transfer stops for a while at bucket 3 (a slow link), then goes on or dies there.
+SLOW_TRAINER = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+from rollout import RolloutClient
+url, token, model, pause_s = sys.argv[1:5]
+client = RolloutClient(url, token=token)
+client.init_weight_sync(bucket_bytes=256 * 1024, take_over=True)
+m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+with torch.no_grad():
+    for p in m.parameters():
+        p.mul_(1.5)
+def slow(k, n):
+    if k == 3:
+        print(json.dumps({"at": k}), flush=True)
+        time.sleep(float(pause_s))
+out = client.push_weights(m, version=7, progress=slow)
+print(json.dumps({"done": out["version"]}), flush=True)
+"""
+
+
+def _trainer(sidecar, model_dir, pause_s):
+    return subprocess.Popen([sys.executable, "-c", SLOW_TRAINER, sidecar.url, TOKEN, model_dir, str(pause_s)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def _requests_finished_meanwhile(client, seconds: float) -> int:
+    """Short requests sent back to back for `seconds`: how many came back."""
+    done, stop = [0], time.monotonic() + seconds
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        def loop():
+            c = RolloutClient(client.urls[0], token=TOKEN)
+            try:
+                while time.monotonic() < stop:
+                    c.generate([[5, 6, 7]], params)
+                    done[0] += time.monotonic() < stop  # came back within the window
+            finally:
+                c.close()
+        pool.submit(loop).result()
+    return done[0]
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_rollouts_go_on_while_a_push_arrives(qwen2_dir, overlap):
+    """A transfer held up for 3 s at bucket 3: with the overlapped receive requests keep coming
+    back meanwhile; with the engines paused for the transfer, none does."""
+    s = Sidecar(qwen2_dir, "--overlap-receive", overlap)
+    client = RolloutClient(s.url, token=TOKEN)
+    trainer = _trainer(s, qwen2_dir, 3)
+    try:
+        assert json.loads(trainer.stdout.readline()) == {"at": 3}
+        served = _requests_finished_meanwhile(client, 1.5)
+        assert json.loads(trainer.stdout.readline()) == {"done": 7}
+        assert client.stats()["version"] == 7
+        if overlap == "on":
+            assert served > 3
+            assert client.stats()["pause_seconds"] < 0.5  # the swap only, not the 3 s transfer
+        else:
+            assert served == 0
+    finally:
+        trainer.kill()
+        trainer.wait()
+        client.close()
+        s.stop()
+
+
+def test_a_trainer_killed_mid_transfer_never_pauses_the_engines(qwen2_dir, hf_models):
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    trainer = _trainer(s, qwen2_dir, 3600)
+    try:
+        prompt = [9, 10, 11]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        before = client.generate([prompt], params)[0][0].token_ids
+        core = client.health()["engine_states"][0]["pid"]
+        assert json.loads(trainer.stdout.readline()) == {"at": 3}
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 15
+        while client.stats()["failed_pushes"] == 0:  # noticed within a couple of seconds
+            assert time.monotonic() < deadline, "the push of a dead trainer was never given up"
+            time.sleep(0.1)
+        stats, health = client.stats(), client.health()
+        assert stats["pause_seconds"] == 0 and stats["version"] == 0 and stats["engine_restarts"] == 0
+        assert health["engine_states"][0]["pid"] == core  # not restarted: it never waited in the transfer
+        assert client.generate([prompt], params)[0][0].token_ids == before
+        # the next trainer forms a new group and pushes
+        new = _perturbed(hf_models["qwen2"], 9)
+        client.init_weight_sync()
+        client.push_weights(new, version=8)
+        assert client.weights_checksums() == [weights_checksum(new.named_parameters())]
+        assert client.generate([prompt], params)[0][0].token_ids == hf_greedy(new, prompt, 8, ignore_eos=True)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        client.close()
+        s.stop()
+
+
+def test_a_bad_manifest_is_refused_without_a_pause(qwen2_dir, hf_models):
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        bad = [(n, t) for n, t in hf_models["qwen2"].named_parameters() if "layers.0." not in n]  # names missing
+        load = threading.Thread(target=_requests_finished_meanwhile, args=(client, 2.0))
+        load.start()
+        with pytest.raises(SidecarError, match="missing") as e:
+            client.push_weights(bad, version=3)
+        load.join()
+        assert e.value.kind == "refused"
+        stats = client.stats()
+        assert stats["pause_seconds"] == 0 and stats["pause_wait_seconds"] == 0 and stats["version"] == 0
+        client.push_weights(hf_models["qwen2"], version=3)  # the group is still usable
+        assert client.stats()["version"] == 3
+    finally:
+        client.close()
+        s.stop()
