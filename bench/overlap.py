@@ -64,11 +64,13 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
         async def window_rate(push_every: float | None) -> float:
             nonlocal version
             start, t0 = tokens[0], time.perf_counter()
+            next_push = t0 + (push_every or 0)
             while time.perf_counter() - t0 < window:
                 if push_every is None:
                     await asyncio.sleep(0.1)
                     continue
-                await asyncio.sleep(push_every)
+                await asyncio.sleep(max(0.0, next_push - time.perf_counter()))  # one push starts every interval
+                next_push += push_every
                 version += 1
                 await client.push_weights(trainer, version=version)
             return (tokens[0] - start) / (time.perf_counter() - t0)
