@@ -1,7 +1,8 @@
 """The rollout layer: the sidecar server (`python -m rollout.serve`), its manager, and the
 trainer's client."""
 
-from rollout.client import AsyncRolloutClient, RolloutClient
+from rollout.blocking_client import RolloutClient
+from rollout.client import AsyncRolloutClient
 from rollout.sidecar_link import SidecarError, SidecarGoneError
 from rollout.types import Rollout
 

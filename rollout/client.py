@@ -1,4 +1,6 @@
-"""The trainer's side: `AsyncRolloutClient` (asyncio) and `RolloutClient` (blocking twin).
+"""The trainer's side: `AsyncRolloutClient` (asyncio): its sidecar links, calls, generation and
+status here; its weight-sync calls in rollout/client_weights.py; its blocking twin
+`RolloutClient` in rollout/blocking_client.py.
 
 One client can drive several sidecars: prompts are spread over them, and one weight-sync group
 spans them all (the trainer is rank 0; each sidecar's workers take the next ranks). The set is
@@ -14,7 +16,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -22,6 +24,7 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
 from rollout import protocol as P
+from rollout.client_weights import WeightSyncCalls
 from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink
 from rollout.types import Rollout
 
@@ -37,7 +40,7 @@ def _params_wire(params, n_prompts: int):
     return params.to_dict()
 
 
-class AsyncRolloutClient:
+class AsyncRolloutClient(WeightSyncCalls):
     def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -288,182 +291,6 @@ class AsyncRolloutClient:
                 return
         raise ValueError(f"sidecar {url} is not in use")
 
-    async def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
-                               bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
-        """Form one weight-sync group with every sidecar's workers; this trainer is rank 0.
-        One trainer owns a sidecar's weight sync at a time: while another one's group is open and
-        its trainer alive, this raises SidecarError (kind "refused") unless `take_over=True`.
-        A joining sidecar (add_sidecar) that cannot join is dropped with a warning instead."""
-        from rollout.weights import owned_message
-        from weight_sync.sender import WeightSender
-
-        group = self.sender.group if self.sender is not None else None
-        members, health = [], []
-        for i, h in await self._settled_health(timeout_s):
-            owner = h.get("weight_sync_owner")
-            mine = group is not None and owner and owner["group_name"] == group.group_name
-            if owner and owner["alive"] and not take_over and not mine:  # refused before opening a group
-                why = owned_message(owner["group_name"])
-                if self._links[i].state == JOINING:
-                    self._drop(i, f"could not join: {why}")
-                    continue
-                raise SidecarError(f"init_weight_sync refused by {self._links[i].url}: {why}", "refused")
-            members.append(i)
-            health.append(h)
-        self._init_args = {"host": host, "port": port, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes,
-                           "device": device}  # a regroup forms the next group the same way
-        workers = [h["workers"] for h in health]
-        world = 1 + sum(workers)
-        if self.sender is None:
-            kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-            self.sender = WeightSender(device=device, timeout_s=timeout_s, **kw)
-        info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
-        offsets = list(itertools.accumulate([1] + workers[:-1]))
-        sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
-                                      rank_offset=offset, group_name=info["group_name"], timeout_s=timeout_s,
-                                      secret=info["secret"], take_over=take_over))
-                for i, offset in zip(members, offsets)]
-        join = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
-        replies = await asyncio.gather(*(self._reply(i, cid, q, "init_weight_sync", timeout_s + 60)
-                                         for i, cid, q in sent), return_exceptions=True)
-        joined = (await asyncio.gather(join, return_exceptions=True))[0]
-        errors = [r for r in replies if isinstance(r, BaseException)]
-        if errors or isinstance(joined, BaseException):
-            self.sender.close_group()
-            raise SidecarError("init_weight_sync failed: " + "; ".join(str(e) for e in errors or [joined]))
-        self._members = tuple(members)
-        return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
-
-    async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                           timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
-        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
-        delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
-        sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
-        serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out.
-        `transport="shared"`: sidecars on this machine read the weights from memory the trainer
-        shares (weight_sync.shared; `flatten_parameters(model, shared=True)` first): no group,
-        no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC).
-        The group follows the sidecars: one added joins it here, one that went is left out of it;
-        a sidecar that goes during the push costs one more try with the others."""
-        from weight_sync.push import run_push
-
-        if transport == "shared":
-            return await self._push_shared(model_or_named_tensors, version, pause_mode, timeout_s)
-        if transport != "group":
-            raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
-        if self.sender is None or (self.sender.group is None and self._init_args is None):
-            raise SidecarError("init_weight_sync() first")
-
-        def deliver(manifest) -> list:
-            group_name = self.sender.group.group_name
-            return [(self._links[i].url, self._push_call(i, manifest.to_wire(), pause_mode, timeout_s, group_name))
-                    for i in self._members]
-
-        for attempt in range(3):
-            if self.sender.group is None or self._members != tuple(self._in(ACTIVE, JOINING)):
-                # a new group: the last one failed and closed, or a sidecar joined or went since
-                await self.init_weight_sync(**self._init_args, take_over=True)
-            outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
-            if not outcome.errors:
-                break
-            if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
-                log.warning("a sidecar's engines changed since the weight-sync group formed: forming a new group")
-                self.sender.close_group()
-                continue
-            if not self._leave_out_failed_sidecars(outcome):
-                break
-        if outcome.errors:
-            raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
-                               "refused" if outcome.refused else "")
-        self._pushed_to(self._members, version)
-        return {"version": version, "trainer": outcome.trainer, "sidecars": outcome.results}
-
-    def _leave_out_failed_sidecars(self, outcome) -> bool:
-        """After a failed push: True when trying again without some sidecar can help: one went
-        during the push, or one still joining failed it (dropped, with a warning)."""
-        again = False
-        for i, result in zip(self._members, outcome.results):
-            link = self._links[i]
-            if link.state == DROPPED:
-                again = True
-            elif link.state == JOINING and isinstance(result, BaseException):
-                self._drop(i, f"could not join: {result}")
-                again = True
-        if again:
-            log.warning("push failed (%s): once more without the sidecars that went", " | ".join(outcome.errors))
-        return again
-
-    def _pushed_to(self, members, version: int) -> None:
-        """A push committed on `members`: joining ones now hold the newest weights and serve."""
-        self._pushed = version
-        for i in members:
-            if self._links[i].state == JOINING:
-                self._links[i].state = ACTIVE
-                log.info("sidecar %s holds version %d and serves", self._links[i].url, version)
-
-    async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float) -> dict:
-        from weight_sync.sender import WeightSender
-        from weight_sync.shared import export_weights
-        from weight_sync.trainer_weights import named_weights
-
-        from weight_sync.trainer_ranks import DONE, tell_peers
-
-        if self.sender is None:
-            self.sender = WeightSender(timeout_s=timeout_s)
-        try:
-            prepared = self.sender.prepare(weights, version)
-            with named_weights(prepared.weights) as named:
-                shared = export_weights(prepared.manifest, named)
-        finally:
-            tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
-        wire = prepared.manifest.to_wire()
-        members = self._in(ACTIVE, JOINING)
-        sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
-                                      timeout_s=timeout_s, shared=shared)) for i in members]
-        replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in sent),
-                                       return_exceptions=True)
-        errors = [str(r) for r in replies if isinstance(r, BaseException)]
-        if errors:
-            raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))
-        self._pushed_to(members, version)
-        return {"version": version, "sidecars": replies}
-
-    async def _push_call(self, i: int, manifest: dict, pause_mode: str | None, timeout_s: float,
-                         group_name: str) -> dict:
-        """Sidecar i pauses its engines, which receive the push in the trainer's group."""
-        call_id, q = await self._send(i, P.PushWeights, manifest=manifest, pause_mode=pause_mode or "",
-                                      timeout_s=timeout_s, group_name=group_name)
-        return await self._reply(i, call_id, q, "push_weights", timeout_s + 60)
-
-    async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
-                           timeout_s: float = 300.0) -> list[dict]:
-        """The file fallback: every sidecar's engines load the push that
-        `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
-        every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
-        members = self._in(ACTIVE, JOINING)
-        out = await self._call_all(P.LoadWeights, "load_weights", timeout_s, path=str(path), version=int(version),
-                                   pause_mode=pause_mode or "")
-        self._pushed_to([i for i in members if self._links[i].state != DROPPED], version)
-        return out
-
-    async def close_weight_sync(self) -> None:
-        await self._call_all(P.CloseWeightSync, "close_weight_sync", states=(ACTIVE, JOINING))
-        self._init_args = None
-        self._members = ()
-        if self.sender is not None:
-            self.sender.close_group()
-
-    def checksum_of(self, model_or_named_tensors) -> str:
-        """The checksum every engine's `weights_checksums()` entry equals after pushing this
-        model (in the push's dtype); for checking a push."""
-        if self.sender is None:
-            raise SidecarError("init_weight_sync() first")
-        return self.sender.checksum(model_or_named_tensors)
-
-    async def weights_checksums(self) -> list[str]:
-        """Every worker's weights checksum, active sidecars in order (compare with WeightSender.checksum)."""
-        return [c for per in await self._call_all(P.Checksum, "checksum", timeout=120, states=(ACTIVE,)) for c in per]
-
     # -- sharing a GPU ------------------------------------------------------------------------
     async def sleep(self, level: int = 1) -> None:
         """Every engine frees its KV cache (level 1) or its weights too (level 2), for a trainer
@@ -498,98 +325,3 @@ def _release_sockets(ctx: zmq.Context, socks: list) -> None:
     for s in socks:
         s.close(0)
     ctx.term()
-
-
-def _abandon(loop: asyncio.AbstractEventLoop, client: AsyncRolloutClient) -> None:
-    """A RolloutClient dropped without close(): close it on its own (idle) loop, bounded."""
-    try:
-        loop.run_until_complete(asyncio.wait_for(client.close(), 5))
-    except Exception as e:  # noqa: BLE001 - a finalizer must not raise; the sockets go below anyway
-        log.warning("closing a dropped RolloutClient: %s", e)
-    client._release()
-    loop.close()
-
-
-class RolloutClient:
-    """Blocking twin of AsyncRolloutClient (runs it on a private event loop)."""
-
-    def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
-        self._loop = asyncio.new_event_loop()
-        self._client = self._run(_make(urls, token, timeout_s))
-        self._abandon = weakref.finalize(self, _abandon, self._loop, self._client)
-
-    def _run(self, coro):
-        return self._loop.run_until_complete(coro)
-
-    @property
-    def urls(self) -> list[str]:
-        return self._client.urls
-
-    def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
-        return self._run(self._client.generate(prompts, sampling_params))
-
-    def generate_iter(self, prompts: list, sampling_params=None) -> Iterator[tuple[int, list[Rollout]]]:
-        agen = self._client.generate_iter(prompts, sampling_params)
-        try:
-            while True:
-                try:
-                    yield self._run(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(agen.aclose())
-
-    def add_sidecar(self, url: str) -> None:
-        self._run(self._client.add_sidecar(url))
-
-    def remove_sidecar(self, url: str) -> None:
-        self._run(self._client.remove_sidecar(url))
-
-    def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
-                         bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
-        return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over))
-
-    def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                     timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
-        return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                   transport))
-
-    def load_weights(self, path: str, version: int, pause_mode: str | None = None,
-                     timeout_s: float = 300.0) -> list[dict]:
-        return self._run(self._client.load_weights(path, version, pause_mode, timeout_s))
-
-    def close_weight_sync(self) -> None:
-        self._run(self._client.close_weight_sync())
-
-    def weights_checksums(self) -> list[str]:
-        return self._run(self._client.weights_checksums())
-
-    def checksum_of(self, model_or_named_tensors) -> str:
-        return self._client.checksum_of(model_or_named_tensors)
-
-    def sleep(self, level: int = 1) -> None:
-        self._run(self._client.sleep(level))
-
-    def wake_up(self) -> None:
-        self._run(self._client.wake_up())
-
-    def stats(self) -> list[dict] | dict:
-        s = self._run(self._client.stats())
-        return s[0] if self._client.single else s
-
-    def health(self) -> list[dict] | dict:
-        h = self._run(self._client.health())
-        return h[0] if self._client.single else h
-
-    def close(self) -> None:
-        self._abandon()  # the same steps as for a dropped client, once
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-async def _make(urls, token, timeout_s) -> AsyncRolloutClient:
-    return AsyncRolloutClient(urls, token, timeout_s)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import time
 import weakref
 from collections import deque
@@ -42,6 +41,7 @@ import torch
 from weight_sync.checksum import weights_checksum as _checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
+from weight_sync.overlapped_receive import OverlappedReceive
 from weight_sync.manifest import (
     DTYPES, Manifest, model_params, param_infos, validate_manifest,
 )
@@ -68,20 +68,10 @@ class _SyncState:
     # releasing them (sleep level 2, refused before this check).
     validated: tuple | None = None
     shared: tuple | None = None  # (handle key, mapped tensor) of the trainer's shared buffer (weight_sync.shared)
-    staged: "_Staged | None" = None  # an overlapped push (begin_receive_weights), until committed or dropped
+    staged: object = None  # an overlapped push (weight_sync.overlapped_receive), until committed or dropped
 
 
-@dataclass
-class _Staged:
-    """An overlapped push received on a thread of its own while the engine steps."""
-
-    thread: threading.Thread
-    group: "WeightSyncGroup"  # the group it arrives over (a later group's push may replace it)
-    error: BaseException | None = None
-    ready: tuple | None = None  # (manifest, staging buffer, commit plan, t0, t1, t2) once every byte is in
-
-
-class WeightSyncExtension:
+class WeightSyncExtension(OverlappedReceive):
     """Worker extension (no __init__: the worker's own constructor runs; state lives in
     `self._ws_state`). Uses the worker's `self.model`, `self.device`, `self.cfg`."""
 
@@ -187,51 +177,6 @@ class WeightSyncExtension:
         del plan
         return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
 
-    # -- RPC: overlapped pushes (the engine keeps stepping while the bytes arrive) --------------
-    def begin_receive_weights(self, manifest, group_name: str | None = None) -> bool:
-        """receive_weights' check, vote, buckets and commit vote, on a thread of its own: the
-        engine's main loop keeps stepping with the current weights meanwhile. `staged_weights()`
-        says when every byte is in; `finish_staged_weights(commit=True)` then swaps them in
-        between two steps (a pointer swap: it does not grow with the model)."""
-        st = self._ws()
-        g = self._ws_group(group_name)
-        old = st.staged
-        if old is not None and old.group is g and old.thread.is_alive():
-            raise RuntimeError("a push is already being received")
-        if old is not None and old.ready is not None:  # never finished (its push was given up): its buffer goes
-            self._ws_release(old.ready[1])
-        staged = _Staged(threading.Thread(target=lambda: self._ws_stage(staged, g, manifest, group_name),
-                                          name="weight-sync-receive", daemon=True), g)
-        st.staged = staged
-        staged.thread.start()
-        return True
-
-    def staged_weights(self) -> str:
-        """"none", "receiving", "staged" (every byte in, the commit vote passed) or "failed"."""
-        staged = self._ws().staged
-        if staged is None:
-            return "none"
-        if staged.thread.is_alive():
-            return "receiving"
-        return "failed" if staged.error is not None else "staged"
-
-    def finish_staged_weights(self, commit: bool = True) -> dict:
-        """Ends an overlapped push: raises its error if it failed (a refusal as PushRefused, as
-        receive_weights would); else commits it (or, `commit=False`, drops it)."""
-        st = self._ws()
-        staged, st.staged = st.staged, None
-        if staged is None or staged.thread.is_alive():
-            st.staged = staged
-            raise RuntimeError("no received push to finish" if staged is None else "the push is still arriving")
-        if staged.error is not None:
-            raise staged.error
-        m, staging, plan, t0, t1, t2 = staged.ready
-        if not commit:
-            self._ws_release(staging)
-            return {"dropped": m.version}
-        self._ws_commit(m, staging, plan)
-        return self._ws_done(m, t0, t1, t2, "broadcast, overlapped", len(m.buckets))
-
     def _ws_close_group(self, g: WeightSyncGroup) -> None:
         """A push over `g` failed: `g` is torn down, and left if it is still this worker's group
         (an overlapped push's thread may end after a newer group formed)."""
@@ -239,19 +184,6 @@ class WeightSyncExtension:
         st = self._ws()
         if st.group is g:
             st.group = None
-
-    def _ws_stage(self, staged: _Staged, g: WeightSyncGroup, manifest, group_name: str | None) -> None:
-        try:
-            t0 = time.perf_counter()
-            m, staging, problems = self._ws_check_and_stage(manifest)
-            if group_name is not None and m is not None:
-                self._ws_mark_ready(g, m.push_id)
-            self._ws_vote(g, m, staging, problems)
-            t1 = time.perf_counter()
-            plan = self._ws_receive(g, m, staging)
-            staged.ready = (m, staging, plan, t0, t1, time.perf_counter())
-        except BaseException as e:  # noqa: BLE001 - handed to finish_staged_weights
-            staged.error = e
 
     def receive_weights_shared(self, manifest, handle: dict) -> dict:
         """A push with no process group (weight_sync.shared): map the trainer's buffer, check it
