@@ -6,7 +6,6 @@ protocol, in weight_sync/README.md ("Overlapped receive")."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 from weight_sync.group import WeightSyncGroup
@@ -70,13 +69,6 @@ class OverlappedReceive:
 
     def _ws_stage(self, staged: _Staged, g: WeightSyncGroup, manifest, group_name: str | None) -> None:
         try:
-            t0 = time.perf_counter()
-            m, staging, problems = self._ws_check_and_stage(manifest)
-            if group_name is not None and m is not None:
-                self._ws_mark_ready(g, m.push_id)
-            self._ws_vote(g, m, staging, problems)
-            t1 = time.perf_counter()
-            plan = self._ws_receive(g, m, staging)
-            staged.ready = (m, staging, plan, t0, t1, time.perf_counter())
+            staged.ready = self._ws_arrive(g, manifest, group_name)
         except BaseException as e:  # noqa: BLE001 - handed to finish_staged_weights
             staged.error = e

@@ -164,18 +164,24 @@ class WeightSyncExtension(OverlappedReceive):
         RuntimeError if it failed (nothing changed, group closed: init_weight_sync again).
         `group_name`: the trainer's group, given by a trainer that votes only once every worker
         marked itself ready (weight_sync.push); a worker in another group (or none) fails at once."""
-        t0 = time.perf_counter()
         g = self._ws_group(group_name)
+        m, staging, plan, t0, t1, t2 = self._ws_arrive(g, manifest, group_name)
+        self._ws_commit(m, staging, plan)
+        del plan
+        return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
+
+    def _ws_arrive(self, g: WeightSyncGroup, manifest, group_name: str | None) -> tuple:
+        """Check and stage, mark ready, vote, receive every bucket, commit vote: everything of a
+        push but its commit. Returns (manifest, staging, commit plan, t0, t1, t2); raises as
+        receive_weights does."""
+        t0 = time.perf_counter()
         m, staging, problems = self._ws_check_and_stage(manifest)
         if group_name is not None and m is not None:
             self._ws_mark_ready(g, m.push_id)
         self._ws_vote(g, m, staging, problems)
         t1 = time.perf_counter()
         plan = self._ws_receive(g, m, staging)
-        t2 = time.perf_counter()
-        self._ws_commit(m, staging, plan)
-        del plan
-        return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
+        return m, staging, plan, t0, t1, time.perf_counter()
 
     def _ws_close_group(self, g: WeightSyncGroup) -> None:
         """A push over `g` failed: `g` is torn down, and left if it is still this worker's group
