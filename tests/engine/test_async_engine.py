@@ -95,7 +95,9 @@ def test_slow_consumer_gets_merged_outputs(engine, loop):
 
     outs = loop.run_until_complete(run())
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 40
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 39]
+    # two reads: the first (one token, or a few when the consumer's first wake came late on a
+    # loaded machine) and everything since in one merged output
+    assert len(outs) == 2 and len(outs[0].outputs[0].token_ids) >= 1, [len(o.outputs[0].token_ids) for o in outs]
 
 
 def test_cancel_aborts_the_request(engine, loop):
