@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from engine import SamplingParams
 from engine.errors import EngineDeadError
 from engine.stop_checker import first_stop_string
+from rollout.manager import continuation_params
 from rollout.supervision import NoEngineError
 
 
@@ -64,93 +65,18 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, s
     exactly one delta whose finish_reason is set. Leaving early aborts every engine request.
     `stream=False`: each engine request answers once, at its end (fewer, larger deltas). The
     engines do not decode text here: the caller does, once per delta."""
-    kind = "delta" if stream else "final"
-    out: asyncio.Queue = asyncio.Queue()
-    samples = [_Progress() for _ in range(params.n)]
-    tasks: set[asyncio.Task] = set()
-
-    def spawn(coro) -> None:
-        t = asyncio.ensure_future(coro)
-        tasks.add(t)
-        t.add_done_callback(ended)
-
-    def ended(t: asyncio.Task) -> None:
-        tasks.discard(t)
-        out.put_nowait(None if t.cancelled() else t.exception())  # None: just a wake-up
-
-    async def first() -> None:
-        cut: list[int] = []
-        try:
-            async for ro in manager._stream(prompt_ids, replace(params, output_kind=kind, detokenize=False)):
-                for c in ro.outputs:
-                    if c.finish_reason == "abort":
-                        emit(c.index, c, None)
-                        cut.append(c.index)
-                    elif c.token_ids or c.finish_reason:
-                        emit(c.index, c, c.finish_reason)
-        except NoEngineError:
-            raise
-        except EngineDeadError as e:  # every sample not finished goes on elsewhere, from its tokens so far
-            manager.counters["resubmitted_after_engine_death"] += 1
-            for c in getattr(e, "partial", None).outputs if getattr(e, "partial", None) else ():
-                if not samples[c.index].done:  # the partial is cumulative: only what was not handed out
-                    emit(c.index, _tail(c, len(samples[c.index].token_ids)), None)
-            cut = [i for i, s in enumerate(samples) if not s.done]
-        for i in cut:
-            spawn(go_on(i))
-
-    def emit(i: int, c, finish: str | None, upto: int | None = None) -> None:
-        k = len(c.token_ids) if upto is None else upto
-        s = samples[i]
-        s.token_ids += c.token_ids[:k]
-        s.done = finish is not None
-        top = None if c.top_logprobs is None else c.top_logprobs[:k]
-        out.put_nowait(SampleDelta(i, c.token_ids[:k], c.logprobs[:k], c.weight_versions[:k], top, finish,
-                                   c.stop_reason if finish else None))
-
-    async def go_on(i: int) -> None:
-        """Sample i from its tokens so far, until it ends for real."""
-        attempt = 0
-        while not samples[i].done:
-            attempt += 1
-            manager.counters["aborted_resubmitted"] += 1
-            done_so_far = len(samples[i].token_ids)
-            left = None if params.max_tokens is None else params.max_tokens - done_so_far
-            seed = None if params.seed is None else params.seed + 7919 * attempt + i
-            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind=kind, detokenize=False)
-            try:
-                async for ro in manager._stream(prompt_ids + samples[i].token_ids, cont):
-                    c = ro.outputs[0]
-                    if c.finish_reason == "abort":
-                        emit(i, c, None)
-                        break
-                    hit = None
-                    if params.stop and c.token_ids:  # over the whole completion: it may straddle the cut
-                        before = len(samples[i].token_ids)
-                        hit = first_stop_string(samples[i].token_ids + c.token_ids, params.stop, manager.tokenizer,
-                                                before)
-                    if hit is not None:
-                        emit(i, replace(c, stop_reason=hit[1]), "stop", upto=max(0, hit[0] - len(samples[i].token_ids)))
-                        return
-                    emit(i, c, c.finish_reason)
-                    if c.finish_reason:
-                        return
-            except NoEngineError:
-                raise
-            except EngineDeadError:
-                manager.counters["resubmitted_after_engine_death"] += 1
-
+    group = _GroupStream(manager, prompt_ids, params, "delta" if stream else "final")
     manager.counters["groups_in_flight"] += 1
-    manager.streams.add(out)
-    spawn(first())
+    manager.streams.add(group.out)
+    group.spawn(group.first())
     finished = 0  # samples whose last delta was handed out
     try:
         while finished < params.n:
-            item = await out.get()
+            item = await group.out.get()
             if isinstance(item, BaseException):
                 raise item
             if item is None:
-                if not tasks and out.empty():
+                if not group.tasks and group.out.empty():
                     raise RuntimeError("a sample's stream ended without finishing")  # a bug, not a hang
                 continue
             if item.finish_reason:
@@ -159,8 +85,94 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, s
             manager.counters["generated_tokens"] += len(item.token_ids)
             yield item
     finally:
-        manager.streams.discard(out)
+        manager.streams.discard(group.out)
         manager.counters["groups_in_flight"] -= 1
-        for t in list(tasks):
+        await group.cancel()
+
+
+class _GroupStream:
+    """The engine requests behind one streamed group: the first (all n samples), then one per
+    cut sample, each putting SampleDeltas (or its error, or None as a wake-up when it ends) on
+    `out`."""
+
+    def __init__(self, manager, prompt_ids: list[int], params: SamplingParams, kind: str):
+        self.manager, self.prompt_ids, self.params, self.kind = manager, prompt_ids, params, kind
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.samples = [_Progress() for _ in range(params.n)]
+        self.tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self._ended)
+
+    def _ended(self, t: asyncio.Task) -> None:
+        self.tasks.discard(t)
+        self.out.put_nowait(None if t.cancelled() else t.exception())  # None: just a wake-up
+
+    async def cancel(self) -> None:
+        for t in list(self.tasks):
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def emit(self, i: int, c, finish: str | None, upto: int | None = None) -> None:
+        k = len(c.token_ids) if upto is None else upto
+        s = self.samples[i]
+        s.token_ids += c.token_ids[:k]
+        s.done = finish is not None
+        top = None if c.top_logprobs is None else c.top_logprobs[:k]
+        self.out.put_nowait(SampleDelta(i, c.token_ids[:k], c.logprobs[:k], c.weight_versions[:k], top, finish,
+                                        c.stop_reason if finish else None))
+
+    async def first(self) -> None:
+        m, cut = self.manager, []
+        try:
+            params = replace(self.params, output_kind=self.kind, detokenize=False)
+            async for ro in m._stream(self.prompt_ids, params):
+                for c in ro.outputs:
+                    if c.finish_reason == "abort":
+                        self.emit(c.index, c, None)
+                        cut.append(c.index)
+                    elif c.token_ids or c.finish_reason:
+                        self.emit(c.index, c, c.finish_reason)
+        except NoEngineError:
+            raise
+        except EngineDeadError as e:  # every sample not finished goes on elsewhere, from its tokens so far
+            m.counters["resubmitted_after_engine_death"] += 1
+            partial = getattr(e, "partial", None)
+            for c in partial.outputs if partial is not None else ():
+                if not self.samples[c.index].done:  # the partial is cumulative: only what was not handed out
+                    self.emit(c.index, _tail(c, len(self.samples[c.index].token_ids)), None)
+            cut = [i for i, s in enumerate(self.samples) if not s.done]
+        for i in cut:
+            self.spawn(self.go_on(i))
+
+    async def go_on(self, i: int) -> None:
+        """Sample i from its tokens so far, until it ends for real."""
+        m, params, sample = self.manager, self.params, self.samples[i]
+        attempt = 0
+        while not sample.done:
+            attempt += 1
+            m.counters["aborted_resubmitted"] += 1
+            cont = continuation_params(params, len(sample.token_ids), attempt, i, output_kind=self.kind,
+                                       detokenize=False)
+            try:
+                async for ro in m._stream(self.prompt_ids + sample.token_ids, cont):
+                    c = ro.outputs[0]
+                    if c.finish_reason == "abort":
+                        self.emit(i, c, None)
+                        break
+                    before = len(sample.token_ids)
+                    hit = None
+                    if params.stop and c.token_ids:  # over the whole completion: it may straddle the cut
+                        hit = first_stop_string(sample.token_ids + c.token_ids, params.stop, m.tokenizer, before)
+                    if hit is not None:
+                        self.emit(i, replace(c, stop_reason=hit[1]), "stop", upto=max(0, hit[0] - before))
+                        return
+                    self.emit(i, c, c.finish_reason)
+                    if c.finish_reason:
+                        return
+            except NoEngineError:
+                raise
+            except EngineDeadError:
+                m.counters["resubmitted_after_engine_death"] += 1

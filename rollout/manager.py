@@ -32,6 +32,14 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+def continuation_params(params: SamplingParams, done: int, attempt: int, index: int, **overrides) -> SamplingParams:
+    """The params that go on with sample `index` of a request after it was cut with `done` tokens
+    (its `attempt`-th resubmission): one sample, the tokens left, a seed of its own per attempt."""
+    left = None if params.max_tokens is None else params.max_tokens - done
+    seed = None if params.seed is None else params.seed + 7919 * attempt + index
+    return replace(params, n=1, max_tokens=left, seed=seed, **overrides)
+
+
 class _Sample:
     """One sample being assembled from one or more engine requests."""
 
@@ -163,9 +171,7 @@ class RolloutManager:
         while sample.finish_reason == "abort":
             attempt += 1
             self.counters["aborted_resubmitted"] += 1
-            left = None if params.max_tokens is None else params.max_tokens - len(sample.token_ids)
-            seed = None if params.seed is None else params.seed + 7919 * attempt + sample.index
-            cont = replace(params, n=1, max_tokens=left, seed=seed, output_kind="final")
+            cont = continuation_params(params, len(sample.token_ids), attempt, sample.index, output_kind="final")
             if params.stop:
                 await self._continue_watching_stops(prompt_ids, cont, sample)
             else:

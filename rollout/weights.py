@@ -118,18 +118,28 @@ class SidecarWeights:
                 if watchdog is not None:
                     watchdog.cancel()
             transfer = time.monotonic() - t1
-            try:
-                out = await commit_results(engines, results, manifest.version, "push")
-            except Exception:
-                m.counters["failed_pushes"] += 1
-                raise
-            m.version = manifest.version
-            m.supervisor.committed(manifest.version)
-            m.counters["transfer_seconds"] += transfer
-            return {**out, "transfer_seconds": transfer}
+            return {**await self._commit(engines, results, manifest.version), "transfer_seconds": transfer}
 
-        out = await m.run_paused(pause_mode, work, on_paused)
+        return self._pushed(await m.run_paused(pause_mode, work, on_paused), t0)
+
+    async def _commit(self, engines: list, results: list, version: int) -> dict:
+        """The engines' results of a push (weight_sync.engine_sync.commit_results); the sidecar
+        serves `version` once every engine committed it, and counts a failed push otherwise."""
+        m = self.manager
+        try:
+            out = await commit_results(engines, results, version, "push")
+        except Exception:
+            m.counters["failed_pushes"] += 1
+            raise
+        m.version = version
+        m.supervisor.committed(version)
+        return out
+
+    def _pushed(self, out: dict, t0: float) -> dict:
+        """A committed push's counters and reply (`out` holds its transfer_seconds)."""
+        m = self.manager
         m.counters["pushes"] += 1
+        m.counters["transfer_seconds"] += out["transfer_seconds"]
         m.counters["push_seconds"] += time.monotonic() - t0
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
@@ -162,25 +172,17 @@ class SidecarWeights:
         transfer = time.monotonic() - t0
         if any(r != "staged" for r in staged):  # every engine raises its reason; none commits
             results = await finish_on_engines(engines, staged, commit=False, timeout=timeout_s)
-            m.counters["failed_pushes"] += 1
-            await commit_results(engines, [r if isinstance(r, BaseException) else
-                                           RuntimeError("dropped: another engine failed") for r in results],
-                                 manifest.version, "push")
+            await self._commit(engines, [r if isinstance(r, BaseException) else
+                                         RuntimeError("dropped: another engine failed") for r in results],
+                               manifest.version)
 
         async def swap():
             t1 = time.monotonic()
             results = await finish_on_engines(engines, staged, commit=True, timeout=timeout_s)
-            out = await commit_results(engines, results, manifest.version, "push")
-            m.version = manifest.version
-            m.supervisor.committed(manifest.version)
-            return {**out, "swap_seconds": time.monotonic() - t1}
+            out = await self._commit(engines, results, manifest.version)
+            return {**out, "swap_seconds": time.monotonic() - t1, "transfer_seconds": transfer}
 
-        out = await m.run_paused(pause_mode, swap)
-        m.counters["pushes"] += 1
-        m.counters["transfer_seconds"] += transfer
-        m.counters["push_seconds"] += time.monotonic() - t0
-        out.pop("worker_results", None)
-        return {**out, "transfer_seconds": transfer, "seconds": time.monotonic() - t0}
+        return self._pushed(await m.run_paused(pause_mode, swap), t0)
 
     async def _trainer_lost(self, push_id: str, period_s: float = 0.5, misses: int = 2) -> str:
         """During a push over the group the workers wait in the trainer's transfer, where nothing

@@ -179,7 +179,7 @@ class WeightSyncGroup:
                 "timeout_s": self.timeout_s, "secret": self._secret}
 
     def _prefix_store(self, store: TCPStore | None = None) -> PrefixStore:
-        return PrefixStore(f"weight_sync/{self.group_name}/{self._secret}/", store or self._store)
+        return _group_keys(self.group_name, self._secret, store or self._store)
 
     def join(self) -> "WeightSyncGroup":
         """Check the group's metadata, claim this rank, then form the backend (blocks for every rank)."""
@@ -331,6 +331,11 @@ class WeightSyncGroup:
                 f"{self.host}:{self.port}, {state})")
 
 
+def _group_keys(group_name: str, secret: str, store: TCPStore) -> PrefixStore:
+    """A group's keys in the trainer's store: found only with the group's secret."""
+    return PrefixStore(f"weight_sync/{group_name}/{secret}/", store)
+
+
 FAILED_MARK = -1
 
 
@@ -348,7 +353,7 @@ class PushProgress:
         try:
             if self._prefix is None:
                 store = TCPStore(self.info["host"], int(self.info["port"]), None, False, _td(self.timeout_s))
-                self._prefix = PrefixStore(f"weight_sync/{self.info['group_name']}/{self.info['secret']}/", store)
+                self._prefix = _group_keys(self.info["group_name"], self.info["secret"], store)
             if not self._prefix.check([self.key]):
                 return None
             return int(self._prefix.get(self.key))

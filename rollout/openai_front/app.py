@@ -53,23 +53,7 @@ def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8
     def fail(status: int, message: str, param: str | None = None):
         raise HTTPException(status, detail={"message": message, "param": param})
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):
-        d = e.detail if isinstance(e.detail, dict) else {"message": str(e.detail)}
-        return JSONResponse(error_body(e.status_code, d["message"], _KINDS.get(e.status_code, "error"), d.get("param")),
-                            status_code=e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def crash(request: Request, e: Exception):  # a bug of ours: this request fails, the server serves on
-        log.exception("%s failed", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}", "internal_error"), 500)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, e: RequestValidationError):
-        problems = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors()]
-        first = e.errors()[0]["loc"] if e.errors() else ()
-        return JSONResponse(error_body(400, "; ".join(problems), "invalid_request_error",
-                                       ".".join(str(p) for p in first[1:]) or None), status_code=400)
+    _answer_errors_as_openai(app)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -132,6 +116,29 @@ def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8
                         usage=usage(len(ids), sum(len(c.token_ids) for c in choices)))
 
     return app
+
+
+def _answer_errors_as_openai(app: FastAPI) -> None:
+    """Every error as OpenAI's body: ours (HTTPException), pydantic's (a 400 naming each field,
+    where FastAPI would say 422), and a bug's (500: this request fails, the server serves on)."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        d = e.detail if isinstance(e.detail, dict) else {"message": str(e.detail)}
+        return JSONResponse(error_body(e.status_code, d["message"], _KINDS.get(e.status_code, "error"), d.get("param")),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, e: Exception):
+        log.exception("%s failed", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}", "internal_error"), 500)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, e: RequestValidationError):
+        problems = [f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors()]
+        first = e.errors()[0]["loc"] if e.errors() else ()
+        return JSONResponse(error_body(400, "; ".join(problems), "invalid_request_error",
+                                       ".".join(str(p) for p in first[1:]) or None), status_code=400)
 
 
 async def _until_disconnected(request: Request, work):

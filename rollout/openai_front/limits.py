@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import secrets
 
+from rollout.openai_front.responses import error_body
+
 
 def _send_error(status: int, message: str, kind: str):
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    body = json.dumps(error_body(status, message, kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
 
     async def reply(send) -> None:
