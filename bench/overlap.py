@@ -9,6 +9,9 @@ requests, back to back):
     the time no decode step can run);
   - rollout tokens/s over a window with a push every `--interval` seconds, against the same
     window with no push (goal >= 0.9 with overlap on).
+  - with overlap on, how long a push in wait mode holds the trainer while requests of ~2 s are
+    decoding: `push_weights(wait=True)` (until the engines swapped, after those requests) against
+    `wait=False` (until the trainer's bytes are out).
 Goals (issue 15): pause window <= 10 ms and not growing with the model (medium within 2x of small).
 
     python -m bench.overlap                          # small (208 MB)
@@ -77,11 +80,23 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
 
         quiet = await window_rate(None)
         busy = await window_rate(interval)
+        held = {}
+        for wait in (True, False):  # in wait mode the swap waits for the long requests; the trainer need not
+            long = asyncio.ensure_future(client.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=200,
+                                                                                        ignore_eos=True)))
+            await asyncio.sleep(0.3)
+            version += 1
+            t0 = time.perf_counter()
+            out = await client.push_weights(trainer, version=version, pause_mode="wait", wait=wait)
+            held[wait] = time.perf_counter() - t0
+            if not wait:
+                await out
+            await long
     finally:
         running[0] = False
         await asyncio.gather(loader, return_exceptions=True)
         await client.close()
-    return {"rows": rows, "quiet_tps": quiet, "busy_tps": busy}
+    return {"rows": rows, "quiet_tps": quiet, "busy_tps": busy, "held_wait_s": held[True], "held_nowait_s": held[False]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:8} {mb:6.0f} {overlap:>7} {med['push_s']:7.3f} {med['transfer_s']:10.3f} "
               f"{med['pause_s'] * 1e3:9.1f} {r['quiet_tps']:11.0f} {r['busy_tps']:13.0f} "
               f"{r['busy_tps'] / r['quiet_tps']:6.2f}")
+    print(f"\n{'model':8} {'trainer held, wait=True s':>26} {'wait=False s':>13} {'ratio':>6}   (wait mode, overlap on)")
+    for (name, overlap), (mb, r) in results.items():
+        if overlap == "on":
+            print(f"{name:8} {r['held_wait_s']:26.3f} {r['held_nowait_s']:13.3f} "
+                  f"{r['held_nowait_s'] / r['held_wait_s']:6.2f}")
     print(f"goals: pause <= 10 ms and not growing with the model; tok/s with a push every {args.interval:.0f} s "
           ">= 0.9 of none (overlap on)")
 

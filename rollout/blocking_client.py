@@ -65,9 +65,11 @@ class RolloutClient:
         return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over))
 
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                     timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
-        return self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                   transport))
+                     timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True):
+        """As AsyncRolloutClient.push_weights; `wait=False` returns a `BlockingPushHandle`."""
+        out = self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
+                                                  transport, wait))
+        return out if wait else BlockingPushHandle(self, out)
 
     def load_weights(self, path: str, version: int, pause_mode: str | None = None,
                      timeout_s: float = 300.0) -> list[dict]:
@@ -104,6 +106,27 @@ class RolloutClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class BlockingPushHandle:
+    """A push that returned early (wait=False); the swap goes on in the sidecars. Its replies are
+    read whenever this client's loop runs: in `result()` or in the client's next call."""
+
+    def __init__(self, client: RolloutClient, handle):
+        self._client, self._handle = client, handle
+        self.version = handle.version
+
+    def done(self) -> bool:
+        self._client._run(asyncio.sleep(0))  # one turn of the loop: replies that came are read
+        return self._handle.done()
+
+    def result(self, timeout: float | None = None) -> dict:
+        """push_weights' result once every engine swapped; raises its error (SidecarError), or
+        TimeoutError after `timeout` seconds (the push goes on)."""
+        return self._client._run(asyncio.wait_for(asyncio.shield(self._handle.task), timeout))
+
+    def __repr__(self) -> str:
+        return f"BlockingPushHandle(version={self.version}, {'done' if self._handle.done() else 'swapping'})"
 
 
 async def _make(urls, token, timeout_s) -> AsyncRolloutClient:

@@ -62,6 +62,7 @@ class AsyncRolloutClient(WeightSyncCalls):
         self._init_args: dict | None = None  # init_weight_sync's arguments, until close_weight_sync
         self._members: tuple[int, ...] = ()  # the links in the current weight-sync group
         self._pushed: int | None = None  # the newest version this client pushed
+        self._pending_push = None  # a push_weights(wait=False) still swapping (its asyncio.Task)
 
     @property
     def urls(self) -> list[str]:
@@ -309,6 +310,8 @@ class AsyncRolloutClient(WeightSyncCalls):
         return await self._call_all(P.Health, "health", timeout=30)
 
     async def close(self) -> None:
+        if self._pending_push is not None:
+            self._pending_push.cancel()  # its sidecars finish their swap on their own
         tasks = [t for link in self._links for t in link.tasks]
         for t in tasks:
             t.cancel()

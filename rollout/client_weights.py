@@ -63,7 +63,7 @@ class WeightSyncCalls:
         return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                           timeout_s: float = 300.0, progress=None, transport: str = "group") -> dict:
+                           timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True):
         """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
@@ -72,11 +72,40 @@ class WeightSyncCalls:
         shares (weight_sync.shared; `flatten_parameters(model, shared=True)` first): no group,
         no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC).
         The group follows the sidecars: one added joins it here, one that went is left out of it;
-        a sidecar that goes during the push costs one more try with the others."""
+        a sidecar that goes during the push costs one more try with the others.
+        `wait=False`: returns a `PushHandle` as soon as the trainer's bytes are out (every engine
+        holds every byte and the commit vote passed, or the shared copy is made): the model is the
+        trainer's to change again while the engines swap (in wait mode, after their requests end).
+        Awaiting the handle gives this call's result or raises its error; a push that fails after
+        that point is not tried again (the bytes it sent are gone). The next push waits for it."""
+        await self._settle_pending_push()
+        if wait:
+            return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, transport)
+        sent = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress,
+                                                transport, sent))
+        await asyncio.wait({sent, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done() and task.exception() is not None:
+            raise task.exception()
+        self._pending_push = task
+        return PushHandle(task, version)
+
+    async def _settle_pending_push(self) -> None:
+        """A push that returned early (wait=False) ends before the next push or group change."""
+        task, self._pending_push = getattr(self, "_pending_push", None), None
+        if task is not None and not task.done():
+            await asyncio.gather(task, return_exceptions=True)  # its error is its handle's to raise
+
+    async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
+                    transport: str, sent: asyncio.Future | None = None) -> dict:
         from weight_sync.push import run_push
 
+        def on_sent(_result) -> None:
+            if sent is not None and not sent.done():
+                sent.set_result(True)
+
         if transport == "shared":
-            return await self._push_shared(model_or_named_tensors, version, pause_mode, timeout_s)
+            return await self._push_shared(weights, version, pause_mode, timeout_s, on_sent)
         if transport != "group":
             raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
         if self.sender is None or (self.sender.group is None and self._init_args is None):
@@ -91,9 +120,10 @@ class WeightSyncCalls:
             if self.sender.group is None or self._members != tuple(self._in(ACTIVE, JOINING)):
                 # a new group: the last one failed and closed, or a sidecar joined or went since
                 await self.init_weight_sync(**self._init_args, take_over=True)
-            outcome = await run_push(self.sender, model_or_named_tensors, version, deliver, timeout_s + 60, progress)
-            if not outcome.errors:
-                break
+            outcome = await run_push(self.sender, weights, version, deliver, timeout_s + 60, progress,
+                                     on_sent if sent is not None else None)
+            if not outcome.errors or (sent is not None and sent.done()):
+                break  # done; or failed after the trainer's bytes went out early (wait=False): no bytes to resend
             if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
                 log.warning("a sidecar's engines changed since the weight-sync group formed: forming a new group")
                 self.sender.close_group()
@@ -129,7 +159,7 @@ class WeightSyncCalls:
                 self._links[i].state = ACTIVE
                 log.info("sidecar %s holds version %d and serves", self._links[i].url, version)
 
-    async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float) -> dict:
+    async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float, on_sent) -> dict:
         from weight_sync.sender import WeightSender
         from weight_sync.shared import export_weights
         from weight_sync.trainer_weights import named_weights
@@ -144,6 +174,7 @@ class WeightSyncCalls:
                 shared = export_weights(prepared.manifest, named)
         finally:
             tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
+        on_sent(shared)  # the shared copy is made: the trainer's weights are its own again
         wire = prepared.manifest.to_wire()
         members = self._in(ACTIVE, JOINING)
         sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
@@ -175,6 +206,7 @@ class WeightSyncCalls:
         return out
 
     async def close_weight_sync(self) -> None:
+        await self._settle_pending_push()
         await self._call_all(P.CloseWeightSync, "close_weight_sync", states=(ACTIVE, JOINING))
         self._init_args = None
         self._members = ()
@@ -191,3 +223,20 @@ class WeightSyncCalls:
     async def weights_checksums(self) -> list[str]:
         """Every worker's weights checksum, active sidecars in order (compare with WeightSender.checksum)."""
         return [c for per in await self._call_all(P.Checksum, "checksum", timeout=120, states=(ACTIVE,)) for c in per]
+
+
+class PushHandle:
+    """A push that `push_weights(wait=False)` returned early: the trainer's bytes are out and the
+    engines are swapping. `await handle` gives push_weights' result or raises its SidecarError."""
+
+    def __init__(self, task: asyncio.Task, version: int):
+        self.task, self.version = task, version
+
+    def done(self) -> bool:
+        return self.task.done()
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def __repr__(self) -> str:
+        return f"PushHandle(version={self.version}, {'done' if self.done() else 'swapping'})"

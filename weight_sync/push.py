@@ -70,24 +70,36 @@ def describe(e: BaseException) -> str:
 
 
 async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,
-                   progress=None) -> PushOutcome:
+                   progress=None, on_sent: Callable[[dict], None] | None = None) -> PushOutcome:
     """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
-    readiness (default: the group's timeout); every network step is bounded by the group's."""
+    readiness (default: the group's timeout); every network step is bounded by the group's.
+    `on_sent(trainer_result)` is called once the trainer's send succeeded, before the receivers'
+    outcomes are in: every worker holds every byte (the commit vote passed), and the trainer's
+    weights are its own again (push_weights(wait=False) returns there)."""
+    told = False
+
+    def sent(result: dict) -> None:
+        nonlocal told
+        tell_peers(DONE)  # nothing more to gather: the trainer's other ranks go on with it
+        told = True
+        on_sent(result)
+
     try:
         if sender.group is None or not sender.group.ready:
             raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
         prepared = sender.prepare(weights, version, reuse_layout=True)
-        outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
+        outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         if isinstance(outcome.trainer, StaleManifestError):
             prepared = sender.prepare(prepared.weights, version)
-            outcome = await _attempt(sender, prepared, deliver, timeout_s, progress)
+            outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         return outcome
     finally:
-        tell_peers(DONE)  # a trainer's other ranks (trainer_ranks.follow_push) stop following
+        if not told:
+            tell_peers(DONE)  # a trainer's other ranks (trainer_ranks.follow_push) stop following
 
 
 async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Deliver, timeout_s: float | None,
-                   progress) -> PushOutcome:
+                   progress, on_sent) -> PushOutcome:
     delivered = deliver(prepared.manifest)
     names = [name for name, _ in delivered]
     receivers = [asyncio.ensure_future(outcome) for _, outcome in delivered]
@@ -108,6 +120,8 @@ async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Delive
     # stays, and the trainer pushes again without a new init_weight_sync.
     if not gate.opened and not all(r.done() and _refused(r) for r in receivers):
         sender.close_group()
+    if on_sent is not None and not isinstance(trainer, BaseException):
+        on_sent(trainer)
     return PushOutcome(trainer, names, list(await asyncio.gather(*receivers, return_exceptions=True)))
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
@@ -137,6 +138,77 @@ def test_a_bad_manifest_is_refused_without_a_pause(qwen2_dir, hf_models):
         assert stats["pause_seconds"] == 0 and stats["pause_wait_seconds"] == 0 and stats["version"] == 0
         client.push_weights(hf_models["qwen2"], version=3)  # the group is still usable
         assert client.stats()["version"] == 3
+    finally:
+        client.close()
+        s.stop()
+
+
+def _long_rollouts(url, out: dict):
+    """32 x 250 tokens (seconds of decoding) from a client of their own; records when they ended."""
+    c = RolloutClient(url, token=TOKEN)
+    try:
+        out["groups"] = c.generate([[5, 6, 7]] * 32, SamplingParams(temperature=1.0, max_tokens=250, ignore_eos=True))
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        out["error"] = e
+    finally:
+        out["ended"] = time.monotonic()
+        c.close()
+
+
+def test_push_without_waiting_returns_once_the_bytes_are_out(qwen2_dir, hf_models):
+    """wait=False in wait mode: push_weights returns while the engines still finish their requests;
+    the trainer may change its model at once (the engines hold the bytes sent), and the handle
+    gives the result once they swapped."""
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        new = _perturbed(hf_models["qwen2"], 9)
+        pushed = weights_checksum(new.named_parameters())
+        long = {}
+        load = threading.Thread(target=_long_rollouts, args=(s.url, long))
+        load.start()
+        time.sleep(0.5)  # they are decoding
+        handle = client.push_weights(new, version=5, pause_mode="wait", wait=False)
+        returned = time.monotonic()
+        with torch.no_grad():  # the trainer's next step, while the engines swap
+            for p in new.parameters():
+                p.mul_(0.5)
+        assert handle.result(timeout=120)["version"] == 5
+        swapped = time.monotonic()
+        load.join()
+        assert "error" not in long
+        assert returned < long["ended"] <= swapped  # returned before the swap, which waited for them
+        assert all(set(r.weight_versions) == {0} for g in long["groups"] for r in g)  # wait mode: all old
+        assert client.weights_checksums() == [pushed]  # what was sent, not what the trainer did after
+        prompt = [9, 10, 11]
+        got = client.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
+        assert got.token_ids == hf_greedy(_perturbed(hf_models["qwen2"], 9), prompt, 8, ignore_eos=True)
+        assert set(got.weight_versions) == {5}
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_a_push_without_waiting_whose_sidecar_dies_raises_from_its_handle(qwen2_dir, hf_models):
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        long = {}
+        load = threading.Thread(target=_long_rollouts, args=(s.url, long))
+        load.start()
+        time.sleep(0.5)
+        handle = client.push_weights(_perturbed(hf_models["qwen2"], 9), version=5, pause_mode="wait", wait=False)
+        assert not handle.done()  # the swap waits for seconds of decoding
+        s.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(SidecarError):
+            handle.result(timeout=60)
+        assert time.monotonic() - t0 < 10  # noticed when the connection closed, not at a timeout
+        load.join()
+        with pytest.raises(SidecarError):  # the next push says so too, without hanging
+            client.push_weights(hf_models["qwen2"], version=6)
     finally:
         client.close()
         s.stop()
