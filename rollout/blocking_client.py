@@ -65,10 +65,11 @@ class RolloutClient:
         return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over))
 
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                     timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True):
+                     timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
+                     mode: str = "adapter"):
         """As AsyncRolloutClient.push_weights; `wait=False` returns a `BlockingPushHandle`."""
         out = self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                  transport, wait))
+                                                  transport, wait, mode))
         return out if wait else BlockingPushHandle(self, out)
 
     def load_weights(self, path: str, version: int, pause_mode: str | None = None,

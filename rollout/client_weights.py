@@ -63,7 +63,8 @@ class WeightSyncCalls:
         return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
-                           timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True):
+                           timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
+                           mode: str = "adapter"):
         """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
@@ -77,13 +78,16 @@ class WeightSyncCalls:
         holds every byte and the commit vote passed, or the shared copy is made): the model is the
         trainer's to change again while the engines swap (in wait mode, after their requests end).
         Awaiting the handle gives this call's result or raises its error; a push that fails after
-        that point is not tried again (the bytes it sent are gone). The next push waits for it."""
+        that point is not tried again (the bytes it sent are gone). The next push waits for it.
+        A PEFT (LoRA) model goes as its adapter (`mode="adapter"`, a few MB; the base once to an
+        engine that lacks it; weight_sync.lora) or as its merged weights (`mode="merged"`)."""
         await self._settle_pending_push()
         if wait:
-            return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, transport)
+            return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, transport,
+                                    mode)
         sent = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                transport, sent))
+                                                transport, mode, sent))
         await asyncio.wait({sent, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None:
             raise task.exception()
@@ -97,15 +101,16 @@ class WeightSyncCalls:
             await asyncio.gather(task, return_exceptions=True)  # its error is its handle's to raise
 
     async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
-                    transport: str, sent: asyncio.Future | None = None) -> dict:
+                    transport: str, mode: str, sent: asyncio.Future | None = None) -> dict:
+        from weight_sync.lora import push_source
         from weight_sync.push import run_push
 
         def on_sent(_result) -> None:
             if sent is not None and not sent.done():
                 sent.set_result(True)
 
-        if transport == "shared":
-            return await self._push_shared(weights, version, pause_mode, timeout_s, on_sent)
+        if transport == "shared":  # a copy the engines read from memory: the merged weights (weight_sync.lora)
+            return await self._push_shared(push_source(weights, "merged"), version, pause_mode, timeout_s, on_sent)
         if transport != "group":
             raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
         if self.sender is None or (self.sender.group is None and self._init_args is None):
@@ -121,7 +126,7 @@ class WeightSyncCalls:
                 # a new group: the last one failed and closed, or a sidecar joined or went since
                 await self.init_weight_sync(**self._init_args, take_over=True)
             outcome = await run_push(self.sender, weights, version, deliver, timeout_s + 60, progress,
-                                     on_sent if sent is not None else None)
+                                     on_sent if sent is not None else None, mode)
             if not outcome.errors or (sent is not None and sent.done()):
                 break  # done; or failed after the trainer's bytes went out early (wait=False): no bytes to resend
             if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more

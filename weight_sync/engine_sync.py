@@ -151,7 +151,7 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
 
 
 async def push_to_engines(engines: Sequence, sender: WeightSender, weights, version: int,
-                          timeout: float | None = None, pause_mode: str | None = None) -> dict:
+                          timeout: float | None = None, pause_mode: str | None = None, mode: str = "adapter") -> dict:
     """One push (weight_sync.push.run_push) delivered as every engine's `receive_weights`; then,
     on the engines that committed, prefix cache reset and version tag. Raises WeightSyncError
     with the trainer's and the workers' reasons on any failure (`.refused` is True when it was
@@ -174,7 +174,7 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
             await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
         t0 = asyncio.get_running_loop().time()
         outcome = await run_push(sender, weights, version, lambda m: _deliveries(engines, m, timeout, group_name),
-                                 timeout)
+                                 timeout, mode=mode)
         trainer_error = outcome.trainer if isinstance(outcome.trainer, BaseException) else None
         out = await commit_results(engines, outcome.results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0
@@ -189,13 +189,14 @@ async def push_shared_to_engines(engines: Sequence, sender: WeightSender, weight
                                  timeout: float | None = None, pause_mode: str | None = None) -> dict:
     """A push with no process group, to engines on this machine (weight_sync.shared): each reads
     the trainer's buffer (`flatten_parameters(model, shared=True)`) and commits. The sender only
-    builds the manifest; it needs no group."""
+    builds the manifest; it needs no group. A PEFT model goes merged (weight_sync.lora)."""
+    from weight_sync.lora import push_source
     from weight_sync.shared import export_weights
     from weight_sync.trainer_ranks import DONE, tell_peers
     from weight_sync.trainer_weights import named_weights
 
     try:
-        prepared = sender.prepare(weights, version)
+        prepared = sender.prepare(push_source(weights, "merged"), version)
         with named_weights(prepared.weights) as named:
             handle = export_weights(prepared.manifest, named)
     finally:

@@ -73,6 +73,14 @@ class Bucket(msgspec.Struct, array_like=True, frozen=True):
         return self.end - self.start
 
 
+class AdapterSpec(msgspec.Struct, frozen=True):
+    """An adapter push (weight_sync.lora): its tensors are LoRA factors to merge into a base."""
+
+    base_id: str  # the base the adapter applies to: a checksum of the trainer's base weights
+    scales: dict[str, float]  # target module (HF name) -> scaling (lora_alpha / r, or / sqrt(r) with rsLoRA)
+    with_base: bool = False  # the manifest carries the base's weights too (the engine keeps them as W0)
+
+
 class Manifest(msgspec.Struct, frozen=True):
     version: int
     tensors: list[TensorSpec]
@@ -82,6 +90,7 @@ class Manifest(msgspec.Struct, frozen=True):
     bucket_bytes: int
     alignment: int = ALIGNMENT
     push_id: str = ""
+    adapter: AdapterSpec | None = None  # set for a LoRA adapter push
 
     # -- wire -------------------------------------------------------------------------------
     def to_wire(self) -> dict:
@@ -233,11 +242,18 @@ def validate_manifest(m: Manifest, params: Mapping[str, ParamInfo], aliases: Map
     `model.embed_tokens.weight`, and `lm_head.weight` is an alias). `aliases` maps alias ->
     canonical. A manifest may name a tied parameter by any of its names, but only once.
     """
+    return check_layout(m) + check_names(m.tensors, params, aliases)
+
+
+def check_names(tensors: Sequence[TensorSpec], params: Mapping[str, ParamInfo],
+                aliases: Mapping[str, str] | None = None) -> list[str]:
+    """validate_manifest's checks of the tensors against the model: every parameter exactly once,
+    under a name it has, with its shape and a dtype it can take."""
     aliases = aliases or {}
-    problems = check_layout(m)
+    problems: list[str] = []
     unknown, twice, shape_bad, dtype_bad = [], [], [], []
     covered: dict[str, str] = {}
-    for t in m.tensors:
+    for t in tensors:
         canon = t.name if t.name in params else aliases.get(t.name)
         if canon is None:
             unknown.append(t.name)

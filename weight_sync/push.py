@@ -12,7 +12,8 @@ the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `rec
    which frees the workers already voting);
 5. send: the votes and buckets (`WeightSender.send`, on a thread: it blocks);
 6. a layout that no longer fits is refused by every rank before a byte moves
-   (StaleManifestError): once more from 1, walking the weights afresh.
+   (StaleManifestError): once more from 1, walking the weights afresh; a LoRA adapter push that
+   a worker refuses for lacking its base (NeedsBaseError): once more with the base.
 
 A trainer of several ranks pushes from rank 0; the others call `trainer_ranks.follow_push`
 meanwhile and take part in rank 0's gathers until it tells them DONE (at the end of run_push).
@@ -23,14 +24,16 @@ What the receivers do with the outcome (commit version tags, error replies) is t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from weight_sync.lora import push_source
 from weight_sync.manifest import Manifest
 from weight_sync.sender import PreparedPush, WeightSender
 from weight_sync.trainer_ranks import DONE, tell_peers
-from weight_sync.votes import StaleManifestError, WeightSyncError
+from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +73,15 @@ def describe(e: BaseException) -> str:
 
 
 async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,
-                   progress=None, on_sent: Callable[[dict], None] | None = None) -> PushOutcome:
+                   progress=None, on_sent: Callable[[dict], None] | None = None, mode: str = "adapter"
+                   ) -> PushOutcome:
     """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
     readiness (default: the group's timeout); every network step is bounded by the group's.
     `on_sent(trainer_result)` is called once the trainer's send succeeded, before the receivers'
     outcomes are in: every worker holds every byte (the commit vote passed), and the trainer's
-    weights are its own again (push_weights(wait=False) returns there)."""
+    weights are its own again (push_weights(wait=False) returns there).
+    `mode`: how a PEFT model goes, "adapter" (its LoRA factors; the base too, once, to a worker
+    that lacks it) or "merged" (weight_sync.lora)."""
     told = False
 
     def sent(result: dict) -> None:
@@ -87,10 +93,15 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
     try:
         if sender.group is None or not sender.group.ready:
             raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
+        weights = push_source(weights, mode)
         prepared = sender.prepare(weights, version, reuse_layout=True)
         outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         if isinstance(outcome.trainer, StaleManifestError):
             prepared = sender.prepare(prepared.weights, version)
+            outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
+        if isinstance(outcome.trainer, NeedsBaseError):
+            log.info("a worker lacks the adapter's base: pushing version %d with the base", version)
+            prepared = sender.prepare(dataclasses.replace(weights, with_base=True), version)
             outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         return outcome
     finally:

@@ -41,11 +41,12 @@ import torch
 from weight_sync.checksum import weights_checksum as _checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
+from weight_sync.adapter_receive import NEEDS_BASE, AdapterReceive
 from weight_sync.overlapped_receive import OverlappedReceive
 from weight_sync.manifest import (
     DTYPES, Manifest, model_params, param_infos, validate_manifest,
 )
-from weight_sync.votes import VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote
+from weight_sync.votes import VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,12 @@ class _SyncState:
     validated: tuple | None = None
     shared: tuple | None = None  # (handle key, mapped tensor) of the trainer's shared buffer (weight_sync.shared)
     staged: object = None  # an overlapped push (weight_sync.overlapped_receive), until committed or dropped
+    # LoRA (weight_sync.adapter_receive): the base adapters are merged into, once a push brought it
+    base_id: str | None = None
+    w0: dict | None = None  # target weight name -> its base tensor
 
 
-class WeightSyncExtension(OverlappedReceive):
+class WeightSyncExtension(OverlappedReceive, AdapterReceive):
     """Worker extension (no __init__: the worker's own constructor runs; state lives in
     `self._ws_state`). Uses the worker's `self.model`, `self.device`, `self.cfg`."""
 
@@ -150,6 +154,7 @@ class WeightSyncExtension(OverlappedReceive):
     def _weights_reloaded(self) -> None:
         st = self._ws()
         st.version, st.current = None, None  # the checkpoint's weights again, in storage of their own
+        st.base_id, st.w0 = None, None
 
     # -- RPC: checks ------------------------------------------------------------------------
     def weights_checksum(self) -> str:
@@ -305,8 +310,9 @@ class WeightSyncExtension(OverlappedReceive):
 
     def _ws_vote(self, g: WeightSyncGroup, m: Manifest | None, staging, problems: list[str]) -> None:
         """Cast this worker's manifest vote; raises unless every rank accepted the same manifest."""
+        status = VOTE_OK if not problems else VOTE_NEEDS_BASE if problems[0] is NEEDS_BASE else VOTE_REFUSED
         try:
-            verdict = manifest_vote(g, VOTE_REFUSED if problems else VOTE_OK, m.digest() if m is not None else 0)
+            verdict = manifest_vote(g, status, m.digest() if m is not None else 0)
         except GroupError as e:
             self._ws_close_group(g)
             self._ws_release(staging)
@@ -331,16 +337,18 @@ class WeightSyncExtension(OverlappedReceive):
             for k, b in enumerate(m.buckets):
                 if b.nbytes == 0:
                     continue
-                if len(inflight) >= st.max_inflight and plan is None:
+                if len(inflight) >= st.max_inflight and plan is None and m.adapter is None:
                     plan = self._ws_plan_commit(m, staging)
                 while len(inflight) >= st.max_inflight:
                     received += self._ws_retire(g, inflight)
                 inflight.append((g.broadcast(staging[b.start:b.end], src=0), k, b.nbytes))
-            if plan is None:
+            if plan is None and m.adapter is None:
                 plan = self._ws_plan_commit(m, staging)
             while inflight:
                 received += self._ws_retire(g, inflight)
             g.synchronize()
+            if plan is None:  # an adapter is merged once every byte is in, before the commit vote
+                plan = self._ws_plan_commit(m, staging)
             if not commit_vote(g):  # other workers: commit only if every one holds every byte
                 raise GroupError("another rank did not receive every byte")
         except Exception as e:
@@ -371,6 +379,8 @@ class WeightSyncExtension(OverlappedReceive):
             return None, [f"malformed manifest: {e}"]
         if getattr(self, "weights_released", False):
             return m, ["the engine's weights are released (sleep level 2): wake_up() first"]
+        if m.adapter is not None:
+            return m, self._ws_check_adapter(m)
         st = self._ws()
         layout = (m.tensors, m.buckets, m.total_bytes, m.layout_bytes, m.bucket_bytes, m.alignment)
         if st.validated is not None and st.validated[0]() is self.model and st.validated[1] == layout:
@@ -414,6 +424,8 @@ class WeightSyncExtension(OverlappedReceive):
     def _ws_plan_commit(self, m: Manifest, staging: torch.Tensor) -> dict:
         """Everything the commit needs, computed while the bytes are still arriving: the target
         parameter and staging view of every tensor, and whether the views can become the weights."""
+        if m.adapter is not None:
+            return self._ws_plan_adapter(m, staging)
         st = self._ws()
         params, aliases = model_params(self.model)
         targets = [params[t.name] if t.name in params else params[aliases[t.name]] for t in m.tensors]
@@ -437,6 +449,12 @@ class WeightSyncExtension(OverlappedReceive):
                     p.copy_(view)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if m.adapter is not None:
+            self._ws_adapter_committed(m, staging, plan)
+            if not m.adapter.with_base:
+                return
+        else:
+            st.base_id, st.w0 = None, None  # the weights are whatever this push said: no known base
         previous, st.current = st.current, None
         if swap:
             st.current = (staging.untyped_storage().data_ptr(), staging.untyped_storage().nbytes())

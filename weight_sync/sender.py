@@ -34,8 +34,10 @@ from weight_sync.group import FAILED_MARK, GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
+from weight_sync.lora import AdapterPush, push_source
 from weight_sync.votes import (
-    VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, StaleManifestError, WeightSyncError, commit_vote, manifest_vote,
+    VOTE_NEEDS_BASE, VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, NeedsBaseError, StaleManifestError, WeightSyncError,
+    commit_vote, manifest_vote,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class WeightSender:
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
         self._gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last prepare
+        self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.lora)
 
     # -- group ------------------------------------------------------------------------------
     def open_group(self, world_size: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float | None = None,
@@ -126,7 +129,17 @@ class WeightSender:
         walking the weights now; `send()` walks them (while the manifest travels to the workers)
         and, if they no longer fit it, refuses the push before any byte moves
         (StaleManifestError): prepare again without reuse and push again.
+        A PEFT model is pushed as its adapter (weight_sync.lora; `push_source(model, "merged")`
+        for its merged weights).
         """
+        weights = push_source(weights)
+        if isinstance(weights, AdapterPush):  # a LoRA adapter (weight_sync.lora): listed now, it is small
+            named, spec = weights.listing()
+            specs = self._specs(named)
+            if self._last_adapter is None or self._last_adapter[0] != (specs, self.bucket_bytes):
+                self._last_adapter = ((specs, self.bucket_bytes), build_manifest(specs, version, self.bucket_bytes))
+            manifest = msgspec.structs.replace(self._versioned(self._last_adapter[1], version), adapter=spec)
+            return PreparedPush(manifest, weights, named)
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
         if has_peers() and gather_context(weights) is not None:
@@ -184,6 +197,7 @@ class WeightSender:
     def checksum(self, weights) -> str:
         """The checksum the engine's `weights_checksum()` reports after this push (same dtype).
         A trainer of several ranks: the others call `follow_push(weights)` meanwhile."""
+        weights = push_source(weights, "merged")  # a PEFT model: the engine merges what it is sent
         tell_peers(GATHER)
         try:
             with named_weights(weights) as named:
@@ -283,6 +297,8 @@ class WeightSender:
         if status != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}",
                                   refused=True)
+        if verdict.worst == VOTE_NEEDS_BASE:
+            raise NeedsBaseError(f"adapter push of version {m.version}: a worker lacks its base; nothing moved")
         if verdict.worst != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
                                   "workers' errors say why); nothing changed", refused=True)

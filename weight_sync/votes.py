@@ -17,6 +17,7 @@ import torch
 
 # Statuses, ordered: the worst (largest) one wins the MAX.
 VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
+VOTE_NEEDS_BASE = 4  # a LoRA adapter push to a worker without its base (weight_sync.lora): push it with the base
 
 
 class WeightSyncError(RuntimeError):
@@ -32,6 +33,14 @@ class WeightSyncError(RuntimeError):
 class StaleManifestError(WeightSyncError):
     """A push prepared with `reuse_layout=True` found the weights no longer match the reused
     layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
+
+    def __init__(self, message: str):
+        super().__init__(message, refused=True)
+
+
+class NeedsBaseError(WeightSyncError):
+    """An adapter push refused before any byte moved because a worker does not hold the base it
+    applies to: push again with the base in the manifest (weight_sync.push does)."""
 
     def __init__(self, message: str):
         super().__init__(message, refused=True)

@@ -1,0 +1,152 @@
+"""LoRA adapter pushes to a real sidecar (issue 16): the engine merges what it is sent into the
+base it keeps, and ends up bit for bit where a merged push (merge_and_unload) would put it."""
+
+import dataclasses
+import os
+import signal
+
+import msgspec
+import pytest
+import torch
+
+from engine import SamplingParams
+from rollout import RolloutClient, SidecarError
+from tests.engine.helpers import hf_greedy
+from tests.rollout.sidecar import TOKEN, Sidecar
+from tests.rollout.test_engine_faults import _cores, _wait_healthy
+from tests.weight_sync.test_lora import TARGET_SETS, hf_merged, lora_model, randomize
+from weight_sync import weights_checksum
+from weight_sync.lora import AdapterPush, adapter_weights
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = [9, 10, 11, 12]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _greedy(client):
+    r = client.generate([PROMPT], GREEDY)[0][0]
+    return r.token_ids, r.logprobs
+
+
+def _adapter_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for _, t in adapter_weights(model)[0])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_adapter_pushes_land_where_merged_pushes_do(model_dirs, hf_models, arch):
+    s = Sidecar(model_dirs[arch])
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        version = 0
+        for k, targets in enumerate(TARGET_SETS):
+            model = lora_model(hf_models[arch], targets, seed=k)
+            merged = hf_merged(model)
+            for again in (False, True):
+                version += 1
+                out = client.push_weights(model, version=version)  # mode="adapter", the default
+                # the engine's weights came from a checkpoint or a merged push: the base goes once,
+                # then only the adapter moves
+                sent, adapter = out["trainer"]["bytes"], _adapter_bytes(model)
+                assert sent == adapter if again else sent > adapter
+                assert client.weights_checksums() == [weights_checksum(merged.named_parameters())]
+            assert client.checksum_of(model) == weights_checksum(merged.named_parameters())
+            ids, logprobs = _greedy(client)
+            assert ids == hf_greedy(merged, PROMPT, 8, ignore_eos=True)
+            version += 1
+            client.push_weights(model, version=version, mode="merged")
+            assert client.weights_checksums() == [weights_checksum(merged.named_parameters())]
+            ids_m, logprobs_m = _greedy(client)
+            assert ids_m == ids
+            assert torch.allclose(torch.tensor(logprobs_m), torch.tensor(logprobs), rtol=0, atol=1e-5)
+    finally:
+        client.close()
+        s.stop()
+
+
+class _Tampered(AdapterPush):
+    """An adapter push whose listing a bug (or a liar) changed after the checks the trainer makes."""
+
+    def __init__(self, model, tamper):
+        super().__init__(model)
+        object.__setattr__(self, "tamper", tamper)
+
+    def listing(self):
+        named, spec = AdapterPush.listing(dataclasses.replace(AdapterPush(self.model), with_base=self.with_base))
+        return self.tamper(named, spec)
+
+
+def test_a_bad_adapter_is_refused_and_changes_nothing(qwen2_dir, hf_models):
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        model = lora_model(hf_models["qwen2"], ["q_proj", "v_proj"])
+        client.push_weights(model, version=1)
+        before, greedy = client.weights_checksums(), _greedy(client)
+        q = "model.layers.0.self_attn.q_proj"
+
+        def wrong_rank(named, spec):
+            return [(n, t[:, :2] if n == q + ".lora_B" else t) for n, t in named], spec
+
+        def unknown_module(named, spec):
+            named = [(n.replace(q, "model.layers.0.self_attn.x_proj"), t) for n, t in named]
+            scales = {k.replace(q, "model.layers.0.self_attn.x_proj"): v for k, v in spec.scales.items()}
+            return named, msgspec.structs.replace(spec, scales=scales)
+
+        for tamper, why in ((wrong_rank, "rank-r"), (unknown_module, "no linear layer")):
+            randomize(model, 7)
+            with pytest.raises(SidecarError, match=why) as e:
+                client.push_weights(_Tampered(model, tamper), version=2)
+            assert e.value.kind == "refused"
+            assert client.weights_checksums() == before and _greedy(client) == greedy
+            assert client.stats()["version"] == 1
+        client.push_weights(model, version=2)  # the group is still usable
+        assert client.weights_checksums() == [weights_checksum(hf_merged(model).named_parameters())]
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_fifty_adapter_pushes_leave_no_drift(qwen2_dir, hf_models):
+    """Each push merges from the kept base: after 50 (the adapter changing each time, as training
+    does) the engine is bit for bit the merged trainer, not a sum of rounded deltas."""
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        model = lora_model(hf_models["qwen2"], TARGET_SETS[1])
+        for version in range(1, 51):
+            randomize(model, version)
+            client.push_weights(model, version=version)
+            if version % 10 == 0:
+                assert client.weights_checksums() == [weights_checksum(hf_merged(model).named_parameters())]
+        assert _greedy(client)[0] == hf_greedy(hf_merged(model), PROMPT, 8, ignore_eos=True)
+        assert client.stats()["pushes"] == 50
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_a_restarted_engine_gets_the_base_again(qwen2_dir, hf_models):
+    """A SIGKILLed engine comes back with the merged weights (host copy) and no known base: the
+    next adapter push is refused by it before any byte moves, and goes again with the base."""
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        model = lora_model(hf_models["qwen2"], ["q_proj", "down_proj"])
+        client.push_weights(model, version=1)
+        merged = weights_checksum(hf_merged(model).named_parameters())
+        os.kill(_cores(client)[0], signal.SIGKILL)
+        _wait_healthy(client)
+        assert client.weights_checksums() == [merged]  # caught up from the host copy
+        randomize(model, 3)
+        out = client.push_weights(model, version=2)
+        assert out["trainer"]["bytes"] > _adapter_bytes(model)  # the base went along
+        assert client.weights_checksums() == [weights_checksum(hf_merged(model).named_parameters())]
+        randomize(model, 4)
+        assert client.push_weights(model, version=3)["trainer"]["bytes"] == _adapter_bytes(model)
+    finally:
+        client.close()
+        s.stop()

@@ -1,0 +1,64 @@
+"""The engine's side of LoRA adapter pushes (a mixin of `WeightSyncExtension`,
+weight_sync/receiver.py; the arithmetic and the checks are in weight_sync/lora.py).
+
+The worker keeps, for each module an adapter targets, its base weight `W0` (the tensor the
+module held before its first merge, or the one a `with_base` push brought): no copy, only a
+reference. Each adapter push computes every target's `W0 + scale * B @ A` into new tensors while
+the bytes are still the engine's to refuse (before the commit vote, on the receiving thread when
+the push is overlapped); the commit then points each module at its new tensor, so the pause does
+not grow with the model, and W0 is never written. A full push, a reload or a catch-up makes the
+weights a base of unknown identity again (`base_id` None): the next adapter push brings its base.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weight_sync.lora import A_SUFFIX, B_SUFFIX, adapter_problems, adapter_views, merge
+from weight_sync.manifest import Manifest, model_params, param_infos
+
+NEEDS_BASE = ("this engine does not hold the adapter's base (its first adapter push, a restarted engine, or a "
+              "different base): the trainer pushes again with the base")
+
+
+class AdapterReceive:
+    def _ws_check_adapter(self, m: Manifest) -> list[str]:
+        """An adapter manifest against this worker's model; [NEEDS_BASE] when only the base is lacking."""
+        params, aliases = model_params(self.model)
+        problems = adapter_problems(m, param_infos(params), aliases)
+        if not problems and not m.adapter.with_base and self._ws().base_id != m.adapter.base_id:
+            return [NEEDS_BASE]
+        return problems
+
+    def _ws_plan_adapter(self, m: Manifest, staging: torch.Tensor) -> dict:
+        """Every byte is in: the new value of each parameter the push changes (the base's, when it
+        came with the push, then each target's merge from its W0), for `_ws_commit` to swap in."""
+        st = self._ws()
+        params, aliases = model_params(self.model)
+        views = adapter_views(m, staging)
+        spec = m.adapter
+        new: dict[str, torch.Tensor] = {}
+        w0 = {} if spec.with_base else dict(st.w0 or {})
+        if spec.with_base:
+            for t in m.tensors:
+                if not t.name.endswith((A_SUFFIX, B_SUFFIX)):
+                    name = t.name if t.name in params else aliases[t.name]
+                    v = views[t.name]
+                    new[name] = v if v.dtype == params[name].dtype else v.to(params[name].dtype)
+        with torch.no_grad():
+            for module, scale in spec.scales.items():
+                name = module + ".weight"
+                base = w0.get(name, new.get(name, params[name].data))
+                w0[name] = base
+                new[name] = merge(base, views[module + A_SUFFIX].to(params[name].device),
+                                  views[module + B_SUFFIX].to(params[name].device), scale)
+            for name, base in w0.items():  # a module an earlier adapter targeted and this one does not
+                new.setdefault(name, base)
+        targets = [params[n] for n in new]
+        return {"targets": targets, "views": list(new.values()), "swap": True, "w0": w0, "base_id": spec.base_id}
+
+    def _ws_adapter_committed(self, m: Manifest, staging: torch.Tensor, plan: dict) -> None:
+        st = self._ws()
+        st.w0, st.base_id = plan["w0"], plan["base_id"]
+        if not m.adapter.with_base:
+            self._ws_release(staging)  # the factors are merged: the buffer is free for the next push
