@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from recipes import losses as L
 from recipes.algorithms import ALGORITHMS
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
+from recipes.lora import add_lora_args, wrap_lora
 from recipes.ranks import my_rows, same_permutation, share
 from recipes.seeds import request_seed
 from recipes.task_defaults import default_help, fill_task_defaults
@@ -81,6 +82,7 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
     p.add_argument("--log-level", default="INFO")
+    add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
     return p
 
@@ -178,8 +180,9 @@ def setup(algo, args: argparse.Namespace) -> Run:
     if args.device == "cpu":  # pushes then send straight from the weights' memory (weight_sync/README.md)
         flatten_parameters(policy)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.beta > 0 else None
-    module = algo.wrap(policy)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.0)
+    module = algo.wrap(wrap_lora(policy, args))
+    trainable = [p for p in module.parameters() if p.requires_grad]  # with --lora-r: the adapter (and a value head)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     module, optimizer = accelerator.prepare(module, optimizer)
     if ref is not None:
         ref = ref.to(accelerator.device)
@@ -207,7 +210,8 @@ def push(run: Run) -> float:
         if run.args.check_sync:
             follow_push(run.policy())
         return time.perf_counter() - t
-    run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode)
+    run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode,
+                            mode=run.args.lora_push)
     if run.args.check_sync:
         want = run.client.checksum_of(run.policy())
         got = run.client.weights_checksums()

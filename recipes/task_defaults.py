@@ -19,18 +19,26 @@ VERIFIABLE = {"max_steps": 60, "prompts_per_step": 4, "group_size": 8, "max_toke
               "lr": 1e-5, "format_reward": 0.5}
 
 
+LORA_LR_FACTOR = 10  # a LoRA adapter wants about 10x full fine-tuning's learning rate (Schulman et al., "LoRA
+# Without Regret", 2025; TRL's LoRA recipes); on a-game with r=8, 2e-3 moved the reward 0.39 -> 0.41 in 40 steps, 1e-2 took it to 1.00
+
+
 def task_defaults(task: str) -> dict:
     return TOY if task == "a-game" else VERIFIABLE
 
 
 def default_help(name: str) -> str:
     """'(default: X for a-game, Y for arithmetic/gsm8k)' for a flag whose default is the task's."""
-    return f"(default: {TOY[name]:g} for a-game, {VERIFIABLE[name]:g} for arithmetic/gsm8k)"
+    lora = f"; x{LORA_LR_FACTOR} with --lora-r" if name == "lr" else ""
+    return f"(default: {TOY[name]:g} for a-game, {VERIFIABLE[name]:g} for arithmetic/gsm8k{lora})"
 
 
 def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Give each task-dependent flag the user did not set its task's default."""
+    """Give each task-dependent flag the user did not set its task's default (with --lora-r, a
+    learning rate LORA_LR_FACTOR times larger)."""
     for name, value in task_defaults(args.task).items():
         if getattr(args, name, None) is None:
+            if name == "lr" and getattr(args, "lora_r", 0):
+                value *= LORA_LR_FACTOR
             setattr(args, name, value)
     return args
