@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -236,6 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trainer-device", default="cpu", help="the trainer's device (cuda:0 for an NCCL run)")
     p.add_argument("--engine-device", default="cpu", help="the engine's device (another GPU: cuda:1)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--lora", action="store_true",
+                   help="run the LoRA benchmark instead (adapter vs merged pushes, bench/lora_push.py); the other "
+                        "options then go to it: python -m bench.weight_sync --lora --help")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--lora" in argv:
+        from bench.lora_push import main as lora_main
+
+        return lora_main([a for a in argv if a != "--lora"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.quick:

@@ -28,6 +28,9 @@ class EngineConfig:
     logprobs_mode: str = "processed"  # "processed": from the sampling distribution; "raw": model softmax
     worker_extension_cls: str | None = None  # "pkg.module:Class" (or dotted) mixed into the worker
     num_threads: int | None = None  # torch intra-op threads on CPU; default: the CPUs this process may use
+    # LoRA adapter pushes: 0 merges each into the weights; k > 0 keeps up to k versions unmerged,
+    # each sequence decoding with the one it started under (engine/lora_bank.py)
+    lora_versions: int = 0
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -38,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.lora_versions < 0:
+            raise ValueError(f"lora_versions must be >= 0, got {self.lora_versions}")
         for name in ("max_num_seqs", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -142,12 +142,14 @@ class EngineCore:
         result = self.runner.sample(seqs, logits)
         tokens = result.tokens
         deltas = []
+        row_versions = self.runner.row_versions  # unmerged LoRA: each sequence's own adapter version
         for row, (seq, tok, lp) in enumerate(zip(seqs, tokens, result.logprobs)):
             seq.num_computed_tokens = len(seq)
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(self.weight_version)
-            delta = SeqDelta(seq.request_id, seq.index, [tok], [lp], self.weight_version)
+            version = self.weight_version if row_versions is None else row_versions[row]
+            seq.versions.append(version)
+            delta = SeqDelta(seq.request_id, seq.index, [tok], [lp], version)
             if seq.params.logprobs:
                 delta.top_logprobs = [result.top_logprobs[row]]
             if seq.seq_id in self.runner.prompt_logprobs:

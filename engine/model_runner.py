@@ -96,6 +96,8 @@ class ModelRunner:
         # One attention call for a whole fresh prefill (block-diagonal causal mask) on GPUs, where
         # launches cost; on the CPU the per-sequence calls do less arithmetic (sum of L^2, not T^2).
         self.packed_prefill = self.device.type == "cuda"
+        self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
+        self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
 
     def _num_blocks(self) -> int:
         cfg = self.cfg
@@ -224,6 +226,12 @@ class ModelRunner:
             ids, pos, ctx, order = self._prepare_decode(seqs)
             keep = None
         attention.set_context(ctx)
+        self.row_versions = None
+        if self.lora_bank is not None:
+            rows = [len(s) - s.num_computed_tokens for s in seqs] if is_prefill else [1] * len(seqs)
+            in_rows = seqs if order is None else [seqs[i] for i in order]
+            self.lora_bank.assign(in_rows, rows if order is None else [1] * len(seqs))
+            self.row_versions = [s.lora_version for s in seqs] if self.lora_bank.active else None
         t0 = time.perf_counter()
         try:
             out = self.model(
@@ -241,6 +249,8 @@ class ModelRunner:
             # sync point. On CUDA, forward_seconds is thus the host's side of the forward only.
         finally:
             attention.set_context(None)
+            if self.lora_bank is not None:
+                self.lora_bank.end_step()
         self.forward_seconds += time.perf_counter() - t0
         return logits
 

@@ -35,6 +35,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.lora_version: int | None = None  # the adapter version it decodes with (engine/lora_bank.py)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_check_from = 0  # output-text offset before which no stop string can start

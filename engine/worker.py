@@ -11,6 +11,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine.lora_bank import LoraBank
 from engine.model_runner import ModelRunner, load_model
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class Worker:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.runner = ModelRunner(cfg)
+        self._new_lora_bank()
         self.weights_released = False
         # The version of the weights this worker serves: 0 is the checkpoint's; pushes set it.
         self.weight_version = 0
@@ -69,12 +71,18 @@ class Worker:
         pushes): the checkpoint's weights, so version 0 again."""
         fresh = load_model(self.cfg)
         self.runner.model = fresh
+        self._new_lora_bank()
         self.weights_released = False
         self.weight_version = 0
         reloaded = getattr(self, "_weights_reloaded", None)
         if reloaded is not None:  # an extension that tracks pushed versions forgets them
             reloaded()
         return True
+
+    def _new_lora_bank(self) -> None:
+        """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""
+        self.lora_bank = LoraBank(self.model, self.cfg.lora_versions) if self.cfg.lora_versions else None
+        self.runner.lora_bank = self.lora_bank
 
     # -- sleep / wake (called by the core, not over RPC) -------------------------------------
     def sleep(self, level: int) -> None:

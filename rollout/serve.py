@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-standby", default="on", choices=["on", "off"],
                    help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
                         "so that a dead engine restarts in the time its weights take to load")
+    p.add_argument("--lora-versions", type=int, default=0, metavar="K",
+                   help="LoRA adapter pushes: 0 (default) merges each adapter into the weights (fastest per token); "
+                        "K > 0 keeps up to K adapter versions unmerged, and each sequence decodes with the version it "
+                        "started under (with --pause-mode keep, a rollout finishes under the adapter it began with)")
     p.add_argument("--overlap-receive", default="on", choices=["on", "off"],
                    help="on: a push's bytes arrive while the engines keep generating, which pause only for the "
                         "swap (a pointer swap between two steps); off: the engines pause for the whole transfer. "
@@ -103,6 +107,7 @@ def build_manager(args):
         cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
+                           lora_versions=args.lora_versions,
                            worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
         return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
 

@@ -8,6 +8,9 @@ the bytes are still the engine's to refuse (before the commit vote, on the recei
 the push is overlapped); the commit then points each module at its new tensor, so the pause does
 not grow with the model, and W0 is never written. A full push, a reload or a catch-up makes the
 weights a base of unknown identity again (`base_id` None): the next adapter push brings its base.
+
+With unmerged LoRA (EngineConfig.lora_versions > 0, engine/lora_bank.py) the weights stay the
+base and the commit adds the adapter's factors to the worker's LoRA bank as a new version instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ class AdapterReceive:
         """An adapter manifest against this worker's model; [NEEDS_BASE] when only the base is lacking."""
         params, aliases = model_params(self.model)
         problems = adapter_problems(m, param_infos(params), aliases)
+        modules = dict(self.model.named_modules())
+        head = self.model.get_output_embeddings()
+        if getattr(self, "lora_bank", None) is not None and any(modules.get(n) is head for n in m.adapter.scales):
+            problems.append("unmerged LoRA (lora_versions > 0) does not adapt the output head: leave it out of "
+                            "target_modules, or run the engine with adapters merged")
         if not problems and not m.adapter.with_base and self._ws().base_id != m.adapter.base_id:
             return [NEEDS_BASE]
         return problems
@@ -45,6 +53,11 @@ class AdapterReceive:
                     name = t.name if t.name in params else aliases[t.name]
                     v = views[t.name]
                     new[name] = v if v.dtype == params[name].dtype else v.to(params[name].dtype)
+        if getattr(self, "lora_bank", None) is not None:  # unmerged: the base stays, the factors go to the bank
+            factors = {module: (views[module + A_SUFFIX].clone(), views[module + B_SUFFIX].clone(), scale)
+                       for module, scale in spec.scales.items()}
+            return {"targets": [params[n] for n in new], "views": list(new.values()), "swap": True, "w0": None,
+                    "base_id": spec.base_id, "factors": factors}
         with torch.no_grad():
             for module, scale in spec.scales.items():
                 name = module + ".weight"
@@ -60,5 +73,7 @@ class AdapterReceive:
     def _ws_adapter_committed(self, m: Manifest, staging: torch.Tensor, plan: dict) -> None:
         st = self._ws()
         st.w0, st.base_id = plan["w0"], plan["base_id"]
+        if plan.get("factors") is not None:
+            self.lora_bank.add(m.version, plan["factors"], reset=m.adapter.with_base)
         if not m.adapter.with_base:
             self._ws_release(staging)  # the factors are merged: the buffer is free for the next push

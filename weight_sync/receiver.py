@@ -158,8 +158,16 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
 
     # -- RPC: checks ------------------------------------------------------------------------
     def weights_checksum(self) -> str:
-        """See weight_sync.checksum: SHA-256 over every parameter (tied ones once) in name order."""
-        return _checksum(self.model.named_parameters())
+        """See weight_sync.checksum: SHA-256 over every parameter (tied ones once) in name order.
+        With unmerged LoRA (engine/lora_bank.py), of the weights with the newest adapter merged:
+        what a merged engine holds, so one check fits both."""
+        return _checksum(self._served_weights())
+
+    def _served_weights(self):
+        bank = getattr(self, "lora_bank", None)
+        if bank is None or not bank.active:
+            return self.model.named_parameters()
+        return [(n, bank.merged(n.removesuffix(".weight"), p)) for n, p in self.model.named_parameters()]
 
     # -- RPC: pushes ------------------------------------------------------------------------
     def receive_weights(self, manifest, group_name: str | None = None) -> dict:
@@ -272,7 +280,7 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
         from weight_sync.files import write_safetensors
 
         t0 = time.perf_counter()
-        m = write_safetensors(self.model, path, version)
+        m = write_safetensors(list(self._served_weights()), path, version)  # unmerged LoRA: the newest merged
         return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
 
     def _ws_shared_source(self, handle: dict, open_weights) -> torch.Tensor:
@@ -455,6 +463,8 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
                 return
         else:
             st.base_id, st.w0 = None, None  # the weights are whatever this push said: no known base
+            if getattr(self, "lora_bank", None) is not None:
+                self.lora_bank.clear()
         previous, st.current = st.current, None
         if swap:
             st.current = (staging.untyped_storage().data_ptr(), staging.untyped_storage().nbytes())

@@ -150,3 +150,51 @@ def test_a_restarted_engine_gets_the_base_again(qwen2_dir, hf_models):
     finally:
         client.close()
         s.stop()
+
+
+def _long_batch(url, out):
+    c = RolloutClient(url, token=TOKEN)
+    try:
+        out["groups"] = c.generate([PROMPT] * 16, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("lora_versions", ["0", "4"])
+def test_with_unmerged_adapters_a_rollout_finishes_under_its_version(qwen2_dir, hf_models, lora_versions):
+    """A keep-mode push of adapter 2 while rollouts started under adapter 1 decode: merged (0),
+    they switch to 2 mid-way; unmerged (--lora-versions 4), they finish under 1, token for token
+    what adapter 1 alone gives, while a new request decodes under 2."""
+    import threading
+    import time
+
+    s = Sidecar(qwen2_dir, "--lora-versions", lora_versions)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        first, second = (lora_model(hf_models["qwen2"], TARGET_SETS[1], seed=k) for k in (1, 2))
+        client.push_weights(first, version=1)
+        alone = {}
+        _long_batch(s.url, alone)  # what adapter 1 gives with no push meanwhile
+        during = {}
+        load = threading.Thread(target=_long_batch, args=(s.url, during))
+        load.start()
+        time.sleep(0.5)  # decoding
+        client.push_weights(second, version=2, pause_mode="keep")
+        mixed = client.generate([PROMPT], GREEDY)[0][0]  # decodes in the same batches as the rollouts under 1
+        assert load.is_alive()
+        load.join()
+        assert set(mixed.weight_versions) == {2} and mixed.token_ids == hf_greedy(second, PROMPT, 8, ignore_eos=True)
+        versions = {v for g in during["groups"] for r in g for v in r.weight_versions}
+        if lora_versions == "0":
+            assert versions == {1, 2}
+        else:
+            assert versions == {1}
+            assert [r.token_ids for r in during["groups"][0]] == [r.token_ids for r in alone["groups"][0]]
+        assert client.weights_checksums() == [weights_checksum(hf_merged(second).named_parameters())]
+        r = client.generate([PROMPT], GREEDY)[0][0]
+        assert set(r.weight_versions) == {2}
+        assert r.token_ids == hf_greedy(second, PROMPT, 8, ignore_eos=True)  # PEFT's own unmerged forward
+    finally:
+        client.close()
+        s.stop()
