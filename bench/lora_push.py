@@ -17,20 +17,24 @@ Both are timed from the trainer's start to the engine's answer (weights committe
 reset, version tagged), `--repeats` rounds of each after a warm-up push of each kind (the first
 adapter push also brings the base). A merged push leaves the engine without a known base, so the
 next adapter push brings the base again: every round is a timed merged push, an untimed adapter
-push (with the base), then the timed adapter push (checked to carry the adapter's bytes only).
+push (with the base), an untimed adapter push (so the timed one is a training run's steady state:
+the merge reuses the previous merge's memory), then the timed adapter push (checked to carry the
+adapter's bytes only). Each model runs twice: with an engine that merges each adapter into its
+weights (`--lora-versions 0`, the default), and with one that keeps adapters unmerged beside the
+base (`--lora-versions 4`, engine/lora_bank.py: its commit stores the factors, no merge).
 
 Printed per model: parameters, adapter MB, full MB, the median seconds per push of each kind,
 their ratio merged / adapter (goal: >= 20x at the medium model, ~500M), the merge inside the
 adapter push (milliseconds the engine spends computing the merged weights, and their share of
-the push; measured by the benchmark's worker extension around the merge), and the full push's
-GB/s (what the link moves). After the last round, the engine's weights checksum must equal that
-of PEFT's own `merge_and_unload()` of the trainer's model ("checksum ok"). Also printed: the
-merged push's wire GB/s (its bytes over the trainer's send alone, the link's speed), the engine's
-receive and commit seconds, and how many cores other processes kept busy just before and just
-after each model (sampled while this benchmark is idle): on a 2-core machine another busy
-process makes every multi-threaded torch op wait for a descheduled thread (seen here: 7-20 ms
-for a small matmul that takes 0.05 ms idle), and an adapter push's merge is a few hundred such
-ops, so compare only runs with little other load.
+the push; measured by the benchmark's worker extension around the merge), and the merged
+push's GB/s, end to end ("full") and on the wire alone ("wire": its bytes over the trainer's
+send, the link's speed for context). After the last round, the engine's weights checksum must
+equal that of PEFT's own `merge_and_unload()` of the trainer's model ("checksum ok"). Also
+printed: the engine's receive and commit seconds, and how many cores other processes kept busy
+just before and just after each model (sampled while this benchmark is idle): on a 2-core
+machine another busy process makes every multi-threaded torch op wait for a descheduled thread
+(seen here: 7-20 ms for a small matmul that takes 0.05 ms idle), and an adapter push's merge is
+a few hundred such ops, so compare only runs with little other load.
 
     python -m bench.lora_push                               # small (~50M) and medium (~500M)
     python -m bench.lora_push --sizes tiny --repeats 1      # smoke run
@@ -84,7 +88,8 @@ def other_cores_busy(seconds: float = 1.0) -> float | None:
         return sum(v[:8]), v[3] + v[4]  # total (guest time is in user already), idle + iowait
 
     try:
-        (t0, i0), _ = sample(), time.sleep(seconds)
+        t0, i0 = sample()
+        time.sleep(seconds)
         t1, i1 = sample()
     except (OSError, ValueError):
         return None
@@ -120,7 +125,8 @@ def train_step(model, gen: torch.Generator, scale: float = 1e-3) -> None:
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
 
 
-async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: float, seed: int = 0) -> dict:
+async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: float, seed: int = 0,
+                      lora_versions: int = 0) -> dict:
     from engine import AsyncEngine, EngineConfig
     from engine.model_runner import available_cpus
     from engine.tiny_model import build_tiny_model, default_model_dir
@@ -141,10 +147,10 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
     busy_before = other_cores_busy()  # before this benchmark's engine starts
     engine = AsyncEngine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=4, max_model_len=256,
                                       kv_cache_memory_gb=0.05, num_threads=available_cpus(),
-                                      worker_extension_cls=EXT))
+                                      lora_versions=lora_versions, worker_extension_cls=EXT))
     sender = WeightSender(timeout_s=timeout_s)
     versions = iter(range(1, 10**9))
-    out = {"size": size, "params": nparams, "lora_r": r, "adapter_bytes": adapter_bytes, "full_bytes": full_bytes,
+    out = {"size": size, "engine": "unmerged" if lora_versions else "merged", "params": nparams, "lora_r": r, "adapter_bytes": adapter_bytes, "full_bytes": full_bytes,
            "other_cores_before": busy_before,
            "adapter_s": [], "merged_s": [], "merged_send_s": [], "merge_s": [], "merge_share": [], "receive_s": [],
            "commit_s": []}
@@ -170,6 +176,7 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
         for i in range(repeats):
             merged_dt, trainer, _ = await push("merged", full_bytes, "merged")
             await push("adapter", full_bytes + adapter_bytes, "adapter (+ base, untimed)")  # the merged push dropped it
+            await push("adapter", adapter_bytes, "adapter (untimed)")  # a training run's steady state from here
             adapter_dt, _, worker = await push("adapter", adapter_bytes, "adapter")
             out["merged_s"].append(merged_dt)
             out["merged_send_s"].append(trainer["seconds"])
@@ -199,13 +206,13 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
 
 
 def report(results: list[dict]) -> str:
-    cols = [("model", 8, "s"), ("params", 9, "s"), ("adapter MB", 11, ".2f"), ("full MB", 9, ".1f"),
+    cols = [("model", 8, "s"), ("engine", 9, "s"), ("params", 9, "s"), ("adapter MB", 11, ".2f"), ("full MB", 9, ".1f"),
             ("adapter s/push", 15, ".4f"), ("merged s/push", 14, ".4f"), ("merged/adapter", 15, "s"),
             ("merge ms", 9, ".1f"), ("merge share", 12, ".0%"), ("full GB/s", 10, ".2f"),
             ("wire GB/s", 10, ".2f")]
     lines = ["".join(f"{name:>{w}}" if i else f"{name:<{w}}" for i, (name, w, _) in enumerate(cols))]
     for r in results:
-        row = [r["size"], f"{r['params'] / 1e6:.1f}M", r["adapter_bytes"] / 1e6, r["full_bytes"] / 1e6,
+        row = [r["size"], r["engine"], f"{r['params'] / 1e6:.1f}M", r["adapter_bytes"] / 1e6, r["full_bytes"] / 1e6,
                r["adapter_s_median"], r["merged_s_median"], f"{r['ratio']:.1f}x", r["merge_s_median"] * 1e3,
                r["merge_share_median"], r["full_bytes"] / r["merged_s_median"] / 1e9,
                r["full_bytes"] / r["merged_send_s_median"] / 1e9]
@@ -246,22 +253,23 @@ def main(argv: list[str] | None = None) -> None:
              args.lora_r, alpha, ",".join(TARGET_MODULES))
 
     async def run_all():
-        return [await bench_model(s, args.repeats, args.lora_r, alpha, args.timeout_s, args.seed) for s in sizes]
+        return [await bench_model(s, args.repeats, args.lora_r, alpha, args.timeout_s, args.seed, versions)
+                for s in sizes for versions in (0, 4)]
 
     results = asyncio.run(run_all())
     print(report(results))
     for r in results:
-        print(f"{r['size']}: checksum ok (engine == PEFT merge_and_unload of the trainer's model); "
+        print(f"{r['size']}, {r['engine']} engine: checksum ok (engine == PEFT merge_and_unload of the trainer's model); "
               f"engine receive {r['receive_s_median'] * 1e3:.1f} ms (merge {r['merge_s_median'] * 1e3:.1f} ms of it), "
               f"commit {r['commit_s_median'] * 1e3:.1f} ms; other processes kept {_cores(r['other_cores_before'])} "
               f"cores busy before, {_cores(r['other_cores_after'])} after")
-    goal = next((r for r in results if r["size"] == GOAL_SIZE), None)
-    if goal is None:
+    goals = [r for r in results if r["size"] == GOAL_SIZE]
+    if not goals:
         print(f"goal merged/adapter >= {GOAL_RATIO:.0f}x at {GOAL_SIZE}: not measured in this run "
               f"(--sizes {GOAL_SIZE})")
-    else:
-        print(f"goal merged/adapter >= {GOAL_RATIO:.0f}x at {GOAL_SIZE}: {goal['ratio']:.1f}x, "
-              f"{'met' if goal['ratio'] >= GOAL_RATIO else 'MISSED'}")
+    for goal in goals:
+        print(f"goal merged/adapter >= {GOAL_RATIO:.0f}x at {GOAL_SIZE}, {goal['engine']} engine: "
+              f"{goal['ratio']:.1f}x, {'met' if goal['ratio'] >= GOAL_RATIO else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -58,22 +58,35 @@ class AdapterReceive:
                        for module, scale in spec.scales.items()}
             return {"targets": [params[n] for n in new], "views": list(new.values()), "swap": True, "w0": None,
                     "base_id": spec.base_id, "factors": factors}
+        spare, st.lora_spare = st.lora_spare or {}, None
+        retired = {}
         with torch.no_grad():
             for module, scale in spec.scales.items():
                 name = module + ".weight"
                 base = w0.get(name, new.get(name, params[name].data))
                 w0[name] = base
+                current = params[name].data
+                if current.data_ptr() != base.data_ptr() and _owns_storage(current):  # the last merge
+                    retired[name] = current  # free once this one commits
                 new[name] = merge(base, views[module + A_SUFFIX].to(params[name].device),
-                                  views[module + B_SUFFIX].to(params[name].device), scale)
+                                  views[module + B_SUFFIX].to(params[name].device), scale, out=spare.get(name))
             for name, base in w0.items():  # a module an earlier adapter targeted and this one does not
                 new.setdefault(name, base)
         targets = [params[n] for n in new]
-        return {"targets": targets, "views": list(new.values()), "swap": True, "w0": w0, "base_id": spec.base_id}
+        return {"targets": targets, "views": list(new.values()), "swap": True, "w0": w0, "base_id": spec.base_id,
+                "retired": retired}
 
     def _ws_adapter_committed(self, m: Manifest, staging: torch.Tensor, plan: dict) -> None:
         st = self._ws()
         st.w0, st.base_id = plan["w0"], plan["base_id"]
+        if st.keep_staging:  # CPU: the last merge's memory takes the next merge (fresh pages fault in slowly)
+            st.lora_spare = plan.get("retired")
         if plan.get("factors") is not None:
             self.lora_bank.add(m.version, plan["factors"], reset=m.adapter.with_base)
         if not m.adapter.with_base:
             self._ws_release(staging)  # the factors are merged: the buffer is free for the next push
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """A tensor alone in its storage (a merge's output), not a view into a push's staging buffer."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()

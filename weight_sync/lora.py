@@ -145,12 +145,20 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return out.to(b.dtype) if cast else out
 
 
-def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """A new tensor `W0 + delta`, with PEFT's in-place add (`weight.data += delta`): rounded once,
-    to W0's dtype. W0 is left as it is."""
-    out = w0.clone()
-    out += delta(a, b, scale)
-    return out
+def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """`W0 + delta` with PEFT's in-place add (`weight.data += delta`: rounded once, to W0's
+    dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, two passes
+    over it instead of four); W0 is left as it is."""
+    same = a.dtype == b.dtype == w0.dtype and not (a.device.type == "cpu" and a.dtype in (torch.float16,
+                                                                                          torch.bfloat16))
+    if out is not None and same and out.shape == w0.shape and out.dtype == w0.dtype:
+        torch.mm(b, a, out=out)  # the same kernel as b @ a, then the same rounding steps:
+        out.mul_(scale)          # (B @ A) * scale,
+        return out.add_(w0)      # + W0 (IEEE addition commutes: the bits of W0 + delta)
+    merged = w0.clone()
+    merged += delta(a, b, scale)
+    return merged
 
 
 # -- engine side: validation (pure) -------------------------------------------------------------

@@ -73,6 +73,7 @@ class _SyncState:
     # LoRA (weight_sync.adapter_receive): the base adapters are merged into, once a push brought it
     base_id: str | None = None
     w0: dict | None = None  # target weight name -> its base tensor
+    lora_spare: dict | None = None  # target weight name -> a buffer for its next merge (keep_staging)
 
 
 class WeightSyncExtension(OverlappedReceive, AdapterReceive):
@@ -154,7 +155,7 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
     def _weights_reloaded(self) -> None:
         st = self._ws()
         st.version, st.current = None, None  # the checkpoint's weights again, in storage of their own
-        st.base_id, st.w0 = None, None
+        st.base_id, st.w0, st.lora_spare = None, None, None
 
     # -- RPC: checks ------------------------------------------------------------------------
     def weights_checksum(self) -> str:
@@ -462,7 +463,7 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
             if not m.adapter.with_base:
                 return
         else:
-            st.base_id, st.w0 = None, None  # the weights are whatever this push said: no known base
+            st.base_id, st.w0, st.lora_spare = None, None, None  # the weights are what this push said: no known base
             if getattr(self, "lora_bank", None) is not None:
                 self.lora_bank.clear()
         previous, st.current = st.current, None
