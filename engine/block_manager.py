@@ -9,6 +9,7 @@ contents until they are handed out again, so a later request can still hit them.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from collections import OrderedDict
 
 import numpy as np
@@ -35,6 +36,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        # Where a sequence's hash chain starts: b"" unless unmerged LoRA adapters are in use, where
+        # KV computed under one adapter version must never serve another (the core sets it)
+        self.hash_root: Callable[[Sequence], bytes] = lambda seq: b""
         self.hash_to_block: dict[bytes, int] = {}
         # Free blocks in LRU order: the least recently freed is handed out (and its hash evicted) first.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -61,7 +65,7 @@ class BlockManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         """Hash full block i of `seq` and make it findable, if the chain before it is intact."""
-        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else b""
+        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self.hash_root(seq)
         if prev is None:  # the chain was cut by a prefix-cache reset
             return
         block, tokens = self.blocks[seq.block_table[i]], seq.block_tokens(i)
@@ -73,7 +77,7 @@ class BlockManager:
         """Block ids that already hold a prefix of `seq` (always leaving >= 1 token to compute)."""
         if not self.enable_prefix_caching:
             return []
-        hits, h = [], b""
+        hits, h = [], self.hash_root(seq)
         for i in range(seq.num_blocks):
             if (i + 1) * self.block_size >= len(seq):  # partial block, or the one holding the last token
                 break

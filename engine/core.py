@@ -43,6 +43,7 @@ class EngineCore:
         self.worker = make_worker(cfg)
         self.eos_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager.hash_root = self._hash_root
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_generated_tokens = 0
@@ -132,6 +133,15 @@ class EngineCore:
 
     def can_step(self) -> bool:
         return self.scheduler.can_step()
+
+    def _hash_root(self, seq) -> bytes:
+        """Unmerged LoRA: prefixes are shared only between sequences on the same adapter version
+        (the one the sequence has, or, not started yet, the newest it will take)."""
+        bank = self.runner.lora_bank
+        if bank is None or not bank.active:
+            return b""
+        version = seq.lora_version if seq.lora_version in bank.versions else bank.newest
+        return b"lora:%d" % version
 
     # -- stepping -------------------------------------------------------------------------
     def step(self) -> list[SeqDelta]:

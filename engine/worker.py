@@ -92,6 +92,11 @@ class Worker:
             for p in list(self.model.parameters()) + list(self.model.buffers()):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.weights_released = True
+            if self.lora_bank is not None:
+                self.lora_bank.clear()
+            released = getattr(self, "_on_weights_released", None)
+            if released is not None:  # an extension's references to the weights (a LoRA base) go too
+                released()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

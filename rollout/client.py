@@ -132,6 +132,11 @@ class AsyncRolloutClient(WeightSyncCalls):
         try:
             msg = await asyncio.wait_for(q.get(), timeout or self.timeout_s)
         except asyncio.TimeoutError:
+            try:  # a loop that did not run for a while (a blocking client's, during a training step) may
+                msg = await asyncio.wait_for(q.get(), 1.0)  # see its timer before the answer that came
+            except asyncio.TimeoutError:
+                msg = None
+        if msg is None:
             raise TimeoutError(f"{what}: no answer from sidecar {self._links[i].url} "
                                f"in {timeout or self.timeout_s:.0f}s")
         if isinstance(msg, BaseException):  # the sidecar went (_drop)

@@ -75,8 +75,9 @@ class WeightSyncCalls:
         The group follows the sidecars: one added joins it here, one that went is left out of it;
         a sidecar that goes during the push costs one more try with the others.
         `wait=False`: returns a `PushHandle` as soon as the trainer's bytes are out (every engine
-        holds every byte and the commit vote passed, or the shared copy is made): the model is the
-        trainer's to change again while the engines swap (in wait mode, after their requests end).
+        holds every byte and the commit vote passed): the model is the trainer's to change again while
+        the engines swap (in wait mode, after their requests end). A shared-memory push returns when
+        the engines have read it (they read the trainer's own buffer).
         Awaiting the handle gives this call's result or raises its error; a push that fails after
         that point is not tried again (the bytes it sent are gone). The next push waits for it.
         A PEFT (LoRA) model goes as its adapter (`mode="adapter"`, a few MB; the base once to an
@@ -97,20 +98,25 @@ class WeightSyncCalls:
     async def _settle_pending_push(self) -> None:
         """A push that returned early (wait=False) ends before the next push or group change."""
         task, self._pending_push = getattr(self, "_pending_push", None), None
-        if task is not None and not task.done():
-            await asyncio.gather(task, return_exceptions=True)  # its error is its handle's to raise
+        if task is not None:
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                log.warning("the previous push (wait=False) failed: %s", outcome)  # its handle raises it too
 
     async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
                     transport: str, mode: str, sent: asyncio.Future | None = None) -> dict:
-        from weight_sync.lora import push_source
+        from weight_sync.lora import is_peft_model
         from weight_sync.push import run_push
 
         def on_sent(_result) -> None:
             if sent is not None and not sent.done():
                 sent.set_result(True)
 
-        if transport == "shared":  # a copy the engines read from memory: the merged weights (weight_sync.lora)
-            return await self._push_shared(push_source(weights, "merged"), version, pause_mode, timeout_s, on_sent)
+        if transport == "shared":
+            if is_peft_model(weights):
+                raise ValueError("transport='shared' pushes from the trainer's own flattened buffer, which a PEFT "
+                                 "model's adapter or merged weights are not in: push it over the group (the default)")
+            return await self._push_shared(weights, version, pause_mode, timeout_s, on_sent)
         if transport != "group":
             raise ValueError(f"transport must be 'group' or 'shared', got {transport!r}")
         if self.sender is None or (self.sender.group is None and self._init_args is None):
@@ -179,13 +185,13 @@ class WeightSyncCalls:
                 shared = export_weights(prepared.manifest, named)
         finally:
             tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
-        on_sent(shared)  # the shared copy is made: the trainer's weights are its own again
         wire = prepared.manifest.to_wire()
         members = self._in(ACTIVE, JOINING)
         sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
                                       timeout_s=timeout_s, shared=shared)) for i in members]
         replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in sent),
                                        return_exceptions=True)
+        on_sent(None)  # only now: the engines read the trainer's own buffer, which its next step changes
         errors = [str(r) for r in replies if isinstance(r, BaseException)]
         if errors:
             raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))

@@ -54,7 +54,11 @@ class AdapterReceive:
                     v = views[t.name]
                     new[name] = v if v.dtype == params[name].dtype else v.to(params[name].dtype)
         if getattr(self, "lora_bank", None) is not None:  # unmerged: the base stays, the factors go to the bank
-            factors = {module: (views[module + A_SUFFIX].clone(), views[module + B_SUFFIX].clone(), scale)
+            def factor(name: str, module: str) -> torch.Tensor:  # in the layer's dtype (a bf16 engine, fp32 trainer)
+                w = params[module + ".weight"]
+                return views[name].to(device=w.device, dtype=w.dtype, copy=True)
+
+            factors = {module: (factor(module + A_SUFFIX, module), factor(module + B_SUFFIX, module), scale)
                        for module, scale in spec.scales.items()}
             return {"targets": [params[n] for n in new], "views": list(new.values()), "swap": True, "w0": None,
                     "base_id": spec.base_id, "factors": factors}

@@ -37,6 +37,10 @@ def is_peft_model(model) -> bool:
     return isinstance(model, torch.nn.Module) and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+# PEFT options whose effect lives outside lora_A / lora_B: an adapter push would leave it behind
+_NOT_CARRIED = ("lora_bias", "trainable_token_indices", "alora_invocation_tokens")
+
+
 def lora_layers(model) -> dict[str, torch.nn.Module]:
     """HF module name -> PEFT LoRA layer of a PEFT model; raises for what an adapter push cannot carry."""
     config = model.peft_config.get(model.active_adapter) if hasattr(model, "active_adapter") else None
@@ -48,6 +52,14 @@ def lora_layers(model) -> dict[str, torch.nn.Module]:
     if getattr(config, "bias", "none") != "none" or getattr(config, "modules_to_save", None):
         raise ValueError("an adapter push carries lora_A and lora_B only: bias='none' and no modules_to_save, "
                          "or push with mode='merged'")
+    for option in _NOT_CARRIED:
+        if getattr(config, option, None):
+            raise ValueError(f"an adapter push carries lora_A and lora_B only, not {option}: push with mode='merged'")
+    from weight_sync.trainer_ranks import has_peers
+
+    if has_peers() and any(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise ValueError("LoRA pushes from a sharded trainer of several ranks (FSDP2) are not supported: gather "
+                         "the model on rank 0, or train with DDP")
     name = model.active_adapter
     layers = {}
     for module_name, module in model.get_base_model().named_modules():
@@ -55,9 +67,11 @@ def lora_layers(model) -> dict[str, torch.nn.Module]:
             continue
         if getattr(module, "use_dora", {}).get(name, False):
             raise ValueError(f"{module_name}: DoRA adapters are not carried by an adapter push: mode='merged'")
-        if not isinstance(module.get_base_layer(), torch.nn.Linear) or module.fan_in_fan_out:
-            raise ValueError(f"{module_name}: adapter pushes carry LoRA on nn.Linear layers only "
-                             f"(found {type(module.get_base_layer()).__name__}): mode='merged'")
+        base = module.get_base_layer()
+        if type(base) is not torch.nn.Linear or module.fan_in_fan_out or not base.weight.is_floating_point():
+            raise ValueError(f"{module_name}: adapter pushes carry LoRA on plain floating nn.Linear layers only "
+                             f"(found {type(base).__name__}, {base.weight.dtype}; a quantized base (QLoRA) "
+                             "cannot be pushed or merged as it is): mode='merged' on a dequantized model")
         layers[module_name] = module
     if not layers:
         raise ValueError("this PEFT model has no LoRA layer for its active adapter")
@@ -128,6 +142,11 @@ def push_source(weights, mode: str = "adapter"):
     weights (mode "merged"); anything else as it is."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(weights, torch.nn.Module):
+        from weight_sync.trainer_weights import unwrap_model
+
+        if is_peft_model(unwrap_model(weights)):  # a PEFT model under DDP / torch.compile
+            weights = unwrap_model(weights)
     if isinstance(weights, AdapterPush) or not is_peft_model(weights):
         return weights
     if mode == "merged":

@@ -152,6 +152,10 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive):
             return [f"weight-sync group {g.group_name} is not usable ({g!r}): init_weight_sync again"]
         return []
 
+    def _on_weights_released(self) -> None:
+        st = self._ws()
+        st.base_id, st.w0, st.lora_spare, st.spare, st.current = None, None, None, None, None
+
     def _weights_reloaded(self) -> None:
         st = self._ws()
         st.version, st.current = None, None  # the checkpoint's weights again, in storage of their own

@@ -1,6 +1,7 @@
 """LoRA adapter pushes to a real sidecar (issue 16): the engine merges what it is sent into the
 base it keeps, and ends up bit for bit where a merged push (merge_and_unload) would put it."""
 
+import copy
 import dataclasses
 import os
 import signal
@@ -195,6 +196,49 @@ def test_with_unmerged_adapters_a_rollout_finishes_under_its_version(qwen2_dir, 
         r = client.generate([PROMPT], GREEDY)[0][0]
         assert set(r.weight_versions) == {2}
         assert r.token_ids == hf_greedy(second, PROMPT, 8, ignore_eos=True)  # PEFT's own unmerged forward
+    finally:
+        client.close()
+        s.stop()
+
+
+@pytest.mark.parametrize("lora_versions", ["0", "2"])
+def test_a_bf16_engine_takes_an_fp32_trainers_adapter(qwen2_dir, hf_models, lora_versions):
+    """The usual mixed case: the factors are cast to the engine's dtype (merged: PEFT's in-place
+    add rounds once to bf16; unmerged: the hooks run in bf16)."""
+    s = Sidecar(qwen2_dir, "--dtype", "bfloat16", "--lora-versions", lora_versions)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        model = lora_model(hf_models["qwen2"], TARGET_SETS[1], seed=4)
+        for version in (1, 2):
+            randomize(model, version)
+            client.push_weights(model, version=version)
+            r = client.generate([PROMPT], GREEDY)[0][0]
+            assert len(r.token_ids) == 8 and set(r.weight_versions) == {version}
+        assert client.health()["engine_states"][0]["restarts"] == 0
+        if lora_versions == "0":  # what PEFT gives merging the same (fp32) adapter into a bf16 copy of the base
+            reference = lora_model(copy.deepcopy(hf_models["qwen2"]).to(torch.bfloat16), TARGET_SETS[1])
+            with torch.no_grad():
+                for (n, p), (_, q) in zip(reference.named_parameters(), model.named_parameters()):
+                    if ".lora_" in n:
+                        p.copy_(q)
+            assert client.weights_checksums() == [weights_checksum(hf_merged(reference).named_parameters())]
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_what_cannot_go_as_an_adapter_is_refused_before_anything_moves(qwen2_dir, hf_models):
+    s = Sidecar(qwen2_dir)
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync()
+        before = client.weights_checksums()
+        with pytest.raises(ValueError, match="lora_bias"):
+            client.push_weights(lora_model(hf_models["qwen2"], ["q_proj"], lora_bias=True), version=1)
+        with pytest.raises(ValueError, match="shared"):
+            client.push_weights(lora_model(hf_models["qwen2"], ["q_proj"]), version=1, transport="shared")
+        assert client.weights_checksums() == before and client.stats()["version"] == 0
     finally:
         client.close()
         s.stop()
