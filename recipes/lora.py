@@ -10,13 +10,13 @@ import torch
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 (default) trains every weight")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 trains every weight")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (None: 2 x rank)")
     p.add_argument("--lora-target-modules", default="all-linear",
-                   help="comma-separated module names to adapt (q_proj,v_proj,...), or all-linear (default: every "
-                        "linear layer but the output head)")
+                   help="comma-separated module names to adapt (q_proj,v_proj,...), or all-linear: every linear "
+                        "layer but the output head")
     p.add_argument("--lora-push", default="adapter", choices=["adapter", "merged"],
-                   help="what each push sends: the adapter (default, a few MB) or the merged weights")
+                   help="what each push sends: the adapter (a few MB) or the merged weights")
     p.add_argument("--rslora", action="store_true", help="rank-stabilised LoRA: scale alpha / sqrt(r)")
 
 
