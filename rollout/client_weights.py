@@ -107,6 +107,7 @@ class WeightSyncCalls:
                     transport: str, mode: str, sent: asyncio.Future | None = None) -> dict:
         from weight_sync.lora import is_peft_model
         from weight_sync.push import run_push
+        from weight_sync.trainer_ranks import PeersFollowing
 
         def on_sent(_result) -> None:
             if sent is not None and not sent.done():
@@ -127,20 +128,21 @@ class WeightSyncCalls:
             return [(self._links[i].url, self._push_call(i, manifest.to_wire(), pause_mode, timeout_s, group_name))
                     for i in self._members]
 
-        for attempt in range(3):
-            if self.sender.group is None or self._members != tuple(self._in(ACTIVE, JOINING)):
-                # a new group: the last one failed and closed, or a sidecar joined or went since
-                await self.init_weight_sync(**self._init_args, take_over=True)
-            outcome = await run_push(self.sender, weights, version, deliver, timeout_s + 60, progress,
-                                     on_sent if sent is not None else None, mode)
-            if not outcome.errors or (sent is not None and sent.done()):
-                break  # done; or failed after the trainer's bytes went out early (wait=False): no bytes to resend
-            if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
-                log.warning("a sidecar's engines changed since the weight-sync group formed: forming a new group")
-                self.sender.close_group()
-                continue
-            if not self._leave_out_failed_sidecars(outcome):
-                break
+        with PeersFollowing() as peers:  # a trainer's other ranks follow every attempt, then are told DONE once
+            for attempt in range(3):
+                if self.sender.group is None or self._members != tuple(self._in(ACTIVE, JOINING)):
+                    # a new group: the last one failed and closed, or a sidecar joined or went since
+                    await self.init_weight_sync(**self._init_args, take_over=True)
+                outcome = await run_push(self.sender, weights, version, deliver, timeout_s + 60, progress,
+                                         on_sent if sent is not None else None, mode, peers)
+                if not outcome.errors or (sent is not None and sent.done()):
+                    break  # done; or failed after the trainer's bytes went out early (wait=False): none to resend
+                if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
+                    log.warning("a sidecar's engines changed since the weight-sync group formed: forming a new group")
+                    self.sender.close_group()
+                    continue
+                if not self._leave_out_failed_sidecars(outcome):
+                    break
         if outcome.errors:
             raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
                                "refused" if outcome.refused else "")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from weight_sync.lora import push_source
 from weight_sync.manifest import Manifest
 from weight_sync.sender import PreparedPush, WeightSender
-from weight_sync.trainer_ranks import DONE, tell_peers
+from weight_sync.trainer_ranks import PeersFollowing
 from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -73,21 +73,21 @@ def describe(e: BaseException) -> str:
 
 
 async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,
-                   progress=None, on_sent: Callable[[dict], None] | None = None, mode: str = "adapter"
-                   ) -> PushOutcome:
+                   progress=None, on_sent: Callable[[dict], None] | None = None, mode: str = "adapter",
+                   peers: PeersFollowing | None = None) -> PushOutcome:
     """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
     readiness (default: the group's timeout); every network step is bounded by the group's.
     `on_sent(trainer_result)` is called once the trainer's send succeeded, before the receivers'
     outcomes are in: every worker holds every byte (the commit vote passed), and the trainer's
     weights are its own again (push_weights(wait=False) returns there).
     `mode`: how a PEFT model goes, "adapter" (its LoRA factors; the base too, once, to a worker
-    that lacks it) or "merged" (weight_sync.lora)."""
-    told = False
+    that lacks it) or "merged" (weight_sync.lora). `peers`: a caller that pushes again on failure
+    passes its own PeersFollowing and finishes it when done (by default this call finishes its own)."""
+    own = peers is None
+    peers = peers or PeersFollowing()
 
     def sent(result: dict) -> None:
-        nonlocal told
-        tell_peers(DONE)  # nothing more to gather: the trainer's other ranks go on with it
-        told = True
+        peers.finish()  # nothing more to gather: the trainer's other ranks go on with it
         on_sent(result)
 
     try:
@@ -105,8 +105,8 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
             outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         return outcome
     finally:
-        if not told:
-            tell_peers(DONE)  # a trainer's other ranks (trainer_ranks.follow_push) stop following
+        if own:
+            peers.finish()  # a trainer's other ranks (trainer_ranks.follow_push) stop following
 
 
 async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Deliver, timeout_s: float | None,

@@ -44,6 +44,26 @@ def tell_peers(flag: int) -> None:
     dist.broadcast(torch.tensor([flag], dtype=torch.int64, device=_flag_device()), src=0)
 
 
+class PeersFollowing:
+    """One call of rank 0 that the other ranks follow (follow_push) until it tells them DONE,
+    exactly once, however many push attempts the call makes (a client that regroups and pushes
+    again keeps them following across both)."""
+
+    def __init__(self):
+        self.finished = False
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            tell_peers(DONE)
+
+    def __enter__(self) -> "PeersFollowing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+
 def gather_pass(weights, skip: int = 0) -> None:
     """Take part in one pass of gathers over `weights` (every DTensor, in push order), leaving
     out the first `skip` (rank 0 finishing a pass it broke off)."""
