@@ -97,7 +97,7 @@ class RolloutManager:
             "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
             "transfer_seconds": 0.0, "pause_seconds": 0.0, "pause_wait_seconds": 0.0, "aborted_resubmitted": 0,
             "stale_restarts": 0, "stale_returned": 0, "failed_pushes": 0, "engine_deaths": 0, "engine_restarts": 0,
-            "resubmitted_after_engine_death": 0,
+            "resubmitted_after_engine_death": 0, "inplace_pushes": 0,
         }
         self.supervisor = EngineSupervisor(engines, engine_factory, max_restarts, restart_window_s,
                                            host_copy=host_copy, spawn_standby=spawn_standby)

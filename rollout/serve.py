@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: a push's bytes arrive while the engines keep generating, which pause only for the "
                         "swap (a pointer swap between two steps); off: the engines pause for the whole transfer. "
                         "Both hold one extra copy of the weights while a push arrives")
+    p.add_argument("--staging-memory-limit-mb", type=float, default=None, metavar="MB",
+                   help="cap on the staging copy a push holds per engine (default: the device's free memory). A "
+                        "push that needs more is received in place, the engines paused for the transfer (a failed "
+                        "transfer then costs an engine restart)")
     p.add_argument("--push-stall-timeout", type=float, default=10.0,
                    help="seconds a push's transfer may go without a bucket arriving (a frozen or stalled trainer) "
                         "before the sidecar gives the push up and its engines serve the last weights again")
@@ -135,7 +139,9 @@ async def run(args) -> int:
     manager = build_manager(args)
     try:
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token,
-                               push_stall_s=args.push_stall_timeout, overlap_receive=args.overlap_receive == "on")
+                               push_stall_s=args.push_stall_timeout, overlap_receive=args.overlap_receive == "on",
+                               staging_limit_bytes=None if args.staging_memory_limit_mb is None
+                               else int(args.staging_memory_limit_mb * 2**20))
     except BaseException:
         for e in manager.engines:
             e.shutdown()

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 class RolloutServer:
     def __init__(self, manager: RolloutManager, address: str, token: str = "", push_stall_s: float = 10.0,
-                 overlap_receive: bool = True):
+                 overlap_receive: bool = True, staging_limit_bytes: int | None = None):
         self.manager = manager
-        self.weights = SidecarWeights(manager, push_stall_s, overlap_receive)
+        self.weights = SidecarWeights(manager, push_stall_s, overlap_receive, staging_limit_bytes)
         self.token = token
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

@@ -13,6 +13,7 @@ from weight_sync.engine_sync import (
     stage_on_engines,
 )
 from weight_sync.group import FAILED_MARK, PushProgress
+from weight_sync.inplace_receive import TORN
 from weight_sync.manifest import Manifest
 from weight_sync.votes import WeightSyncError
 
@@ -54,9 +55,11 @@ class SidecarWeights:
     over. Versions only go up: a push or load of a version <= the sidecar's changes nothing
     (version 0 over version 0 excepted: a trainer's initial sync of the checkpoint)."""
 
-    def __init__(self, manager, stall_s: float = 10.0, overlap: bool = True):
+    def __init__(self, manager, stall_s: float = 10.0, overlap: bool = True, staging_limit: int | None = None):
         self.manager = manager
         self.overlap = overlap  # receive a push while the engines generate; pause only for the swap
+        self.staging_limit = staging_limit  # bytes of staging per engine (None: the device's free memory)
+        self._room_for: tuple | None = None  # (layout bytes, engines) that had room for staging last time
         self.stall_s = stall_s  # a push's transfer with no bucket out for this long is given up
         self.owner: dict | None = None  # the group's host, port and name, while a trainer owns it
         self._info: dict = {}  # the owner's connection info, its secret included: never logged
@@ -98,10 +101,16 @@ class SidecarWeights:
             raise WeightSyncRegroup(f"this sidecar's engines changed since group {group_name} formed (an engine was "
                                     "restarted): init_weight_sync again (RolloutClient does so by itself)")
         t0 = time.monotonic()
-        if self.overlap and not shared:
+        inplace = not shared and manifest.adapter is None and not await self._staging_fits(engines, manifest)
+        if self.overlap and not shared and not inplace:
             return await self._push_overlapped(engines, manifest, pause_mode, timeout_s, group_name, t0)
 
         async def receive() -> list:
+            if inplace:
+                m.counters["inplace_pushes"] += 1
+                results = await receive_on_engines(engines, manifest, timeout_s, group_name, "receive_weights_inplace")
+                self._restart_torn(engines, results)
+                return results
             if not shared:
                 return await receive_on_engines(engines, manifest, timeout_s, group_name)
             calls = [e.collective_rpc("receive_weights_shared", timeout=timeout_s, args=(manifest_wire, shared))
@@ -183,6 +192,34 @@ class SidecarWeights:
             return {**out, "swap_seconds": time.monotonic() - t1, "transfer_seconds": transfer}
 
         return self._pushed(await m.run_paused(pause_mode, swap), t0)
+
+    async def _staging_fits(self, engines: list, manifest: Manifest) -> bool:
+        """Whether every engine has room for the push's staging copy; if not, the push goes in
+        place (weight_sync.inplace_receive), paused for the transfer, and the log says why. A yes
+        holds for later pushes of the same size to the same engines (their memory is laid out at
+        start: weights, KV cache, then the staging buffer a push keeps), so it is asked once."""
+        key = (manifest.layout_bytes, tuple(id(e) for e in engines))
+        if self._room_for == key:
+            return True
+        rooms = await asyncio.gather(*(e.collective_rpc("staging_room", timeout=30,
+                                                        args=(manifest.layout_bytes, self.staging_limit))
+                                       for e in engines), return_exceptions=True)
+        short = [(i, r[0]["why"] if not isinstance(r, BaseException) else str(r)) for i, r in enumerate(rooms)
+                 if isinstance(r, BaseException) or not r[0]["fits"]]
+        for i, why in short:
+            log.warning("engine %d has no room for a staging copy (%s): push of version %d is received in place, "
+                        "the engines paused for the transfer", i, why, manifest.version)
+        self._room_for = None if short else key
+        return not short
+
+    @staticmethod
+    def _restart_torn(engines: list, results: list) -> None:
+        """Engines whose in-place receive failed after writing hold torn weights: stopped, so that
+        the supervisor restarts them with the last committed weights."""
+        for i, (e, r) in enumerate(zip(engines, results)):
+            if isinstance(r, BaseException) and TORN in str(r) and e.proc.poll() is None:
+                log.error("engine %d: %s; restarting it", i, r)
+                e.proc.kill()
 
     async def _trainer_lost(self, push_id: str, period_s: float = 0.5, misses: int = 2) -> str:
         """During a push over the group the workers wait in the trainer's transfer, where nothing

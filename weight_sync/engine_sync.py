@@ -66,12 +66,12 @@ async def init_weight_sync(engines: Sequence, sender: WeightSender, host: str = 
 
 
 async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float | None = None,
-                             group_name: str | None = None) -> list:
-    """Each engine's `receive_weights(manifest)`; one result or exception per engine. With
-    `group_name`, each worker marks itself ready in that group's store (a worker outside that
-    group fails at once)."""
-    return await asyncio.gather(*(outcome for _, outcome in _deliveries(engines, manifest, timeout, group_name)),
-                                return_exceptions=True)
+                             group_name: str | None = None, method: str = "receive_weights") -> list:
+    """Each engine's `receive_weights(manifest)` (or `method`: receive_weights_inplace); one
+    result or exception per engine. With `group_name`, each worker marks itself ready in that
+    group's store (a worker outside that group fails at once)."""
+    deliveries = _deliveries(engines, manifest, timeout, group_name, method)
+    return await asyncio.gather(*(outcome for _, outcome in deliveries), return_exceptions=True)
 
 
 async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float,
@@ -115,11 +115,11 @@ async def finish_on_engines(engines: Sequence, staged: list, commit: bool, timeo
 
 
 def _deliveries(engines: Sequence, manifest: Manifest | dict, timeout: float | None,
-                group_name: str | None) -> list[tuple[str, asyncio.Future]]:
+                group_name: str | None, method: str = "receive_weights") -> list[tuple[str, asyncio.Future]]:
     """The receive_weights RPCs, named "engine i", as run_push's `deliver` returns them."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
     kwargs = {"group_name": group_name} if group_name is not None else None
-    return [(f"engine {i}", asyncio.ensure_future(e.collective_rpc("receive_weights", timeout=timeout, args=(wire,),
+    return [(f"engine {i}", asyncio.ensure_future(e.collective_rpc(method, timeout=timeout, args=(wire,),
                                                                    kwargs=kwargs)))
             for i, e in enumerate(engines)]
 

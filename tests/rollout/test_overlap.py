@@ -17,7 +17,7 @@ from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy
 from tests.rollout.sidecar import TOKEN, Sidecar
-from tests.rollout.test_engine_faults import _perturbed
+from tests.rollout.test_engine_faults import _perturbed, _wait_healthy
 from weight_sync import weights_checksum
 
 pytestmark = pytest.mark.timeout(300)
@@ -210,5 +210,58 @@ def test_a_push_without_waiting_whose_sidecar_dies_raises_from_its_handle(qwen2_
         with pytest.raises(SidecarError):  # the next push says so too, without hanging
             client.push_weights(hf_models["qwen2"], version=6)
     finally:
+        client.close()
+        s.stop()
+
+
+def test_an_engine_without_room_for_staging_receives_in_place(qwen2_dir, hf_models):
+    """--staging-memory-limit-mb below the model's size: the push is received straight into the
+    weights, the engines paused for the transfer, and lands exactly."""
+    s = Sidecar(qwen2_dir, "--staging-memory-limit-mb", "1")
+    client = RolloutClient(s.url, token=TOKEN)
+    try:
+        client.init_weight_sync(bucket_bytes=1 << 20)
+        load = threading.Thread(target=_requests_finished_meanwhile, args=(client, 2.0))
+        load.start()
+        new = _perturbed(hf_models["qwen2"], 9)
+        client.push_weights(new, version=1)
+        load.join()
+        stats = client.stats()
+        assert stats["inplace_pushes"] == 1 and stats["version"] == 1 and stats["engine_restarts"] == 0
+        assert client.weights_checksums() == [weights_checksum(new.named_parameters())]
+        prompt = [9, 10, 11]
+        got = client.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
+        assert got.token_ids == hf_greedy(new, prompt, 8, ignore_eos=True)
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_an_in_place_push_whose_trainer_dies_restarts_the_engine_with_the_old_weights(qwen2_dir, hf_models):
+    """The price of receiving in place: weights torn half way cannot serve, so the engine is
+    restarted and serves the last committed weights again (here the checkpoint's)."""
+    s = Sidecar(qwen2_dir, "--staging-memory-limit-mb", "1", "--push-stall-timeout", "3")
+    client = RolloutClient(s.url, token=TOKEN)
+    trainer = _trainer(s, qwen2_dir, 3600)
+    try:
+        prompt = [9, 10, 11]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        assert json.loads(trainer.stdout.readline()) == {"at": 3}  # buckets 0-2 are in the weights
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        _wait_healthy(client)
+        deadline = time.monotonic() + 30
+        while client.stats()["engine_restarts"] == 0:
+            assert time.monotonic() < deadline, "the engine with torn weights was not restarted"
+            time.sleep(0.2)
+        _wait_healthy(client)
+        stats = client.stats()
+        assert stats["failed_pushes"] == 1 and stats["version"] == 0 and stats["inplace_pushes"] == 1
+        assert client.weights_checksums() == [weights_checksum(hf_models["qwen2"].named_parameters())]
+        assert client.generate([prompt], params)[0][0].token_ids == hf_greedy(hf_models["qwen2"], prompt, 8,
+                                                                              ignore_eos=True)
+    finally:
+        trainer.kill()
+        trainer.wait()
         client.close()
         s.stop()
