@@ -150,7 +150,8 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
                                       lora_versions=lora_versions, worker_extension_cls=EXT))
     sender = WeightSender(timeout_s=timeout_s)
     versions = iter(range(1, 10**9))
-    out = {"size": size, "engine": "unmerged" if lora_versions else "merged", "params": nparams, "lora_r": r, "adapter_bytes": adapter_bytes, "full_bytes": full_bytes,
+    out = {"size": size, "engine": "unmerged" if lora_versions else "merged", "params": nparams, "lora_r": r,
+           "adapter_bytes": adapter_bytes, "full_bytes": full_bytes,
            "other_cores_before": busy_before,
            "adapter_s": [], "merged_s": [], "merged_send_s": [], "merge_s": [], "merge_share": [], "receive_s": [],
            "commit_s": []}
