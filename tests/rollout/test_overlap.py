@@ -246,11 +246,11 @@ def test_an_in_place_push_whose_trainer_dies_restarts_the_engine_with_the_old_we
     try:
         prompt = [9, 10, 11]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        assert json.loads(trainer.stdout.readline()) == {"at": 3}  # buckets 0-2 are in the weights
+        assert json.loads(trainer.stdout.readline()) == {"at": 3}  # under way: the first buckets are written
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
         _wait_healthy(client)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # as _wait_healthy: a restart on 2 loaded cores can take tens of seconds
         while client.stats()["engine_restarts"] == 0:
             assert time.monotonic() < deadline, "the engine with torn weights was not restarted"
             time.sleep(0.2)
