@@ -17,26 +17,22 @@ on this machine.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import statistics
 import threading
 import time
 
 log = logging.getLogger("bench.lora_decode")
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_model(base, r: int, seed: int):
-    import peft
+def lora_model(model_dir: str, r: int, seed: int):
+    """bench.lora_push's trainer model, its factors moved once (PEFT starts B at zero)."""
     import torch
 
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    from bench.lora_push import lora_model as peft_model, train_step
+
+    model = peft_model(model_dir, r, 2 * r, seed)
+    train_step(model, torch.Generator().manual_seed(seed), scale=0.01)
     return model
 
 
@@ -79,15 +75,11 @@ def two_versions(url: str, client, adapter, prompts, params, version: int) -> fl
 
 
 def run(model_dir: str, lora_versions: int, r: int, n_prompts: int, max_tokens: int, repeats: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from engine import SamplingParams
     from rollout import RolloutClient
     from rollout.launcher import LocalSidecar
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    adapters = [lora_model(base, r, seed) for seed in (1, 2, 3)]
+    adapters = [lora_model(model_dir, r, seed) for seed in (1, 2, 3)]
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [[5 + i, 6, 7, 8] for i in range(n_prompts)]
     sidecar = LocalSidecar(model_dir, "--lora-versions", str(lora_versions), "--max-model-len", "512",
@@ -119,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("weight_sync").setLevel(logging.WARNING)
     from bench.engine_throughput import probe_gflops
+    from bench.lora_push import TARGET_MODULES
     from bench.http import _count_params
     from engine.model_names import resolve_model_arg
 
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         probes.append(probe_gflops())
         rows.append((name, _count_params(model_dir), statistics.median(probes), merged, unmerged))
         log.info("%s: merged %s, unmerged %s", name, merged, unmerged)
-    print(f"\nLoRA r={args.lora_r} on {', '.join(TARGETS)}; {args.prompts} x {args.max_tokens} tokens a batch")
+    print(f"\nLoRA r={args.lora_r} on {', '.join(TARGET_MODULES)}; {args.prompts} x {args.max_tokens} tokens a batch")
     print(f"{'model':8} {'params':>8} {'merged tok/s':>13} {'unmerged, 1 version':>20} {'ratio':>6} "
           f"{'unmerged, 2 versions':>21} {'ratio':>6} {'merged of peak':>15}")
     for name, n, peak, merged, unmerged in rows:

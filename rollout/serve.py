@@ -60,6 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-standby", default="on", choices=["on", "off"],
                    help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
                         "so that a dead engine restarts in the time its weights take to load")
+    _add_weight_update_flags(p.add_argument_group("weight updates"))
+    _add_http_flags(p.add_argument_group("OpenAI-compatible HTTP front"))
+    p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
+    p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
+                        "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
+    return p
+
+
+def _add_weight_update_flags(p) -> None:
     p.add_argument("--lora-versions", type=int, default=0, metavar="K",
                    help="LoRA adapter pushes: 0 (default) merges each adapter into the weights (fastest per token); "
                         "K > 0 keeps up to K adapter versions unmerged, and each sequence decodes with the version it "
@@ -75,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-stall-timeout", type=float, default=10.0,
                    help="seconds a push's transfer may go without a bucket arriving (a frozen or stalled trainer) "
                         "before the sidecar gives the push up and its engines serve the last weights again")
+
+
+def _add_http_flags(p) -> None:
     p.add_argument("--http-port", type=int, default=None,
                    help="also serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /health, /metrics) on this port, from the same engines (0: a free port; "
@@ -84,15 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model name HTTP clients must send (default: --model's last path part, or 'tiny')")
     p.add_argument("--http-max-body-mb", type=float, default=8.0, help="HTTP request bodies larger than this get 413")
-    p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
-    p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--parent-pid", type=int, default=None,
-                   help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
-                        "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
-    return p
 
 
 def build_manager(args):

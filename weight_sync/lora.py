@@ -156,10 +156,14 @@ def push_source(weights, mode: str = "adapter"):
 
 
 # -- the arithmetic (both sides) ----------------------------------------------------------------
+def _through_fp32(b: torch.Tensor) -> bool:
+    """PEFT computes a 16-bit adapter's delta on a CPU in fp32 (slow 16-bit CPU matmuls)."""
+    return b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+
+
 def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """`scale * B @ A` exactly as PEFT's LoraLayer.get_delta_weight computes it (16-bit adapters
-    on a CPU go through fp32)."""
-    cast = a.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    """`scale * B @ A` exactly as PEFT's LoraLayer.get_delta_weight computes it."""
+    cast = _through_fp32(b)
     out = (b.float() @ a.float() if cast else b @ a) * scale
     return out.to(b.dtype) if cast else out
 
@@ -169,8 +173,7 @@ def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
     """`W0 + delta` with PEFT's in-place add (`weight.data += delta`: rounded once, to W0's
     dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, two passes
     over it instead of four); W0 is left as it is."""
-    same = a.dtype == b.dtype == w0.dtype and not (a.device.type == "cpu" and a.dtype in (torch.float16,
-                                                                                          torch.bfloat16))
+    same = a.dtype == b.dtype == w0.dtype and not _through_fp32(b)
     if out is not None and same and out.shape == w0.shape and out.dtype == w0.dtype:
         torch.mm(b, a, out=out)  # the same kernel as b @ a, then the same rounding steps:
         out.mul_(scale)          # (B @ A) * scale,

@@ -135,11 +135,8 @@ class WeightSender:
         weights = push_source(weights)
         if isinstance(weights, AdapterPush):  # a LoRA adapter (weight_sync.lora): listed now, it is small
             named, spec = weights.listing()
-            specs = self._specs(named)
-            if self._last_adapter is None or self._last_adapter[0] != (specs, self.bucket_bytes):
-                self._last_adapter = ((specs, self.bucket_bytes), build_manifest(specs, version, self.bucket_bytes))
-            manifest = msgspec.structs.replace(self._versioned(self._last_adapter[1], version), adapter=spec)
-            return PreparedPush(manifest, weights, named)
+            manifest = self._manifest(self._specs(named), version, "_last_adapter")
+            return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named)
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
         if has_peers() and gather_context(weights) is not None:
@@ -184,14 +181,15 @@ class WeightSender:
     def _versioned(manifest: Manifest, version: int) -> Manifest:
         return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
 
-    def _manifest(self, specs: list, version: int) -> Manifest:
+    def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> Manifest:
         """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
-        bucket size are unchanged (every push of a training run)."""
-        key = (specs, self.bucket_bytes)
-        if self._last_layout is not None and self._last_layout[0] == key:
-            return self._versioned(self._last_layout[1], version)
+        bucket size are unchanged (every push of a training run). `slot`: the attribute that
+        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays)."""
+        key, last = (specs, self.bucket_bytes), getattr(self, slot)
+        if last is not None and last[0] == key:
+            return self._versioned(last[1], version)
         manifest = build_manifest(specs, version, self.bucket_bytes)
-        self._last_layout = (key, manifest)
+        setattr(self, slot, (key, manifest))
         return manifest
 
     def checksum(self, weights) -> str:

@@ -15,6 +15,7 @@ from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy
 from tests.rollout.sidecar import TOKEN, Sidecar
 from tests.rollout.test_engine_faults import _cores, _wait_healthy
+from tests.rollout.test_overlap import _long_rollouts
 from tests.weight_sync.test_lora import TARGET_SETS, hf_merged, lora_model, randomize
 from weight_sync import weights_checksum
 from weight_sync.lora import AdapterPush, adapter_weights
@@ -153,12 +154,7 @@ def test_a_restarted_engine_gets_the_base_again(qwen2_dir, hf_models):
         s.stop()
 
 
-def _long_batch(url, out):
-    c = RolloutClient(url, token=TOKEN)
-    try:
-        out["groups"] = c.generate([PROMPT] * 16, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    finally:
-        c.close()
+LONG = ([PROMPT] * 16, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))  # seconds of decoding
 
 
 @pytest.mark.parametrize("lora_versions", ["0", "4"])
@@ -176,9 +172,9 @@ def test_with_unmerged_adapters_a_rollout_finishes_under_its_version(qwen2_dir, 
         first, second = (lora_model(hf_models["qwen2"], TARGET_SETS[1], seed=k) for k in (1, 2))
         client.push_weights(first, version=1)
         alone = {}
-        _long_batch(s.url, alone)  # what adapter 1 gives with no push meanwhile
+        _long_rollouts(s.url, alone, *LONG)  # what adapter 1 gives with no push meanwhile
         during = {}
-        load = threading.Thread(target=_long_batch, args=(s.url, during))
+        load = threading.Thread(target=_long_rollouts, args=(s.url, during, *LONG))
         load.start()
         time.sleep(0.5)  # decoding
         client.push_weights(second, version=2, pause_mode="keep")

@@ -143,11 +143,13 @@ def test_a_bad_manifest_is_refused_without_a_pause(qwen2_dir, hf_models):
         s.stop()
 
 
-def _long_rollouts(url, out: dict):
-    """32 x 250 tokens (seconds of decoding) from a client of their own; records when they ended."""
+def _long_rollouts(url, out: dict, prompts=None, params=None):
+    """Seconds of decoding (by default 32 x 250 tokens) from a client of their own, for a thread:
+    records their groups (or error) and when they ended."""
     c = RolloutClient(url, token=TOKEN)
     try:
-        out["groups"] = c.generate([[5, 6, 7]] * 32, SamplingParams(temperature=1.0, max_tokens=250, ignore_eos=True))
+        out["groups"] = c.generate(prompts or [[5, 6, 7]] * 32,
+                                   params or SamplingParams(temperature=1.0, max_tokens=250, ignore_eos=True))
     except Exception as e:  # noqa: BLE001 - the test reads it
         out["error"] = e
     finally:
