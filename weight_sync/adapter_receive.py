@@ -29,14 +29,18 @@ class AdapterReceive:
         """An adapter manifest against this worker's model; [NEEDS_BASE] when only the base is lacking."""
         params, aliases = model_params(self.model)
         problems = adapter_problems(m, param_infos(params), aliases)
-        modules = dict(self.model.named_modules())
-        head = self.model.get_output_embeddings()
-        if getattr(self, "lora_bank", None) is not None and any(modules.get(n) is head for n in m.adapter.scales):
+        if getattr(self, "lora_bank", None) is not None and self._targets_head(m):
             problems.append("unmerged LoRA (lora_versions > 0) does not adapt the output head: leave it out of "
                             "target_modules, or run the engine with adapters merged")
         if not problems and not m.adapter.with_base and self._ws().base_id != m.adapter.base_id:
             return [NEEDS_BASE]
         return problems
+
+    def _targets_head(self, m: Manifest) -> bool:
+        """Whether the adapter targets the output head (only unmerged LoRA needs to know: a walk
+        over the modules, not paid by a merging engine's every push)."""
+        modules, head = dict(self.model.named_modules()), self.model.get_output_embeddings()
+        return any(modules.get(n) is head for n in m.adapter.scales)
 
     def _ws_plan_adapter(self, m: Manifest, staging: torch.Tensor) -> dict:
         """Every byte is in: the new value of each parameter the push changes (the base's, when it
