@@ -16,6 +16,7 @@ _WHERE = {
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
 }
 
 __all__ = list(_WHERE)

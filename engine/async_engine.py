@@ -27,7 +27,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
-from engine.inputs import is_single_prompt, tokenize_prompt, validate_prompt_ids
+from engine.inputs import is_single_prompt, tokenize_prompt, validate_params, validate_prompt_ids
 from engine.messages import (
     INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Fatal, Ready, RequestError, Shutdown,
     StepOutputs, UtilityCall,
@@ -287,6 +287,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         validate_prompt_ids(ids, self.cfg.max_model_len, self.vocab_size)
+        validate_params(params, self.vocab_size, self.cfg.max_logprobs)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         collector = _Collector(RequestState(request_id, text, ids, params))

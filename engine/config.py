@@ -25,6 +25,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory this engine may fill (vLLM's name)
     enable_prefix_caching: bool = True
     seed: int = 0  # seeds the shared generator used by requests without their own seed
+    max_logprobs: int = 20  # the most top logprobs (and prompt logprobs) a request may ask for (vLLM's name)
     logprobs_mode: str = "processed"  # "processed": from the sampling distribution; "raw": model softmax
     worker_extension_cls: str | None = None  # "pkg.module:Class" (or dotted) mixed into the worker
     num_threads: int | None = None  # torch intra-op threads on CPU; default: the CPUs this process may use
@@ -41,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.lora_versions < 0:
             raise ValueError(f"lora_versions must be >= 0, got {self.lora_versions}")
         for name in ("max_num_seqs", "max_model_len", "block_size"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.inputs import validate_prompt_ids
+from engine.inputs import validate_params, validate_prompt_ids
 from engine.messages import SeqDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PauseState, Scheduler
@@ -75,9 +75,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.runner.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids outside the vocabulary: {bad_stop}")
+        validate_params(params, self.runner.vocab_size, self.cfg.max_logprobs)
         seqs = [Sequence(request_id, i, prompt_token_ids, params, self.cfg.block_size) for i in range(params.n)]
         self.requests[request_id] = seqs
         for seq in seqs:

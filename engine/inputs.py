@@ -58,3 +58,15 @@ def validate_prompt_ids(ids: list[int], max_model_len: int, vocab_size: int) -> 
     bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def validate_params(params, vocab_size: int, max_logprobs: int) -> None:
+    """What a request's sampling parameters must satisfy on this engine (its vocabulary, its
+    max_logprobs); the frontend checks before sending, the core again (an in-process caller)."""
+    outside = params.token_ids_outside(vocab_size)
+    if outside:
+        raise ValueError(outside)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > max_logprobs:
+            raise ValueError(f"{name}={k} is above this engine's max_logprobs ({max_logprobs})")

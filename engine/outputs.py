@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in `top_logprobs` / `prompt_logprobs` (vLLM's `vllm.logprobs.Logprob`):
+    its logprob, its rank in that distribution (1 = most likely), its text alone (None when the
+    request asked for no detokenizing)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: {token id: Logprob}, the sampled (or prompt) token and the k most likely
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -14,9 +29,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     weight_versions: list[int] = field(default_factory=list)  # weight version each token was sampled under
-    # logprobs=k: per token, the k most likely tokens {id: logprob} of the distribution .logprobs
-    # come from (vLLM folds these into .logprobs; ours keeps .logprobs a plain list of floats)
-    top_logprobs: list[dict[int, float]] | None = None
+    # logprobs=k (0 included): per token {id: Logprob} of the sampled token and the k most likely,
+    # from the distribution .logprobs come from (vLLM folds these into .logprobs; ours keeps
+    # .logprobs a plain list of floats, the trainer's path)
+    top_logprobs: list[PositionLogprobs] | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -36,6 +52,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # prompt_logprobs=k: per prompt token {its id: logprob, plus the top k} under the model's raw
+    # prompt_logprobs=k: per prompt token {its id: Logprob, plus the top k} under the model's raw
     # distribution, None for the first token (vLLM's shape)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
