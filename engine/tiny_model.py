@@ -8,9 +8,15 @@ real checkpoint (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pre
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import glob
 import json
 import logging
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +34,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|bos|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS, PAD, BOS = SPECIAL_TOKENS
+STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -108,23 +115,41 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
 
 
 def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
-    """Build (or reuse, if already built with the same recipe) a model directory and return its path."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Build (or reuse, if already built with the same recipe) a model directory and return its path.
 
+    Safe from several processes at once (torchrun's ranks): under a lock beside `out_dir`, one
+    builds into a temporary directory and renames it into place, so `out_dir` is only ever
+    absent or whole; the others wait for the lock and reuse its build."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     out = Path(out_dir)
     stamp = {"size": size, "arch": arch, "seed": seed, "builder": 2}
-    stamp_file = out / "tiny_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+    if _stamp_of(out) == stamp:
         return out
-    log.info("building %s %s model in %s", size, arch, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out):
+        if _stamp_of(out) == stamp:  # built by another process while this one waited
+            return out
+        _clear_leftovers(out)
+        _set_aside(out)
+        tmp = _fresh_dir(out)
+        try:
+            log.info("building %s %s model in %s", size, arch, out)
+            _write_model(tmp, size, arch, seed, stamp)
+            _rename_into_place(tmp, out, stamp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_model(out: Path, size: str, arch: str, seed: int, stamp: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     tokenizer = build_tokenizer(SIZES[size][5])
     config = build_config(arch, size, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
@@ -133,8 +158,62 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "TokenizersBackend"
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
-    stamp_file.write_text(json.dumps(stamp))
-    return out
+    (out / STAMP).write_text(json.dumps(stamp))
+
+
+def _stamp_of(out: Path) -> dict | None:
+    try:
+        return json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """An exclusive lock on `.<name>.lock` beside `out`; the kernel drops it if its holder dies."""
+    with open(out.parent / f".{out.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building %s", out)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _fresh_dir(out: Path) -> Path:
+    """A new empty directory beside `out` (same filesystem, so a rename is atomic), named so that
+    `_clear_leftovers` finds it if its builder is killed."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 would become the model directory's mode
+    return tmp
+
+
+def _clear_leftovers(out: Path) -> None:
+    """Removes what killed builds of `out` left; only called under the lock, so none is in use."""
+    for d in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _set_aside(out: Path) -> None:
+    """Moves an existing `out` out of the way: an empty directory or another recipe's build. A
+    directory that is neither is not ours to delete."""
+    if not out.exists():
+        return
+    if not (out / STAMP).exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not a tiny-model build: remove it or build elsewhere")
+    aside = _fresh_dir(out)
+    os.rename(out, aside)  # one step, so a kill leaves a leftover, never a part-deleted `out`
+    shutil.rmtree(aside)
+
+
+def _rename_into_place(tmp: Path, out: Path, stamp: dict) -> None:
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        # NOTE: a builder on a filesystem without working locks may have won the race: use its build
+        if _stamp_of(out) != stamp:
+            raise
+        log.info("another process built %s first; using its build", out)
 
 
 def cache_root() -> Path:
