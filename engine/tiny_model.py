@@ -15,6 +15,10 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,7 +127,7 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
     out = Path(out_dir)
-    stamp = {"size": size, "arch": arch, "seed": seed, "builder": 2}
+    stamp = _recipe(size, arch, seed)
     if _stamp_of(out) == stamp:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -135,14 +139,28 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
         tmp = _fresh_dir(out)
         try:
             log.info("building %s %s model in %s", size, arch, out)
-            _write_model(tmp, size, arch, seed, stamp)
+            _write_in_fresh_process(tmp, size, arch, seed)
             _rename_into_place(tmp, out, stamp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _write_model(out: Path, size: str, arch: str, seed: int, stamp: dict) -> None:
+def _recipe(size: str, arch: str, seed: int) -> dict:
+    return {"size": size, "arch": arch, "seed": seed, "builder": 2}
+
+
+def _write_in_fresh_process(out: Path, size: str, arch: str, seed: int) -> None:
+    """`_write_model` in a new interpreter (`--into`). NOTE: in a torch.distributed rank other than
+    0, save_pretrained silently writes no config and no weights (transformers 5); and the seeded
+    init would reset the caller's torch RNG."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "engine.tiny_model", "--size", size, "--arch", arch, "--seed", str(seed),
+                    "--into", str(out)], env=env, check=True)
+
+
+def _write_model(out: Path, size: str, arch: str, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -158,7 +176,19 @@ def _write_model(out: Path, size: str, arch: str, seed: int, stamp: dict) -> Non
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "TokenizersBackend"
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
-    (out / STAMP).write_text(json.dumps(stamp))
+    (out / STAMP).write_text(json.dumps(_recipe(size, arch, seed)))
+
+
+def _exit_with_parent() -> None:
+    """Ends this `--into` build when the process that asked for it dies: it owns the directory."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _stamp_of(out: Path) -> dict | None:
@@ -234,9 +264,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default: tiny, ~4M params)")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="model architecture")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
-    p.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")
+    where.add_argument("--into", default=None, help="write into this existing directory as it is: no reuse, lock or "
+                       "rename (what build_tiny_model runs in a fresh process)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.into:
+        _exit_with_parent()
+        _write_model(Path(args.into), args.size, args.arch, args.seed)
+        return
     out = build_tiny_model(args.out or default_model_dir(args.size, args.arch), args.size, args.arch, args.seed)
     log.info("model ready at %s", out)
 

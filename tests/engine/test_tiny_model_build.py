@@ -1,10 +1,11 @@
 """Builds into the shared model cache are atomic (issue 26): torchrun's ranks building the default
-model at once both get a whole model, and a killed build leaves nothing taken for one. Builders
-are real processes running this file (`python -m tests.engine.test_tiny_model_build`)."""
+model at once both get it whole, and a killed build leaves nothing taken for one. Builders are
+real processes running this file (`python -m tests.engine.test_tiny_model_build`)."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +19,16 @@ pytestmark = pytest.mark.timeout(300)
 TARGET = "qwen2-tiny"  # default_model_dir()'s name under the cache root
 
 
-def _start_builder(cache: Path, barrier: Path, n: int) -> subprocess.Popen:
-    """A process that waits until `n` builders are ready (files in `barrier`), then builds and loads
-    the default model with `$ROLLOUT_CACHE` at `cache`."""
-    return subprocess.Popen([sys.executable, "-m", "tests.engine.test_tiny_model_build", str(barrier), str(n)],
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_builder(cache: Path, *rank_and_port: int) -> subprocess.Popen:
+    """A process that builds and loads the default model with `$ROLLOUT_CACHE` at `cache`: alone,
+    or as a rank of a two-rank gloo group (as under torchrun)."""
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.test_tiny_model_build", *map(str, rank_and_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "ROLLOUT_CACHE": str(cache), "PYTHONPATH": os.getcwd()})
 
@@ -36,18 +43,19 @@ def _is_whole(target: Path) -> bool:
     return (target / STAMP).exists()
 
 
-def test_two_processes_building_the_default_model_at_once_both_get_it_whole(tmp_path):
-    cache, barrier = tmp_path / "cache", tmp_path / "barrier"
-    barrier.mkdir()
-    builders = [_start_builder(cache, barrier, 2) for _ in range(2)]
+def test_two_ranks_building_the_default_model_at_once_both_get_it_whole(tmp_path):
+    """Rank 1 starts the build (transformers 5 saves weights from rank 0 only); rank 0 asks for
+    the model while that build is under way."""
+    cache, port = tmp_path / "cache", _free_port()
+    ranks = [_start_builder(cache, rank, port) for rank in (0, 1)]
     target, torn = cache / TARGET, False
     try:
-        while any(p.poll() is None for p in builders):  # the target is only ever absent or whole
+        while any(p.poll() is None for p in ranks):  # the target is only ever absent or whole
             torn = torn or (target.exists() and not _is_whole(target))
             time.sleep(0.002)
-        results = [_result(p) for p in builders]
+        results = [_result(p) for p in ranks]
     finally:
-        for p in builders:
+        for p in ranks:
             p.kill()
     assert not torn, "the target directory was seen half-built"
     assert results[0] == results[1] and results[0]["params"] > 0
@@ -55,9 +63,8 @@ def test_two_processes_building_the_default_model_at_once_both_get_it_whole(tmp_
 
 
 def test_a_killed_build_leaves_nothing_a_later_build_takes_for_a_model(tmp_path):
-    cache, barrier = tmp_path / "cache", tmp_path / "barrier"
-    barrier.mkdir()
-    builder = _start_builder(cache, barrier, 1)
+    cache = tmp_path / "cache"
+    builder = _start_builder(cache)
     try:
         while not any(cache.rglob("config.json")):  # kill it mid-write
             assert builder.poll() is None, builder.communicate()[1][-3000:]
@@ -69,7 +76,7 @@ def test_a_killed_build_leaves_nothing_a_later_build_takes_for_a_model(tmp_path)
     assert builder.returncode == -signal.SIGKILL  # killed, not finished
     target = cache / TARGET
     assert not target.exists() or _is_whole(target)
-    later = _start_builder(cache, barrier, 1)
+    later = _start_builder(cache)
     try:
         assert _result(later)["params"] > 0
     finally:
@@ -86,15 +93,21 @@ def test_a_directory_that_is_not_a_build_is_refused_not_deleted(tmp_path):
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
-def _build_and_load(barrier: Path, n: int) -> dict:
-    """A builder's work: meet the others at the barrier, build the default model, load it."""
+def _build_started(cache: Path) -> bool:
+    return cache.is_dir() and any((cache / name).is_dir() for name in os.listdir(cache))
+
+
+def _build_and_load(rank: int | None = None, port: int | None = None) -> dict:
+    """A builder's work: join the group if it has a rank, build the default model, load it."""
     import torch
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.tiny_model import default_model_dir
+    from engine.tiny_model import cache_root, default_model_dir
 
-    (barrier / f"ready-{os.getpid()}").touch()
-    while len(list(barrier.iterdir())) < n:
+    if rank is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    while rank == 0 and not _build_started(cache_root()):
         time.sleep(0.005)
     out = build_tiny_model(default_model_dir())
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -102,8 +115,10 @@ def _build_and_load(barrier: Path, n: int) -> dict:
     assert tok.decode(tok.encode("12 + 30 = 42")) == "12 + 30 = 42"
     with torch.no_grad():
         checksum = sum(float(p.double().sum()) for p in model.parameters())
+    if rank is not None:
+        dist.destroy_process_group()
     return {"params": model.num_parameters(), "checksum": checksum}
 
 
 if __name__ == "__main__":
-    print(json.dumps(_build_and_load(Path(sys.argv[1]), int(sys.argv[2]))))
+    print(json.dumps(_build_and_load(*map(int, sys.argv[1:]))))
