@@ -290,7 +290,7 @@ class AsyncEngine:
         validate_params(params, self.vocab_size, self.cfg.max_logprobs)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        collector = _Collector(RequestState(request_id, text, ids, params))
+        collector = _Collector(RequestState(request_id, text, ids, params, self.tokenizer))
         self.requests[request_id] = collector
         finished = False
         try:

@@ -77,9 +77,19 @@ class EngineCore:
         self.validate_prompt(prompt_token_ids)
         validate_params(params, self.runner.vocab_size, self.cfg.max_logprobs)
         seqs = [Sequence(request_id, i, prompt_token_ids, params, self.cfg.block_size) for i in range(params.n)]
+        bans = self._min_tokens_bans(params)
+        bad_words = params.bad_words_token_ids(self.tokenizer) if params.bad_words else []
+        for seq in seqs:
+            seq.min_tokens_bans, seq.bad_words = bans, bad_words
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _min_tokens_bans(self, params: SamplingParams) -> tuple[int, ...]:
+        if not params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_ids)
+        return tuple(sorted(set(eos) | set(params.stop_token_ids)))
 
     def abort_requests(self, request_ids: list[str]) -> list[SeqDelta]:
         """Abort; returns a final delta (finish_reason "abort") for each sequence still running."""
@@ -158,7 +168,7 @@ class EngineCore:
             version = self.weight_version if row_versions is None else row_versions[row]
             seq.versions.append(version)
             delta = SeqDelta(seq.request_id, seq.index, [tok], [lp], version)
-            if seq.params.logprobs:
+            if seq.params.logprobs is not None:
                 delta.top_logprobs = [result.top_logprobs[row]]
             if seq.seq_id in self.runner.prompt_logprobs:
                 delta.prompt_logprobs = self.runner.prompt_logprobs.pop(seq.seq_id)

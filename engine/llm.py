@@ -42,7 +42,7 @@ class LLM:
             text, ids = tokenize_prompt(prompt, self.tokenizer)
             self.core.validate_prompt(ids)
             rid = f"llm-{next(self._ids)}"
-            states[rid] = RequestState(rid, text, ids, p)
+            states[rid] = RequestState(rid, text, ids, p, self.tokenizer)
         for rid, st in states.items():
             self.core.add_request(rid, st.prompt_token_ids, st.params)
         total = sum(p.n for p in params)

@@ -12,6 +12,10 @@ from typing import Any, Union
 import msgspec
 
 
+# Per position {token id: (logprob, rank)}; the frontend makes them vLLM's Logprob objects.
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one sequence gained in one step."""
 
@@ -23,8 +27,8 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
-    top_logprobs: list[dict[int, float]] | None = None  # per token, when the request asked logprobs=k
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, with the first token
+    top_logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked logprobs=k
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

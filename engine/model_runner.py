@@ -12,7 +12,8 @@ import torch
 
 from engine import attention
 from engine.config import EngineConfig
-from engine.sampler import Penalties, SamplingTensors, sample, uniform_noise
+from engine.logits_processors import build_edits, sequence_bans
+from engine.sampler import Penalties, SamplingTensors, TopLogprobs, sample, token_ranks, uniform_noise
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,19 @@ log = logging.getLogger(__name__)
 class SampleResult:
     tokens: list[int]
     logprobs: list[float]
-    top_logprobs: list[dict[int, float]] | None = None  # per row, when some row asked for logprobs=k
+    top_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per row {id: (logprob, rank)}: see entries
+
+
+def entries(tokens: list[int], values: list[float], ranks: list[int], top_ids: list[list[int]],
+            top_values: list[list[float]], ks: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """Per position {token id: (logprob, rank)}: the sampled (or prompt) token first, then its k
+    most likely (vLLM's shape; a token among the top k takes its place's rank)."""
+    out = []
+    for tok, lp, rank, ids, vals, k in zip(tokens, values, ranks, top_ids, top_values, ks):
+        entry = {tok: (lp, rank)}
+        entry.update((i, (v, j + 1)) for j, (i, v) in enumerate(zip(ids[:k], vals[:k])))
+        out.append(entry)
+    return out
 
 
 def _column(params: list, name: str, device, dtype=torch.float32) -> torch.Tensor:
@@ -257,7 +270,7 @@ class ModelRunner:
     def _take_prompt_logprobs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """For the sequences that asked for prompt logprobs, turn their prompt rows into
         `self.prompt_logprobs[seq_id]` (vLLM's shape: None for the first token, then {token:
-        logprob} plus the top k, from the model's raw distribution); return one row per sequence."""
+        (logprob, rank)} plus the top k, from the model's raw distribution); return one row per sequence."""
         keep = torch.ones(logits.shape[0], dtype=torch.bool)
         for seq in seqs:
             if seq.seq_id not in self.prompt_rows:
@@ -265,17 +278,13 @@ class ModelRunner:
             first, length = self.prompt_rows.pop(seq.seq_id)
             rows = torch.log_softmax(logits[first : first + length - 1], dim=-1)
             keep[first : first + length - 1] = False
-            targets = seq.token_ids[1:length]
-            chosen = rows.gather(-1, torch.tensor(targets, device=rows.device).unsqueeze(-1)).squeeze(-1).tolist()
+            targets = torch.tensor(seq.token_ids[1:length], device=rows.device)
+            chosen = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             k = seq.params.prompt_logprobs
-            top = rows.topk(k, dim=-1) if k else None
-            entries: list[dict[int, float] | None] = [None]
-            for j, (tok, lp) in enumerate(zip(targets, chosen)):
-                entry = {tok: lp}
-                if top is not None:
-                    entry.update(zip(top.indices[j].tolist(), top.values[j].tolist()))
-                entries.append(entry)
-            self.prompt_logprobs[seq.seq_id] = entries
+            top = rows.topk(k, dim=-1)
+            prompt = entries(targets.tolist(), chosen.tolist(), token_ranks(rows, chosen).tolist(),
+                             top.indices.tolist(), top.values.tolist(), [k] * len(targets))
+            self.prompt_logprobs[seq.seq_id] = [None, *prompt]
         return logits[keep.to(logits.device)]
 
     @torch.inference_mode()
@@ -311,11 +320,15 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         t = self.sampling_tensors(seqs, logits.shape[-1])
         tokens, logprobs, top = sample(logits, t)
-        tops = None
-        if top is not None:  # each row's own k of the batch's widest K
-            values, ids = top[0].tolist(), top[1].tolist()
-            tops = [dict(zip(i[: s.params.logprobs or 0], v)) for s, i, v in zip(seqs, ids, values)]
-        return SampleResult(tokens.tolist(), logprobs.tolist(), tops)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        return SampleResult(tokens, logprobs, None if top is None else self._top_entries(seqs, tokens, logprobs, top))
+
+    @staticmethod
+    def _top_entries(seqs: list[Sequence], tokens: list[int], logprobs: list[float], top: TopLogprobs):
+        """Each row's own k of the batch's widest K (None for a row that asked for none)."""
+        ks = [s.params.logprobs or 0 for s in seqs]
+        rows = entries(tokens, logprobs, top.sampled_ranks.tolist(), top.ids.tolist(), top.values.tolist(), ks)
+        return [row if s.params.logprobs is not None else None for s, row in zip(seqs, rows)]
 
     def sampling_tensors(self, seqs: list[Sequence], vocab: int) -> SamplingTensors:
         params = [s.params for s in seqs]
@@ -326,7 +339,9 @@ class ModelRunner:
 
         t = SamplingTensors(column("temperature"), raw_logprobs=self.cfg.logprobs_mode == "raw")
         t.any_greedy = any(p.greedy for p in params)
-        t.num_top_logprobs = max(p.logprobs or 0 for p in params)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        t.num_top_logprobs = max(asked) if asked else None
+        t.edits = self.logits_edits(seqs, vocab)
         if any(p.top_k for p in params):
             t.top_k = column("top_k", torch.long)
         if any(p.top_p < 1 for p in params):
@@ -338,6 +353,18 @@ class ModelRunner:
         if not all(p.greedy for p in params):
             t.uniforms = uniform_noise([self.generator(s) for s in seqs], self.shared_generator, dev)
         return t
+
+    def logits_edits(self, seqs: list[Sequence], vocab: int):
+        """allowed_token_ids, bans (bad words, min_tokens) and logit_bias of this step's rows."""
+        rows = []
+        for s in seqs:
+            p = s.params
+            if p.allowed_token_ids is None and not p.logit_bias and not s.min_tokens_bans and not s.bad_words:
+                rows.append((None, (), None))
+                continue
+            bans = sequence_bans(s.num_output_tokens, p.min_tokens, s.min_tokens_bans, s.output_token_ids, s.bad_words)
+            rows.append((p.allowed_token_ids, bans, p.logit_bias))
+        return build_edits(rows, vocab, self.device)
 
     def penalties(self, seqs: list[Sequence], vocab: int) -> Penalties:
         """Each row's output-token counts and prompt-token mask, built on the device from the

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from engine.messages import SeqDelta
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.messages import SeqDelta, TokenLogprobs
+from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import truncate_at_stop
 
 
+def position_logprobs(entry: TokenLogprobs | None, tokenizer) -> PositionLogprobs | None:
+    """One position's {id: (logprob, rank)} from the core as vLLM's {id: Logprob}; each token's
+    text alone when a tokenizer is given."""
+    if entry is None:
+        return None
+    return {t: Logprob(lp, rank, None if tokenizer is None else tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+
+
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer=None):
         self.request_id = request_id
+        self.tokenizer = tokenizer if params.detokenize else None  # for Logprob.decoded_token
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.outputs = [CompletionOutput(i, "", [], [], None, None, []) for i in range(params.n)]
         self.num_cached_tokens = 0
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        if params.logprobs:
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        if params.logprobs is not None:
             for o in self.outputs:
                 o.top_logprobs = []
         self.sent = [0] * params.n  # tokens already handed out, per completion (delta streaming)
@@ -40,9 +50,9 @@ class RequestState:
         out.logprobs += d.logprobs
         out.weight_versions += [d.version] * len(d.token_ids)
         if d.top_logprobs is not None and out.top_logprobs is not None:
-            out.top_logprobs += d.top_logprobs
+            out.top_logprobs += [position_logprobs(e, self.tokenizer) for e in d.top_logprobs]
         if d.prompt_logprobs is not None:
-            self.prompt_logprobs = d.prompt_logprobs
+            self.prompt_logprobs = [position_logprobs(e, self.tokenizer) for e in d.prompt_logprobs]
         if d.finish_reason is not None:
             out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
         if d.num_cached_tokens:

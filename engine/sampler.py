@@ -1,7 +1,7 @@
 """Sampling as pure functions of (logits, per-row parameters, one uniform draw per row).
 
-Processing order (vLLM's): penalties on the raw logits, then temperature, then min_p, then
-top-k / top-p. The returned logprob of a sampled token is taken from the distribution it was
+Processing order (vLLM's): the logits processors (allowed tokens, bad words, min_tokens, logit
+bias: engine/logits_processors.py), penalties, then temperature, then min_p, then top-k / top-p. The returned logprob of a sampled token is taken from the distribution it was
 sampled from, i.e. after all of that ("processed", the default; what an RL trainer needs as the
 behaviour policy). With `raw_logprobs` it is log_softmax of the model's own logits instead.
 Greedy rows (temperature 0) take the argmax of the penalised logits and report the raw model
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import LogitsEdits, apply_edits
+
 
 @dataclass
 class SamplingTensors:
@@ -35,8 +37,19 @@ class SamplingTensors:
     uniforms: torch.Tensor | None = None  # [B] float64 in (0, 1]; None when every row is greedy
     any_greedy: bool = True  # known on the host: no device sync to branch on it
     penalties: "Penalties | None" = None
-    num_top_logprobs: int = 0  # the most top logprobs any row asked for
+    edits: LogitsEdits | None = None
+    num_top_logprobs: int | None = None  # the most top logprobs any row asked for; None: no row asked
     raw_logprobs: bool = False
+
+
+@dataclass
+class TopLogprobs:
+    """Per row: the K most likely tokens' logprobs and ids, and the sampled token's rank (1 = most
+    likely), all in the distribution the sampled logprob is reported from."""
+
+    values: torch.Tensor  # [B, K]
+    ids: torch.Tensor  # [B, K]
+    sampled_ranks: torch.Tensor  # [B]
 
 
 @dataclass
@@ -138,41 +151,49 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return j * size + i
 
 
-def sample(
-    logits: torch.Tensor, t: SamplingTensors
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, TopLogprobs | None]:
     """Sample one token per row from the model's logits [B, V].
 
-    Returns (token ids [B], their logprobs [B], top) where top is (logprobs [B, K], ids [B, K])
-    of the K = t.num_top_logprobs most likely tokens of the same distribution the logprob is
-    reported from, or None when K is 0.
+    Returns (token ids [B], their logprobs [B], top): top holds the K = t.num_top_logprobs most
+    likely tokens and the sampled one's rank, from the distribution the logprob is reported
+    from; None when no row asked for logprobs.
     """
     logits = logits.float()
-    steered = logits if t.penalties is None else apply_penalties(logits, t.penalties)
+    steered = apply_edits(logits, t.edits)
+    if t.penalties is not None:
+        steered = apply_penalties(steered, t.penalties)
     greedy = t.temperature == 0
     if t.uniforms is None:
         tokens = steered.argmax(dim=-1)
         raw = torch.log_softmax(logits, dim=-1)
-        return tokens, raw.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), _top(raw, t.num_top_logprobs)
+        return tokens, *_chosen(raw, tokens, t.num_top_logprobs)
     temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
     scaled = apply_top_k_top_p(apply_min_p(steered / temp.unsqueeze(-1), t.min_p), t.top_k, t.top_p)
     probs = torch.softmax(scaled, dim=-1)
     tokens = inverse_cdf(probs, t.uniforms)
     if t.any_greedy:
         tokens = torch.where(greedy, steered.argmax(dim=-1), tokens)
-    if t.raw_logprobs or t.any_greedy or t.num_top_logprobs:  # whole log-distributions needed
+    if t.raw_logprobs or t.any_greedy or t.num_top_logprobs is not None:  # whole log-distributions needed
         raw = torch.log_softmax(logits, dim=-1) if t.raw_logprobs or t.any_greedy else None
         source = raw if t.raw_logprobs else torch.log_softmax(scaled, dim=-1)
         if t.any_greedy and not t.raw_logprobs:
             source = torch.where(greedy.unsqueeze(-1), raw, source)
-        return tokens, source.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), _top(source, t.num_top_logprobs)
+        return tokens, *_chosen(source, tokens, t.num_top_logprobs)
     # the common case: only the sampled tokens' processed logprobs. A sampled token's probability
     # is far above float32's underflow, so its log loses nothing a log_softmax would keep.
     return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), None
 
 
-def _top(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if k <= 0:
-        return None
+def _chosen(logprobs: torch.Tensor, tokens: torch.Tensor, k: int | None) -> tuple[torch.Tensor, TopLogprobs | None]:
+    """The chosen tokens' logprobs [B] and, when k is not None, the top k and their ranks."""
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if k is None:
+        return chosen, None
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return values, ids
+    return chosen, TopLogprobs(values, ids, token_ranks(logprobs, chosen))
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of a token whose logprob is `chosen` [B]: 1 + how many tokens are more
+    likely (vLLM's rule, ties share the better rank)."""
+    return (logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1

@@ -39,6 +39,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_check_from = 0  # output-text offset before which no stop string can start
+        # set by EngineCore.add_request: tokens banned while shorter than min_tokens (EOS unless
+        # ignore_eos, stop_token_ids), and the bad words as token sequences
+        self.min_tokens_bans: tuple[int, ...] = ()
+        self.bad_words: list[list[int]] = []
         # A per-sequence generator makes a seeded request reproducible whatever shares its batch;
         # the model runner makes it on its device at the first sample (ModelRunner.generator).
         self.generator: torch.Generator | None = None

@@ -14,7 +14,8 @@ def check_stop(seq: Sequence, eos_ids: frozenset[int], max_model_len: int, token
         return "stop", token
     if p.stop:
         text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        for s in p.stop:
+        # vLLM's min_tokens: a stop string counts only where it ends after the first min_tokens tokens
+        for s in p.stop if seq.num_output_tokens > p.min_tokens else ():
             if text.find(s, seq.stop_check_from) != -1:
                 return "stop", s
         # Bytes of a multi-byte character can decode differently once completed: keep a margin.

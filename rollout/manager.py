@@ -36,8 +36,9 @@ def continuation_params(params: SamplingParams, done: int, attempt: int, index: 
     """The params that go on with sample `index` of a request after it was cut with `done` tokens
     (its `attempt`-th resubmission): one sample, the tokens left, a seed of its own per attempt."""
     left = None if params.max_tokens is None else params.max_tokens - done
-    seed = None if params.seed is None else params.seed + 7919 * attempt + index
-    return replace(params, n=1, max_tokens=left, seed=seed, **overrides)
+    # wrapped into int64, the range a seed may take
+    seed = None if params.seed is None else (params.seed + 7919 * attempt + index + 2**63) % 2**64 - 2**63
+    return replace(params, n=1, max_tokens=left, min_tokens=max(0, params.min_tokens - done), seed=seed, **overrides)
 
 
 class _Sample:

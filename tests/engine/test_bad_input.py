@@ -47,7 +47,6 @@ def test_bad_prompt(llm, prompt, match):
         ({"top_k": -3}, "top_k"),
         ({"stop": [""]}, "stop"),
         ({"output_kind": "nope"}, "output_kind"),
-        ({"logprobs": 21}, "logprobs"),  # vLLM's cap
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"prompt_logprobs": -2}, "prompt_logprobs"),

@@ -201,15 +201,26 @@ def test_top_logprobs_are_the_top_of_the_reported_distribution():
     t = _tensors(4, temperature=0.5, num_top_logprobs=5)
     t.temperature[0] = 0.0  # a greedy row reports the raw distribution
     t.any_greedy = True
-    tokens, logprobs, (values, ids) = sample(logits, t)
+    tokens, logprobs, top = sample(logits, t)
     processed = torch.log_softmax(logits / 0.5, -1)
     raw = torch.log_softmax(logits, -1)
     for row in range(4):
         source = raw[row] if row == 0 else processed[row]
         want_values, want_ids = source.topk(5)
-        assert ids[row].tolist() == want_ids.tolist()
-        torch.testing.assert_close(values[row], want_values)
+        assert top.ids[row].tolist() == want_ids.tolist()
+        torch.testing.assert_close(top.values[row], want_values)
         torch.testing.assert_close(logprobs[row], source[tokens[row]])
+        # the sampled token's rank: 1 + the tokens strictly more likely (its place in the sorted row)
+        assert top.sampled_ranks[row] == source.sort(descending=True).indices.tolist().index(tokens[row]) + 1
+
+
+def test_logprobs_zero_gives_ranks_and_no_top_tokens():
+    logits = torch.randn(3, 60, generator=torch.Generator().manual_seed(8))
+    tokens, logprobs, top = sample(logits, _tensors(3, temperature=1.0, num_top_logprobs=0, seed=3))
+    assert top.ids.shape == (3, 0)
+    processed = torch.log_softmax(logits, -1)
+    assert top.sampled_ranks.tolist() == [int((processed[r] > processed[r, tokens[r]]).sum()) + 1 for r in range(3)]
+    assert sample(logits, _tensors(3, temperature=1.0, seed=3))[2] is None  # logprobs=None: no ranks computed
 
 
 def test_raw_logprobs_mode_reports_the_model_distribution():

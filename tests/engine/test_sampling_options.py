@@ -80,10 +80,21 @@ def test_top_logprobs_match_hf(llm, hf_models):
     rows = _hf_rows(hf, p + c.token_ids)[len(p) - 1 : -1]
     tol = _tolerance(hf, p + c.token_ids)
     for row, tok, lp, top in zip(rows, c.token_ids, c.logprobs, c.top_logprobs):
-        assert len(top) == 4 and max(top, key=top.get) == tok and top[tok] == lp  # greedy: the top entry
-        for t, v in top.items():
-            assert v == pytest.approx(float(row[t]), abs=tol)
+        assert len(top) == 4 and top[tok].logprob == lp and top[tok].rank == 1  # greedy: the top entry
+        for t, entry in top.items():
+            assert entry.logprob == pytest.approx(float(row[t]), abs=tol)
+            assert entry.decoded_token == llm.tokenizer.decode([t])
+            _assert_rank(row, entry, tol)
+        assert sorted(e.rank for e in top.values()) == [1, 2, 3, 4]
         assert sorted(top) == sorted(row.topk(4).indices.tolist())
+
+
+def _assert_rank(row: torch.Tensor, entry, tol: float) -> None:
+    """The rank the engine gave a token is 1 + the tokens HF finds more likely, up to the tokens
+    within fp32's tolerance of it (rounding may order those either way)."""
+    surely_above = int((row > entry.logprob + 2 * tol).sum())
+    maybe_above = int((row > entry.logprob - 2 * tol).sum())
+    assert surely_above + 1 <= entry.rank <= maybe_above + 1
 
 
 def test_prompt_logprobs_match_hf_even_for_a_cached_prompt(llm, hf_models):
@@ -94,10 +105,14 @@ def test_prompt_logprobs_match_hf_even_for_a_cached_prompt(llm, hf_models):
     rows = _hf_rows(hf, p)
     tol = _tolerance(hf, p)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    ranks = []
     for j, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert p[j] in entry and len(entry) <= 3
-        for t, v in entry.items():
-            assert v == pytest.approx(float(rows[j - 1, t]), abs=tol)
+        for t, e in entry.items():
+            assert e.logprob == pytest.approx(float(rows[j - 1, t]), abs=tol)
+            _assert_rank(rows[j - 1], e, tol)
         assert set(rows[j - 1].topk(2).indices.tolist()) <= set(entry)
+        ranks.append(entry[p[j]].rank)
+    assert max(ranks) > 2, "every prompt token was in the top 2: the ranks past k went untested"
     plain = llm.generate([p], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None and all(c.top_logprobs is None for c in plain.outputs)
