@@ -44,6 +44,7 @@ class SampleDelta:
     top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" on the sample's last delta
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: the prompt's, on every delta once known
 
 
 def _tail(c, k: int):
@@ -100,6 +101,13 @@ class _GroupStream:
         self.out: asyncio.Queue = asyncio.Queue()
         self.samples = [_Progress() for _ in range(params.n)]
         self.tasks: set[asyncio.Task] = set()
+        self.prompt_logprobs = None
+
+    def note_prompt_logprobs(self, ro) -> None:
+        """The prompt's logprobs, from whichever engine request computed them first (a resubmitted
+        sample's prompt holds its tokens so far too: only the prompt's part)."""
+        if self.prompt_logprobs is None and ro.prompt_logprobs is not None:
+            self.prompt_logprobs = ro.prompt_logprobs[:len(self.prompt_ids)]
 
     def spawn(self, coro) -> None:
         t = asyncio.ensure_future(coro)
@@ -122,13 +130,14 @@ class _GroupStream:
         s.done = finish is not None
         top = None if c.top_logprobs is None else c.top_logprobs[:k]
         self.out.put_nowait(SampleDelta(i, c.token_ids[:k], c.logprobs[:k], c.weight_versions[:k], top, finish,
-                                        c.stop_reason if finish else None))
+                                        c.stop_reason if finish else None, self.prompt_logprobs))
 
     async def first(self) -> None:
         m, cut = self.manager, []
         try:
             params = replace(self.params, output_kind=self.kind, detokenize=False)
             async for ro in m._stream(self.prompt_ids, params):
+                self.note_prompt_logprobs(ro)
                 for c in ro.outputs:
                     if c.finish_reason == "abort":
                         self.emit(c.index, c, None)
@@ -158,6 +167,7 @@ class _GroupStream:
                                        detokenize=False)
             try:
                 async for ro in m._stream(self.prompt_ids + sample.token_ids, cont):
+                    self.note_prompt_logprobs(ro)
                     c = ro.outputs[0]
                     if c.finish_reason == "abort":
                         self.emit(i, c, None)
