@@ -40,6 +40,23 @@ def _params_wire(params, n_prompts: int):
     return params.to_dict()
 
 
+def _generate_inputs(prompts, sampling_params) -> tuple[list, Any]:
+    """generate_iter's prompts as a list (one conversation is one prompt) and their params' wire form."""
+    from engine.inputs import is_conversation
+
+    if is_conversation(prompts):  # one conversation, not a list of dict prompts
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError("prompts must be a non-empty list")
+    return prompts, _params_wire(sampling_params, len(prompts))
+
+
+def _chunks(indices: list[int], k: int) -> list[list[int]]:
+    """`indices` cut into k contiguous parts of near-equal size (some empty when fewer than k)."""
+    n = len(indices)
+    return [indices[n * j // k:n * (j + 1) // k] for j in range(k)]
+
+
 class AsyncRolloutClient(WeightSyncCalls):
     def __init__(self, urls: str | list[str], token: str = "", timeout_s: float = 600.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -197,74 +214,17 @@ class AsyncRolloutClient(WeightSyncCalls):
         the active sidecars in contiguous chunks; the unfinished prompts of a sidecar that goes
         are re-sent to the others. A prompt is a string, token ids, or a conversation (a list of
         {"role", "content"} messages, put through the model's chat template)."""
-        from engine.inputs import is_conversation
-
-        if is_conversation(prompts):  # one conversation, not a list of dict prompts
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise ValueError("prompts must be a non-empty list")
-        wire = _params_wire(sampling_params, len(prompts))
-        merged: asyncio.Queue = asyncio.Queue()
-        calls: dict[tuple[int, int], list[int]] = {}  # (sidecar, call id) -> the prompts it carries
-        sent: list[tuple[int, int]] = []
-        pumps: list[asyncio.Task] = []
-
-        async def pump(i, cid, q):
-            try:
-                while True:
-                    msg = await self._next(i, q, "generate")
-                    await merged.put((i, cid, msg))
-                    if isinstance(msg, P.Reply):
-                        return
-            except Exception as e:  # a timeout or a dropped sidecar must reach the consumer
-                await merged.put((i, cid, e))
-
-        async def submit(indices: list[int]) -> None:
-            while indices:
-                serving = self._in(ACTIVE)
-                if not serving:
-                    raise SidecarError(f"generate: no sidecar left to serve ({self._gone_reasons()})", "gone")
-                k, left = len(serving), []
-                for j, i in enumerate(serving):
-                    part = indices[len(indices) * j // k:len(indices) * (j + 1) // k]
-                    if not part:
-                        continue
-                    p = [wire[x] for x in part] if isinstance(wire, list) else wire
-                    try:
-                        cid, q = await self._send(i, P.Generate, prompts=[prompts[x] for x in part], params=p)
-                    except SidecarGoneError:
-                        left += part
-                        continue
-                    calls[(i, cid)] = part
-                    sent.append((i, cid))
-                    pumps.append(asyncio.ensure_future(pump(i, cid, q)))
-                indices = left
-
+        spread = _Spread(self, *_generate_inputs(prompts, sampling_params))
         try:
-            await submit(list(range(len(prompts))))
-            done: set[int] = set()
-            while calls:
-                i, cid, msg = await merged.get()
-                if isinstance(msg, SidecarGoneError):
-                    rest = [x for x in calls.pop((i, cid)) if x not in done]
-                    log.warning("re-sending %d unfinished prompts of %s to the other sidecars", len(rest), msg.url)
-                    await submit(rest)
-                elif isinstance(msg, Exception):
-                    raise msg
-                elif isinstance(msg, P.GroupOut):
-                    idx = calls[(i, cid)][msg.index]
-                    done.add(idx)
-                    yield idx, msg.rollouts
-                elif not msg.ok:
-                    raise SidecarError(f"generate failed on {self._links[i].url}: {msg.error}", msg.error_kind)
+            await spread.submit(list(range(len(spread.prompts))))
+            while spread.calls:
+                i, cid, msg = await spread.merged.get()
+                if isinstance(msg, P.GroupOut):
+                    yield spread.finished(i, cid, msg.index), msg.rollouts
                 else:
-                    del calls[(i, cid)]
+                    await spread.call_ended(i, cid, msg)
         finally:
-            for t in pumps:
-                t.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)  # let the cancellations land
-            for key in sent:
-                self._queues.pop(key, None)
+            await spread.close()
 
     async def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
         """One list of n rollouts per prompt, in prompt order."""
@@ -327,6 +287,81 @@ class AsyncRolloutClient(WeightSyncCalls):
             self.sender.close_group()
             self.sender = None
         self._release()
+
+
+class _Spread:
+    """One generate_iter call's prompts spread over the sidecars: which call carries which
+    prompts, and one queue into which a pump per call forwards its answers (or its error)."""
+
+    def __init__(self, client: AsyncRolloutClient, prompts: list, wire):
+        self.client, self.prompts, self.wire = client, prompts, wire
+        self.merged: asyncio.Queue = asyncio.Queue()
+        self.calls: dict[tuple[int, int], list[int]] = {}  # (sidecar, call id) -> the prompts it carries
+        self.done: set[int] = set()
+        self._sent: list[tuple[int, int]] = []
+        self._pumps: list[asyncio.Task] = []
+
+    async def submit(self, indices: list[int]) -> None:
+        """Sends prompts `indices` over the active sidecars; a part whose sidecar is gone goes round again."""
+        while indices:
+            serving = self.client._in(ACTIVE)
+            if not serving:
+                raise SidecarError(f"generate: no sidecar left to serve ({self.client._gone_reasons()})", "gone")
+            left = []
+            for i, part in zip(serving, _chunks(indices, len(serving))):
+                if part and not await self._send(i, part):
+                    left += part
+            indices = left
+
+    async def _send(self, i: int, part: list[int]) -> bool:
+        """One Generate call of prompts `part` to sidecar i, with its pump; False if the sidecar is gone."""
+        params = [self.wire[x] for x in part] if isinstance(self.wire, list) else self.wire
+        try:
+            cid, q = await self.client._send(i, P.Generate, prompts=[self.prompts[x] for x in part], params=params)
+        except SidecarGoneError:
+            return False
+        self.calls[(i, cid)] = part
+        self._sent.append((i, cid))
+        self._pumps.append(asyncio.ensure_future(self._pump(i, cid, q)))
+        return True
+
+    async def _pump(self, i: int, cid: int, q: asyncio.Queue) -> None:
+        try:
+            while True:
+                msg = await self.client._next(i, q, "generate")
+                await self.merged.put((i, cid, msg))
+                if isinstance(msg, P.Reply):
+                    return
+        except Exception as e:  # a timeout or a dropped sidecar must reach the consumer
+            await self.merged.put((i, cid, e))
+
+    def finished(self, i: int, cid: int, index: int) -> int:
+        """The prompt index of group `index` of call (i, cid), now done."""
+        idx = self.calls[(i, cid)][index]
+        self.done.add(idx)
+        return idx
+
+    async def call_ended(self, i: int, cid: int, msg) -> None:
+        """Call (i, cid) ended: its sidecar went (its unfinished prompts are re-sent), it failed
+        (raised here), or it finished (forgotten)."""
+        if isinstance(msg, SidecarGoneError):
+            rest = [x for x in self.calls.pop((i, cid)) if x not in self.done]
+            log.warning("re-sending %d unfinished prompts of %s to the other sidecars", len(rest), msg.url)
+            await self.submit(rest)
+        elif isinstance(msg, Exception):
+            raise msg
+        elif not msg.ok:
+            raise SidecarError(f"generate failed on {self.client._links[i].url}: {msg.error}", msg.error_kind)
+        else:
+            del self.calls[(i, cid)]
+
+    async def close(self) -> None:
+        """Stops the pumps and forgets the calls' queues."""
+        for t in self._pumps:
+            t.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)  # let the cancellations land
+        for key in self._sent:
+            self.client._queues.pop(key, None)
 
 
 def _release_sockets(ctx: zmq.Context, socks: list) -> None:
