@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
+from engine.outputs import PositionLogprobs
 from rollout.group_stream import SampleDelta, stream_group
 from rollout.openai_front.detokenize import IncrementalText
 
@@ -23,7 +24,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] | None = None
+    top_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # when params.prompt_logprobs is set
     finish_reason: str | None = None
 
     def add(self, d: SampleDelta) -> str:
@@ -33,6 +35,8 @@ class Choice:
         self.weight_versions += d.weight_versions
         if d.top_logprobs is not None:
             self.top_logprobs = (self.top_logprobs or []) + d.top_logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.finish_reason = d.finish_reason
         return self.text.add(d.token_ids, d.finish_reason is not None, d.stop_reason)
 

@@ -3,14 +3,18 @@ BaseHTTPMiddleware would pipe each streamed chunk through an extra memory stream
 - Gate: 503 while the sidecar shuts down, 401 without the bearer token (when one is set; /health
   is open to load balancers), and the count of answers by path and status for /metrics;
 - BodyLimit: a body over the limit is answered 413 before it is parsed (by its Content-Length
-  when it gives one, else as its bytes arrive), so no client makes the server hold more."""
+  when it gives one, else as its bytes arrive), so no client makes the server hold more;
+- Crashes: a bug in one request is a 500 for that request alone, and the connection stays open."""
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 
 from rollout.openai_front.responses import error_body
+
+log = logging.getLogger(__name__)
 
 
 def _send_error(status: int, message: str, kind: str):
@@ -85,3 +89,30 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         await _send_error(413, f"request body over {self.max_bytes} bytes", "invalid_request_error")(send)
+
+
+class Crashes:
+    """Innermost: an exception no handler took is answered 500 here. Starlette's outermost error
+    middleware would answer it too, then re-raise it to uvicorn, which closes the connection: a
+    client's next request on its kept-alive connection would fail for nothing it did."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as e:
+            if started:  # mid-response: nothing left to answer with
+                raise
+            log.exception("%s failed", scope["path"])
+            await _send_error(500, f"internal error: {type(e).__name__}: {e}", "internal_error")(send)

@@ -21,9 +21,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def finite(logprob: float) -> float:
+    """JSON has no -inf (a token masked by allowed_token_ids, bad_words or logit_bias): what vLLM writes."""
+    return max(logprob, -9999.0)
+
+
 class LogprobFormat:
     """Logprobs as each endpoint writes them: chat's `{"content": [{token, logprob, bytes,
-    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`."""
+    top_logprobs}]}`, completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A
+    position's alternatives come from the engine as `{token id: Logprob}`: the sampled (or prompt)
+    token and the k most likely."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -35,25 +42,35 @@ class LogprobFormat:
             s = self._cache[token_id] = self.tokenizer.decode([token_id])
         return s
 
-    def chat(self, token_ids: list[int], logprobs: list[float], top: list[dict] | None) -> dict:
+    def chat(self, token_ids: list[int], logprobs: list[float], top: list[dict] | None, k: int) -> dict:
+        """`top_logprobs` holds the k most likely (OpenAI's meaning), the sampled token only if among them."""
         content = []
-        for k, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
             s = self.token(t)
-            alts = [{"token": self.token(a), "logprob": v, "bytes": list(self.token(a).encode())}
-                    for a, v in (top[k].items() if top else ())]
-            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
+            best = sorted(top[i].items(), key=lambda e: e[1].rank or 0)[:k] if top else ()
+            alts = [{"token": self.token(a), "logprob": finite(e.logprob), "bytes": list(self.token(a).encode())}
+                    for a, e in best]
+            content.append({"token": s, "logprob": finite(lp), "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content}
 
-    def completion(self, token_ids: list[int], logprobs: list[float], top: list[dict] | None,
+    def completion(self, token_ids: list[int], logprobs: list[float | None], top: list[dict | None] | None,
                    offset: int = 0) -> dict:
+        """`top_logprobs` per position: the token's own entry and the k most likely (up to k + 1, as
+        OpenAI's); None where there is no distribution (a prompt's first token). `text_offset`
+        counts each token's text from `offset`."""
         tokens = [self.token(t) for t in token_ids]
         offsets, at = [], offset
         for s in tokens:
             offsets.append(at)
             at += len(s)
-        return {"tokens": tokens, "token_logprobs": list(logprobs),
-                "top_logprobs": [{self.token(a): v for a, v in d.items()} for d in top] if top else None,
+        return {"tokens": tokens, "token_logprobs": [None if v is None else finite(v) for v in logprobs],
+                "top_logprobs": [None if d is None else {self.token(a): finite(e.logprob) for a, e in d.items()}
+                                 for d in top] if top is not None else None,
                 "text_offset": offsets}
+
+    def text_length(self, token_ids: list[int]) -> int:
+        """How far `text_offset` moves over these tokens."""
+        return sum(len(self.token(t)) for t in token_ids)
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extra) -> dict:

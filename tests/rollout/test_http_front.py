@@ -177,7 +177,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "x", "seed": "abc"}, "seed"),
     ("/v1/completions", {"prompt": "x", "stream": "often"}, "stream"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999999]}, "vocabulary"),
     ("/v1/completions", {"prompt": [5] * 1100}, "max_model_len"),

@@ -1,0 +1,60 @@
+"""POST /v1/chat/completions: the messages through the chat template (rollout.openai_front.chat_prompt),
+the choices as OpenAI's chat completion or its stream of chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from rollout.openai_front.chat_prompt import chat_prompt_ids
+from rollout.openai_front.generation import Choice, choice_deltas
+from rollout.openai_front.responses import envelope, usage
+from rollout.openai_front.schema import ChatCompletionRequest
+
+_KIND, _CHUNK = "chat.completion", "chat.completion.chunk"
+
+
+class Chat:
+    """One request: its prompt, its params, and its choices written as OpenAI's."""
+
+    def __init__(self, front, req: ChatCompletionRequest):
+        manager = front.manager
+        self.front, self.req = front, req
+        ids = chat_prompt_ids(req.messages, manager.tokenizer, req.tools, req.chat_template_kwargs,
+                              req.add_generation_prompt)
+        self.ids = manager.prepare_prompt(ids)
+        self.prompts = [self.ids]
+        self.params = req.engine_params(len(self.ids), front.limits)
+        front.check(self.params)
+
+    def _logprobs(self, token_ids, logprobs, top) -> dict | None:
+        return self.front.fmt.chat(token_ids, logprobs, top, self.params.logprobs) if self.req.logprobs else None
+
+    def whole(self, rid: str, choices: list[Choice]) -> dict:
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text.sent},
+                 "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+                 "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                 "weight_versions": c.weight_versions} for c in choices]
+        return envelope(_KIND, rid, self.front.model, body, prompt_token_ids=self.ids,
+                        usage=usage(len(self.ids), sum(len(c.token_ids) for c in choices)))
+
+    async def chunks(self, rid: str) -> AsyncIterator[dict]:
+        front, t0 = self.front, time.monotonic()
+        first_token = True
+        for i in range(self.params.n):  # each choice opens with its role, as OpenAI's stream does
+            extra = {"prompt_token_ids": self.ids} if i == 0 else {}
+            yield envelope(_CHUNK, rid, front.model, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None,
+                                                       "token_ids": [], "weight_versions": []}], **extra)
+        completion_tokens = 0
+        async for c, d, text in choice_deltas(front.manager, [self.ids], self.params):
+            if first_token and d.token_ids:
+                front.metrics.first_token(time.monotonic() - t0)
+                first_token = False
+            completion_tokens += len(d.token_ids)
+            yield envelope(_CHUNK, rid, front.model, [{
+                "index": c.index, "delta": {"content": text} if text or not d.finish_reason else {},
+                "logprobs": self._logprobs(d.token_ids, d.logprobs, d.top_logprobs),
+                "finish_reason": d.finish_reason, "token_ids": d.token_ids, "weight_versions": d.weight_versions}])
+        if self.req.include_usage:
+            yield envelope(_CHUNK, rid, front.model, [], usage=usage(len(self.ids), completion_tokens))
