@@ -119,6 +119,8 @@ def test_the_context_bounds_prompt_and_completion_together(http):
     whole = _chat(http, messages=[{"role": "user", "content": "one two three four " * 16}], **GREEDY)
     assert len(whole["prompt_token_ids"]) + len(whole["choices"][0]["token_ids"]) == MAX_MODEL_LEN
     assert whole["choices"][0]["finish_reason"] == "length"
+    # completions' max_tokens null is OpenAI's default (16), not the rest of the context
+    assert len(_complete(http, prompt="x", max_tokens=None, **GREEDY)["choices"][0]["token_ids"]) == 16
 
 
 def test_logit_bias_moves_tokens_in_and_out(http, tokenizer):
