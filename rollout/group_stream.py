@@ -163,8 +163,10 @@ class _GroupStream:
         while not sample.done:
             attempt += 1
             m.counters["aborted_resubmitted"] += 1
+            # the prompt's logprobs once known are not asked again (a prefill of prompt + tokens so far)
+            known = self.prompt_logprobs is not None
             cont = continuation_params(params, len(sample.token_ids), attempt, i, output_kind=self.kind,
-                                       detokenize=False)
+                                       detokenize=False, **({"prompt_logprobs": None} if known else {}))
             try:
                 async for ro in m._stream(self.prompt_ids + sample.token_ids, cont):
                     self.note_prompt_logprobs(ro)
