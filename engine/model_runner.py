@@ -19,6 +19,11 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+# Prompt positions turned into logprobs at once: bounds the [chunk, V] float32 temporaries (a
+# 4k-token prompt at a 152k vocabulary would be ~2.5 GB per [T, V] tensor)
+PROMPT_LOGPROBS_CHUNK = 512
+
+
 @dataclass
 class SampleResult:
     tokens: list[int]
@@ -47,13 +52,23 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def load_model(cfg: EngineConfig) -> torch.nn.Module:
+def resolve_device(spec: str, current_cuda_index=None) -> torch.device:
+    """The engine's device with its index: "cuda" alone means this process's current CUDA device
+    (`torch.cuda.set_device` and NCCL need an index; `current_cuda_index` is for tests)."""
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        index = current_cuda_index() if current_cuda_index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+    return device
+
+
+def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
     )
-    return model.to(cfg.device).eval()
+    return model.to(device).eval()
 
 
 def decode_chunks(num_blocks: list[int], min_rows: int = 16) -> list[tuple[int, int, int]]:
@@ -84,14 +99,14 @@ def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: in
 class ModelRunner:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":  # this process's current device: kernels, NCCL and allocations land here
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             # Always set it, even to torch's own default: left unset, a core process next to a
             # busy parent ran small steps 20x slower (OpenMP workers stalling each other).
             torch.set_num_threads(cfg.num_threads or available_cpus())
-        self.model = load_model(cfg)
+        self.model = load_model(cfg, self.device)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.num_layers = mc.num_hidden_layers
@@ -276,16 +291,23 @@ class ModelRunner:
             if seq.seq_id not in self.prompt_rows:
                 continue
             first, length = self.prompt_rows.pop(seq.seq_id)
-            rows = torch.log_softmax(logits[first : first + length - 1], dim=-1)
             keep[first : first + length - 1] = False
-            targets = torch.tensor(seq.token_ids[1:length], device=rows.device)
-            chosen = rows.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            k = seq.params.prompt_logprobs
-            top = rows.topk(k, dim=-1)
-            prompt = entries(targets.tolist(), chosen.tolist(), token_ranks(rows, chosen).tolist(),
-                             top.indices.tolist(), top.values.tolist(), [k] * len(targets))
-            self.prompt_logprobs[seq.seq_id] = [None, *prompt]
+            entries_ = []
+            for start in range(1, length, PROMPT_LOGPROBS_CHUNK):
+                end = min(length, start + PROMPT_LOGPROBS_CHUNK)
+                entries_ += self._prompt_entries(logits[first + start - 1 : first + end - 1], seq.token_ids[start:end],
+                                                 seq.params.prompt_logprobs)
+            self.prompt_logprobs[seq.seq_id] = [None, *entries_]
         return logits[keep.to(logits.device)]
+
+    @staticmethod
+    def _prompt_entries(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, tuple[float, int]]]:
+        """Entries of a chunk of prompt positions: the next token's logprob and rank, the top k."""
+        rows = torch.log_softmax(logits, dim=-1)
+        chosen = rows.gather(-1, torch.tensor(targets, device=rows.device).unsqueeze(-1)).squeeze(-1)
+        top = rows.topk(k, dim=-1)
+        return entries(targets, chosen.tolist(), token_ranks(rows, chosen).tolist(), top.indices.tolist(),
+                       top.values.tolist(), [k] * len(targets))
 
     @torch.inference_mode()
     def probe(self, num_tokens: int = 4) -> bool:

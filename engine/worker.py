@@ -69,7 +69,7 @@ class Worker:
     def reload_weights(self) -> bool:
         """Load the weights from the model directory again (after sleep level 2, or to undo
         pushes): the checkpoint's weights, so version 0 again."""
-        fresh = load_model(self.cfg)
+        fresh = load_model(self.cfg, self.runner.device)
         self.runner.model = fresh
         self._new_lora_bank()
         self.weights_released = False
