@@ -170,9 +170,10 @@ class SidecarWeights:
             m.receiving -= 1
         if not staging.done():  # the trainer is gone, failed or stalled: nothing to wait for
             staging.cancel()
-            m.counters["failed_pushes"] += 1
+            # leaving the group gives the push up on every worker: its staging memory goes now
             await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=5, args=(False,)) for e in engines),
                                  return_exceptions=True)
+            m.counters["failed_pushes"] += 1  # once wound down: a caller who sees it may push again
             raise WeightSyncError(f"push of version {manifest.version} failed: {watchdog.result()}; nothing was "
                                   "committed and the engines never paused. init_weight_sync again")
         if watchdog is not None:

@@ -145,6 +145,7 @@ class WeightSyncGroup:
         self.port = int(store.port) if store is not None else int(port)
         self._pg = None
         self.closed = False
+        self.aborted = False  # abort(): no collective starts any more; close() still to come
 
     # -- forming ----------------------------------------------------------------------------
     @classmethod
@@ -273,7 +274,7 @@ class WeightSyncGroup:
 
     @property
     def ready(self) -> bool:
-        return self._pg is not None and not self.closed
+        return self._pg is not None and not self.closed and not self.aborted
 
     # -- collectives ------------------------------------------------------------------------
     def _backend(self):
@@ -311,8 +312,24 @@ class WeightSyncGroup:
             torch.cuda.synchronize(self.device)
 
     # -- teardown ---------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop the group from outside the thread that waits in it, without blocking: no
+        collective starts any more, and on NCCL the waits in flight fail now. Gloo's cannot be
+        interrupted (they end at the timeout), and dropping a gloo backend joins its threads,
+        which wait that long: so the backend is kept, and the waiting thread close()s it."""
+        if self.closed or self.aborted:
+            return
+        self.aborted = True
+        if self._pg is not None:
+            try:
+                self._pg.abort()
+            except Exception:  # a broken group may refuse: what matters is that nothing new starts
+                pass
+
     def close(self) -> None:
-        """Tear the group down; safe to call on a broken group, never blocks on peers."""
+        """Tear the group down; safe to call on a broken group, never waits for a peer. It does
+        wait for a gloo wait in flight on another thread (freeing the backend joins its threads):
+        from outside that thread, abort()."""
         if self.closed:
             return
         self.closed = True
@@ -326,7 +343,7 @@ class WeightSyncGroup:
         self._store = self._wait_store = None
 
     def __repr__(self) -> str:
-        state = "ready" if self.ready else ("closed" if self.closed else "pending")
+        state = "ready" if self.ready else ("closed" if self.closed else "aborted" if self.aborted else "pending")
         return (f"WeightSyncGroup({self.group_name}, rank {self.rank}/{self.world_size}, {self.backend_name}, "
                 f"{self.host}:{self.port}, {state})")
 

@@ -5,10 +5,19 @@ protocol, in weight_sync/README.md ("Overlapped receive")."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import traceback
 from dataclasses import dataclass
 
+import torch
+
 from weight_sync.group import WeightSyncGroup
+from weight_sync.staging_memory import drop_pages
+
+log = logging.getLogger(__name__)
+
+GIVE_UP_JOIN_S = 2.0  # off CPU: how long a give-up waits for the aborted transfer's thread to let go
 
 
 @dataclass
@@ -19,6 +28,8 @@ class _Staged:
     group: "WeightSyncGroup"  # the group it arrives over (a later group's push may replace it)
     error: BaseException | None = None
     ready: tuple | None = None  # (manifest, staging buffer, commit plan, t0, t1, t2) once every byte is in
+    staging: torch.Tensor | None = None  # the buffer its bytes arrive in, while the thread runs
+    given_up: bool = False  # its group was left mid-transfer (close_weight_sync): its staging memory went
 
 
 class OverlappedReceive:
@@ -46,6 +57,8 @@ class OverlappedReceive:
         staged = self._ws().staged
         if staged is None:
             return "none"
+        if staged.given_up:
+            return "failed"
         if staged.thread.is_alive():
             return "receiving"
         return "failed" if staged.error is not None else "staged"
@@ -55,11 +68,13 @@ class OverlappedReceive:
         receive_weights would); else commits it (or, `commit=False`, drops it)."""
         st = self._ws()
         staged, st.staged = st.staged, None
-        if staged is None or staged.thread.is_alive():
+        if staged is None or (staged.thread.is_alive() and not staged.given_up):
             st.staged = staged
             raise RuntimeError("no received push to finish" if staged is None else "the push is still arriving")
         if staged.error is not None:
             raise staged.error
+        if staged.given_up:
+            raise RuntimeError("the push was given up (its group was left) before it was finished")
         m, staging, plan, t0, t1, t2 = staged.ready
         if not commit:
             self._ws_release(staging)
@@ -69,6 +84,30 @@ class OverlappedReceive:
 
     def _ws_stage(self, staged: _Staged, g: WeightSyncGroup, manifest, group_name: str | None) -> None:
         try:
-            staged.ready = self._ws_arrive(g, manifest, group_name)
+            ready = self._ws_arrive(g, manifest, group_name, lambda staging: setattr(staged, "staging", staging))
+            if not staged.given_up:
+                staged.ready = ready
+            del ready
         except BaseException as e:  # noqa: BLE001 - handed to finish_staged_weights
+            traceback.clear_frames(e.__traceback__)  # its frames' locals hold the staging buffer
             staged.error = e
+        finally:
+            staged.staging = None
+            if staged.given_up:
+                g.close()  # here, not in the give-up: it may wait for gloo's last waits to time out
+
+    def _ws_give_up(self, staged: _Staged) -> None:
+        """An overlapped push whose group is left mid-transfer: its transfer is aborted and its
+        staging memory given back now, not when the group's timeout ends the receiving thread
+        (gloo's waits cannot be interrupted, and a dead trainer's may last that long too: see
+        weight_sync/README.md, "Giving a push up"). The thread keeps the buffer's mapping, which
+        a late bucket may still write into, until its group is closed."""
+        staged.group.abort()  # NCCL: the thread's wait fails now
+        staged.given_up = True
+        staging = staged.staging if staged.ready is None else staged.ready[1]
+        staged.ready = None
+        if staging is not None:
+            dropped = drop_pages(staging)
+            log.info("a push given up mid-transfer: %.1f MiB of staging memory given back", dropped / 2**20)
+        if self.device.type != "cpu":  # no pages to drop: the aborted thread frees its buffer as it ends
+            staged.thread.join(GIVE_UP_JOIN_S)

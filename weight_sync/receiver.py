@@ -43,7 +43,7 @@ from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.adapter_receive import NEEDS_BASE, AdapterReceive
 from weight_sync.inplace_receive import InplaceReceive
 from weight_sync.overlapped_receive import OverlappedReceive
-from weight_sync.staging_memory import alloc, st_dtype, whole
+from weight_sync.staging_memory import alloc, drop_pages, st_dtype, whole
 from weight_sync.manifest import (
     DTYPES, Manifest, model_params, param_infos, validate_manifest,
 )
@@ -120,18 +120,21 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
                 "group_name": group_name, "pid": os.getpid()}
 
     def close_weight_sync(self, drop_staging: bool = True) -> bool:
-        """Leave the group (if any); frees a kept staging buffer too unless told not to. A group
-        an overlapped push is still arriving over is only left: its receiving thread waits in
-        it, and tearing it down from here would wait for that thread (up to the group's timeout);
-        the thread closes it when it ends."""
+        """Leave the group (if any); frees a kept staging buffer too unless told not to. An
+        overlapped push still arriving over that group is given up: its staging memory goes now
+        (weight_sync.overlapped_receive)."""
         st = self._ws()
         g, st.group = st.group, None
         staged = st.staged
-        if g is not None and not (staged is not None and staged.group is g and staged.thread.is_alive()):
+        if staged is not None and staged.group is g and staged.thread.is_alive():
+            self._ws_give_up(staged)
+        elif g is not None:
             g.close()
         if drop_staging:
             st.spare = None
             st.shared = None
+            if staged is not None and not staged.thread.is_alive():
+                st.staged = None  # a push staged but never finished: nobody will commit it now
         return True
 
     def weight_sync_info(self) -> dict:
@@ -193,12 +196,14 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
         del plan
         return self._ws_done(m, t0, t1, t2, "broadcast", len(m.buckets))
 
-    def _ws_arrive(self, g: WeightSyncGroup, manifest, group_name: str | None) -> tuple:
+    def _ws_arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> tuple:
         """Check and stage, mark ready, vote, receive every bucket, commit vote: everything of a
         push but its commit. Returns (manifest, staging, commit plan, t0, t1, t2); raises as
-        receive_weights does."""
+        receive_weights does. `on_staging(staging)` is told the buffer as soon as it exists."""
         t0 = time.perf_counter()
         m, staging, problems = self._ws_check_and_stage(manifest)
+        if on_staging is not None:
+            on_staging(staging)
         if group_name is not None and m is not None:
             self._ws_mark_ready(g, m.push_id)
         self._ws_vote(g, m, staging, problems)
@@ -370,7 +375,9 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
             if not commit_vote(g):  # other workers: commit only if every one holds every byte
                 raise GroupError("another rank did not receive every byte")
         except Exception as e:
-            self._ws_close_group(g)
+            if inflight:  # broadcasts still posted into it: its pages go now, while closing waits for gloo
+                drop_pages(staging)
+            self._ws_close_group(g)  # once closed, nothing writes into staging any more: it may be kept
             self._ws_release(staging)
             old = "the checkpoint's weights" if st.version is None else f"version {st.version}"
             raise RuntimeError(
