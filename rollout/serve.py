@@ -21,25 +21,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rollout.serve",
         description=(
-            "The rollout sidecar: runs inference engines beside a trainer. Trainers connect with "
-            "rollout.RolloutClient('tcp://HOST:PORT') to generate rollouts and push new weights "
+            "The rollout sidecar: runs inference engines beside a trainer. Trainers connect with\n"
+            "rollout.RolloutClient('tcp://HOST:PORT') to generate rollouts and push new weights\n"
             "(the weights travel over a torch.distributed group, never over this socket)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=VLLM_ENV_HELP,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the embedded tiny model, built offline)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but loopback requires --token")
     p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
     p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
+    p.add_argument("--engine", default="native", choices=["native", "vllm"],
+                   help="native: this project's engine (CPU and CUDA, the test bed); vllm: vLLM's own AsyncLLM "
+                        "(pip install -e '.[vllm]' on CUDA hosts, scripts/install_vllm_cpu.sh on CPU hosts; see "
+                        "the variables below). Weight pushes into vLLM are not there yet")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
     p.add_argument("--device", default="cpu",
                    help="cpu; cuda (engine i on cuda:i, or on the GPUs of --gpus); or one device per engine, "
                         "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
     p.add_argument("--gpus", default=None,
                    help="with --device cuda: the GPU indices of the engines, e.g. 1,2 (keep the trainer's GPU free)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of each engine's GPU it may fill (KV cache included); lower it when a trainer "
-                        "shares the GPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: share of each engine's GPU it may fill (KV cache included; default 0.9); lower it "
+                        "when a trainer shares the GPU. --engine vllm on CPU: the share of memory vLLM wants free "
+                        "at start (default 0.3), checked only when VLLM_CPU_KVCACHE_SPACE is unset")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
@@ -103,10 +111,29 @@ def _add_http_flags(p) -> None:
     p.add_argument("--http-max-body-mb", type=float, default=8.0, help="HTTP request bodies larger than this get 413")
 
 
+VLLM_ENV_HELP = """\
+--engine vllm reads these environment variables (vLLM's own); the sidecar sets those marked * when
+they are unset, so that vLLM starts on a small CPU host:
+  VLLM_CPU_OMP_THREADS_BIND*     CPUs vLLM computes on (default: every CPU this process may use;
+                                 with --tensor-parallel-size N, N groups split by '|', e.g. "0|1")
+  VLLM_CPU_NUM_OF_RESERVED_CPU*  CPUs kept for vLLM's front end (default 0; vLLM's own default is 1)
+  VLLM_CPU_KVCACHE_SPACE*        GiB of KV cache per engine on CPU (default 1)
+  VLLM_LOGGING_STREAM*           where vLLM logs (default stderr; stdout carries the READY line)
+  VLLM_LOGGING_LEVEL*            vLLM's log level (default: --log-level)
+  LD_PRELOAD                     vLLM's CPU docs ask for tcmalloc and Intel OpenMP here (~10% faster)
+Set any of them before starting the sidecar to override the default, e.g.
+  VLLM_CPU_KVCACHE_SPACE=8 python -m rollout.serve --engine vllm --model DIR
+vLLM's CPU build (vllm-cpu) cannot seed single requests: a request with a seed fails there, alone.
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flag defaults in the help, and the epilog's table as written."""
+
+
 def build_manager(args):
     """The engines and the rollout manager that supervises them (and restarts them with
     `make_engine`, the same way they were first built)."""
-    from engine import AsyncEngine, EngineConfig
     from engine.model_names import resolve_model_arg
     from engine.standby import spawn_standby
     from rollout.manager import RolloutManager
@@ -114,14 +141,7 @@ def build_manager(args):
 
     devices = engine_devices(args.device, args.num_engines, args.gpus)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
-
-    def make_engine(i: int, standby=None) -> AsyncEngine:
-        cfg = EngineConfig(model=model, device=devices[i], dtype=args.dtype,
-                           gpu_memory_utilization=args.gpu_memory_utilization,
-                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
-                           lora_versions=args.lora_versions,
-                           worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
-        return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
+    make_engine = _engine_factory(args, model, devices)
 
     engines = []
     try:
@@ -133,11 +153,35 @@ def build_manager(args):
                               max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                               host_copy=host_copy_wanted(args.host_copy, model),
                               spawn_standby=(lambda: spawn_standby(model, args.log_level))
-                              if args.warm_standby == "on" else None)
+                              if args.warm_standby == "on" and args.engine == "native" else None)
     except BaseException:
         for e in engines:
             e.shutdown()
         raise
+
+
+def _engine_factory(args, model: str, devices: list[str]):
+    """`make_engine(i, standby)`: engine i on devices[i], our engine or vLLM's (--engine)."""
+    from engine import EngineConfig
+
+    def config(i: int, **extra) -> EngineConfig:
+        memory = args.gpu_memory_utilization or (0.3 if args.engine == "vllm" and devices[i] == "cpu" else 0.9)
+        return EngineConfig(model=model, device=devices[i], dtype=args.dtype, gpu_memory_utilization=memory,
+                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
+                            **extra)
+
+    if args.engine == "vllm":
+        from engine.vllm_engine import VllmEngine
+
+        return lambda i, standby=None: VllmEngine(config(i), tensor_parallel_size=args.tensor_parallel_size)
+    from engine import AsyncEngine
+
+    def make_engine(i: int, standby=None) -> AsyncEngine:
+        cfg = config(i, lora_versions=args.lora_versions,
+                     worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
+        return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
+
+    return make_engine
 
 
 async def run(args) -> int:
@@ -259,7 +303,27 @@ def main(argv: list[str] | None = None) -> None:
         engine_devices(args.device, args.num_engines, args.gpus)
     except ValueError as e:
         sys.exit(f"bad placement: {e}")
+    if args.tensor_parallel_size < 1:
+        sys.exit(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size > 1 and args.engine != "vllm":
+        sys.exit(f"--tensor-parallel-size {args.tensor_parallel_size} needs --engine vllm: the native engine runs "
+                 "on one device")
+    if args.engine == "vllm" and args.lora_versions:
+        sys.exit("--lora-versions needs --engine native (LoRA pushes into vLLM are not there yet)")
+    if args.engine == "vllm":
+        _prepare_vllm(args)
     sys.exit(asyncio.run(run(args)))
+
+
+def _prepare_vllm(args) -> None:
+    """vLLM's variables the user left unset, before any vLLM import reads them."""
+    from engine.vllm_engine import apply_env_defaults
+
+    applied = apply_env_defaults(args.device.split(",")[0].split(":")[0], args.tensor_parallel_size,
+                                 args.log_level)
+    if applied:
+        log.info("vLLM settings (unset, so set by the sidecar; see --help): %s",
+                 " ".join(f"{k}={v}" for k, v in sorted(applied.items())))
 
 
 if __name__ == "__main__":
