@@ -88,7 +88,7 @@ def version_spans(completion, request_state) -> list[tuple[int, int]]:
         return [(s.start, parse_version(s.version)) for s in completion.weight_versions]
     if request_state is None:
         return []
-    return [(start, parse_version(v)) for v, start in request_state.weight_version_starts]
+    return [(start, parse_version(v)) for v, start in list(request_state.weight_version_starts)]
 
 
 def token_versions(spans: list[tuple[int, int]], start: int, count: int, fallback: int) -> list[int]:

@@ -95,18 +95,22 @@ class _Request:
         self.params = params
         self.children: list = []  # vLLM's output collectors; .request_id is vLLM's internal id
         self.pumps: list[asyncio.Task] = []
-        self.inbox: asyncio.Queue = asyncio.Queue()  # (sample index, vLLM output or exception)
+        self.inbox: asyncio.Queue = asyncio.Queue()  # (sample index, vLLM output or exception, spans)
 
 
-async def _pump(req: _Request, index: int, collector) -> None:
+async def _pump(req: _Request, index: int, collector, processor) -> None:
+    """Moves sample `index`'s outputs from vLLM's collector to the request's inbox, each with
+    its version spans read now: vLLM's state of a request lives until it finishes, and an output
+    that finished carries its spans itself."""
     try:
         while True:
             out = collector.get_nowait() or await collector.get()
-            req.inbox.put_nowait((index, out))
+            running = processor.request_states.get(collector.request_id)
+            req.inbox.put_nowait((index, out, version_spans(out.outputs[0], running)))
             if out.finished:
                 return
     except Exception as e:  # noqa: BLE001 - handed to the request's consumer
-        req.inbox.put_nowait((index, e))
+        req.inbox.put_nowait((index, e, None))
 
 
 class VllmEngine:
@@ -164,6 +168,7 @@ class VllmEngine:
         if self.proc.poll() is None:  # vLLM's own shutdown waits on its workers; ours is bounded
             self.proc.kill()
             self.proc.wait(5.0)
+        self._llm = _Gone()  # released now, not at interpreter exit (where vLLM's __del__ fails)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -176,7 +181,7 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
 
         for req in self.requests.values():
-            req.inbox.put_nowait((0, VllmDead()))
+            req.inbox.put_nowait((0, VllmDead(), None))
 
     # -- requests -----------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
@@ -198,7 +203,7 @@ class VllmEngine:
         try:
             for i, child in enumerate(children):
                 req.children.append(await self._add(req, f"{request_id}-{i}", ids, child))
-                req.pumps.append(asyncio.ensure_future(_pump(req, i, req.children[i])))
+                req.pumps.append(asyncio.ensure_future(_pump(req, i, req.children[i], self._llm.output_processor)))
             while True:
                 self._apply(req, *await req.inbox.get())
                 if params.output_kind == "final" and not req.state.finished:
@@ -236,8 +241,9 @@ class VllmEngine:
         error.partial = req.state.make_output(self.tokenizer)  # for a resubmission elsewhere
         return error
 
-    def _apply(self, req: _Request, index: int, out) -> None:
-        """Gather one vLLM output of sample `index` (deltas since the last, perhaps merged)."""
+    def _apply(self, req: _Request, index: int, out, spans: list[tuple[int, int]] | None) -> None:
+        """Gather one vLLM output of sample `index` (deltas since the last, perhaps merged),
+        its tokens tagged by `spans` ((first token index, version) pairs)."""
         if isinstance(out, Exception):  # vLLM's EngineDeadError, or its failure of this request
             if self.errored or type(out).__name__ == "EngineDeadError":
                 raise self._dead(req) from out
@@ -247,8 +253,7 @@ class VllmEngine:
             raise EngineGenerateError(f"vLLM failed request {state.request_id} (finish reason 'error')")
         mine = state.outputs[index]
         fallback = mine.weight_versions[-1] if mine.weight_versions else self.version
-        running = self._llm.output_processor.request_states.get(req.children[index].request_id)
-        versions = token_versions(version_spans(c, running), len(mine.token_ids), len(c.token_ids), fallback)
+        versions = token_versions(spans, len(mine.token_ids), len(c.token_ids), fallback)
         c.index = index
         deltas = completion_deltas(state.request_id, c, versions, req.params.logprobs is not None)
         if out.prompt_logprobs:
@@ -336,6 +341,15 @@ class VllmEngine:
     async def get_stats(self) -> dict:
         return {"engine": "vllm", "weight_version": self.version, "running_requests": len(self.requests),
                 "paused": await self.is_paused()}
+
+
+class _Gone:
+    """Stands for the AsyncLLM of an engine shut down: nothing to reach any more."""
+
+    errored = True
+
+    def __getattr__(self, name):
+        raise EngineDeadError("engine was shut down")
 
 
 def _result(task: asyncio.Task, engine: VllmEngine):

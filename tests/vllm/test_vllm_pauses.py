@@ -1,0 +1,122 @@
+"""Pauses and version tags on a real vLLM engine (its core and worker processes), driven in
+process by the adapter and by the rollout manager: one engine for the module."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from engine import EngineConfig, SamplingParams  # noqa: E402
+from rollout.manager import RolloutManager  # noqa: E402
+from tests.engine.helpers import random_prompts  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def engine(qwen2_dir):
+    from engine.vllm_engine import VllmEngine, apply_env_defaults
+
+    apply_env_defaults("cpu", 1, "WARNING")
+    e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3))
+    yield e
+    e.shutdown()
+
+
+class _Reader:
+    """Reads one request's delta stream, only while `gate` is set (tokens pile up meanwhile)."""
+
+    def __init__(self, engine, prompt, rid, gate, max_tokens):
+        self.tokens, self.versions, self.finish = [], [], None
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind="delta")
+        self.task = asyncio.ensure_future(self._read(engine.generate(prompt, params, request_id=rid), gate))
+
+    async def _read(self, stream, gate):
+        while True:
+            await gate.wait()
+            try:
+                out = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            c = out.outputs[0]
+            self.tokens += c.token_ids
+            self.versions += c.weight_versions
+            self.finish = c.finish_reason
+
+
+async def _until(cond, timeout=60.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_tokens_sampled_before_a_pause_keep_their_version_however_late_they_are_read(engine, loop, mode):
+    """Tags are the core's, not the reader's: tokens that pile up unread across pause +
+    set_weight_version carry the old version, every token sampled after resume the new one."""
+    async def run():
+        old = engine.version
+        gate = asyncio.Event()
+        gate.set()
+        readers = [_Reader(engine, p, f"{mode}{i}", gate, 80) for i, p in enumerate(random_prompts(4, 5, 10, 2000))]
+        await _until(lambda: all(len(r.tokens) >= 3 for r in readers))
+        gate.clear()  # stop reading: what the engine samples now piles up
+        before = [len(r.tokens) for r in readers]
+        await asyncio.sleep(0.5)
+        await engine.pause_generation(mode=mode, clear_cache=False)
+        await engine.set_weight_version(old + 1)
+        gate.set()  # the piled-up tokens are read only now, after the version changed
+        await asyncio.sleep(0.5)
+        at_resume = [len(r.tokens) for r in readers]
+        await engine.resume_generation()
+        await asyncio.gather(*(r.task for r in readers))
+        return readers, before, at_resume, old
+
+    readers, before, at_resume, old = loop.run_until_complete(run())
+    assert sum(at_resume) > sum(before)  # tokens did pile up unread across the version change
+    for r, k in zip(readers, at_resume):
+        assert 3 <= k < 80
+        if mode == "keep":  # frozen, then continued under the new version
+            assert r.finish == "length" and r.versions == [old] * k + [old + 1] * (80 - k)
+        else:  # cut at the pause: every token it got was sampled before
+            assert r.finish == "abort" and r.versions == [old] * k
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pauses_under_load_return_every_rollout_whole(engine, loop, mode):
+    """The manager's pauses (a version change each, no weight change) under load: abort-mode cuts
+    are resubmitted, wait mode lets each request end under one version, keep mode continues them."""
+    manager = RolloutManager([engine], pause_mode=mode)
+    prompts = random_prompts(6, 5, 30, 2000, seed=34)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, ignore_eos=True)
+
+    async def bump(version):
+        await engine.set_weight_version(version)
+        manager.version = version
+
+    async def run():
+        base = engine.version
+        groups = asyncio.gather(*(manager.generate_group(p, params) for p in prompts))
+        for k in range(1, 4):
+            await asyncio.sleep(0.4)
+            await manager.run_paused(mode, lambda v=base + k: bump(v))
+        out = await groups
+        await manager.supervisor.close()
+        return out, base
+
+    groups, base = loop.run_until_complete(run())
+    rollouts = [r for g in groups for r in g]
+    assert len(rollouts) == 24 and all(sorted(r.index for r in g) == [0, 1, 2, 3] for g in groups)
+    for r in rollouts:
+        assert len(r.token_ids) == len(r.logprobs) == len(r.weight_versions) == 40 and r.finish_reason == "length"
+        assert all(a <= b for a, b in zip(r.weight_versions, r.weight_versions[1:]))
+        assert base <= r.weight_versions[0] and r.weight_versions[-1] <= base + 3
+        if mode == "wait":  # every request ends before the pause it was submitted before
+            assert len(set(r.weight_versions)) == 1
+    spanning = [r for r in rollouts if len(set(r.weight_versions)) > 1]
+    if mode == "abort":
+        assert manager.counters["aborted_resubmitted"] > 0 and spanning
+    if mode == "keep":
+        assert spanning and manager.counters["aborted_resubmitted"] == 0
