@@ -365,6 +365,18 @@ def _result(task: asyncio.Task, engine: VllmEngine):
         raise RuntimeError(f"{type(e).__name__}: {e}") from e
 
 
+def import_vllm() -> None:
+    """Import what an engine start needs, once, in this thread: transformers' and vLLM's lazy
+    imports are not thread-safe, and engines start in threads (in parallel, or a restart)."""
+    from transformers import AutoTokenizer  # noqa: F401
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.inputs.engine import tokens_input  # noqa: F401
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+    current_platform.is_cpu()  # resolves the platform
+
+
 def _engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
     from vllm.engine.arg_utils import AsyncEngineArgs
 

@@ -78,6 +78,9 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--log-completions", type=int, default=2, metavar="K",
                    help="write the groups of the first K prompts of each step to completions.jsonl (0: none)")
     p.add_argument("--device", default="cpu", help="trainer device: cpu or cuda (accelerate picks when cuda)")
+    p.add_argument("--engine", default="native", choices=["native", "vllm"],
+                   help="engine of the sidecar this run starts (passed to rollout.serve --engine; with --rollout-url, "
+                        "say which engine that sidecar runs). vllm on CPU: rollouts are not seeded per request")
     p.add_argument("--sidecar-device", default=None,
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
@@ -101,7 +104,18 @@ def sidecar_device(trainer_device: torch.device, requested: str | None = None) -
 def sidecar_command(args, model_dir: str, trainer_device: torch.device) -> list[str]:
     """The flags of the sidecar this run starts (after `--model`)."""
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
-            "--device", sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed)]
+            "--device", sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
+            "--engine", args.engine]
+
+
+def seeds_requests(args, trainer_device: torch.device) -> bool:
+    """Whether each request carries its own seed: not on vLLM's CPU build, where a seeded request
+    fails (it would kill vLLM's engine core); --seed still seeds prompts, the trainer and the sidecar."""
+    if args.engine == "vllm" and sidecar_device(trainer_device, args.sidecar_device) == "cpu":
+        log.warning("--engine vllm on CPU: rollouts are not seeded per request (vLLM's CPU build cannot seed a "
+                    "single request), so the same --seed no longer gives the same rollouts")
+        return False
+    return True
 
 
 def _rollout_source(args, model_dir: str, trainer_device: torch.device):
@@ -135,6 +149,7 @@ class Run:
     gen_client: object | None = None  # --async: a second client that generates while the first pushes
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     params: object = None  # engine.SamplingParams of every generate (seeded per request in _generate)
+    seed_requests: bool = True  # False on vLLM's CPU build (seeds_requests)
     generate_calls: int = 0
     version: int = 0
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
@@ -192,7 +207,8 @@ def setup(algo, args: argparse.Namespace) -> Run:
     tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args), enabled=main)
     client, sidecar, url = _rollout_source(args, model_dir, accelerator.device) if main else (None, None, None)
     run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
-              params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens))
+              params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens),
+              seed_requests=seeds_requests(args, accelerator.device) if main else True)
     if args.async_ and main:
         run.gen_client = RolloutClient(url, token=args.token)
         run.pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -225,7 +241,8 @@ def _generate(run: Run, client) -> tuple[list, list, float]:
     the same --seed gives the same rollouts however the sidecar batches them."""
     items = run.task.prompts(run.args.prompts_per_step)
     call, run.generate_calls = run.generate_calls, run.generate_calls + 1
-    params = [replace(run.params, seed=request_seed(run.args.seed, call, i)) for i in range(len(items))]
+    params = [replace(run.params, seed=request_seed(run.args.seed, call, i) if run.seed_requests else None)
+              for i in range(len(items))]
     t = time.perf_counter()
     groups = client.generate([it["prompt"] for it in items], params)
     return items, groups, time.perf_counter() - t

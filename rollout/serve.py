@@ -145,8 +145,7 @@ def build_manager(args):
 
     engines = []
     try:
-        for i in range(args.num_engines):
-            engines.append(make_engine(i))
+        engines += _start_engines(make_engine, args.num_engines, parallel=args.engine == "vllm")
         return RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
                               max_stale_restarts=args.max_stale_restarts,
                               engine_factory=make_engine if args.max_restarts > 0 else None,
@@ -160,6 +159,32 @@ def build_manager(args):
         raise
 
 
+def _start_engines(make_engine, n: int, parallel: bool) -> list:
+    """Engines 0..n-1; in parallel threads for vLLM, whose starts are mostly waiting on its
+    own processes (none is left running when one fails)."""
+    if not parallel or n == 1:
+        engines = []
+        try:
+            for i in range(n):
+                engines.append(make_engine(i))
+        except BaseException:
+            for e in engines:
+                e.shutdown()
+            raise
+        return engines
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n, thread_name_prefix="engine-start") as pool:
+        futures = [pool.submit(make_engine, i) for i in range(n)]
+    started = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for e in started:
+            e.shutdown()
+        raise failed[0]
+    return started
+
+
 def _engine_factory(args, model: str, devices: list[str]):
     """`make_engine(i, standby)`: engine i on devices[i], our engine or vLLM's (--engine)."""
     from engine import EngineConfig
@@ -171,8 +196,9 @@ def _engine_factory(args, model: str, devices: list[str]):
                             **extra)
 
     if args.engine == "vllm":
-        from engine.vllm_engine import VllmEngine
+        from engine.vllm_engine import VllmEngine, import_vllm
 
+        import_vllm()  # here, before engines start in threads
         return lambda i, standby=None: VllmEngine(config(i), tensor_parallel_size=args.tensor_parallel_size)
     from engine import AsyncEngine
 

@@ -1,0 +1,57 @@
+"""The `--engine vllm` flags and settings that need no vLLM to check: these run with or without it."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.vllm_engine import apply_env_defaults, cpu_env_defaults
+from recipes.rl_train import build_parser, seeds_requests, sidecar_command
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout.serve", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_tensor_parallelism_needs_the_vllm_engine():
+    out = _serve("--tensor-parallel-size", "2")
+    assert out.returncode != 0 and "--engine vllm" in out.stderr
+
+
+def test_help_says_how_to_change_the_vllm_settings():
+    out = _serve("--help")
+    assert out.returncode == 0
+    for name in ("--engine {native,vllm}", "--tensor-parallel-size", "VLLM_CPU_OMP_THREADS_BIND",
+                 "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD"):
+        assert name in out.stdout
+
+
+def test_vllm_settings_start_on_every_cpu_one_group_per_rank():
+    assert cpu_env_defaults(1, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert cpu_env_defaults(2, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert cpu_env_defaults(2, [2, 3, 5, 7])["VLLM_CPU_OMP_THREADS_BIND"] == "2,3|5,7"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_env_defaults(4, [0, 1])  # fewer CPUs than ranks: vLLM decides
+    assert cpu_env_defaults(1, [0])["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_the_users_vllm_settings_win(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_LOGGING_STREAM",
+                 "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the defaults set is undone after the test
+        monkeypatch.delenv(name)
+    applied = apply_env_defaults("cpu", 1, "warning")
+    assert "VLLM_CPU_KVCACHE_SPACE" not in applied
+    assert applied["VLLM_LOGGING_STREAM"] == "ext://sys.stderr" and applied["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in apply_env_defaults("cuda", 1, "INFO")  # set once, kept
+
+
+@pytest.mark.parametrize("engine, device, seeded", [("native", None, True), ("vllm", None, False),
+                                                    ("vllm", "cuda:1", True)])
+def test_the_recipes_pass_the_engine_and_seed_requests_where_it_can(engine, device, seeded):
+    argv = ["--engine", engine] + (["--sidecar-device", device] if device else [])
+    args = build_parser("grpo").parse_args(argv)
+    cmd = sidecar_command(args, "DIR", torch.device("cpu"))
+    assert cmd[cmd.index("--engine") + 1] == engine
+    assert seeds_requests(args, torch.device("cpu")) is seeded
