@@ -2,6 +2,13 @@
 
 A malformed message, an unknown call, a wrong token or bad parameters get an error reply (or,
 when not even a call id can be read, a reply with call id -1) and nothing else changes.
+
+A client that vanishes mid-generate (its connection closed: the process died) has its generate
+calls cancelled, which aborts their engine requests: nothing is generated, or kept in memory,
+for nobody. The ROUTER says which clients are gone (ROUTER_MANDATORY: a send to one fails with
+EHOSTUNREACH), so every PROBE_S each client with a generate in flight is sent a message that no
+client reads (call id PROBE_CALL_ID, which no client uses: clients drop it). A client that is
+only stopped (a debugger) keeps its connection and its calls.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ from weight_sync.engine_sync import engines_checksums
 
 log = logging.getLogger(__name__)
 
+PROBE_S = 1.0  # how often the clients of generate calls in flight are checked for
+PROBE_CALL_ID = -2  # client call ids count from 0, and -1 is the server's "unreadable message"
+
 
 class RolloutServer:
     def __init__(self, manager: RolloutManager, address: str, token: str = "", push_stall_s: float = 10.0,
@@ -34,9 +44,11 @@ class RolloutServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a client that is gone fails: we learn it is
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.tasks: set[asyncio.Task] = set()
+        self.generating: dict[bytes, set[asyncio.Task]] = {}  # a client's generate calls in flight
         self.accepting = True
         # one handler per call type of rollout.protocol.Call
         self.handlers = {
@@ -54,11 +66,12 @@ class RolloutServer:
 
     async def serve(self, stop: asyncio.Event) -> None:
         log.info("sidecar listening on %s", self.address)
-        receiver = asyncio.ensure_future(self._receive())
+        loops = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._watch_clients())]
         await stop.wait()
         self.accepting = False
-        receiver.cancel()
-        await asyncio.gather(receiver, return_exceptions=True)
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
 
     async def drain(self) -> None:
         for t in list(self.tasks):
@@ -86,14 +99,50 @@ class RolloutServer:
             task = asyncio.ensure_future(self._handle(identity, call))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+            if isinstance(call, P.Generate):
+                self._track(identity, task)
 
     async def _send(self, identity: bytes, msg) -> None:
         try:
             await self.sock.send_multipart([identity, P.encoder.encode(msg)])
         except zmq.ZMQError as e:  # the client is gone: nothing to tell it
             log.debug("cannot reply to a client: %s", e)
+            if e.errno == zmq.EHOSTUNREACH:
+                self._client_gone(identity)
 
     _reply = _send
+
+    # -- clients that vanish ------------------------------------------------------------------
+    def _track(self, identity: bytes, task: asyncio.Task) -> None:
+        calls = self.generating.setdefault(identity, set())
+        calls.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            calls.discard(t)
+            if not calls and self.generating.get(identity) is calls:
+                del self.generating[identity]
+
+        task.add_done_callback(done)
+
+    def _client_gone(self, identity: bytes) -> None:
+        """Cancels the generate calls of a client whose connection is gone (their engine requests
+        are aborted as they unwind)."""
+        calls = self.generating.pop(identity, set())
+        for t in calls:
+            t.cancel()
+        if calls:
+            log.info("a client vanished with %d generate call(s) in flight: cancelled", len(calls))
+
+    async def _watch_clients(self) -> None:
+        probe = P.encoder.encode(P.Progress(PROBE_CALL_ID, "probe"))
+        while True:
+            await asyncio.sleep(PROBE_S)
+            for identity in list(self.generating):
+                try:
+                    await self.sock.send_multipart([identity, probe], flags=zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EHOSTUNREACH:
+                        self._client_gone(identity)
 
     async def _handle(self, identity: bytes, call) -> None:
         try:
