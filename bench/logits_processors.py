@@ -16,7 +16,6 @@ reached, 32 biased tokens. Reports ms per step and the ratios.
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
@@ -28,7 +27,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from bench.sampler import time_ms
+from bench.sampler import parse_cases, time_ms
 from engine.logits_processors import build_edits, sequence_bans
 from engine.sampler import SamplingTensors, sample, uniform_noise
 
@@ -83,16 +82,7 @@ def hf(case: Case):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocabs", default="49152,151936", help="vocabulary sizes (default: SmolLM2's, Qwen's)")
-    p.add_argument("--batches", default="64,256", help="rows per step (default: 64,256)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions per case (median reported)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.model_runner import available_cpus
-
-    torch.set_num_threads(available_cpus())
+    args = parse_cases(__doc__, argv)
     print(f"\nms per step, torch {torch.__version__}, {torch.get_num_threads()} threads; every row with the four "
           "processors (ours: host work included)")
     print(f"{'vocab':>8}{'batch':>7}{'plain':>9}{'ours':>9}{'hf':>9}{'ours/hf':>9}{'ours/plain':>12}")

@@ -63,9 +63,9 @@ def time_ms(fn, logits, generators, shared, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_cases(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The sampler benches' flags (vocabularies, batches, repetitions); torch on every CPU."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", default="49152,151936", help="vocabulary sizes (default: SmolLM2's, Qwen's)")
     p.add_argument("--batches", default="64,256", help="rows per step (default: 64,256)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per case (median reported)")
@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     from engine.model_runner import available_cpus
 
     torch.set_num_threads(available_cpus())
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_cases(__doc__, argv)
     print(f"\nsampler ms per step, torch {torch.__version__}, {torch.get_num_threads()} threads, half the rows seeded")
     print(f"{'vocab':>8}{'batch':>7}{'ours':>9}{'exp-race':>10}{'multinom':>10}{'ours/exp-race':>15}{'ours/multinom':>15}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
