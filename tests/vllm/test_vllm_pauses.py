@@ -1,5 +1,5 @@
-"""Pauses and version tags on a real vLLM engine (its core and worker processes), driven in
-process by the adapter and by the rollout manager: one engine for the module."""
+"""A real vLLM engine (its core and worker processes) driven in process by the adapter and by the
+rollout manager: pauses, version tags, streamed groups. One engine for the module."""
 
 import asyncio
 
@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine import EngineConfig, SamplingParams  # noqa: E402
+from rollout.group_stream import stream_group  # noqa: E402
 from rollout.manager import RolloutManager  # noqa: E402
 from tests.engine.helpers import random_prompts  # noqa: E402
 
@@ -15,13 +16,19 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def engine(qwen2_dir):
-    from engine.vllm_engine import VllmEngine, apply_env_defaults
+def engine(qwen2_dir, loop):
+    from engine.vllm_engine import VllmEngine
+    from engine.vllm_start import apply_env_defaults
 
     apply_env_defaults("cpu", 1, "WARNING")
     e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3))
     yield e
-    e.shutdown()
+
+    async def stop():  # in the loop: vLLM's shutdown cancels its tasks there, before the loop closes
+        e.shutdown()
+        await asyncio.sleep(0.1)
+
+    loop.run_until_complete(stop())
 
 
 class _Reader:
@@ -120,3 +127,19 @@ def test_pauses_under_load_return_every_rollout_whole(engine, loop, mode):
         assert manager.counters["aborted_resubmitted"] > 0 and spanning
     if mode == "keep":
         assert spanning and manager.counters["aborted_resubmitted"] == 0
+
+
+def test_a_streamed_group_hands_out_each_samples_end_once(engine, loop):
+    """The HTTP front's path: samples of one group end at different steps, each exactly once."""
+    manager = RolloutManager([engine])
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=60, stop_token_ids=list(range(100, 400)))
+
+    async def run():
+        deltas = [d async for d in stream_group(manager, [5, 6, 7, 8], params)]
+        await manager.supervisor.close()
+        return deltas
+
+    deltas = loop.run_until_complete(run())
+    ends = [d.index for d in deltas if d.finish_reason]
+    lengths = [sum(len(d.token_ids) for d in deltas if d.index == i) for i in range(8)]
+    assert sorted(ends) == list(range(8)) and len(set(lengths)) > 1  # ended at different steps
