@@ -101,6 +101,7 @@ class VllmEngine:
         self.dead_reason = ""
         self._shutdown_called = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._aborts: set[asyncio.Task] = set()  # aborts sent as requests end, held until done
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property
@@ -180,16 +181,20 @@ class VllmEngine:
                 if out.finished:
                     return
         finally:
-            await self._release(request_id, req)
+            self._release(request_id, req)
 
-    async def _release(self, request_id: str, req: _Request) -> None:
-        """A request's end, however it ended: its pumps stopped, its unfinished samples aborted."""
+    def _release(self, request_id: str, req: _Request) -> None:
+        """A request's end, however it ended: its pumps stopped, its unfinished samples aborted.
+        Nothing here awaits: a caller cancelled again while it closes the stream (an HTTP client
+        gone) must not skip the abort, nor its own bookkeeping after the close."""
         self.requests.pop(request_id, None)
         for t in req.pumps:
             t.cancel()
         unfinished = [q.request_id for q, o in zip(req.children, req.state.outputs) if o.finish_reason is None]
         if unfinished and not self.errored:
-            await self._llm.abort(unfinished, internal=True)
+            task = asyncio.ensure_future(self._llm.abort(unfinished, internal=True))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
         for q in req.children:
             q.close()
 

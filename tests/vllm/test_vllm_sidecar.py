@@ -104,7 +104,8 @@ def test_a_client_that_leaves_mid_stream_has_its_requests_aborted(sidecar, clien
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.stream("POST", sidecar.http_url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         first = next(line for line in r.iter_lines() if line.startswith("data:"))
-        assert "text" in first and client.stats()["queue_depth"] == 8  # far from done: 8 x 240 tokens
+        stats = client.stats()
+        assert "text" in first and stats["queue_depth"] == 8, stats  # far from done: 8 x 240 tokens
     deadline = time.monotonic() + 10
     while client.stats()["queue_depth"]:  # the connection is gone: its engine requests are aborted
         assert time.monotonic() < deadline, "the requests of a client that left still run"
