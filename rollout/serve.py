@@ -292,7 +292,9 @@ async def _wind_down(manager, server) -> None:
     engines = [e for e in manager.engines if not e.errored]
     await asyncio.gather(*(e.pause_generation(mode="abort") for e in engines), return_exceptions=True)
     await server.drain()
-    await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=2) for e in engines), return_exceptions=True)
+    if server.weights.owner is not None:  # a group to leave (vLLM workers without our receiver have none)
+        await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=2) for e in engines),
+                             return_exceptions=True)
 
 
 async def _stop_when_parent_exits(parent_pid: int, stop: asyncio.Event) -> None:
