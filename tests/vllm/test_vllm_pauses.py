@@ -143,3 +143,22 @@ def test_a_streamed_group_hands_out_each_samples_end_once(engine, loop):
     ends = [d.index for d in deltas if d.finish_reason]
     lengths = [sum(len(d.token_ids) for d in deltas if d.index == i) for i in range(8)]
     assert sorted(ends) == list(range(8)) and len(set(lengths)) > 1  # ended at different steps
+
+
+def test_stop_strings_end_the_text_before_them(engine, loop):
+    """As our engine: the text ends before the stop string, the token that completed it is kept."""
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, stop=["a"])
+
+    async def run():
+        out = None
+        async for out in engine.generate([5, 6, 7, 8], params, request_id="stops"):
+            pass
+        return out
+
+    out = loop.run_until_complete(run())
+    stopped = [c for c in out.outputs if c.finish_reason == "stop"]
+    assert stopped  # "a" is in most of the tiny vocabulary's words
+    for c in stopped:
+        whole = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert c.stop_reason == "a" and "a" not in c.text and whole.startswith(c.text) and "a" in whole
+        assert len(c.logprobs) == len(c.weight_versions) == len(c.token_ids)
