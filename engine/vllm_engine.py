@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -39,6 +40,10 @@ from engine.vllm_start import CoreProcess, start_vllm
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM passes a worker's failure on as text, "Call to <method> method failed: <message>"; our
+# receiver starts each message with its exception's class
+_WORKER_ERROR = re.compile(r"(?:method failed: |failed with error ')(\w+): ")
+_REFUSALS = {"PushRefused", "ValueError", "TypeError"}
 _DEATH_POLL_S = 0.2  # how often a control call in flight checks that the engine still lives
 
 
@@ -334,4 +339,7 @@ def _result(task: asyncio.Task, engine: VllmEngine):
     except Exception as e:  # noqa: BLE001 - vLLM's errors, to our kinds
         if engine.errored or type(e).__name__ == "EngineDeadError":
             raise EngineDeadError(engine.dead_reason or str(e)) from e
+        named = _WORKER_ERROR.search(str(e))  # a worker's error, its class named (weight_sync/vllm_receiver.py)
+        if named and named.group(1) in _REFUSALS:
+            raise ValueError(str(e)[named.start(1):]) from None  # a refusal: nothing changed, the caller's fault
         raise RuntimeError(f"{type(e).__name__}: {e}") from e

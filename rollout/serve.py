@@ -204,7 +204,10 @@ def _engine_factory(args, model: str, devices: list[str]):
         from engine.vllm_start import import_vllm
 
         import_vllm()  # here, before engines start in threads
-        return lambda i, standby=None: VllmEngine(config(i), tensor_parallel_size=args.tensor_parallel_size)
+        from weight_sync.vllm_receiver import VLLM_EXTENSION
+
+        return lambda i, standby=None: VllmEngine(config(i, worker_extension_cls=VLLM_EXTENSION),
+                                                  tensor_parallel_size=args.tensor_parallel_size)
     from engine import AsyncEngine
 
     def make_engine(i: int, standby=None) -> AsyncEngine:
