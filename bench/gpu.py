@@ -9,7 +9,10 @@
   3. a colocated push (engine on the trainer's device, through weight_sync.shared: CUDA IPC on a
      GPU, /dev/shm on the CPU) of the --push-size model against a plain copy of the same bytes;
   4. with two GPUs or more: a push over NCCL (trainer on cuda:0, engine on cuda:1) against a raw
-     NCCL broadcast of the same bytes (bench.weight_sync on CUDA).
+     NCCL broadcast of the same bytes (bench.weight_sync on CUDA);
+  5. one decode step of the full batch (every sample of the workload decoding): its wall time
+     against the GPU's kernel time in it (torch.profiler, CUDA activity only), i.e. how much of
+     the step the GPU is busy and how much is the host's (scheduling, tensors, sampling's sync).
 
     python -m bench.gpu                        # CUDA, bf16, the small model
     python -m bench.gpu --device cpu --quick   # the same code on the CPU (fp32): a smoke run
@@ -63,8 +66,47 @@ def run_engine(model_dir: str, device: str, dtype: str, wl, max_model_len: int):
     _sync(torch.device(device))
     seconds = time.perf_counter() - t0
     num_params = sum(p.numel() for p in llm.core.runner.model.parameters())
+    step = decode_step_times(llm, wl, torch.device(device))
     del llm
-    return outs, seconds, num_params
+    return outs, seconds, num_params, step
+
+
+def decode_step_times(llm, wl, device: torch.device, steps: int = 20) -> dict:
+    """One decode step of the whole workload's batch (P x n samples): median wall time of `steps`
+    steps (each ends with the sampled tokens' trip to the host, the step's sync), and the GPU's
+    kernel time per step over `steps` more under torch.profiler (CUDA activity only; on the CPU
+    there is none to read)."""
+    from engine import SamplingParams
+
+    core = llm.core
+    for i, p in enumerate(wl.prompts):
+        core.add_request(f"decode-timing-{i}", p, SamplingParams(n=wl.n, temperature=1.0, max_tokens=2 * steps + 8,
+                                                                 ignore_eos=True))
+    # prefill steps until every sample has its first token; then two warm-up decode steps
+    while core.scheduler.waiting or any(s.num_output_tokens == 0 for s in core.scheduler.running):
+        core.step()
+    batch = len(core.scheduler.running)
+    for _ in range(2):
+        core.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        core.step()
+        walls.append(time.perf_counter() - t0)
+    gpu = None
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    core.step()
+                _sync(device)
+            gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
+        except Exception as e:  # no CUPTI on this host: the rest of the bench still runs
+            log.warning("GPU kernel time not measured: %r", e)
+    core.abort_requests([f"decode-timing-{i}" for i in range(len(wl.prompts))])
+    return {"batch": batch, "wall": sorted(walls)[len(walls) // 2], "gpu": gpu}
 
 
 def run_hf_generate(model, wl, device: torch.device) -> float:
@@ -184,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     wl = make_workload(2048 if args.quick else 4096, args.num_prompts, args.n, (16, 128), (args.max_tokens // 4,
                        args.max_tokens), seed=0)
     peak = matmul_peak(device, tdtype)
-    outs, engine_s, num_params = run_engine(model_dir, str(device), dtype, wl, 128 + args.max_tokens + 16)
+    outs, engine_s, num_params, step = run_engine(model_dir, str(device), dtype, wl, 128 + args.max_tokens + 16)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(device).eval()
     hf_s = run_hf_generate(hf, wl, device)
     share, mean_diff, tokens = mismatch(hf, outs, device)
@@ -194,12 +236,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ndevice {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {dtype}, "
           f"{num_params / 1e6:.1f}M params, {args.num_prompts} prompts x n={args.n}, {useful} useful tokens")
     print(f"  engine (LLM)       {useful / engine_s:>10.0f} tok/s  ({engine_s:.2f} s; {flops / 1e12:.2f} TFLOP/s = "
-          f"{flops / peak:.1%} of the {peak / 1e12:.1f} TFLOP/s matmul peak probed)")
+          f"{flops / peak:.2%} of the {peak / 1e12:.1f} TFLOP/s matmul peak probed)")
     print(f"  HF generate        {useful / hf_s:>10.0f} tok/s  ({hf_s:.2f} s; {hf_tokens} tokens computed)")
     print(f"  engine / HF generate: {hf_s / engine_s:.2f}x")
     verdict = "OK" if share < TARGET_MISMATCH else "MISS"
     print(f"  logprob mismatch engine vs trainer forward ({dtype}): {share:.2%} of {tokens} tokens outside "
           f"ratio [0.9, 1.1] (target < {TARGET_MISMATCH:.0%}) {verdict}; mean |diff| {mean_diff:.2e}")
+    if step["gpu"] is None:
+        print(f"  decode step of {step['batch']} samples: {step['wall'] * 1e3:.1f} ms wall (GPU kernel time: CUDA only)")
+    else:
+        print(f"  decode step of {step['batch']} samples: {step['wall'] * 1e3:.2f} ms wall, GPU kernels "
+              f"{step['gpu'] * 1e3:.2f} ms ({step['gpu'] / step['wall']:.0%} busy), host-only "
+              f"{max(step['wall'] - step['gpu'], 0) * 1e3:.2f} ms")
     co = colocated_push(args.push_size, device, 2 if args.quick else 10)
     kind = "CUDA IPC" if device.type == "cuda" else "/dev/shm"
     print(f"  colocated push ({kind}) of {co['bytes'] / 1e6:.0f} MB: {co['push'] * 1e3:.1f} ms vs a plain copy of the "
