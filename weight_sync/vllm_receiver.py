@@ -92,9 +92,23 @@ class _VllmSyncExtension(WeightSyncExtension):
             st.torn = True
             raise RuntimeError(f"vLLM's reload of version {m.version} failed half way: {TORN}; "
                                f"this engine must be restarted ({type(e).__name__}: {e})") from None
+        self._vllm_retie_head()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._vllm_keep_committed(m, staging, pairs)
+
+    def _vllm_retie_head(self) -> None:
+        """A tied output head is not among the checkpoint's tensors, so vLLM's reload puts its old
+        kernel tensors back; on CPU that is a oneDNN-packed copy of the old embedding, and the logits
+        would come from the old weights. Point it at the new embedding and pack it again."""
+        if not self._vllm_checkpoint()[1]:
+            return
+        model = self.model_runner.get_model()
+        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not hasattr(head, "quant_method"):
+            return
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
 
     def _vllm_keep_committed(self, m: Manifest, staging: torch.Tensor, pairs: list) -> None:
         """The committed tensors stay readable; the buffer they replace becomes the spare."""
@@ -158,6 +172,7 @@ class _VllmSyncExtension(WeightSyncExtension):
             self._ws().torn = True  # vLLM's reload dropped the old tensors as it began
             raise RuntimeError(f"in-place push of version {m.version} failed after {state['written']} of "
                                f"{len(m.buckets)} buckets: {TORN}; this engine must be restarted ({e})") from None
+        self._vllm_retie_head()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._vllm_committed = NOT_KEPT

@@ -1,0 +1,148 @@
+"""Weight pushes into vLLM (`rollout.serve --engine vllm`): our receiver in vLLM's worker, the real
+sidecar, the real client, a real trainer process; gloo on CPU, vLLM's CPU build, fp32. One sidecar
+of one vLLM engine for the module (a vLLM start costs 20-50 s on 2 cores)."""
+
+import asyncio
+import copy
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engine import EngineConfig, SamplingParams  # noqa: E402
+from rollout import RolloutClient, SidecarError  # noqa: E402
+from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
+from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
+from tests.rollout.test_overlap import _requests_finished_meanwhile, _trainer  # noqa: E402
+from tests.rollout.test_sidecar import perturb  # noqa: E402
+from weight_sync import weights_checksum  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = random_prompts(4, 4, 20, 2000, seed=77)
+
+
+@pytest.fixture(scope="module")
+def sidecar(qwen2_dir):
+    s = Sidecar(qwen2_dir, "--engine", "vllm", "--host-copy", "off")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(sidecar):
+    c = RolloutClient(sidecar.url, token=TOKEN)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_models):
+    return copy.deepcopy(hf_models["qwen2"])
+
+
+def _greedy(client):
+    return [g[0].token_ids for g in client.generate(PROMPTS, GREEDY)]
+
+
+def _fresh_vllm_greedy(model, qwen2_dir, tmp_path) -> list[list[int]]:
+    """Greedy tokens of a vLLM engine started afresh from a checkpoint of `model` (same kernels)."""
+    from engine.vllm_engine import VllmEngine
+
+    ckpt = tmp_path / "pushed"
+    model.save_pretrained(ckpt)
+    for f in os.listdir(qwen2_dir):
+        if f.startswith("tokenizer") or f.endswith(".jinja"):
+            shutil.copy(os.path.join(qwen2_dir, f), ckpt / f)
+    engine = VllmEngine(EngineConfig(model=str(ckpt), max_model_len=256, gpu_memory_utilization=0.3))
+
+    async def run():
+        outs = []
+        for p in PROMPTS:
+            async for out in engine.generate(p, GREEDY):
+                pass
+            outs.append(out.outputs[0].token_ids)
+        return outs
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_a_push_serves_as_a_fresh_vllm_engine_started_on_the_pushed_weights(client, trainer, qwen2_dir, tmp_path):
+    before = _greedy(client)
+    assert client.init_weight_sync(take_over=True)
+    assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())]  # the checkpoint's
+    perturb(trainer, 5, scale=0.05)
+    version = client.stats()["version"] + 1
+    client.push_weights(trainer, version=version)
+    assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
+    after = client.generate(PROMPTS, GREEDY)
+    assert [g[0].token_ids for g in after] != before  # the push changed what comes out
+    assert all(g[0].weight_versions == [version] * 12 for g in after)
+    assert [g[0].token_ids for g in after] == _fresh_vllm_greedy(trainer, qwen2_dir, tmp_path)
+
+
+def test_bad_manifests_change_nothing_and_the_next_push_lands(client, trainer):
+    client.init_weight_sync(take_over=True)
+    before, version = _greedy(client), client.stats()["version"]
+    state = trainer.state_dict()
+    unknown = list(state.items()) + [("model.layers.0.mlp.extra.weight", torch.zeros(4))]
+    wrong_shape = [(n, t[:-1] if n.endswith("input_layernorm.weight") else t) for n, t in state.items()]
+    wrong_dtype = [(n, t.to(torch.int32) if n.endswith("norm.weight") else t) for n, t in state.items()]
+    for bad, why in ((unknown, "unknown names"), (wrong_shape, "wrong shapes"), (wrong_dtype, "dtypes")):
+        with pytest.raises(SidecarError, match=why):
+            client.push_weights(bad, version=version + 1)
+        assert client.stats()["version"] == version
+    assert _greedy(client) == before
+    perturb(trainer, 6)
+    client.push_weights(trainer, version=version + 1)
+    assert client.stats()["version"] == version + 1
+    assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
+    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+
+
+def test_a_trainer_killed_mid_push_costs_that_push_only(sidecar, client, trainer, qwen2_dir):
+    before, failed, version = _greedy(client), client.stats()["failed_pushes"], client.stats()["version"]
+    assert version < 7  # the killed trainer pushes version 7
+    dead = _trainer(sidecar, qwen2_dir, 3600)
+    try:
+        assert json.loads(dead.stdout.readline()) == {"at": 3}
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait()
+        deadline = time.monotonic() + 30
+        while client.stats()["failed_pushes"] == failed:
+            assert time.monotonic() < deadline, "the dead trainer's push was never given up"
+            time.sleep(0.2)
+        assert _greedy(client) == before and client.stats()["version"] == version
+    finally:
+        dead.kill()
+        dead.wait()
+    client.init_weight_sync()
+    perturb(trainer, 7)
+    client.push_weights(trainer, version=version + 1)
+    assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
+    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+
+
+def test_an_overlapped_push_pauses_for_the_commit_only(sidecar, client, qwen2_dir):
+    """A transfer held up 3 s at bucket 3: vLLM keeps serving while the bytes arrive."""
+    paused = client.stats()["pause_seconds"]
+    trainer = _trainer(sidecar, qwen2_dir, 3)
+    try:
+        assert json.loads(trainer.stdout.readline()) == {"at": 3}
+        served = _requests_finished_meanwhile(client, 1.5)
+        assert json.loads(trainer.stdout.readline()) == {"done": 7}
+        assert served > 3
+        assert client.stats()["version"] == 7
+        assert client.stats()["pause_seconds"] - paused < 1.0  # vLLM's reload, not the 3 s transfer
+    finally:
+        trainer.kill()
+        trainer.wait()
