@@ -26,6 +26,7 @@ from engine.stop_checker import first_stop_string, truncate_at_stop
 from rollout.protocol import PROTOCOL_VERSION
 from rollout.supervision import EngineSupervisor, NoEngineError
 from rollout.types import Rollout
+from weight_sync.engine_sync import workers_of
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,7 @@ class RolloutManager:
             states.append(state)
         serving = sum(s["state"] == "live" for s in states)
         out = {"ok": serving == len(self.engines), "version": self.version, "engines": serving,
-               "workers": len(sup.up()), "engine_states": states, "protocol": PROTOCOL_VERSION,
+               "workers": sum(workers_of(self.engines[i]) for i in sup.up()), "engine_states": states, "protocol": PROTOCOL_VERSION,
                "pushing": pushing}
         if serving < len(self.engines):
             out["reason"] = "; ".join(f"engine {i} {s['state']}" + (f": {s['reason']}" if s.get("reason") else "")

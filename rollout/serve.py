@@ -143,7 +143,7 @@ def build_manager(args):
     from rollout.manager import RolloutManager
     from weight_sync.devices import engine_devices
 
-    devices = engine_devices(args.device, args.num_engines, args.gpus)
+    devices = engine_devices(args.device, args.num_engines, args.gpus, args.tensor_parallel_size)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
     make_engine = _engine_factory(args, model, devices)
 
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     from weight_sync.devices import engine_devices
 
     try:  # placement is checked before anything starts
-        engine_devices(args.device, args.num_engines, args.gpus)
+        engine_devices(args.device, args.num_engines, args.gpus, args.tensor_parallel_size)
     except ValueError as e:
         sys.exit(f"bad placement: {e}")
     if args.tensor_parallel_size < 1:

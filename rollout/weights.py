@@ -10,7 +10,7 @@ import time
 
 from weight_sync.engine_sync import (
     close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
-    stage_on_engines,
+    stage_on_engines, workers_of,
 )
 from weight_sync.group import FAILED_MARK, PushProgress
 from weight_sync.inplace_receive import TORN
@@ -83,9 +83,9 @@ class SidecarWeights:
         self.owner = {"host": host, "port": port, "group_name": group_name}
         self._info = info
         self.members = [id(e) for e in engines]
-        log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset,
-                 rank_offset + len(engines) - 1, world_size)
-        return {"ranks": list(range(rank_offset, rank_offset + len(engines)))}
+        last = rank_offset + sum(workers_of(e) for e in engines) - 1
+        log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset, last, world_size)
+        return {"ranks": list(range(rank_offset, last + 1))}
 
     async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None,
                    group_name: str | None = None, shared: dict | None = None) -> dict:

@@ -22,16 +22,26 @@ def normalize_device(device: torch.device | str) -> torch.device:
     return d
 
 
-def engine_devices(device: str, num_engines: int, gpus: str | None = None) -> list[str]:
+def engine_devices(device: str, num_engines: int, gpus: str | None = None, per_engine: int = 1) -> list[str]:
     """One device per engine, from the sidecar's flags:
 
     - `--device cpu`: every engine on the CPU;
     - `--device cuda --gpus 1,2`: engine i on `cuda:<gpus[i]>`;
     - `--device cuda:1,cuda:2`: engine i on the i-th device listed;
     - `--device cuda` alone: engine i on `cuda:i` (the first N GPUs this process sees).
-    Raises ValueError when the count does not match or two engines would share a GPU."""
+    With `per_engine` N > 1 (vLLM's tensor parallelism) each engine takes the next N GPUs, spelt
+    `cuda:a,b` (the GPUs its processes see). Raises ValueError when the count does not match or
+    two ranks would share a GPU."""
     if num_engines < 1:
         raise ValueError(f"--num-engines must be >= 1, got {num_engines}")
+    if per_engine > 1 and torch.device(device.split(",")[0].strip()).type == "cuda":
+        try:
+            gpus_each = engine_devices(device, num_engines * per_engine, gpus)
+        except ValueError as e:
+            raise ValueError(f"{num_engines} engines x {per_engine} tensor-parallel ranks take "
+                             f"{num_engines * per_engine} GPUs, one each: {e}") from None
+        return [f"cuda:{','.join(d.split(':')[1] for d in gpus_each[i * per_engine:(i + 1) * per_engine])}"
+                for i in range(num_engines)]
     listed = [d.strip() for d in device.split(",") if d.strip()]
     if gpus is not None:
         if listed != ["cuda"]:

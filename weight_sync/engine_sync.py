@@ -8,7 +8,7 @@ The trainer's side of every step blocks (rendezvous, broadcasts), so it runs in 
 
 ```python
 sender = WeightSender()
-await init_weight_sync(engines, sender)                       # trainer = rank 0, engine i = rank 1 + i
+await init_weight_sync(engines, sender)                       # trainer = rank 0, then each engine's workers
 await push_to_engines(engines, sender, model, version=1)      # validate, broadcast, commit, tag
 ```
 Several sidecars in one group: the trainer opens one group for all (`sender.open_group(world)`),
@@ -20,6 +20,7 @@ runs `sender.send` once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -31,13 +32,24 @@ from weight_sync.votes import WeightSyncError
 log = logging.getLogger(__name__)
 
 
+def workers_of(engine) -> int:
+    """Ranks an engine holds in a weight-sync group: one per worker (vLLM's tensor-parallel ranks)."""
+    return int(getattr(engine, "num_workers", 1))
+
+
+def rank_offsets(engines: Sequence, rank_offset: int = 1) -> list[int]:
+    """Each engine's first rank: its workers take the ranks after the engines before it."""
+    return list(itertools.accumulate([rank_offset] + [workers_of(e) for e in engines[:-1]]))
+
+
 async def join_engines(engines: Sequence, info: dict, rank_offset: int = 1, timeout: float | None = None,
                        **options) -> list[dict]:
-    """Have each engine's worker join the group described by `info` (from `sender.open_group`);
-    engine i takes rank `rank_offset + i`. Options go to `init_weight_sync` (keep_staging, commit)."""
+    """Have each engine's workers join the group described by `info` (from `sender.open_group`);
+    engine i's worker w takes rank `rank_offsets(engines, rank_offset)[i] + w`. Options go to
+    `init_weight_sync` (keep_staging, commit)."""
     kwargs = {**info, **options}
-    calls = [e.collective_rpc("init_weight_sync", timeout=timeout, kwargs={**kwargs, "rank": rank_offset + i})
-             for i, e in enumerate(engines)]
+    calls = [e.collective_rpc("init_weight_sync", timeout=timeout, kwargs={**kwargs, "rank": offset})
+             for e, offset in zip(engines, rank_offsets(engines, rank_offset))]
     results = await asyncio.gather(*calls, return_exceptions=True)
     errors = [f"engine {i}: {describe(r)}" for i, r in enumerate(results) if isinstance(r, BaseException)]
     if errors:
@@ -49,10 +61,10 @@ async def init_weight_sync(engines: Sequence, sender: WeightSender, host: str = 
                            timeout_s: float | None = None, rank_offset: int = 1, world_size: int | None = None,
                            rpc_timeout: float | None = None, **options) -> dict:
     """Form a fresh group: the trainer (rank 0) and every engine's worker. Closes any previous
-    group on both sides. Returns the connection info. `world_size` defaults to
-    `rank_offset + len(engines)`; pass it when other sidecars join the same group. The workers'
-    RPCs wait at most `rpc_timeout` (default: the group's timeout + 30 s)."""
-    world_size = world_size or rank_offset + len(engines)
+    group on both sides. Returns the connection info. `world_size` defaults to `rank_offset` +
+    the engines' workers; pass it when other sidecars join the same group. The workers' RPCs
+    wait at most `rpc_timeout` (default: the group's timeout + 30 s)."""
+    world_size = world_size or rank_offset + sum(workers_of(e) for e in engines)
     info = sender.open_group(world_size, host=host, port=port, timeout_s=timeout_s)
     join = asyncio.ensure_future(asyncio.to_thread(sender.join_group))
     try:
@@ -164,10 +176,10 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     if sender.group is None or not sender.group.ready:
         raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
     workers = sender.group.world_size - 1
-    if workers != len(engines):  # every rank of the group votes: they must be exactly these engines (one worker each)
+    if workers != sum(workers_of(e) for e in engines):  # every rank votes: exactly these engines' workers
         raise WeightSyncError(f"push of version {version} not started: the trainer's group has {workers} workers but "
-                              f"{len(engines)} engines were given; init_weight_sync(engines, sender) with these "
-                              "engines", refused=True)
+                              f"the {len(engines)} engines given have {sum(workers_of(e) for e in engines)}; "
+                              "init_weight_sync(engines, sender) with these engines", refused=True)
     group_name = sender.group.group_name
     try:
         if pause_mode is not None:

@@ -41,6 +41,21 @@ def test_bad_placements_are_refused_before_anything_starts(device, n, gpus, matc
         engine_devices(device, n, gpus)
 
 
+@pytest.mark.parametrize("device,n,gpus,want", [
+    ("cuda", 2, None, ["cuda:0,1", "cuda:2,3"]),
+    ("cuda", 1, "4,5", ["cuda:4,5"]),
+    ("cuda:1,cuda:2,cuda:5,cuda:6", 2, None, ["cuda:1,2", "cuda:5,6"]),
+    ("cpu", 2, None, ["cpu", "cpu"]),
+])
+def test_a_tensor_parallel_engine_takes_the_next_n_gpus(device, n, gpus, want):
+    assert engine_devices(device, n, gpus, per_engine=2) == want
+
+
+def test_too_few_gpus_for_tensor_parallel_engines_are_refused_with_the_count():
+    with pytest.raises(ValueError, match="2 engines x 2 tensor-parallel ranks take 4 GPUs"):
+        engine_devices("cuda", 2, "1,2,3", per_engine=2)
+
+
 def test_two_ranks_on_one_gpu_are_named():
     a = {"host": "h1", "device": "cuda:0", "gpu": "GPU-aaaa"}
     b = {"host": "h1", "device": "cuda:1", "gpu": "GPU-bbbb"}
