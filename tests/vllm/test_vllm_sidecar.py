@@ -2,6 +2,7 @@
 sidecar of two vLLM engines for the module (a vLLM start costs 20-50 s on 2 cores)."""
 
 import concurrent.futures
+import copy
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from tests.engine.helpers import (  # noqa: E402
     activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts,
 )
 from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
+from tests.rollout.test_sidecar import perturb  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "policy"
@@ -133,8 +135,13 @@ def _wait_healthy(client, timeout: float) -> dict:
 
 
 def test_an_engine_core_killed_under_load_loses_no_rollout_and_comes_back(sidecar, client, hf_models):
-    """Last in the module: it costs a vLLM restart."""
-    model = hf_models["qwen2"]
+    """Last in the module: it costs a vLLM restart. The engine comes back with the pushed weights,
+    copied from its sibling."""
+    model = copy.deepcopy(hf_models["qwen2"])
+    perturb(model, 12, scale=0.05)
+    client.init_weight_sync(take_over=True)
+    client.push_weights(model, version=1)
+    want = client._client.sender.checksum(model)
     prompts = random_prompts(16, 5, 20, 2000, seed=33)
     params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
     victim = client.health()["engine_states"][1]["pid"]
@@ -152,11 +159,13 @@ def test_an_engine_core_killed_under_load_loses_no_rollout_and_comes_back(sideca
         loader.close()
     for p, g in zip(prompts, groups):  # every rollout whole, greedy as HF, however it was pieced together
         ref = hf_greedy(model, p, 40, ignore_eos=True)
-        assert [r.token_ids for r in g] == [ref, ref] and all(r.weight_versions == [0] * 40 for r in g)
+        assert [r.token_ids for r in g] == [ref, ref] and all(r.weight_versions == [1] * 40 for r in g)
     stats = client.stats()
     assert stats["engine_deaths"] == 1 and stats["resubmitted_after_engine_death"] >= 1
     health = _wait_healthy(client, 180)
     assert [s["restarts"] for s in health["engine_states"]] == [0, 1]
     assert health["engine_states"][1]["pid"] != victim
+    assert client.stats()["last_restart"]["source"] == "engine 0"
+    assert client.weights_checksums() == [want, want]
     groups = client.generate(prompts[:4], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     assert [g[0].token_ids for g in groups] == [hf_greedy(model, p, 8, ignore_eos=True) for p in prompts[:4]]
