@@ -21,6 +21,7 @@ ValueErrors, which the sidecar reads as "nothing changed".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -87,7 +88,8 @@ class _VllmSyncExtension(WeightSyncExtension):
         st = self._ws()
         pairs = (plan or self._ws_plan_commit(m, staging))["pairs"]
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+            with _quiet_reload():
+                self.model_runner.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
         except Exception as e:
             st.torn = True
             raise RuntimeError(f"vLLM's reload of version {m.version} failed half way: {TORN}; "
@@ -166,7 +168,8 @@ class _VllmSyncExtension(WeightSyncExtension):
                 raise GroupError("another rank did not receive every byte")
 
         try:
-            self.model_runner.reload_weights(weights_iterator=arriving(), is_checkpoint_format=True)
+            with _quiet_reload():
+                self.model_runner.reload_weights(weights_iterator=arriving(), is_checkpoint_format=True)
         except Exception as e:
             self._ws_close_group(g)
             self._ws().torn = True  # vLLM's reload dropped the old tensors as it began
@@ -177,6 +180,19 @@ class _VllmSyncExtension(WeightSyncExtension):
             torch.cuda.synchronize(self.device)
         self._vllm_committed = NOT_KEPT
         return state["written"]
+
+
+@contextlib.contextmanager
+def _quiet_reload():
+    """vLLM's reload warns "Failed to load weights" for every layer with nothing in a checkpoint
+    (rotary caches, a tied head: _vllm_retie_head) at every push: expected here, so not logged."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        layerwise.setLevel(level)
 
 
 def _named_errors(fn):

@@ -1,7 +1,9 @@
 """A real vLLM engine (its core and worker processes) driven in process by the adapter and by the
-rollout manager: pauses, version tags, streamed groups. One engine for the module."""
+rollout manager: pauses, version tags, streamed groups, and the transports of a push other than
+the sidecar's overlapped broadcast (in place, shared memory, files). One engine for the module."""
 
 import asyncio
+import copy
 
 import pytest
 
@@ -21,7 +23,10 @@ def engine(qwen2_dir, loop):
     from engine.vllm_start import apply_env_defaults
 
     apply_env_defaults("cpu", 1, "WARNING")
-    e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3))
+    from weight_sync.vllm_receiver import VLLM_EXTENSION
+
+    e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3,
+                                worker_extension_cls=VLLM_EXTENSION))
     yield e
 
     async def stop():  # in the loop: vLLM's shutdown cancels its tasks there, before the loop closes
@@ -162,3 +167,75 @@ def test_stop_strings_end_the_text_before_them(engine, loop):
         whole = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.stop_reason == "a" and "a" not in c.text and whole.startswith(c.text) and "a" in whole
         assert len(c.logprobs) == len(c.weight_versions) == len(c.token_ids)
+
+
+# -- the transports of a push ----------------------------------------------------------------------
+def _greedy(engine, loop, prompt=(9, 10, 11), n=8):
+    async def run():
+        async for out in engine.generate(list(prompt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+            pass
+        return out.outputs[0].token_ids
+    return loop.run_until_complete(run())
+
+
+def test_in_place_shared_memory_and_file_pushes_serve_the_pushed_weights(engine, loop, hf_models, tmp_path):
+    from tests.engine.helpers import hf_greedy
+    from tests.rollout.test_sidecar import perturb
+    from weight_sync import WeightSender, WeightSyncError, flatten_parameters
+    from weight_sync.engine_sync import (
+        _deliveries, commit_results, engines_checksums, init_weight_sync, load_on_engines, push_shared_to_engines,
+    )
+    from weight_sync.files import write_safetensors
+    from weight_sync.push import run_push
+
+    trainer = copy.deepcopy(hf_models["qwen2"])
+    sender = WeightSender(bucket_bytes=1 << 20, timeout_s=20)
+    loop.run_until_complete(init_weight_sync([engine], sender))
+
+    async def in_place(version):
+        deliver = lambda m: _deliveries([engine], m, 60, sender.group.group_name, "receive_weights_inplace")  # noqa: E731
+        outcome = await run_push(sender, trainer, version, deliver, 60)
+        return await commit_results([engine], outcome.results, version)
+
+    # in place: straight into vLLM's loaders bucket by bucket; nothing kept to checksum
+    perturb(trainer, 21, scale=0.05)
+    out = loop.run_until_complete(in_place(31))
+    assert out["worker_results"][0]["transport"] == "broadcast, in place"
+    assert _greedy(engine, loop) == hf_greedy(trainer, [9, 10, 11], 8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="in-place push"):
+        loop.run_until_complete(engines_checksums([engine]))
+    # shared memory (weight_sync.shared): no group
+    flatten_parameters(trainer, shared=True)
+    perturb(trainer, 22, scale=0.05)
+    loop.run_until_complete(push_shared_to_engines([engine], sender, trainer, 32))
+    assert loop.run_until_complete(engines_checksums([engine])) == [sender.checksum(trainer)]
+    assert _greedy(engine, loop) == hf_greedy(trainer, [9, 10, 11], 8, ignore_eos=True)
+    # files (the fallback, and how a restarted engine catches up): a bad file changes nothing
+    good = copy.deepcopy(trainer)
+    perturb(good, 23, scale=0.05)
+    write_safetensors(good, tmp_path / "v33", version=33)
+    bad = [(n, p.detach()[:-1] if n.endswith("norm.weight") else p.detach()) for n, p in good.named_parameters()]
+    write_safetensors(bad, tmp_path / "bad", version=34)
+    with pytest.raises(WeightSyncError, match="wrong shapes"):
+        loop.run_until_complete(load_on_engines([engine], str(tmp_path / "bad"), version=34))
+    assert loop.run_until_complete(engines_checksums([engine])) == [sender.checksum(trainer)]
+    loop.run_until_complete(load_on_engines([engine], str(tmp_path / "v33"), version=33))
+    assert loop.run_until_complete(engines_checksums([engine])) == [sender.checksum(good)]
+    assert _greedy(engine, loop) == hf_greedy(good, [9, 10, 11], 8, ignore_eos=True)
+
+
+def test_an_adapter_push_is_refused_by_name_and_changes_nothing(engine, loop, hf_models):
+    from peft import LoraConfig, get_peft_model
+
+    from weight_sync import WeightSender, WeightSyncError
+    from weight_sync.engine_sync import init_weight_sync, push_to_engines
+
+    before = _greedy(engine, loop)
+    peft = get_peft_model(copy.deepcopy(hf_models["qwen2"]), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    sender = WeightSender(bucket_bytes=1 << 20, timeout_s=20)
+    loop.run_until_complete(init_weight_sync([engine], sender))
+    with pytest.raises(WeightSyncError, match="mode='merged'") as e:
+        loop.run_until_complete(push_to_engines([engine], sender, peft, version=40))
+    assert e.value.refused
+    assert _greedy(engine, loop) == before
+    sender.close_group()
