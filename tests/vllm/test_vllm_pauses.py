@@ -239,3 +239,14 @@ def test_an_adapter_push_is_refused_by_name_and_changes_nothing(engine, loop, hf
     assert e.value.refused
     assert _greedy(engine, loop) == before
     sender.close_group()
+
+
+def test_bad_control_calls_fail_alone_and_the_engine_serves_on(engine, loop):
+    before = _greedy(engine, loop)
+    with pytest.raises(RuntimeError, match="no_such_method"):
+        loop.run_until_complete(engine.collective_rpc("no_such_method"))
+    with pytest.raises(ValueError, match="bogus"):  # a TypeError in the worker: the caller's fault
+        loop.run_until_complete(engine.collective_rpc("weights_checksum", kwargs={"bogus": 1}))
+    with pytest.raises(ValueError, match="pause mode"):
+        loop.run_until_complete(engine.pause_generation(mode="sideways"))
+    assert _greedy(engine, loop) == before
