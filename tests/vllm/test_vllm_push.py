@@ -3,7 +3,6 @@ sidecar, the real client, a real trainer process; gloo on CPU, vLLM's CPU build,
 of one vLLM engine for the module (a vLLM start costs 20-50 s on 2 cores)."""
 
 import asyncio
-import copy
 import json
 import os
 import shutil
@@ -15,16 +14,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from engine import EngineConfig, SamplingParams  # noqa: E402
-from rollout import RolloutClient, SidecarError  # noqa: E402
-from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
-from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
+from engine import EngineConfig  # noqa: E402
+from rollout import SidecarError  # noqa: E402
+from tests.engine.helpers import random_prompts  # noqa: E402
+from tests.rollout.sidecar import Sidecar  # noqa: E402
 from tests.rollout.test_overlap import _requests_finished_meanwhile, _trainer  # noqa: E402
 from tests.rollout.test_sidecar import perturb  # noqa: E402
+from tests.vllm.conftest import GREEDY, greedy, hf_greedy_all  # noqa: E402
 from weight_sync import weights_checksum  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts(4, 4, 20, 2000, seed=77)
 
 
@@ -34,21 +33,6 @@ def sidecar(qwen2_dir):
     yield s
     s.stop()
 
-
-@pytest.fixture(scope="module")
-def client(sidecar):
-    c = RolloutClient(sidecar.url, token=TOKEN)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def trainer(hf_models):
-    return copy.deepcopy(hf_models["qwen2"])
-
-
-def _greedy(client):
-    return [g[0].token_ids for g in client.generate(PROMPTS, GREEDY)]
 
 
 def _fresh_vllm_greedy(model, qwen2_dir, tmp_path) -> list[list[int]]:
@@ -77,7 +61,7 @@ def _fresh_vllm_greedy(model, qwen2_dir, tmp_path) -> list[list[int]]:
 
 
 def test_a_push_serves_as_a_fresh_vllm_engine_started_on_the_pushed_weights(client, trainer, qwen2_dir, tmp_path):
-    before = _greedy(client)
+    before = greedy(client, PROMPTS)
     assert client.init_weight_sync(take_over=True)
     assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())]  # the checkpoint's
     perturb(trainer, 5, scale=0.05)
@@ -92,7 +76,7 @@ def test_a_push_serves_as_a_fresh_vllm_engine_started_on_the_pushed_weights(clie
 
 def test_bad_manifests_change_nothing_and_the_next_push_lands(client, trainer):
     client.init_weight_sync(take_over=True)
-    before, version = _greedy(client), client.stats()["version"]
+    before, version = greedy(client, PROMPTS), client.stats()["version"]
     state = trainer.state_dict()
     unknown = list(state.items()) + [("model.layers.0.mlp.extra.weight", torch.zeros(4))]
     wrong_shape = [(n, t[:-1] if n.endswith("input_layernorm.weight") else t) for n, t in state.items()]
@@ -101,16 +85,16 @@ def test_bad_manifests_change_nothing_and_the_next_push_lands(client, trainer):
         with pytest.raises(SidecarError, match=why):
             client.push_weights(bad, version=version + 1)
         assert client.stats()["version"] == version
-    assert _greedy(client) == before
+    assert greedy(client, PROMPTS) == before
     perturb(trainer, 6)
     client.push_weights(trainer, version=version + 1)
     assert client.stats()["version"] == version + 1
     assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
-    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+    assert greedy(client, PROMPTS) == hf_greedy_all(trainer, PROMPTS)
 
 
 def test_a_trainer_killed_mid_push_costs_that_push_only(sidecar, client, trainer, qwen2_dir):
-    before, failed, version = _greedy(client), client.stats()["failed_pushes"], client.stats()["version"]
+    before, failed, version = greedy(client, PROMPTS), client.stats()["failed_pushes"], client.stats()["version"]
     assert version < 7  # the killed trainer pushes version 7
     dead = _trainer(sidecar, qwen2_dir, 3600)
     try:
@@ -121,7 +105,7 @@ def test_a_trainer_killed_mid_push_costs_that_push_only(sidecar, client, trainer
         while client.stats()["failed_pushes"] == failed:
             assert time.monotonic() < deadline, "the dead trainer's push was never given up"
             time.sleep(0.2)
-        assert _greedy(client) == before and client.stats()["version"] == version
+        assert greedy(client, PROMPTS) == before and client.stats()["version"] == version
     finally:
         dead.kill()
         dead.wait()
@@ -129,7 +113,7 @@ def test_a_trainer_killed_mid_push_costs_that_push_only(sidecar, client, trainer
     perturb(trainer, 7)
     client.push_weights(trainer, version=version + 1)
     assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
-    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+    assert greedy(client, PROMPTS) == hf_greedy_all(trainer, PROMPTS)
 
 
 def test_an_overlapped_push_pauses_for_the_commit_only(sidecar, client, qwen2_dir):

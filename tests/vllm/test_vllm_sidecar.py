@@ -34,13 +34,6 @@ def sidecar(qwen2_dir):
 
 
 @pytest.fixture(scope="module")
-def client(sidecar):
-    c = RolloutClient(sidecar.url, token=TOKEN)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def oai(sidecar):
     c = openai.OpenAI(base_url=sidecar.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
     yield c

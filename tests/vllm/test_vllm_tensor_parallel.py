@@ -4,7 +4,6 @@ both ranks, and a SIGKILLed worker takes its engine down, which comes back with 
 weights. One sidecar for the module (a TP=2 vLLM start costs 20-50 s on 2 cores)."""
 
 import concurrent.futures
-import copy
 import os
 import signal
 import time
@@ -20,10 +19,10 @@ from tests.procs import descendants  # noqa: E402
 from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
 from tests.rollout.test_engine_faults import _wait_healthy  # noqa: E402
 from tests.rollout.test_sidecar import perturb  # noqa: E402
+from tests.vllm.conftest import greedy, hf_greedy_all  # noqa: E402
 from weight_sync import weights_checksum  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts(4, 4, 20, 2000, seed=78)
 
 
@@ -33,21 +32,6 @@ def sidecar(qwen2_dir):
     yield s
     s.stop()
 
-
-@pytest.fixture(scope="module")
-def client(sidecar):
-    c = RolloutClient(sidecar.url, token=TOKEN)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def trainer(hf_models):
-    return copy.deepcopy(hf_models["qwen2"])
-
-
-def _greedy(client, prompts=PROMPTS):
-    return [g[0].token_ids for g in client.generate(prompts, GREEDY)]
 
 
 def _workers(core_pid: int) -> list[int]:
@@ -65,14 +49,14 @@ def _workers(core_pid: int) -> list[int]:
 
 def test_two_ranks_are_greedy_as_one_and_a_push_lands_on_both(client, trainer, hf_models):
     # greedy as HF's fp32 forward, which vLLM with one rank equals token for token (tests/vllm/test_vllm_sidecar.py)
-    assert _greedy(client) == [hf_greedy(hf_models["qwen2"], p, 12, ignore_eos=True) for p in PROMPTS]
+    assert greedy(client, PROMPTS) == hf_greedy_all(hf_models["qwen2"], PROMPTS)
     info = client.init_weight_sync(take_over=True)
     assert info["world_size"] == 3  # the trainer and both ranks of the one engine
     assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
     perturb(trainer, 11, scale=0.05)
     client.push_weights(trainer, version=1)
     assert client.weights_checksums() == [client._client.sender.checksum(trainer)] * 2
-    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+    assert greedy(client, PROMPTS) == hf_greedy_all(trainer, PROMPTS)
 
 
 def test_a_killed_worker_takes_its_engine_down_and_it_comes_back_with_the_newest_weights(client, trainer):
@@ -105,4 +89,4 @@ def test_a_killed_worker_takes_its_engine_down_and_it_comes_back_with_the_newest
     assert health["engine_states"][0]["restarts"] == 1 and health["engine_states"][0]["pid"] != core
     assert client.stats()["last_restart"]["source"] == "host copy"
     assert client.weights_checksums() == [want, want]
-    assert _greedy(client) == [hf_greedy(trainer, p, 12, ignore_eos=True) for p in PROMPTS]
+    assert greedy(client, PROMPTS) == hf_greedy_all(trainer, PROMPTS)
