@@ -1,0 +1,324 @@
+"""Four ways to run the same RL-shaped rollout batch, side by side in one run (issue 31):
+
+  (a) vllm       bare vLLM: `vllm.LLM.generate` offline, the settings the sidecar gives vLLM
+                 (engine/vllm_start.engine_args: enforce_eager, the CPU env defaults)
+  (b) sidecar-vllm    `python -m rollout.serve --engine vllm`, driven by `rollout.RolloutClient.generate`
+  (c) sidecar-native  `python -m rollout.serve --engine native`, the same client
+  (d) ours       this project's `engine.LLM.generate`, in process
+
+The workload is bench.engine_throughput's: P prompts x n=8 samples, random prompt ids of 16-128
+tokens, a max_tokens of 16-128 drawn per prompt, temperature 1, EOS ignored, so every system
+generates exactly the tokens asked for. No request carries a seed (vLLM's CPU build cannot take
+one); every request asks for the sampled tokens' logprobs (logprobs=0: what an RL trainer needs,
+and what the sidecar always asks of vLLM). Each engine starts once per dtype and is warmed up
+before its timed runs. It prints tokens/s, each as a fraction of the matmul peak probed in this
+run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token), and the ratios
+b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM) and
+c/d (our sidecar against our engine).
+
+    .venv-vllm/bin/python -m bench.engines                        # SmolLM2-135M, fp32 + bf16, 32 + 256 seqs
+    .venv-vllm/bin/python -m bench.engines --quick                # smoke run: tiny model, small workload
+    .venv-vllm/bin/python -m bench.engines --dtypes bfloat16 --engines a,b --seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.engine_throughput import Workload, make_workload
+from bench.gpu import matmul_peak
+
+log = logging.getLogger("bench.engines")
+
+ENGINES = {"a": "vLLM LLM.generate", "b": "sidecar --engine vllm", "c": "sidecar --engine native",
+           "d": "engine.LLM (ours)"}
+TARGET_B_OVER_A = 0.95
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class Row:
+    engine: str  # a, b, c, d
+    dtype: str
+    seqs: int
+    tokens: int  # generated (== the workload's useful tokens unless something is off)
+    seconds: float
+    probe: float  # matmul FLOP/s probed right before this engine's timed runs
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds
+
+
+def count_params(model_dir: str) -> int:
+    """Parameters of the checkpoint, from its safetensors headers (no load); a tied output head is
+    the embedding, counted once (as `model.parameters()` counts it)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def probe_peak(dtype: str, tries: int = 3) -> float:
+    """The best of a few bench.gpu.matmul_peak probes (CPU: one 1024^3 matmul x 5), FLOP/s."""
+    return max(matmul_peak(torch.device("cpu"), getattr(torch, dtype)) for _ in range(tries))
+
+
+# -- the four systems: start (once per dtype), run(workload) -> tokens generated, close ---------------
+
+
+class VllmOffline:
+    """(a) vLLM's offline LLM with the engine arguments the sidecar's VllmEngine gives its AsyncLLM."""
+
+    def __init__(self, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int):
+        from dataclasses import fields
+
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        from engine.config import EngineConfig
+        from engine.vllm_start import engine_args
+
+        cfg = EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           seed=seed, gpu_memory_utilization=0.3)  # as rollout.serve's vLLM engines on CPU
+        names = {f.name for f in fields(EngineArgs)}  # AsyncLLM's arguments less its own (enable_log_requests)
+        self.llm = LLM(**{k: v for k, v in vars(engine_args(cfg, 1, on_cpu=True)).items() if k in names})
+
+    def run(self, wl: Workload) -> int:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=wl.n, temperature=1.0, max_tokens=k, ignore_eos=True, logprobs=0)
+                  for k in wl.max_tokens]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in wl.prompts], params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+
+
+class Sidecar:
+    """(b), (c) `python -m rollout.serve --engine ENGINE` and a RolloutClient."""
+
+    def __init__(self, engine: str, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int):
+        from rollout import RolloutClient
+        from rollout.launcher import LocalSidecar
+
+        self.side = LocalSidecar(model_dir, "--engine", engine, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+                                 "--max-model-len", str(max_model_len), "--seed", str(seed), "--stats-interval", "0",
+                                 "--log-level", "WARNING", "--host-copy", "off", "--warm-standby", "off",
+                                 timeout_s=900.0)
+        self.client = RolloutClient(self.side.url)
+
+    def run(self, wl: Workload) -> int:
+        from engine import SamplingParams
+
+        params = [SamplingParams(n=wl.n, temperature=1.0, max_tokens=k, ignore_eos=True) for k in wl.max_tokens]
+        groups = self.client.generate(wl.prompts, params)
+        return sum(len(r.token_ids) for g in groups for r in g)
+
+    def close(self) -> None:
+        self.client.close()
+        self.side.stop()
+
+
+class Ours:
+    """(d) engine.LLM in this process."""
+
+    def __init__(self, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int):
+        from engine import LLM, EngineConfig
+        from engine.model_runner import available_cpus
+
+        self.llm = LLM(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max_num_seqs,
+                                    max_model_len=max_model_len, seed=seed, num_threads=available_cpus()))
+
+    def run(self, wl: Workload) -> int:
+        from engine import SamplingParams
+
+        params = [SamplingParams(n=wl.n, temperature=1.0, max_tokens=k, ignore_eos=True) for k in wl.max_tokens]
+        outs = self.llm.generate(wl.prompts, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    def close(self) -> None:
+        del self.llm
+
+
+def start(key: str, *args):
+    if key == "a":
+        return VllmOffline(*args)
+    if key in "bc":
+        return Sidecar("vllm" if key == "b" else "native", *args)
+    return Ours(*args)
+
+
+def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Workload], warm: Workload,
+               max_num_seqs: int, max_model_len: int, seed: int, repeats: int = 1) -> list[Row]:
+    log.info("%s (%s): starting", ENGINES[key], dtype)
+    t0 = time.perf_counter()
+    system = start(key, model_dir, dtype, max_num_seqs, max_model_len, seed)
+    rows = []
+    try:
+        log.info("%s (%s): started in %.1f s; warming up", ENGINES[key], dtype, time.perf_counter() - t0)
+        system.run(warm)
+        probe = probe_peak(dtype, tries=1 if dtype != "float32" else 3)  # no bf16 matmul units: ~15 s a probe
+        for seqs, wl in workloads.items():
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                tokens = system.run(wl)
+                times.append(time.perf_counter() - t0)
+            seconds = min(times)  # the fastest: the cores are shared, and others' load only slows a run
+            if tokens != wl.useful_tokens:
+                log.warning("%s generated %d tokens, the workload asked for %d", ENGINES[key], tokens, wl.useful_tokens)
+            rows.append(Row(key, dtype, seqs, tokens, seconds, probe))
+            log.info("%s (%s), %d seqs: %d tokens in %s s, %.1f tok/s (probe %.1f GFLOP/s)", ENGINES[key], dtype,
+                     seqs, tokens, " / ".join(f"{t:.1f}" for t in times), rows[-1].tps, probe / 1e9)
+    finally:
+        system.close()
+        del system
+        gc.collect()
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def report(rows: list[Row], peaks: dict[str, float], num_params: int) -> str:
+    """One line per (dtype, seqs, system): tok/s and the share of the dtype's peak; then the ratios."""
+    lines = [f"{'dtype':<5} {'seqs':>5} {'system':<26} {'tokens':>7} {'s':>7} {'tok/s':>8} {'of peak':>8} "
+             f"{'probe GF/s':>10}"]
+    for r in rows:
+        share = 2 * num_params * r.tps / peaks[r.dtype]
+        lines.append(f"{SHORT_DTYPE.get(r.dtype, r.dtype):<5} {r.seqs:>5} {r.engine + ') ' + ENGINES[r.engine]:<26} "
+                     f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {r.probe / 1e9:>10.1f}")
+    lines.append("peaks (best matmul probe of the run): " + ", ".join(
+        f"{SHORT_DTYPE.get(d, d)} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items()))
+    by = {(r.dtype, r.seqs, r.engine): r.tps for r in rows}
+    lines.append("")
+    for dtype, seqs in dict.fromkeys((r.dtype, r.seqs) for r in rows):
+        parts = []
+        for num, den, goal in (("b", "a", TARGET_B_OVER_A), ("d", "a", None), ("c", "d", None)):
+            if (dtype, seqs, num) in by and (dtype, seqs, den) in by:
+                ratio = by[dtype, seqs, num] / by[dtype, seqs, den]
+                verdict = "" if goal is None else f" (goal >= {goal}: {'ok' if ratio >= goal else 'MISSED'})"
+                parts.append(f"{num}/{den} {ratio:.2f}{verdict}")
+        if parts:
+            lines.append(f"{SHORT_DTYPE.get(dtype, dtype)} {seqs:>4} seqs: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine.model_names import MODEL_HELP
+
+    p = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: smollm2; tiny with --quick)")
+    p.add_argument("--dtypes", default=None, help="comma-separated (default: float32,bfloat16; --quick: float32)")
+    p.add_argument("--seqs", default=None,
+                   help="comma-separated workload sizes in sequences, P prompts x n each (default: 32,256; --quick: 8,16)")
+    p.add_argument("--engines", default="a,b,c,d", help="which systems, comma-separated: " +
+                   ", ".join(f"{k}: {v}" for k, v in ENGINES.items()) + " (default: all)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default: 8; --quick: 4)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="per-prompt max_tokens, drawn uniformly (default: 16 128; --quick: 8 32)")
+    p.add_argument("--vllm-kv-gib", type=float, default=4.0,
+                   help="VLLM_CPU_KVCACHE_SPACE unless set (default: 4 GiB, room for the whole 256-sequence batch "
+                        "in fp32, as our engine sizes its cache; the sidecar's own default of 1 would preempt)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each workload per engine; the fastest counts (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="workload and engine seed (default: 0)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 and 16 seqs (n=4), max_tokens 8-32")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quick = args.quick
+    args.model = args.model or ("tiny" if quick else "smollm2")
+    args.dtypes = [d for d in (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",") if d]
+    seqs = [int(s) for s in (args.seqs or ("8,16" if quick else "32,256")).split(",") if s]
+    args.n = args.n or (4 if quick else 8)
+    args.max_tokens = tuple(args.max_tokens or ((8, 32) if quick else (16, 128)))
+    keys = [k for k in args.engines.split(",") if k]
+    if bad := [k for k in keys if k not in ENGINES]:
+        p.error(f"unknown engine {bad[0]!r}; pick from {','.join(ENGINES)}")
+    if bad := [s for s in seqs if s % args.n]:
+        p.error(f"--seqs {bad[0]} is not a multiple of n={args.n}")
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.vllm_kv_gib:g}")  # the vLLM sidecar inherits it
+    from engine.vllm_start import apply_env_defaults
+
+    applied = apply_env_defaults("cpu", 1, "WARNING")  # before vLLM is imported (a: here; b: the sidecar too)
+    log.info("vLLM env: %s", " ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("VLLM_")))
+    del applied
+    from transformers import AutoConfig
+
+    from engine.model_names import resolve_model_arg
+    from engine.model_runner import available_cpus
+
+    torch.set_num_threads(available_cpus())
+    model_dir = resolve_model_arg(args.model)
+    num_params = count_params(model_dir)
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    whole = make_workload(vocab, max(seqs) // args.n, args.n, tuple(args.prompt_len), args.max_tokens, args.seed)
+    workloads = {s: whole.head(s // args.n) for s in seqs}
+    warm = make_workload(vocab, 4, args.n, tuple(args.prompt_len), (4, 8), args.seed + 1)
+    max_model_len = args.prompt_len[1] + args.max_tokens[1]
+    max_num_seqs = max(seqs)
+    log.info("model %s (%.1fM params), %d CPUs; workloads %s", model_dir, num_params / 1e6, available_cpus(),
+             ", ".join(f"{len(w.prompts)} prompts x n={w.n} = {s} seqs, {w.useful_tokens} tokens"
+                       for s, w in workloads.items()))
+
+    rows: list[Row] = []
+    peaks: dict[str, float] = {}
+    t_all = time.perf_counter()
+    for dtype in args.dtypes:
+        peaks[dtype] = probe_peak(dtype, tries=1 if dtype != "float32" else 3)
+        for key in keys:
+            torch.set_num_threads(available_cpus())  # whatever ran before in this process
+            got = run_engine(key, dtype, model_dir, workloads, warm, max_num_seqs, max_model_len, args.seed,
+                             args.repeats)
+            rows += got
+            peaks[dtype] = max([peaks[dtype]] + [r.probe for r in got])
+
+    import transformers
+
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = "not installed"
+    print(f"\nengines: {os.path.basename(model_dir.rstrip('/'))} ({num_params / 1e6:.1f}M params), CPU, "
+          f"{available_cpus()} threads, torch {torch.__version__}, vllm {vllm_version}, transformers "
+          f"{transformers.__version__}; workload {args.n} samples per prompt, prompt len {args.prompt_len[0]}-"
+          f"{args.prompt_len[1]}, max_tokens {args.max_tokens[0]}-{args.max_tokens[1]}, temperature 1, ignore_eos, "
+          f"logprobs 0, no seeds; max_num_seqs {max_num_seqs}, max_model_len {max_model_len}, "
+          f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}; fastest of {args.repeats} per row; "
+          f"{time.perf_counter() - t_all:.0f} s in all")
+    print(report(rows, peaks, num_params))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": [{**r.__dict__, "tps": r.tps} for r in rows], "peaks": peaks, "params": num_params}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
