@@ -277,7 +277,10 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_arg(args.model)
     num_params = count_params(model_dir)
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    whole = make_workload(vocab, max(seqs) // args.n, args.n, tuple(args.prompt_len), args.max_tokens, args.seed)
+    # the S-sequence workload is the first S/n prompts of the default largest one, whichever --seqs run, so
+    # figures from runs in parts (--engines, --dtypes, --seqs) are of the same requests
+    pool = max(seqs + [16 if quick else 256]) // args.n
+    whole = make_workload(vocab, pool, args.n, tuple(args.prompt_len), args.max_tokens, args.seed)
     workloads = {s: whole.head(s // args.n) for s in seqs}
     warm = make_workload(vocab, 4, args.n, tuple(args.prompt_len), (4, 8), args.seed + 1)
     max_model_len = args.prompt_len[1] + args.max_tokens[1]
