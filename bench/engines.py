@@ -19,6 +19,13 @@ c/d (our sidecar against our engine).
     .venv-vllm/bin/python -m bench.engines                        # SmolLM2-135M, fp32 + bf16, 32 + 256 seqs
     .venv-vllm/bin/python -m bench.engines --quick                # smoke run: tiny model, small workload
     .venv-vllm/bin/python -m bench.engines --dtypes bfloat16 --engines a,b --seqs 256
+
+On a CPU shared with other jobs, set OMP_WAIT_POLICY=PASSIVE for every system (the sidecars and
+vLLM's processes inherit it): with more runnable threads than cores, OpenMP's spinning barriers
+cost our engine ~10x at 2 threads (vLLM's pinned workers much less), and the figures would
+measure the neighbours. A CPU without bf16 matmul units (AVX2 only) runs bf16 far slower than
+fp32, and its `a @ b` probe there is slower than the F.linear path the engines take, so a bf16
+share of "peak" can pass 100%.
 """
 
 from __future__ import annotations
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{transformers.__version__}; workload {args.n} samples per prompt, prompt len {args.prompt_len[0]}-"
           f"{args.prompt_len[1]}, max_tokens {args.max_tokens[0]}-{args.max_tokens[1]}, temperature 1, ignore_eos, "
           f"logprobs 0, no seeds; max_num_seqs {max_num_seqs}, max_model_len {max_model_len}, "
-          f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}; fastest of {args.repeats} per row; "
+          f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; fastest of {args.repeats} per row; "
           f"{time.perf_counter() - t_all:.0f} s in all")
     print(report(rows, peaks, num_params))
     if args.json:
