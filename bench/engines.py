@@ -14,7 +14,9 @@ and what the sidecar always asks of vLLM). Each engine starts once per dtype and
 before its timed runs. It prints tokens/s, each as a fraction of the matmul peak probed in this
 run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token), and the ratios
 b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM) and
-c/d (our sidecar against our engine).
+c/d (our sidecar against our engine), each also per CPU second: the CPU time of this process and
+all its descendants (engine cores, sidecars) over the run, which on cores shared with other jobs
+says what a system costs when its wall time says mostly how busy the neighbours were.
 
     .venv-vllm/bin/python -m bench.engines                        # SmolLM2-135M, fp32 + bf16, 32 + 256 seqs
     .venv-vllm/bin/python -m bench.engines --quick                # smoke run: tiny model, small workload
@@ -60,10 +62,32 @@ class Row:
     tokens: int  # generated (== the workload's useful tokens unless something is off)
     seconds: float
     probe: float  # matmul FLOP/s probed right before this engine's timed runs
+    cpu_s: float  # CPU seconds (user + system) of this process and all its descendants in that run
 
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def tpc(self) -> float:
+        """Tokens per CPU second: what the system costs, nearly independent of the neighbours' load."""
+        return self.tokens / self.cpu_s
+
+
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every live descendant (an engine core, a
+    sidecar and its processes): a timed run's CPU cost is the difference around it."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        total += t.user + t.system
+    return total
 
 
 def count_params(model_dir: str) -> int:
@@ -186,17 +210,20 @@ def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Worklo
         system.run(warm)
         probe = probe_peak(dtype, tries=1 if dtype != "float32" else 3)  # no bf16 matmul units: ~15 s a probe
         for seqs, wl in workloads.items():
-            times = []
+            times, cpus = [], []
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                c0, t0 = tree_cpu_seconds(), time.perf_counter()
                 tokens = system.run(wl)
                 times.append(time.perf_counter() - t0)
-            seconds = min(times)  # the fastest: the cores are shared, and others' load only slows a run
+                cpus.append(tree_cpu_seconds() - c0)
+            best = min(range(repeats), key=times.__getitem__)  # the fastest: others' load only slows a run
+            seconds, cpu_s = times[best], cpus[best]
             if tokens != wl.useful_tokens:
                 log.warning("%s generated %d tokens, the workload asked for %d", ENGINES[key], tokens, wl.useful_tokens)
-            rows.append(Row(key, dtype, seqs, tokens, seconds, probe))
-            log.info("%s (%s), %d seqs: %d tokens in %s s, %.1f tok/s (probe %.1f GFLOP/s)", ENGINES[key], dtype,
-                     seqs, tokens, " / ".join(f"{t:.1f}" for t in times), rows[-1].tps, probe / 1e9)
+            rows.append(Row(key, dtype, seqs, tokens, seconds, probe, cpu_s))
+            log.info("%s (%s), %d seqs: %d tokens in %s s, %.1f tok/s, %.1f CPU s (probe %.1f GFLOP/s)",
+                     ENGINES[key], dtype, seqs, tokens, " / ".join(f"{t:.1f}" for t in times), rows[-1].tps, cpu_s,
+                     probe / 1e9)
     finally:
         system.close()
         del system
@@ -210,22 +237,26 @@ def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Worklo
 def report(rows: list[Row], peaks: dict[str, float], num_params: int) -> str:
     """One line per (dtype, seqs, system): tok/s and the share of the dtype's peak; then the ratios."""
     lines = [f"{'dtype':<5} {'seqs':>5} {'system':<26} {'tokens':>7} {'s':>7} {'tok/s':>8} {'of peak':>8} "
-             f"{'probe GF/s':>10}"]
+             f"{'probe GF/s':>10} {'CPU s':>7} {'tok/CPU-s':>9}"]
     for r in rows:
         share = 2 * num_params * r.tps / peaks[r.dtype]
         lines.append(f"{SHORT_DTYPE.get(r.dtype, r.dtype):<5} {r.seqs:>5} {r.engine + ') ' + ENGINES[r.engine]:<26} "
-                     f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {r.probe / 1e9:>10.1f}")
+                     f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {r.probe / 1e9:>10.1f} "
+                     f"{r.cpu_s:>7.1f} {r.tpc:>9.1f}")
     lines.append("peaks (best matmul probe of the run): " + ", ".join(
         f"{SHORT_DTYPE.get(d, d)} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items()))
-    by = {(r.dtype, r.seqs, r.engine): r.tps for r in rows}
-    lines.append("")
+    by = {(r.dtype, r.seqs, r.engine): r for r in rows}
+    lines.append("ratios: tok/s (wall), and in brackets tok per CPU-s (what each system costs in CPU; on cores "
+                 "shared with other jobs the wall ratio measures the neighbours too)")
     for dtype, seqs in dict.fromkeys((r.dtype, r.seqs) for r in rows):
         parts = []
         for num, den, goal in (("b", "a", TARGET_B_OVER_A), ("d", "a", None), ("c", "d", None)):
             if (dtype, seqs, num) in by and (dtype, seqs, den) in by:
-                ratio = by[dtype, seqs, num] / by[dtype, seqs, den]
-                verdict = "" if goal is None else f" (goal >= {goal}: {'ok' if ratio >= goal else 'MISSED'})"
-                parts.append(f"{num}/{den} {ratio:.2f}{verdict}")
+                x, y = by[dtype, seqs, num], by[dtype, seqs, den]
+                ratio, cpu_ratio = x.tps / y.tps, x.tpc / y.tpc
+                verdict = "" if goal is None else (f" (goal >= {goal}: wall {'ok' if ratio >= goal else 'MISSED'}, "
+                                                   f"CPU {'ok' if cpu_ratio >= goal else 'MISSED'})")
+                parts.append(f"{num}/{den} {ratio:.2f} [{cpu_ratio:.2f}]{verdict}")
         if parts:
             lines.append(f"{SHORT_DTYPE.get(dtype, dtype)} {seqs:>4} seqs: " + "; ".join(parts))
     return "\n".join(lines)
@@ -327,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     print(report(rows, peaks, num_params))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{**r.__dict__, "tps": r.tps} for r in rows], "peaks": peaks, "params": num_params}, f,
+            json.dump({"rows": [{**r.__dict__, "tps": r.tps, "tpc": r.tpc} for r in rows], "peaks": peaks, "params": num_params}, f,
                       indent=2)
 
 
