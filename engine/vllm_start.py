@@ -36,6 +36,18 @@ def apply_env_defaults(device: str, tensor_parallel_size: int, log_level: str) -
     return applied
 
 
+def cpu_bind_error(tensor_parallel_size: int) -> str | None:
+    """vLLM-CPU wants one CPU group per tensor-parallel rank in VLLM_CPU_OMP_THREADS_BIND (groups
+    split by "|"); a mismatch (often a value inherited from a parent set up for one rank) kills
+    its core at start with an assertion. Say so before starting anything."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "nobind") or len(bind.split("|")) == tensor_parallel_size:
+        return None
+    return (f"VLLM_CPU_OMP_THREADS_BIND={bind!r} names {len(bind.split('|'))} CPU group(s) but "
+            f"--tensor-parallel-size {tensor_parallel_size} needs one per rank, split by '|' (e.g. '0|1'); "
+            "unset it to let the sidecar split this process's CPUs")
+
+
 class CoreProcess:
     """vLLM's engine-core process with the Popen calls the sidecar makes on an engine's `proc`."""
 

@@ -353,10 +353,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def _prepare_vllm(args) -> None:
     """vLLM's variables the user left unset, before any vLLM import reads them."""
-    from engine.vllm_start import apply_env_defaults
+    from engine.vllm_start import apply_env_defaults, cpu_bind_error
 
-    applied = apply_env_defaults(args.device.split(",")[0].split(":")[0], args.tensor_parallel_size,
-                                 args.log_level)
+    device = args.device.split(",")[0].split(":")[0]
+    applied = apply_env_defaults(device, args.tensor_parallel_size, args.log_level)
+    if device == "cpu" and (error := cpu_bind_error(args.tensor_parallel_size)):
+        sys.exit(f"error: {error}")
     if applied:
         log.info("vLLM settings (unset, so set by the sidecar; see --help): %s",
                  " ".join(f"{k}={v}" for k, v in sorted(applied.items())))

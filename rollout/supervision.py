@@ -30,6 +30,7 @@ from collections.abc import Callable
 from engine import AsyncEngine
 from engine.errors import EngineDeadError
 from weight_sync.engine_sync import load_on_engines
+from weight_sync.shared import owned_name, sweep_orphans
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,15 @@ LIVE, RESTARTING, DEAD = "live", "restarting", "dead"
 
 class NoEngineError(EngineDeadError):
     """No engine can serve, and none is being restarted."""
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+# the weight copies this module writes; named by owner pid so a killed sidecar's are swept
+HOST_COPY_PREFIX, CATCH_UP_PREFIX = "rollout-host-copy-", "rollout-catch-up-"
+
+
+def _owned_dir(prefix: str) -> str:
+    path = os.path.join(SHM_DIR, owned_name(prefix))
+    os.mkdir(path, 0o700)
+    return path
 
 
 class EngineSupervisor:
@@ -48,6 +57,8 @@ class EngineSupervisor:
         """`factory(i, standby)` builds engine i afresh, from `standby` (a warm core process from
         `spawn_standby`, kept ready while the engines serve) when given one."""
         self.engines = engines
+        for path in sweep_orphans((HOST_COPY_PREFIX, CATCH_UP_PREFIX), SHM_DIR):
+            log.info("removed %s, left by a sidecar that died", path)
         self.factory = factory
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -198,7 +209,7 @@ class EngineSupervisor:
             return "host copy"
         sibling = next((j for j in self.live() if j != i), None)
         if sibling is not None:
-            path = tempfile.mkdtemp(prefix="rollout-catch-up-", dir=SHM_DIR)
+            path = _owned_dir(CATCH_UP_PREFIX)
             try:
                 await self.engines[sibling].collective_rpc("save_weights", args=(path, version))
                 await load_on_engines([new], path, version)
@@ -227,11 +238,13 @@ class EngineSupervisor:
         live = self.live()
         if not live or version != self.version_of():
             return
-        path = tempfile.mkdtemp(prefix="rollout-host-copy-", dir=SHM_DIR)
+        path = _owned_dir(HOST_COPY_PREFIX)
         try:
             out = await self.engines[live[0]].collective_rpc("save_weights", args=(path, version))
-        except Exception as e:  # noqa: BLE001 - no copy: a restart then waits for the next push
+        except BaseException as e:  # cancelled (close) too: a half-written copy is removed either way
             shutil.rmtree(path, ignore_errors=True)
+            if not isinstance(e, Exception):
+                raise
             log.warning("host copy of version %d failed: %s", version, e)
             return
         old, self._host_dir, self._host_version = self._host_dir, path, version

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import uuid
 
 import torch
@@ -31,11 +32,51 @@ def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     at exit), ordinary device memory on CUDA (shared through IPC handles)."""
     if device.type == "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+    sweep_orphans((SHM_PREFIX,))
+    path = os.path.join(SHM_DIR, owned_name(SHM_PREFIX))
     buf = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
     _SHM_FILES[buf.untyped_storage().data_ptr()] = path
     atexit.register(_remove, path)
     return buf
+
+
+def owned_name(prefix: str) -> str:
+    """A /dev/shm name that says which process owns it, so that `sweep_orphans` can tell when that
+    process died without removing it (SIGKILL, OOM): `<prefix><pid>-<random>`."""
+    return f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def sweep_orphans(prefixes: tuple[str, ...], shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the /dev/shm files and directories named by `owned_name` whose owner is gone: a
+    killed trainer's weight buffer or a killed sidecar's host copy is a whole model of RAM that
+    nothing else frees. A pid that is alive (even reused by another process) keeps its entries."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _remove(path)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

@@ -16,7 +16,9 @@ from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy, random_prompts
 from tests.rollout.sidecar import TOKEN, Sidecar
+from rollout.supervision import HOST_COPY_PREFIX, SHM_DIR
 from weight_sync import weights_checksum
+from weight_sync.shared import sweep_orphans
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,6 +120,14 @@ def test_a_lone_engine_comes_back_from_the_host_copy(qwen2_dir, hf_models):
         trainer2 = _perturbed(trainer, 4)
         client.push_weights(trainer2, version=6)
         assert client.weights_checksums() == [weights_checksum(trainer2.named_parameters())]
+        # a SIGKILLed sidecar cannot free its host copy (a model of RAM): the next one sweeps it
+        time.sleep(0.5)
+        owned = f"{HOST_COPY_PREFIX}{sidecar.proc.pid}-"
+        os.kill(sidecar.proc.pid, signal.SIGKILL)
+        sidecar.proc.wait()
+        assert [n for n in os.listdir(SHM_DIR) if n.startswith(owned)]
+        sweep_orphans((HOST_COPY_PREFIX,), SHM_DIR)
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(owned)]
     finally:
         client.close()
         sidecar.stop()

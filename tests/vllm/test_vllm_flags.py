@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from engine.vllm_start import apply_env_defaults, cpu_env_defaults
+from engine.vllm_start import apply_env_defaults, cpu_bind_error, cpu_env_defaults
 from recipes.rl_train import build_parser, seeds_requests, sidecar_command
 
 
@@ -17,6 +17,27 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
 def test_tensor_parallelism_needs_the_vllm_engine():
     out = _serve("--tensor-parallel-size", "2")
     assert out.returncode != 0 and "--engine vllm" in out.stderr
+
+
+def test_a_cpu_binding_for_another_rank_count_is_refused_before_anything_starts(tmp_path):
+    """A VLLM_CPU_OMP_THREADS_BIND set up for one rank (say, inherited) would kill a TP-2 core at
+    start with an assertion; the sidecar says what is wrong instead, and exits."""
+    import os
+
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    out = subprocess.run([sys.executable, "-m", "rollout.serve", "--engine", "vllm", "--tensor-parallel-size", "2",
+                          "--model", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0 and "needs one per rank" in out.stderr and "'0|1'" in out.stderr
+
+
+@pytest.mark.parametrize("bind, ranks, ok", [(None, 2, True), ("auto", 4, True), ("nobind", 2, True), ("0|1", 2, True),
+                                             ("0-3", 1, True), ("0,1", 2, False), ("0|1", 1, False)])
+def test_the_cpu_binding_needs_one_group_per_rank(monkeypatch, bind, ranks, ok):
+    if bind is None:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    assert (cpu_bind_error(ranks) is None) is ok
 
 
 def test_help_says_how_to_change_the_vllm_settings():

@@ -4,6 +4,7 @@ the sidecar's overlapped broadcast (in place, shared memory, files). One engine 
 
 import asyncio
 import copy
+import os
 
 import pytest
 
@@ -22,7 +23,7 @@ def engine(qwen2_dir, loop):
     from engine.vllm_engine import VllmEngine
     from engine.vllm_start import apply_env_defaults
 
-    apply_env_defaults("cpu", 1, "WARNING")
+    applied = apply_env_defaults("cpu", 1, "WARNING")  # undone below: later sidecars (TP 2) inherit os.environ
     from weight_sync.vllm_receiver import VLLM_EXTENSION
 
     e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3,
@@ -34,6 +35,8 @@ def engine(qwen2_dir, loop):
         await asyncio.sleep(0.1)
 
     loop.run_until_complete(stop())
+    for name in applied:
+        os.environ.pop(name, None)
 
 
 class _Reader:

@@ -82,3 +82,38 @@ def test_a_forged_or_short_handle_is_refused_and_changes_nothing(engine, hf_mode
                                                           args=(prepared.manifest.to_wire(), bad)))
     assert loop.run_until_complete(engines_checksums([engine])) == before
     assert os.path.exists(handle["path"])  # the trainer's buffer is untouched and still there
+
+
+def test_a_killed_owners_shared_memory_is_swept_and_a_live_owners_is_kept(tmp_path):
+    """A trainer or sidecar SIGKILLed holding a /dev/shm buffer cannot free it: the next process to
+    make one sweeps every entry whose owner pid is gone (a whole model of RAM each)."""
+    import signal
+    import subprocess
+    import sys
+
+    from weight_sync.shared import owned_name, sweep_orphans
+
+    make = ("import os, sys; from weight_sync.shared import owned_name; d = sys.argv[1]; "
+            "f = os.path.join(d, owned_name('t-file-')); open(f, 'wb').write(b'x'); "
+            "os.mkdir(os.path.join(d, owned_name('t-dir-'))); print('made', flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", make, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+             for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline() == "made\n"
+    killed, alive = procs
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    mine = tmp_path / owned_name("t-file-")
+    mine.write_bytes(b"y")
+    other = tmp_path / "t-file-notapid"  # not named by owned_name: never touched
+    other.write_bytes(b"z")
+    try:
+        removed = sweep_orphans(("t-file-", "t-dir-"), str(tmp_path))
+        assert sorted(os.path.basename(r).split("-")[2] for r in removed) == [str(killed.pid)] * 2
+        left = sorted(os.listdir(tmp_path))
+        assert len(left) == 4 and all(str(killed.pid) not in n for n in left), left
+        assert mine.exists() and other.exists()
+    finally:
+        alive.kill()
+        alive.wait()
