@@ -113,6 +113,7 @@ def test_a_sidecar_added_mid_run_serves_once_a_push_reached_it(qwen2_dir, hf_mod
         b.stop()
 
 
+@pytest.mark.slow  # the mid-run addition above takes the same path, plus the push it waits for
 def test_a_sidecar_added_before_any_push_serves_at_once(qwen2_dir):
     a, b = Sidecar(qwen2_dir), Sidecar(qwen2_dir)
     client = RolloutClient(a.url, token=TOKEN)

@@ -58,7 +58,8 @@ def _kill_when_generating(client, victim: int) -> None:
 
 
 def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, hf_models):
-    sidecar = Sidecar(qwen2_dir, "--num-engines", "2", "--host-copy", "off")  # the catch-up from the sibling
+    # the catch-up from the sibling; a warm standby makes the restart (the path users get by default)
+    sidecar = Sidecar(qwen2_dir, "--num-engines", "2", "--host-copy", "off", "--warm-standby", "on")
     client = RolloutClient(sidecar.url, token=TOKEN)
     loader = RolloutClient(sidecar.url, token=TOKEN)
     try:

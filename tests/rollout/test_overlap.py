@@ -65,7 +65,8 @@ def _requests_finished_meanwhile(client, seconds: float) -> int:
     return done[0]
 
 
-@pytest.mark.parametrize("overlap", ["on", "off"])
+@pytest.mark.parametrize("overlap", [  # off (pause for the transfer) is also in test_sidecar's frozen-trainer test
+    "on", pytest.param("off", marks=pytest.mark.slow)])
 def test_rollouts_go_on_while_a_push_arrives(qwen2_dir, overlap):
     """A transfer held up for 3 s at bucket 3: with the overlapped receive requests keep coming
     back meanwhile; with the engines paused for the transfer, none does."""

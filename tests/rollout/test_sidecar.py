@@ -244,7 +244,8 @@ def test_trainer_killed_mid_push_sidecar_recovers(sidecar, client, trainer, qwen
     assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == hf_greedy(trainer, [9, 10, 11], 8, True)
 
 
-@pytest.mark.parametrize("freeze,overlap", [("stalled", "on"), ("stopped", "on"), ("stopped", "off")])
+@pytest.mark.parametrize("freeze,overlap", [  # the two freezes and both receives; the fourth pair is not in CI
+    ("stalled", "on"), pytest.param("stopped", "on", marks=pytest.mark.slow), ("stopped", "off")])
 def test_a_trainer_frozen_mid_push_costs_the_stall_timeout(qwen2_dir, freeze, overlap):
     """Alive, its port open, no bucket coming (stalled in its own code, or SIGSTOPped so its store
     is silent too): the sidecar gives the push up after --push-stall-timeout, not the group's
