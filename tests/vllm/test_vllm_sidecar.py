@@ -98,7 +98,8 @@ def test_a_client_that_leaves_mid_stream_has_its_requests_aborted(sidecar, clien
     body = {"model": MODEL, "prompt": [5] * 10, "max_tokens": 240, "n": 8, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.stream("POST", sidecar.http_url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
-        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+        lines = r.iter_lines()  # held: a dropped iterator closes the stream, and the client has left already
+        first = next(line for line in lines if line.startswith("data:"))
         stats = client.stats()
         assert "text" in first and stats["queue_depth"] == 8, stats  # far from done: 8 x 240 tokens
     deadline = time.monotonic() + 10
