@@ -53,7 +53,7 @@ class Case:
 
     def tensors(self, edits=None) -> SamplingTensors:
         rows = self.logits.shape[0]
-        return SamplingTensors(torch.ones(rows), uniforms=uniform_noise([None] * rows, self.shared, "cpu"),
+        return SamplingTensors(torch.ones(rows), uniforms=uniform_noise(self.shared, rows, "cpu"),
                                any_greedy=False, edits=edits)
 
 

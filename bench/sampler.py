@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.sampler import SamplingTensors, sample, uniform_noise
+from engine.sampler import SamplingTensors, counter_uniforms, sample, uniform_noise
 
 log = logging.getLogger("bench.sampler")
 
@@ -43,7 +43,12 @@ def exp_race(logits: torch.Tensor, generators: list, shared: torch.Generator) ->
 
 def ours(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
     rows = logits.shape[0]
-    t = SamplingTensors(torch.ones(rows), uniforms=uniform_noise(generators, shared, "cpu"), any_greedy=False)
+    u = uniform_noise(shared, rows, "cpu")
+    seeded = torch.tensor([g is not None for g in generators])
+    if seeded.any():  # the engine's seeded rows: a counter-based draw from (seed, position)
+        seeds = torch.arange(rows)
+        u = torch.where(seeded, counter_uniforms(seeds, seeds, torch.zeros(rows, dtype=torch.long)), u)
+    t = SamplingTensors(torch.ones(rows), uniforms=u, any_greedy=False)
     return sample(logits, t)[:2]
 
 

@@ -57,15 +57,11 @@ def set_context(ctx: AttnContext | None) -> None:
     _ctx = ctx
 
 
-def packed_causal_mask(spans: list[tuple[int, int]], device) -> torch.Tensor:
-    """[T, T] bool: token i may attend token j when both lie in one span (one sequence) and j <= i."""
-    total = spans[-1][1]
-    seq = torch.empty(total, dtype=torch.long)
-    for k, (start, end) in enumerate(spans):
-        seq[start:end] = k
-    pos = torch.arange(total)
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-    return mask.to(device)
+def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool, built on the segments' device: token i may attend token j when both lie in
+    one sequence (segment id) and j <= i."""
+    idx = torch.arange(segments.shape[0], device=segments.device)
+    return (segments[:, None] == segments[None, :]) & (idx[None, :] <= idx[:, None])
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

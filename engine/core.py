@@ -156,6 +156,8 @@ class EngineCore:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        if not is_prefill:
+            seqs = self.runner.decode_order(seqs)
         logits = self.runner.forward(seqs, is_prefill)
         result = self.runner.sample(seqs, logits)
         tokens = result.tokens

@@ -8,12 +8,21 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine import attention
+from engine import attention, step_inputs
 from engine.config import EngineConfig
 from engine.logits_processors import build_edits, sequence_bans
-from engine.sampler import Penalties, SamplingTensors, TopLogprobs, sample, token_ranks, uniform_noise
+from engine.sampler import (
+    Penalties,
+    SamplingTensors,
+    TopLogprobs,
+    counter_uniforms,
+    sample,
+    token_ranks,
+    uniform_noise,
+)
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -43,11 +52,6 @@ def entries(tokens: list[int], values: list[float], ranks: list[int], top_ids: l
     return out
 
 
-def _column(params: list, name: str, device, dtype=torch.float32) -> torch.Tensor:
-    """One sampling parameter of every row, as a tensor on the device."""
-    return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
-
-
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -69,19 +73,6 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
         cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
     )
     return model.to(device).eval()
-
-
-def decode_chunks(num_blocks: list[int], min_rows: int = 16) -> list[tuple[int, int, int]]:
-    """Cut a batch sorted by block count into (start, end, blocks) chunks: one per distinct
-    count, a chunk of fewer than `min_rows` rows merged into the next (longer) one, so the
-    padding stays small and the per-chunk overhead bounded."""
-    chunks, start = [], 0
-    for i, nb in enumerate(num_blocks):
-        last = i + 1 == len(num_blocks)
-        if last or (num_blocks[i + 1] != nb and i + 1 - start >= min_rows):
-            chunks.append((start, i + 1, nb))
-            start = i + 1
-    return chunks
 
 
 def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: int) -> int:
@@ -120,7 +111,8 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, length), one prefill
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
-        self.decode_chunk_min_rows = 16  # see decode_chunks
+        self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
+        self._key_positions = None  # arange over key positions, for decode masks
         # One attention call for a whole fresh prefill (block-diagonal causal mask) on GPUs, where
         # launches cost; on the CPU the per-sequence calls do less arithmetic (sum of L^2, not T^2).
         self.packed_prefill = self.device.type == "cuda"
@@ -160,77 +152,82 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.k_cache = self.v_cache = self._gather = None
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def _prepare_prefill(self, seqs: list[Sequence]):
-        ids, pos, slots, spans, last = [], [], [], [], []
+        """Inputs of a prefill step, packed on the host and sent in one copy: token ids,
+        positions, cache slots, the rows whose logits are kept, each span's segment id and the
+        block tables of the spans that extend a cached prefix."""
+        bs = self.block_size
+        ids, pos, slots, seg, last, tables, spans = [], [], [], [], [], [], []
         offset = 0
-        for seq in seqs:
+        for k, seq in enumerate(seqs):
             start, end = seq.num_computed_tokens, len(seq)
-            ids.extend(seq.token_ids[start:end])
-            pos.append(torch.arange(start, end))
-            slots.append(self._slots(seq, start, end))
-            table = torch.tensor(seq.block_table, device=self.device) if start else None
-            spans.append((offset, offset + end - start, start, table))
+            p = np.arange(start, end)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            seg.append(np.full(end - start, k))
+            table_at = None
+            if start:  # attends to its cached prefix: its block table goes along
+                table_at = (sum(len(t) for t in tables), len(table))
+                tables.append(table)
+            spans.append((offset, offset + end - start, start, table_at))
             if seq.wants_prompt_logprobs:  # every position of this prompt: see prompt_logprobs
-                self.prompt_rows[seq.seq_id] = (len(last), end - start)
-                last.extend(range(offset, offset + end - start - 1))
+                self.prompt_rows[seq.seq_id] = (sum(len(x) for x in last), end - start)
+                last.append(np.arange(offset, offset + end - start - 1))
             offset += end - start
-            last.append(offset - 1)
-        dev = self.device
+            last.append(np.array([offset - 1]))
+        t, n_last = offset, sum(len(x) for x in last)
+        buf = step_inputs.upload(np.concatenate([*ids, *pos, *slots, *seg, *last, *tables]), self.device)
+        ids_d, pos_d, slots_d, seg_d = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t], buf[3 * t : 4 * t]
+        last_d, tables_d = buf[4 * t : 4 * t + n_last], buf[4 * t + n_last :]
+        spans = [(a, b, c, None if at is None else tables_d[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
         packed = None
         if self.packed_prefill and len(spans) > 1 and all(computed == 0 for _, _, computed, _ in spans):
-            packed = attention.packed_causal_mask([(a, b) for a, b, _, _ in spans], dev)
+            packed = attention.packed_causal_mask(seg_d)
         ctx = attention.AttnContext(
             is_prefill=True,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
-            slot_mapping=self._to_device(torch.cat(slots)),
+            slot_mapping=slots_d,
             prefill_spans=spans,
             packed_mask=packed,
         )
-        return (self._to_device(torch.tensor(ids)), self._to_device(torch.cat(pos)), ctx,
-                self._to_device(torch.tensor(last)))
+        return ids_d, pos_d, ctx, last_d
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Step inputs to the device; on CUDA through pinned memory, without blocking the host."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+    def decode_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        """A decode batch in the order the step wants its rows: by block count (see chunk_cuts)."""
+        return sorted(seqs, key=lambda s: len(s.block_table))
 
     def _prepare_decode(self, seqs: list[Sequence]):
-        """Inputs of a decode step, its rows sorted by block count (see attention.py). Returns the
-        order too: row i of the step is seqs[order[i]]."""
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].block_table))
-        seqs = [seqs[i] for i in order]
-        lens = torch.tensor([len(s) for s in seqs])
-        pos = lens - 1
-        slots = torch.tensor([s.block_table[(len(s) - 1) // self.block_size] for s in seqs]) * self.block_size
-        slots += pos % self.block_size
+        """Inputs of a decode step (rows sorted by block count: decode_order), all sent in one
+        copy; the attention's chunks cut where padding costs more than a chunk."""
+        buf, layout = step_inputs.pack_decode(seqs, self.block_size)
         dev = self.device
+        inputs = layout.views(step_inputs.upload(buf, dev))
+        widths = [len(s.block_table) for s in seqs]
+        cuts = step_inputs.chunk_cuts(widths, self.decode_chunk_overhead_rows)
+        lengths, table = inputs["lengths"], inputs["block_table"]
+        if self._key_positions is None or self._key_positions.numel() < layout.width * self.block_size:
+            width = max(layout.width, -(-self.cfg.max_model_len // self.block_size))
+            self._key_positions = torch.arange(width * self.block_size, device=dev)
         chunks, widest = [], 0
-        for start, end, nb in decode_chunks([len(s.block_table) for s in seqs], self.decode_chunk_min_rows):
-            table = torch.zeros(end - start, nb, dtype=torch.long)
-            for i, s in enumerate(seqs[start:end]):
-                table[i, : len(s.block_table)] = torch.tensor(s.block_table)
-            mask = torch.arange(nb * self.block_size) < lens[start:end].unsqueeze(1)
-            chunks.append(attention.DecodeChunk(start, end, table.flatten().to(dev), nb, mask[:, None, None, :].to(dev)))
+        for start, end, nb in cuts:
+            blocks = table[start:end, :nb].reshape(-1)  # row after row
+            mask = self._key_positions[: nb * self.block_size] < lengths[start:end, None]
+            chunks.append(attention.DecodeChunk(start, end, blocks, nb, mask[:, None, None, :]))
             widest = max(widest, (end - start) * nb)
         k_buf, v_buf = self._gather_buffers(widest)
         ctx = attention.AttnContext(
             is_prefill=False,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
-            slot_mapping=slots.to(dev),
+            slot_mapping=inputs["slots"],
             decode_chunks=chunks,
             gather_k=k_buf,
             gather_v=v_buf,
         )
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
-        return ids, pos.to(dev), ctx, order
+        return inputs["ids"], inputs["positions"], ctx
 
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's gather buffers, kept between steps and grown on demand."""
@@ -243,22 +240,27 @@ class ModelRunner:
             )
         return buf
 
+    @property
+    def decode_chunk_overhead_rows(self) -> float:
+        """One more decode chunk's cost in block-rows of KV gathered (see chunk_cuts)."""
+        per_block_row = 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k_cache.element_size()
+        return step_inputs.CHUNK_OVERHEAD_BYTES[self.device.type] / per_block_row * self.decode_chunk_cost
+
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Logits [B, V] (float32) of the next token of each sequence."""
+        """Logits [B, V] (float32) of the next token of each sequence. A decode batch must come
+        in `decode_order`."""
         self.prompt_rows = {}
         if is_prefill:
             ids, pos, ctx, keep = self._prepare_prefill(seqs)
-            order = None
         else:
-            ids, pos, ctx, order = self._prepare_decode(seqs)
+            ids, pos, ctx = self._prepare_decode(seqs)
             keep = None
         attention.set_context(ctx)
         self.row_versions = None
         if self.lora_bank is not None:
             rows = [len(s) - s.num_computed_tokens for s in seqs] if is_prefill else [1] * len(seqs)
-            in_rows = seqs if order is None else [seqs[i] for i in order]
-            self.lora_bank.assign(in_rows, rows if order is None else [1] * len(seqs))
+            self.lora_bank.assign(seqs, rows)
             self.row_versions = [s.lora_version for s in seqs] if self.lora_bank.active else None
         t0 = time.perf_counter()
         try:
@@ -271,8 +273,6 @@ class ModelRunner:
             logits = out.logits[0].float()
             if self.prompt_rows:
                 logits = self._take_prompt_logprobs(seqs, logits)
-            if order is not None:  # back to the caller's order
-                logits = torch.empty_like(logits).index_copy_(0, torch.tensor(order, device=logits.device), logits)
             # NOTE: no device sync here: the sampled tokens' trip to the host is the step's one
             # sync point. On CUDA, forward_seconds is thus the host's side of the forward only.
         finally:
@@ -332,17 +332,13 @@ class ModelRunner:
             attention.set_context(None)
         return bool(torch.isfinite(logits).all())
 
-    def generator(self, seq: Sequence) -> torch.Generator | None:
-        """A seeded sequence's own generator, on this device (sample i of n uses seed + i)."""
-        if seq.generator is None and seq.params.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
-        return seq.generator
-
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         t = self.sampling_tensors(seqs, logits.shape[-1])
         tokens, logprobs, top = sample(logits, t)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        # one trip to the host for both (a sync on a GPU): token ids are exact in float64
+        tokens, logprobs = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        tokens = [int(x) for x in tokens]
         return SampleResult(tokens, logprobs, None if top is None else self._top_entries(seqs, tokens, logprobs, top))
 
     @staticmethod
@@ -353,27 +349,27 @@ class ModelRunner:
         return [row if s.params.logprobs is not None else None for s, row in zip(seqs, rows)]
 
     def sampling_tensors(self, seqs: list[Sequence], vocab: int) -> SamplingTensors:
+        """The rows' sampling parameters, packed into one host array and sent in one copy."""
         params = [s.params for s in seqs]
-        dev = self.device
-
-        def column(name: str, dtype=torch.float32) -> torch.Tensor:
-            return _column(params, name, dev, dtype)
-
-        t = SamplingTensors(column("temperature"), raw_logprobs=self.cfg.logprobs_mode == "raw")
+        cols = SamplingColumns(seqs, self.device)
+        t = SamplingTensors(cols["temperature"].float(), raw_logprobs=self.cfg.logprobs_mode == "raw")
         t.any_greedy = any(p.greedy for p in params)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         t.num_top_logprobs = max(asked) if asked else None
         t.edits = self.logits_edits(seqs, vocab)
-        if any(p.top_k for p in params):
-            t.top_k = column("top_k", torch.long)
-        if any(p.top_p < 1 for p in params):
-            t.top_p = column("top_p")
-        if any(p.min_p > 0 for p in params):
-            t.min_p = column("min_p")
+        if cols.any_top_k:
+            t.top_k = cols["top_k"].long()
+        if cols.any_top_p:
+            t.top_p = cols["top_p"].float()
+        if cols.any_min_p:
+            t.min_p = cols["min_p"].float()
         if any(p.penalised for p in params):
-            t.penalties = self.penalties(seqs, vocab)
+            t.penalties = self.penalties(seqs, vocab, cols)
         if not all(p.greedy for p in params):
-            t.uniforms = uniform_noise([self.generator(s) for s in seqs], self.shared_generator, dev)
+            t.uniforms = uniform_noise(self.shared_generator, len(seqs), self.device)
+            if cols.any_seed:  # a seeded row's draw is a function of its seed and position alone
+                drawn = counter_uniforms(cols["seed_lo"].long(), cols["seed_hi"].long(), cols["position"].long())
+                t.uniforms = torch.where(cols["seeded"] > 0, drawn, t.uniforms)
         return t
 
     def logits_edits(self, seqs: list[Sequence], vocab: int):
@@ -388,7 +384,7 @@ class ModelRunner:
             rows.append((p.allowed_token_ids, bans, p.logit_bias))
         return build_edits(rows, vocab, self.device)
 
-    def penalties(self, seqs: list[Sequence], vocab: int) -> Penalties:
+    def penalties(self, seqs: list[Sequence], vocab: int, cols: SamplingColumns) -> Penalties:
         """Each row's output-token counts and prompt-token mask, built on the device from the
         token ids (only in steps where some row has a penalty)."""
         dev, rows = self.device, len(seqs)
@@ -399,6 +395,32 @@ class ModelRunner:
                 out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
                 prompt[i, torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
-        params = [s.params for s in seqs]
-        return Penalties(*(_column(params, name, dev) for name in ("repetition_penalty", "presence_penalty",
-                                                                   "frequency_penalty")), counts, prompt)
+        return Penalties(cols["repetition_penalty"].float(), cols["presence_penalty"].float(),
+                         cols["frequency_penalty"].float(), counts, prompt)
+
+
+class SamplingColumns:
+    """Every row's sampling parameters in one float64 host array, sent to the device in one
+    copy; `cols[name]` is that column on the device. A 64-bit seed (seed + sample index, as
+    vLLM's n samples) travels as two 32-bit halves, exact in float64."""
+
+    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_lo", "seed_hi", "position",
+             "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+    def __init__(self, seqs: list[Sequence], device: torch.device):
+        host = np.empty((len(self.NAMES), len(seqs)), dtype=np.float64)
+        self.any_top_k = self.any_top_p = self.any_min_p = self.any_seed = False
+        for i, s in enumerate(seqs):
+            p = s.params
+            seed = None if p.seed is None else (p.seed + s.index) % 2**64
+            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, seed is not None, (seed or 0) & 0xFFFFFFFF,
+                          (seed or 0) >> 32, s.num_output_tokens, p.repetition_penalty, p.presence_penalty,
+                          p.frequency_penalty)
+            self.any_top_k |= bool(p.top_k)
+            self.any_top_p |= p.top_p < 1
+            self.any_min_p |= p.min_p > 0
+            self.any_seed |= seed is not None
+        self._device = step_inputs.upload(host, device)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._device[self.NAMES.index(name)]

@@ -108,16 +108,37 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def uniform_noise(generators: list[torch.Generator | None], shared: torch.Generator, device) -> torch.Tensor:
-    """One uniform in (0, 1] per row, drawn on `device` (the generators live there too). A row
-    with its own generator draws from it alone, so its samples do not depend on the rest of the
-    batch. A seed gives the same tokens on every machine of one device type (CPU and CUDA
-    generators are different streams)."""
-    u = torch.rand(len(generators), device=device, generator=shared, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, device=device, generator=g, dtype=torch.float64)[0]
-    return 1.0 - u  # rand is in [0, 1): (0, 1] keeps a zero-probability token unreachable
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values in
+    [0, 2^32): multipliers below 2^31 keep every product inside int64, so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 12)
+    x = (x * 0x297A2D39) & _M32
+    return x ^ (x >> 15)
+
+
+def counter_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1] per row, a pure function of (seed, position): the halves of a
+    64-bit seed and the index of the token being sampled, int64 tensors with values in
+    [0, 2^32). Counter-based (a hash, not a generator's state), so a seeded row's draw needs
+    no per-row generator call and does not depend on the batch, the device or how the engine
+    was restarted; 53 bits, as fine as a float64 uniform gets."""
+    h = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(position & _M32)))
+    hi = h >> 6  # 26 bits
+    lo = _mix32(h ^ 0x5BD1E995) >> 5  # 27 more
+    return ((hi << 27) + lo + 1).double() * 2.0**-53
+
+
+def uniform_noise(shared: torch.Generator, rows: int, device) -> torch.Tensor:
+    """One uniform in (0, 1] per row from the shared generator (rows without a seed of their
+    own; seeded rows draw from counter_uniforms)."""
+    return 1.0 - torch.rand(rows, device=device, generator=shared, dtype=torch.float64)  # rand is in [0, 1)
 
 
 def block_size_for(vocab: int) -> int:

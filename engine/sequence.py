@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
 
 from engine.sampling_params import SamplingParams
 
@@ -43,9 +42,6 @@ class Sequence:
         # ignore_eos, stop_token_ids), and the bad words as token sequences
         self.min_tokens_bans: tuple[int, ...] = ()
         self.bad_words: list[list[int]] = []
-        # A per-sequence generator makes a seeded request reproducible whatever shares its batch;
-        # the model runner makes it on its device at the first sample (ModelRunner.generator).
-        self.generator: torch.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

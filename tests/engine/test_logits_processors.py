@@ -95,8 +95,7 @@ def test_processed_logprobs_come_from_the_edited_distribution():
     included (the behaviour policy an RL trainer divides by)."""
     logits = _logits(1, 12).expand(2000, -1).contiguous()
     edits = build_edits([(None, [0, 1], {2: 3.0})] * 2000, VOCAB, "cpu")
-    t = SamplingTensors(torch.full((2000,), 0.8), uniforms=uniform_noise([None] * 2000, torch.Generator().manual_seed(1),
-                                                                          "cpu"), any_greedy=False, edits=edits)
+    t = SamplingTensors(torch.full((2000,), 0.8), uniforms=uniform_noise(torch.Generator().manual_seed(1), 2000, "cpu"), any_greedy=False, edits=edits)
     tokens, logprobs, _ = sample(logits, t)
     edited = logits[0].clone()
     edited[[0, 1]] = float("-inf")

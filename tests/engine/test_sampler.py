@@ -19,6 +19,7 @@ from engine.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     block_size_for,
+    counter_uniforms,
     inverse_cdf,
     sample,
     uniform_noise,
@@ -31,7 +32,7 @@ def _tensors(n, temperature=1.0, top_k=None, top_p=None, min_p=None, seed=0, **k
     g = torch.Generator().manual_seed(seed)
     full = lambda v: None if v is None else torch.full((n,), v)  # noqa: E731
     return SamplingTensors(torch.full((n,), float(temperature)), full(top_k), full(top_p), full(min_p),
-                           uniform_noise([None] * n, g, "cpu"), any_greedy=temperature == 0, **kw)
+                           uniform_noise(g, n, "cpu"), any_greedy=temperature == 0, **kw)
 
 
 def _draw(logits, n, **kw):
@@ -247,11 +248,34 @@ def test_greedy_with_a_repetition_penalty_avoids_the_repeated_token():
     torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], -1)[1])  # the model's own logprob
 
 
-def test_seeded_rows_ignore_the_rest_of_the_batch():
-    shared_a, shared_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
-    gen = lambda: torch.Generator().manual_seed(42)  # noqa: E731
-    a = uniform_noise([None, gen(), None], shared_a, "cpu")
-    b = uniform_noise([None, None, None, None, gen()], shared_b, "cpu")
-    assert a[1] == b[4]
-    assert a[0] != b[0]
+def _counter(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    s = torch.tensor(seeds, dtype=torch.long)
+    return counter_uniforms(s & 0xFFFFFFFF, s >> 32, torch.tensor(positions, dtype=torch.long))
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
+    a = _counter([7, 42, 9], [0, 3, 1])
+    b = _counter([42, 5, 5, 5], [3, 0, 0, 0])
+    assert a[1] == b[0]  # same seed and position, another batch
+    assert a[0] != a[2] and b[1] == b[2]
+    assert _counter([42], [4])[0] != a[1]  # the next position draws anew
+    assert _counter([42 + 2**32], [3])[0] != a[1]  # the seed's high half counts
     assert bool(((a > 0) & (a <= 1)).all())
+
+
+def test_counter_uniforms_are_uniform_and_independent_across_positions_and_seeds():
+    """Chi-square over 64 bins and lag-1 correlations, along positions (one seed) and along
+    seeds (one position). Deterministic inputs; the bounds are ~5 standard deviations of an
+    ideal generator (chi-square 63 dof: mean 63, sd 11.2; correlation sd 1/sqrt(n)), which a
+    hash that leaks its counter (say u = position / n) fails by orders of magnitude."""
+    n = 200_000
+    along_positions = _counter([12345] * n, list(range(n)))
+    along_seeds = _counter(list(range(10**12, 10**12 + n)), [0] * n)
+    for u in (along_positions, along_seeds):
+        counts = torch.bincount((u * 64).clamp(max=63.999).long(), minlength=64).double()
+        chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum().item()
+        assert chi2 < 63 + 5 * 11.2, chi2
+        x = u - u.mean()
+        corr = ((x[1:] * x[:-1]).mean() / x.var()).item()
+        assert abs(corr) < 5 / n**0.5, corr
+    assert abs(along_positions.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5

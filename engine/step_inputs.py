@@ -1,0 +1,81 @@
+"""A step's inputs packed on the host into one array, sent to the device in one copy.
+
+Every tensor built from Python data is a host-to-device copy on a GPU, and a step that builds
+one per sequence (a block table each, a seed each) is bound by the host. So the runner writes a
+decode step's token ids, positions, cache slots, lengths and block tables into one int64 numpy
+array (`pack_decode`), and the sampler's per-row parameters into one float64 array
+(`SamplingColumns`); each goes to the device as a single tensor whose slices are the inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# what one more decode chunk costs per layer, in bytes of KV gathered: on the CPU a handful of
+# ops (~50-100 us of host time, about 1 MB of memory traffic); on a GPU the same ops are kernel
+# launches worth far more bytes than any padding, so a GPU batch is one chunk
+CHUNK_OVERHEAD_BYTES = {"cpu": 1 << 20, "cuda": 1 << 62}
+
+
+@dataclass
+class DecodeLayout:
+    rows: int
+    width: int  # block-table columns: the longest sequence's block count
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named slices of the packed buffer (on whatever device it is)."""
+        n, w = self.rows, self.width
+        return {
+            "ids": buf[0:n],
+            "positions": buf[n : 2 * n],
+            "slots": buf[2 * n : 3 * n],
+            "lengths": buf[3 * n : 4 * n],
+            "block_table": buf[4 * n : 4 * n + n * w].view(n, w),
+        }
+
+
+def pack_decode(seqs: list, block_size: int) -> tuple[np.ndarray, DecodeLayout]:
+    """One int64 array holding a decode step's inputs (see DecodeLayout.views); rows in the
+    order given. Block tables are padded with block 0 (masked out by the lengths)."""
+    n = len(seqs)
+    width = max(len(s.block_table) for s in seqs)
+    buf = np.zeros(4 * n + n * width, dtype=np.int64)
+    ids, pos, slots, lens = buf[:n], buf[n : 2 * n], buf[2 * n : 3 * n], buf[3 * n : 4 * n]
+    table = buf[4 * n :].reshape(n, width)
+    for i, s in enumerate(seqs):
+        length = len(s)
+        bt = s.block_table
+        ids[i] = s.token_ids[-1]
+        lens[i] = length
+        table[i, : len(bt)] = bt
+        slots[i] = bt[(length - 1) // block_size] * block_size + (length - 1) % block_size
+    pos[:] = lens - 1
+    return buf, DecodeLayout(n, width)
+
+
+def chunk_cuts(widths: list[int], overhead_rows: float) -> list[tuple[int, int, int]]:
+    """Cut a batch sorted by block count into (start, end, blocks) chunks, each attended at its
+    longest row's width. Walking down from the longest rows, a new chunk starts where the
+    padding it saves (every row left below, padded by the width difference) outweighs one more
+    chunk's fixed cost (`overhead_rows` block-rows' worth)."""
+    n = len(widths)
+    cuts, end, top = [], n, widths[-1]
+    for r in range(n - 1, 0, -1):
+        # rows [0, r) would be padded to `top` in this chunk, to widths[r - 1] in a new one
+        if widths[r - 1] < top and r * (top - widths[r - 1]) > overhead_rows:
+            cuts.append((r, end, top))
+            end, top = r, widths[r - 1]
+    cuts.append((0, end, top))
+    return cuts[::-1]
+
+
+def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The packed array as one tensor on `device`: on CUDA through pinned memory, without
+    blocking the host (the array is not touched again, so the copy may lag)."""
+    t = torch.from_numpy(arr)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

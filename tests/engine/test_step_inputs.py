@@ -1,0 +1,51 @@
+"""A step's inputs go to the device as one packed array; decode attention runs on chunks cut by
+padding cost. The packing, the cut, and exactness whatever the cut."""
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.sampling_params import SamplingParams as Params
+from engine.sequence import Sequence
+from engine.step_inputs import chunk_cuts, pack_decode
+from tests.engine.helpers import hf_greedy, random_prompts
+
+
+def test_no_overhead_cuts_at_every_block_count():
+    assert chunk_cuts([1, 1, 2, 3, 3, 3], overhead_rows=0) == [(0, 2, 1), (2, 3, 2), (3, 6, 3)]
+
+
+def test_a_cut_is_made_only_where_the_padding_saved_outweighs_a_chunk():
+    # cutting below the 4 saves 6 rows x 1 block; below the 3s saves 1 row x 1 block
+    assert chunk_cuts([2, 3, 3, 3, 3, 3, 4], overhead_rows=5) == [(0, 6, 3), (6, 7, 4)]
+    assert chunk_cuts([2, 3, 3, 3, 3, 3, 4], overhead_rows=6) == [(0, 7, 4)]
+    assert chunk_cuts([5], overhead_rows=0) == [(0, 1, 5)]
+    assert chunk_cuts([1, 8], overhead_rows=float("inf")) == [(0, 2, 8)]
+
+
+def _seq(tokens: list[int], table: list[int]) -> Sequence:
+    seq = Sequence("r", 0, tokens, Params(), block_size=4)
+    seq.block_table = table
+    return seq
+
+
+def test_pack_decode_lays_out_ids_positions_slots_lengths_and_padded_tables():
+    seqs = [_seq([5, 6, 7], [9]), _seq([1, 2, 3, 4, 5, 6], [2, 7])]
+    buf, layout = pack_decode(seqs, block_size=4)
+    v = {k: t.numpy() for k, t in layout.views(torch.from_numpy(buf)).items()}
+    assert v["ids"].tolist() == [7, 6]
+    assert v["positions"].tolist() == [2, 5]
+    assert v["slots"].tolist() == [9 * 4 + 2, 7 * 4 + 1]
+    assert v["lengths"].tolist() == [3, 6]
+    assert v["block_table"].tolist() == [[9, 0], [2, 7]]
+
+
+@pytest.mark.parametrize("cost", [0.0, float("inf")], ids=["a-chunk-per-block-count", "one-chunk"])
+def test_greedy_exact_whatever_the_cut(cost, model_dirs, hf_models):
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=16, max_model_len=256, block_size=4))
+    llm.core.runner.decode_chunk_cost = cost
+    prompts = random_prompts(10, 2, 60, 2000, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 20, ignore_eos=True)
