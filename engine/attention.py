@@ -33,11 +33,16 @@ class AttnContext:
     prefill_spans: list[tuple[int, int, int, torch.Tensor | None]] | None = None
     # decode: chunks of the (length-sorted) batch that are attended together
     decode_chunks: list[DecodeChunk] | None = None
-    gather_k: torch.Tensor | None = None  # [>= blocks gathered by the largest chunk, bs, kvh, d]
-    gather_v: torch.Tensor | None = None
     # prefill with no cached prefix anywhere: one SDPA call over every packed token with this
     # block-diagonal causal mask [T, T] instead of one call per sequence (set by the runner on GPUs)
     packed_mask: torch.Tensor | None = None
+    # per layer: the cache as blocks [num_blocks, bs, kvh, d] and as slots [num_slots, kvh, d]
+    # (views made when the cache is allocated, so a step selects no layer)
+    k_blocks: list[torch.Tensor] | None = None
+    v_blocks: list[torch.Tensor] | None = None
+    k_slots: list[torch.Tensor] | None = None
+    v_slots: list[torch.Tensor] | None = None
+    rope: tuple | None = None  # (cos, the layers' cos, sin with rotate_half's sign), see rope_tables
 
 
 @dataclass
@@ -47,9 +52,25 @@ class DecodeChunk:
     blocks: torch.Tensor  # [(end - start) * num_blocks] block ids, row after row (padded with 0)
     num_blocks: int
     mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size]: True where a key exists
+    # the gather buffers' slices this chunk fills ([rows * num_blocks, bs, kvh, d]) and the same
+    # memory as keys/values [rows, kvh, num_blocks * bs, d]: made once per step, not per layer
+    k_out: torch.Tensor | None = None
+    v_out: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
 
 
 _ctx: AttnContext | None = None
+
+
+def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Per-layer views of the caches [layers, num_blocks, bs, kvh, d]: as blocks and as slots."""
+    return {
+        "k_blocks": list(k_cache.unbind(0)),
+        "v_blocks": list(v_cache.unbind(0)),
+        "k_slots": [k.flatten(0, 1) for k in k_cache.unbind(0)],
+        "v_slots": [v.flatten(0, 1) for v in v_cache.unbind(0)],
+    }
 
 
 def set_context(ctx: AttnContext | None) -> None:
@@ -64,6 +85,31 @@ def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
     return (segments[:, None] == segments[None, :]) & (idx[None, :] <= idx[:, None])
 
 
+def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.Tensor:
+    """Prefill attention, query [1, H, T, d], key/value [1, KVH, T, d] (written to the cache
+    already): [1, H, T, d]."""
+    gqa = query.shape[1] != key.shape[1]
+    if ctx.packed_mask is not None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.packed_mask, scale=scaling,
+                                              enable_gqa=gqa)
+    k_cache, v_cache = ctx.k_blocks[layer], ctx.v_blocks[layer]
+    outs = []
+    for start, end, computed, block_table in ctx.prefill_spans:
+        q = query[:, :, start:end]
+        if computed == 0:  # nothing cached: attend to the fresh keys, exactly as HF's sdpa does
+            out = F.scaled_dot_product_attention(
+                q, key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
+            )
+        else:
+            total = computed + end - start
+            k = _gather(k_cache, block_table, total).unsqueeze(0)
+            v = _gather(v_cache, block_table, total).unsqueeze(0)
+            mask = torch.ones(end - start, total, dtype=torch.bool, device=q.device).tril(computed)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        outs.append(out)
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] -> [kvh, length, d] for one sequence."""
     kv = cache[block_table].flatten(0, 1)[:length]
@@ -76,50 +122,67 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported by the paged engine")
     layer = module.layer_idx
-    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     # query [1, H, T, d]; key/value [1, KVH, T, d]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, d]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, k_new)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v_new)
-    gqa = query.shape[1] != key.shape[1]
-
-    if ctx.is_prefill and ctx.packed_mask is not None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.packed_mask, scale=scaling,
-                                             enable_gqa=gqa)
-        return out.transpose(1, 2), None  # [1, T, H, d]
+    ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k_new)
+    ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v_new)
     if ctx.is_prefill:
-        outs = []
-        for start, end, computed, block_table in ctx.prefill_spans:
-            q = query[:, :, start:end]
-            if computed == 0:  # nothing cached: attend to the fresh keys, exactly as HF's sdpa does
-                out = F.scaled_dot_product_attention(
-                    q, key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
-                )
-            else:
-                total = computed + end - start
-                k = _gather(k_cache, block_table, total).unsqueeze(0)
-                v = _gather(v_cache, block_table, total).unsqueeze(0)
-                mask = torch.ones(end - start, total, dtype=torch.bool, device=q.device).tril(computed)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-            outs.append(out)
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        return out.transpose(1, 2), None  # [1, T, H, d]
+        return _prefill(ctx, layer, query, key, value, scaling).transpose(1, 2), None  # [1, T, H, d]
 
     # decode: one new token per sequence
-    kvh, d = key.shape[1], key.shape[-1]
     q_all = query[0].transpose(0, 1)  # [B, H, d]
+    return _decode(ctx, layer, q_all, scaling).reshape(1, q_all.shape[0], -1, q_all.shape[-1]), None  # [1, B, H, d]
+
+
+def _decode(ctx: AttnContext, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention of q [B, H, d] (the keys already in the cache): [B, kvh, H / kvh, d]."""
+    kvh, d = ctx.k_cache.shape[-2], q.shape[-1]
     outs = []
     for c in ctx.decode_chunks:
-        b, length = c.end - c.start, c.num_blocks * k_cache.shape[1]
-        k_buf, v_buf = ctx.gather_k[: b * c.num_blocks], ctx.gather_v[: b * c.num_blocks]
-        torch.index_select(k_cache, 0, c.blocks, out=k_buf)
-        torch.index_select(v_cache, 0, c.blocks, out=v_buf)
-        k = k_buf.view(b, length, kvh, d).transpose(1, 2)  # [b, KVH, L, d]
-        v = v_buf.view(b, length, kvh, d).transpose(1, 2)
-        q = q_all[c.start : c.end].reshape(b, kvh, -1, d)  # the heads of a group as query positions
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out.reshape(1, out.shape[0], -1, d), None  # [1, B, H, d]
+        torch.index_select(ctx.k_blocks[layer], 0, c.blocks, out=c.k_out)
+        torch.index_select(ctx.v_blocks[layer], 0, c.blocks, out=c.v_out)
+        qc = q[c.start : c.end] if len(ctx.decode_chunks) > 1 else q
+        qc = qc.reshape(c.end - c.start, kvh, -1, d)  # the heads of a group as query positions
+        outs.append(F.scaled_dot_product_attention(qc, c.k, c.v, attn_mask=c.mask, scale=scaling))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def rope_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (cos, sin) [1, T, d] as [T, 1, d], sin with rotate_half's sign folded in (-1 on the
+    first half): computed by the step's first layer, reused by the others."""
+    cos, sin = position_embeddings
+    ctx = _ctx
+    if ctx.rope is None or ctx.rope[0] is not cos:
+        t, d = cos.shape[-2:]
+        sign = _rotate_sign(d, sin.dtype, sin.device)
+        ctx.rope = (cos, cos.view(t, 1, d), sin.view(t, 1, d) * sign)
+    return ctx.rope[1], ctx.rope[2]
+
+
+_signs: dict = {}
+
+
+def _rotate_sign(d: int, dtype, device) -> torch.Tensor:
+    key = (d, dtype, str(device))
+    if key not in _signs:
+        sign = torch.ones(d, dtype=dtype, device=device)
+        sign[: d // 2] = -1
+        _signs[key] = sign
+    return _signs[key]
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The fused layers' attention (engine/fused_layers.py): q [T, H, d], k and v [T, kvh, d]
+    of this step's tokens; writes k, v into the cache, returns [T, H * d]-shaped output."""
+    ctx = _ctx
+    assert ctx is not None, "paged attention called outside the engine's model runner"
+    ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k)
+    ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v)
+    if not ctx.is_prefill:
+        return _decode(ctx, layer, q, scaling)
+    out = _prefill(ctx, layer, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                   v.transpose(0, 1).unsqueeze(0), scaling)
+    return out.transpose(1, 2)[0].reshape(q.shape[0], -1)
 
 
 def register() -> str:

@@ -32,6 +32,9 @@ class EngineConfig:
     # LoRA adapter pushes: 0 merges each into the weights; k > 0 keeps up to k versions unmerged,
     # each sequence decoding with the one it started under (engine/lora_bank.py)
     lora_versions: int = 0
+    # Llama-shaped models (llama, qwen2, mistral) run their decoder layers as one short function
+    # each (engine/fused_layers.py: ~50 aten ops a layer instead of ~80); False keeps HF's layers
+    fuse_layers: bool = True
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):

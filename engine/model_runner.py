@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import attention, step_inputs
+from engine import attention, fused_layers, step_inputs
 from engine.config import EngineConfig
 from engine.logits_processors import build_edits, sequence_bans
 from engine.sampler import (
@@ -72,6 +72,12 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
     )
+    if cfg.fuse_layers:
+        why_not = fused_layers.unsupported(model)
+        if why_not is None:
+            fused_layers.fuse(model)
+        else:
+            log.info("HF's decoder layers run as they are (fused layers do not support %s)", why_not)
     return model.to(device).eval()
 
 
@@ -148,9 +154,10 @@ class ModelRunner:
         shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
+        self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
 
     def free_kv_cache(self) -> None:
-        self.k_cache = self.v_cache = self._gather = None
+        self.k_cache = self.v_cache = self._gather = self._cache_views = None
 
     def _prepare_prefill(self, seqs: list[Sequence]):
         """Inputs of a prefill step, packed on the host and sent in one copy: token ids,
@@ -192,6 +199,7 @@ class ModelRunner:
             slot_mapping=slots_d,
             prefill_spans=spans,
             packed_mask=packed,
+            **self._cache_views,
         )
         return ids_d, pos_d, ctx, last_d
 
@@ -211,21 +219,24 @@ class ModelRunner:
         if self._key_positions is None or self._key_positions.numel() < layout.width * self.block_size:
             width = max(layout.width, -(-self.cfg.max_model_len // self.block_size))
             self._key_positions = torch.arange(width * self.block_size, device=dev)
-        chunks, widest = [], 0
+        k_buf, v_buf = self._gather_buffers(max((end - start) * nb for start, end, nb in cuts))
+        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        chunks = []
         for start, end, nb in cuts:
+            rows = end - start
             blocks = table[start:end, :nb].reshape(-1)  # row after row
-            mask = self._key_positions[: nb * self.block_size] < lengths[start:end, None]
-            chunks.append(attention.DecodeChunk(start, end, blocks, nb, mask[:, None, None, :]))
-            widest = max(widest, (end - start) * nb)
-        k_buf, v_buf = self._gather_buffers(widest)
+            mask = self._key_positions[: nb * bs] < lengths[start:end, None]
+            k_out, v_out = k_buf[: rows * nb], v_buf[: rows * nb]
+            chunks.append(attention.DecodeChunk(
+                start, end, blocks, nb, mask[:, None, None, :], k_out, v_out,
+                k_out.view(rows, nb * bs, kvh, d).transpose(1, 2), v_out.view(rows, nb * bs, kvh, d).transpose(1, 2)))
         ctx = attention.AttnContext(
             is_prefill=False,
             k_cache=self.k_cache,
             v_cache=self.v_cache,
             slot_mapping=inputs["slots"],
             decode_chunks=chunks,
-            gather_k=k_buf,
-            gather_v=v_buf,
+            **self._cache_views,
         )
         return inputs["ids"], inputs["positions"], ctx
 
@@ -316,13 +327,10 @@ class ModelRunner:
         n = min(num_tokens, self.block_size)
         scratch = (self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim)
         dev = self.device
-        ctx = attention.AttnContext(
-            is_prefill=True,
-            k_cache=torch.zeros(scratch, dtype=self.cfg.torch_dtype, device=dev),
-            v_cache=torch.zeros(scratch, dtype=self.cfg.torch_dtype, device=dev),
-            slot_mapping=torch.arange(n, device=dev),
-            prefill_spans=[(0, n, 0, None)],
-        )
+        k = torch.zeros(scratch, dtype=self.cfg.torch_dtype, device=dev)
+        v = torch.zeros_like(k)
+        ctx = attention.AttnContext(is_prefill=True, k_cache=k, v_cache=v, slot_mapping=torch.arange(n, device=dev),
+                                    prefill_spans=[(0, n, 0, None)], **attention.cache_views(k, v))
         ids = torch.arange(n, device=dev) % self.vocab_size
         attention.set_context(ctx)
         try:
@@ -368,7 +376,7 @@ class ModelRunner:
         if not all(p.greedy for p in params):
             t.uniforms = uniform_noise(self.shared_generator, len(seqs), self.device)
             if cols.any_seed:  # a seeded row's draw is a function of its seed and position alone
-                drawn = counter_uniforms(cols["seed_lo"].long(), cols["seed_hi"].long(), cols["position"].long())
+                drawn = counter_uniforms(cols["seed_key"].long(), cols["position"].long())
                 t.uniforms = torch.where(cols["seeded"] > 0, drawn, t.uniforms)
         return t
 
@@ -401,10 +409,10 @@ class ModelRunner:
 
 class SamplingColumns:
     """Every row's sampling parameters in one float64 host array, sent to the device in one
-    copy; `cols[name]` is that column on the device. A 64-bit seed (seed + sample index, as
-    vLLM's n samples) travels as two 32-bit halves, exact in float64."""
+    copy; `cols[name]` is that column on the device. A seeded row sends its stream's 32-bit key
+    (Sequence.seed_key), exact in float64."""
 
-    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_lo", "seed_hi", "position",
+    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_key", "position",
              "repetition_penalty", "presence_penalty", "frequency_penalty")
 
     def __init__(self, seqs: list[Sequence], device: torch.device):
@@ -412,14 +420,13 @@ class SamplingColumns:
         self.any_top_k = self.any_top_p = self.any_min_p = self.any_seed = False
         for i, s in enumerate(seqs):
             p = s.params
-            seed = None if p.seed is None else (p.seed + s.index) % 2**64
-            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, seed is not None, (seed or 0) & 0xFFFFFFFF,
-                          (seed or 0) >> 32, s.num_output_tokens, p.repetition_penalty, p.presence_penalty,
-                          p.frequency_penalty)
+            key = s.seed_key
+            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, key is not None, key or 0, s.num_output_tokens,
+                          p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             self.any_top_k |= bool(p.top_k)
             self.any_top_p |= p.top_p < 1
             self.any_min_p |= p.min_p > 0
-            self.any_seed |= seed is not None
+            self.any_seed |= key is not None
         self._device = step_inputs.upload(host, device)
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None  # [B], 0 is off
     uniforms: torch.Tensor | None = None  # [B] float64 in (0, 1]; None when every row is greedy
     any_greedy: bool = True  # known on the host: no device sync to branch on it
-    penalties: "Penalties | None" = None
+    penalties: Penalties | None = None
     edits: LogitsEdits | None = None
     num_top_logprobs: int | None = None  # the most top logprobs any row asked for; None: no row asked
     raw_logprobs: bool = False
@@ -109,27 +109,38 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 _M32 = 0xFFFFFFFF
+_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)  # odd, below 2^31: no int64 product overflows
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 tensors holding values in
-    [0, 2^32): multipliers below 2^31 keep every product inside int64, so nothing overflows."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _M32
-    x = x ^ (x >> 12)
-    x = (x * 0x297A2D39) & _M32
+    """A 32-bit integer hash (xor-shift-multiply rounds, a bijection of [0, 2^32)) of int64
+    tensors holding values in [0, 2^32)."""
+    for mult, shift in zip(_MULTIPLIERS, (16, 15, 12)):
+        x = ((x ^ (x >> shift)) * mult) & _M32
     return x ^ (x >> 15)
 
 
-def counter_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """One uniform in (0, 1] per row, a pure function of (seed, position): the halves of a
-    64-bit seed and the index of the token being sampled, int64 tensors with values in
-    [0, 2^32). Counter-based (a hash, not a generator's state), so a seeded row's draw needs
-    no per-row generator call and does not depend on the batch, the device or how the engine
-    was restarted; 53 bits, as fine as a float64 uniform gets."""
-    h = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(position & _M32)))
+def mix32(x: int) -> int:
+    """_mix32 of one Python int (the host's side: a seed's key)."""
+    for mult, shift in zip(_MULTIPLIERS, (16, 15, 12)):
+        x = ((x ^ (x >> shift)) * mult) & _M32
+    return x ^ (x >> 15)
+
+
+def seed_key(seed: int) -> int:
+    """A 64-bit seed folded into the 32-bit key of its stream (computed once, on the host)."""
+    seed %= 2**64
+    return mix32((seed & _M32) ^ mix32(seed >> 32))
+
+
+def counter_uniforms(key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1] per row, a pure function of (seed key, position): int64 tensors
+    with values in [0, 2^32), the key from `seed_key`, the position the index of the token
+    being sampled. Counter-based (a hash, not a generator's state), so a seeded row's draw
+    needs no per-row generator call and does not depend on the batch, the device or how the
+    engine was restarted; 53 bits, as fine as a float64 uniform gets. The position is mixed
+    before the key joins, so two keys never give shifted copies of one stream."""
+    h = _mix32(key ^ _mix32(position & _M32))
     hi = h >> 6  # 26 bits
     lo = _mix32(h ^ 0x5BD1E995) >> 5  # 27 more
     return ((hi << 27) + lo + 1).double() * 2.0**-53
@@ -144,7 +155,7 @@ def uniform_noise(shared: torch.Generator, rows: int, device) -> torch.Tensor:
 def block_size_for(vocab: int) -> int:
     """Columns per block: a divisor of the vocabulary near sqrt(V) when there is one (no padding
     copy), else 1024. Small blocks keep the in-block float64 cumsum cheap."""
-    target = max(64, int(math.isqrt(vocab)))
+    target = max(64, math.isqrt(vocab))
     for size in range(target, min(vocab, 4 * target) + 1):
         if vocab % size == 0:
             return size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-
+from engine.sampler import seed_key
 from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -42,6 +42,9 @@ class Sequence:
         # ignore_eos, stop_token_ids), and the bad words as token sequences
         self.min_tokens_bans: tuple[int, ...] = ()
         self.bad_words: list[list[int]] = []
+        # the key of this sample's noise stream (sample i of n uses seed + i, as vLLM): see
+        # engine/sampler.counter_uniforms; None without a seed (the shared generator's draws)
+        self.seed_key: int | None = None if params.seed is None else seed_key(params.seed + index)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -96,7 +96,7 @@ def test_allowed_token_ids_as_hf_prefix_constraint(llm, hf_models):
 
 def test_logprobs_zero_gives_the_sampled_token_with_its_rank(llm):
     prompt = random_prompts(1, 10, 10, 2000, seed=43)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=8, logprobs=0, seed=5), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, logprobs=0, seed=5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.top_logprobs) == 8
     for tok, lp, entry in zip(out.token_ids, out.logprobs, out.top_logprobs):
         assert list(entry) == [tok] and isinstance(entry[tok], Logprob)

@@ -20,6 +20,9 @@ from engine.sampler import (
     apply_top_k_top_p,
     block_size_for,
     counter_uniforms,
+    _mix32,
+    mix32,
+    seed_key,
     inverse_cdf,
     sample,
     uniform_noise,
@@ -249,8 +252,8 @@ def test_greedy_with_a_repetition_penalty_avoids_the_repeated_token():
 
 
 def _counter(seeds: list[int], positions: list[int]) -> torch.Tensor:
-    s = torch.tensor(seeds, dtype=torch.long)
-    return counter_uniforms(s & 0xFFFFFFFF, s >> 32, torch.tensor(positions, dtype=torch.long))
+    keys = torch.tensor([seed_key(s) for s in seeds], dtype=torch.long)
+    return counter_uniforms(keys, torch.tensor(positions, dtype=torch.long))
 
 
 def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
@@ -261,6 +264,14 @@ def test_a_seeded_draw_depends_on_its_seed_and_position_alone():
     assert _counter([42], [4])[0] != a[1]  # the next position draws anew
     assert _counter([42 + 2**32], [3])[0] != a[1]  # the seed's high half counts
     assert bool(((a > 0) & (a <= 1)).all())
+    assert _counter([-1], [0])[0] == _counter([2**64 - 1], [0])[0]  # a seed is taken mod 2^64
+
+
+def test_the_host_and_device_hashes_agree_and_are_bijections():
+    xs = torch.randint(0, 2**32, (1000,), generator=torch.Generator().manual_seed(0))
+    assert _mix32(xs).tolist() == [mix32(x) for x in xs.tolist()]
+    small = torch.arange(2**16)
+    assert _mix32(small).unique().numel() == 2**16  # no collisions on a dense range
 
 
 def test_counter_uniforms_are_uniform_and_independent_across_positions_and_seeds():

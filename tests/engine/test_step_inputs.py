@@ -49,3 +49,22 @@ def test_greedy_exact_whatever_the_cut(cost, model_dirs, hf_models):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_layers_compute_what_hf_layers_do_bit_for_bit(arch, model_dirs):
+    """The fused decoder layers (engine/fused_layers.py) do HF's arithmetic op for op: the
+    same prompts give identical logits, in prefill (with a cached prefix) and decode."""
+    from engine import fused_layers
+
+    prompts = random_prompts(6, 3, 40, 2000, seed=5)
+    prompts.append(prompts[0][:10] + [7, 8, 9])  # extends a cached prefix: the gathered-prefill path
+    runs = {}
+    for fuse in (True, False):
+        llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=128, fuse_layers=fuse))
+        assert (fused_layers.unsupported(llm.core.runner.model) is None) and (
+            llm.core.runner.model.model.layers[0].forward.__func__ is fused_layers._layer_forward) == fuse
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+                           use_tqdm=False)
+        runs[fuse] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out]
+    assert runs[True] == runs[False]

@@ -1,0 +1,73 @@
+"""Decoder layers of the Llama-shaped models (llama, qwen2, mistral) as one short function each.
+
+HF's layer spends ~80 aten ops on a decode step (views and transposes into and out of its
+[B, H, T, d] layout, rotate_half's slices and cat, the attention interface's reshapes); each is
+a kernel launch or a dispatch on the host, and a GPU decode step is bound by them. This forward
+keeps the tokens as [T, heads, d] from the projections to the cache, rotates with one flip, and
+hands decode straight to the paged attention (engine/attention.py): about 50 ops a layer. It
+calls the layer's own modules (norms, projections, activation), so the parameters, their names,
+weight pushes and LoRA hooks are HF's, and the arithmetic is HF's op for op (the rotation's
+flip and sign are exact), so greedy output stays token-for-token HF's.
+
+A model of another architecture, or one using a feature this does not implement (sliding
+windows, q/k norms), keeps HF's layers with the paged attention plugged into them.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from engine import attention
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+def unsupported(model) -> str | None:
+    """Why the fused forward cannot run this model (None: it can)."""
+    cfg = model.config
+    if cfg.model_type not in ARCHS:
+        return f"model type {cfg.model_type!r}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral"):
+        return "sliding-window attention"
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    if any(hasattr(attn, n) for n in ("q_norm", "k_norm")) or not all(
+        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+    ):
+        return f"attention module {type(attn).__name__}"
+    if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return f"MLP module {type(layer.mlp).__name__}"
+    return None
+
+
+def fuse(model) -> bool:
+    """Give every decoder layer the fused forward; False (and nothing changed) when the model
+    is not one it supports."""
+    if unsupported(model) is not None:
+        return False
+    for layer in model.model.layers:
+        layer.forward = types.MethodType(_layer_forward, layer)
+    return True
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding, x * cos + rotate_half(x) * sin, with rotate_half as a flip of the
+    two halves whose sign (-1 on the first half) is folded into `sin_signed`: exact."""
+    t, h, d = x.shape
+    return x * cos + x.view(t, h, 2, d // 2).flip(2).view(t, h, d) * sin_signed
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
+    attn, mlp = self.self_attn, self.mlp
+    x = self.input_layernorm(hidden_states)
+    t, d = x.shape[1], attn.head_dim
+    q = attn.q_proj(x).view(t, -1, d)
+    k = attn.k_proj(x).view(t, -1, d)
+    v = attn.v_proj(x).view(t, -1, d)
+    cos, sin_signed = attention.rope_tables(position_embeddings)
+    out = attention.attend(attn.layer_idx, _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed), v, attn.scaling)
+    h = hidden_states + attn.o_proj(out.view(1, t, -1))
+    y = self.post_attention_layernorm(h)
+    return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))
