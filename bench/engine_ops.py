@@ -155,22 +155,31 @@ def main(argv: list[str] | None = None) -> None:
     goal = OPS_PER_LAYER_GOAL * layers + OPS_FIXED_GOAL
     print(f"tiny model: {layers} layers; goal per decode step: <= {goal} aten ops, <= {FROM_PYTHON_GOAL} "
           f"tensors from Python data, {SYNCS_GOAL} sync")
-    print(f"{'batch':>5} {'groups':>6} {'seeds':>5} | {'decode ops':>10} {'(views)':>7} {'from py':>7} {'syncs':>5} "
-          f"| {'prefill ops':>11} {'from py':>7} {'syncs':>5}")
+    print("decode ops: as the CPU cuts the batch (chunks where padding costs more than a chunk) and with the "
+          "batch in one chunk (the cut on a GPU)")
+    print(f"{'batch':>5} {'groups':>6} {'seeds':>5} | {'decode ops':>10} {'(views)':>7} {'1 chunk':>7} {'from py':>7} "
+          f"{'syncs':>5} | {'prefill ops':>11} {'from py':>7} {'syncs':>5}")
     largest = None
     for batch in batches:
         for groups in (1, 8):
             for seeded in (True, False):
-                pre, dec = count_steps(core, prompts_for(batch, groups, vocab, bs), seeded)
-                largest = dec if batch == max(batches) and groups == 8 and seeded else largest
+                prompts = prompts_for(batch, groups, vocab, bs)
+                pre, dec = count_steps(core, prompts, seeded)
+                core.runner.decode_chunk_cost = float("inf")
+                _, one = count_steps(core, prompts, seeded)
+                core.runner.decode_chunk_cost = 1.0
+                largest = one if batch == max(batches) and groups == 8 and seeded else largest
                 print(f"{batch:>5} {groups:>6} {'yes' if seeded else 'no':>5} | {dec.ops:>10} {dec.views:>7} "
-                      f"{dec.from_python:>7} {dec.syncs:>5} | {pre.ops:>11} {pre.from_python:>7} {pre.syncs:>5}")
+                      f"{one.ops:>7} {dec.from_python:>7} {dec.syncs:>5} | {pre.ops:>11} {pre.from_python:>7} "
+                      f"{pre.syncs:>5}")
     if largest is not None and args.top:
-        print(f"most frequent ops of the batch-{max(batches)} 8-group seeded decode step:",
+        print(f"most frequent ops of the batch-{max(batches)} 8-group seeded one-chunk decode step:",
               ", ".join(f"{k} {v}" for k, v in largest.by_op.most_common(args.top)))
     b = max(batches)
-    tps = decode_tokens_per_s(core, prompts_for(b, 8, vocab, bs), args.seconds)
-    print(f"tiny model decode, batch {b}, 8 length groups, seeded: {tps:.0f} tok/s")
+    for cost, label in ((1.0, "CPU cut"), (float("inf"), "one chunk")):
+        core.runner.decode_chunk_cost = cost
+        tps = decode_tokens_per_s(core, prompts_for(b, 8, vocab, bs), args.seconds)
+        print(f"tiny model decode, batch {b}, 8 length groups, seeded, {label}: {tps:.0f} tok/s")
     if args.real:
         real_decode(args.real, args.seconds)
 
@@ -184,9 +193,11 @@ def real_decode(name: str, seconds: float) -> None:
     params = sum(p.numel() for p in core.runner.model.parameters())
     prompts = prompts_for(64, 8, core.runner.vocab_size, core.cfg.block_size)
     peak = probe_peak("float32")
-    tps = decode_tokens_per_s(core, prompts, seconds * 3)
-    print(f"{name} decode, batch 64, fp32: {tps:.1f} tok/s = {2 * params * tps / 1e9:.1f} GFLOP/s, "
-          f"{2 * params * tps / peak:.1%} of the {peak / 1e9:.1f} GFLOP/s matmul peak probed")
+    for cost, label in ((1.0, "CPU cut"), (float("inf"), "one chunk")):
+        core.runner.decode_chunk_cost = cost
+        tps = decode_tokens_per_s(core, prompts, seconds * 3)
+        print(f"{name} decode, batch 64, fp32, {label}: {tps:.1f} tok/s = {2 * params * tps / 1e9:.1f} GFLOP/s, "
+              f"{2 * params * tps / peak:.1%} of the {peak / 1e9:.1f} GFLOP/s matmul peak probed")
 
 
 if __name__ == "__main__":
