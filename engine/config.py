@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -10,12 +11,31 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype a checkpoint's config.json names (`dtype`, or `torch_dtype` before transformers 5)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return name if name in _DTYPES else None
+
+
+def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
+    """The engine's dtype. "auto" is the checkpoint's own on a GPU (vLLM's rule: a bf16 model
+    serves in bf16, half the bytes of float32 per weight, per push and per KV entry) and float32
+    on the CPU (whose matmuls run bf16 slower than float32 without AMX)."""
+    if dtype == "auto":
+        return (checkpoint_dtype(model_dir) or "float32") if device.startswith("cuda") else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
 @dataclass
 class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to `model`
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's dtype on CUDA (bf16 for most), float32 on CPU
     max_num_seqs: int = 64  # sequences in the running batch
     max_model_len: int = 1024  # prompt + completion tokens
     max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(4096, max_model_len)
@@ -35,12 +55,14 @@ class EngineConfig:
     # Llama-shaped models (llama, qwen2, mistral) run their decoder layers as one short function
     # each (engine/fused_layers.py: ~50 aten ops a layer instead of ~80); False keeps HF's layers
     fuse_layers: bool = True
+    # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
+    # copy (rollout.serve sets it when --overlap-receive is on)
+    reserve_push_staging: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} does not exist or has no config.json")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.dtype = resolve_dtype(self.dtype, self.device, self.model)
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

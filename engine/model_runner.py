@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import attention, fused_layers, step_inputs
+from engine import attention, fused_layers, gpu_memory, step_inputs
 from engine.config import EngineConfig
 from engine.logits_processors import build_edits, sequence_bans
 from engine.sampler import (
@@ -110,8 +110,7 @@ class ModelRunner:
         self.num_kv_heads = mc.num_key_value_heads
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.block_size = cfg.block_size
-        self.num_blocks = self._num_blocks()
-        self.allocate_kv_cache()
+        self.k_cache = self.v_cache = self._gather = self._cache_views = None
         # noise is drawn where the logits are: no batch x vocab copy to the device per step
         self.shared_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.forward_seconds = 0.0
@@ -124,6 +123,8 @@ class ModelRunner:
         self.packed_prefill = self.device.type == "cuda"
         self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
         self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
+        self.num_blocks = self._num_blocks()  # on CUDA after a profile run, which needs all of the above
+        self.allocate_kv_cache()
 
     def _num_blocks(self) -> int:
         cfg = self.cfg
@@ -141,13 +142,65 @@ class ModelRunner:
                                min_blocks)
 
     def _kv_budget_bytes(self, one_sequence: int) -> int:
-        """What the KV cache may take: on CUDA, gpu_memory_utilization of the GPU less what is in
-        use already (the weights, other processes); on CPU, kv_cache_memory_gb (a cap of the
-        automatic size: one full-length sequence always gets room)."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return int(total * self.cfg.gpu_memory_utilization) - (total - free)
-        return max(int(self.cfg.kv_cache_memory_gb * 2**30), one_sequence)
+        """What the KV cache may take: on CUDA, gpu_memory_utilization of the GPU's total less
+        this engine's measured peak beside the cache (engine/gpu_memory.py); on CPU,
+        kv_cache_memory_gb (a cap of the automatic size: one full-length sequence always gets room)."""
+        if self.device.type != "cuda":
+            return max(int(self.cfg.kv_cache_memory_gb * 2**30), one_sequence)
+        peak = self.profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = self.weight_bytes() if self.cfg.reserve_push_staging else 0
+        return gpu_memory.kv_budget_bytes(total, free, self.cfg.gpu_memory_utilization,
+                                          torch.cuda.memory_reserved(self.device), peak, reserve)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """The most memory this engine holds beside its KV cache (CUDA): a forward of the largest
+        prefill a step holds and sampling of the largest batch (top-p: the sort's temporaries),
+        with the decode gather buffers allocated at their largest, on a scratch one-block cache."""
+        cfg, dev = self.cfg, self.device
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        self._gather = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        saved = self.k_cache, self.v_cache, self._cache_views
+        self.k_cache = torch.zeros((self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
+                                   dtype=cfg.torch_dtype, device=dev)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
+        self._gather_buffers(cfg.max_num_seqs * max_blocks)
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        whole, rest = divmod(tokens, cfg.max_model_len)
+        lengths = [cfg.max_model_len] * whole + ([rest] if rest else [])
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
+        ctx = attention.AttnContext(
+            is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache,
+            slot_mapping=torch.zeros(tokens, dtype=torch.long, device=dev),
+            prefill_spans=[(a, a + n, 0, None) for a, n in zip(starts, lengths)],
+            packed_mask=attention.packed_causal_mask(seg) if self.packed_prefill and len(lengths) > 1 else None,
+            **self._cache_views)
+        attention.set_context(ctx)
+        try:
+            pos = torch.cat([torch.arange(n, device=dev) for n in lengths])
+            ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+            keep = torch.arange(min(tokens, cfg.max_num_seqs), device=dev)
+            logits = self.model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False,
+                                logits_to_keep=keep).logits[0].float()
+            rows = cfg.max_num_seqs
+            logits = logits[:1].expand(rows, -1).contiguous()
+            t = SamplingTensors(torch.ones(rows, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
+                                uniforms=uniform_noise(self.shared_generator, rows, dev), any_greedy=False)
+            sample(logits, t)
+            torch.cuda.synchronize(dev)
+            return torch.cuda.max_memory_allocated(dev)
+        finally:
+            attention.set_context(None)
+            self.k_cache, self.v_cache, self._cache_views = saved
+            torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers

@@ -44,7 +44,7 @@ class WeightSyncCalls:
         world = 1 + sum(workers)
         if self.sender is None:
             kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-            self.sender = WeightSender(device=device, timeout_s=timeout_s, **kw)
+            self.sender = WeightSender(device=device, timeout_s=timeout_s, dtype=wire_dtype(health), **kw)
         info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
         offsets = list(itertools.accumulate([1] + workers[:-1]))
         sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
@@ -175,9 +175,8 @@ class WeightSyncCalls:
     async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float, on_sent) -> dict:
         from weight_sync.sender import WeightSender
         from weight_sync.shared import export_weights
-        from weight_sync.trainer_weights import named_weights
-
         from weight_sync.trainer_ranks import DONE, tell_peers
+        from weight_sync.trainer_weights import named_weights
 
         if self.sender is None:
             self.sender = WeightSender(timeout_s=timeout_s)
@@ -253,3 +252,14 @@ class PushHandle:
 
     def __repr__(self) -> str:
         return f"PushHandle(version={self.version}, {'done' if self.done() else 'swapping'})"
+
+
+def wire_dtype(health: list[dict]):
+    """The dtype a push travels in: the engines' own, when they all hold one (an fp32 trainer
+    sends a bf16 engine bf16, half the bytes and no cast at commit); None (each tensor's own)
+    when they differ or do not say."""
+    import torch
+
+    names = {h.get("dtype") for h in health}
+    name = names.pop() if len(names) == 1 else None
+    return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else None

@@ -312,7 +312,7 @@ class RolloutManager:
         serving = sum(s["state"] == "live" for s in states)
         out = {"ok": serving == len(self.engines), "version": self.version, "engines": serving,
                "workers": sum(workers_of(self.engines[i]) for i in sup.up()), "engine_states": states, "protocol": PROTOCOL_VERSION,
-               "pushing": pushing}
+               "pushing": pushing, "dtype": self.engines[0].cfg.dtype}  # the weights' dtype: pushes travel in it
         if serving < len(self.engines):
             out["reason"] = "; ".join(f"engine {i} {s['state']}" + (f": {s['reason']}" if s.get("reason") else "")
                                       for i, s in enumerate(states) if s["state"] != "live")

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: share of each engine's GPU it may fill (KV cache included; default 0.9); lower it "
                         "when a trainer shares the GPU. --engine vllm on CPU: the share of memory vLLM wants free "
                         "at start (default 0.3), checked only when VLLM_CPU_KVCACHE_SPACE is unset")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' and KV cache's dtype; auto: the checkpoint's on a GPU, float32 on the CPU "
+                        "(a trainer's pushes travel in it)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
     p.add_argument("--pause-mode", default="keep", choices=["abort", "wait", "keep"],
@@ -211,7 +213,7 @@ def _engine_factory(args, model: str, devices: list[str]):
     from engine import AsyncEngine
 
     def make_engine(i: int, standby=None) -> AsyncEngine:
-        cfg = config(i, lora_versions=args.lora_versions,
+        cfg = config(i, lora_versions=args.lora_versions, reserve_push_staging=args.overlap_receive == "on",
                      worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
         return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
 

@@ -150,7 +150,7 @@ class WeightSyncGroup:
     # -- forming ----------------------------------------------------------------------------
     @classmethod
     def master(cls, *, host: str = "127.0.0.1", port: int = 0, world_size: int, timeout_s: float = 60.0,
-               device: torch.device | str = "cpu", group_name: str | None = None) -> "WeightSyncGroup":
+               device: torch.device | str = "cpu", group_name: str | None = None) -> WeightSyncGroup:
         """Rank 0: create the store now (so the port is known), rendezvous later with `join()`."""
         store = create_master_store(host, port, world_size, timeout_s)
         g = cls(host=host, port=store.port, world_size=world_size, rank=0, group_name=group_name or new_group_name(),
@@ -161,7 +161,7 @@ class WeightSyncGroup:
 
     @classmethod
     def connect(cls, *, host: str, port: int, world_size: int, rank: int, group_name: str, secret: str,
-                timeout_s: float = 60.0, device: torch.device | str = "cpu") -> "WeightSyncGroup":
+                timeout_s: float = 60.0, device: torch.device | str = "cpu") -> WeightSyncGroup:
         """Ranks >= 1: connect to the trainer's store and rendezvous (blocks until all ranks joined).
         `secret` is the one in the trainer's `connection_info()`: without it nothing is found."""
         g = cls(host=host, port=port, world_size=world_size, rank=rank, group_name=group_name, timeout_s=timeout_s,
@@ -182,7 +182,7 @@ class WeightSyncGroup:
     def _prefix_store(self, store: TCPStore | None = None) -> PrefixStore:
         return _group_keys(self.group_name, self._secret, store or self._store)
 
-    def join(self) -> "WeightSyncGroup":
+    def join(self) -> WeightSyncGroup:
         """Check the group's metadata, claim this rank, then form the backend (blocks for every rank)."""
         if self._pg is not None:
             return self
@@ -217,9 +217,21 @@ class WeightSyncGroup:
         if self.closed:  # closed by another thread while we waited for the others
             self.close()
             raise GroupError(f"weight-sync group {self.group_name!r} was closed while forming")
+        if self.backend_name == "nccl":
+            self._connect()
         log.info("rank %d/%d joined weight-sync group %s (%s) in %.2fs", self.rank, self.world_size,
                  self.group_name, self.backend_name, time.monotonic() - t0)
         return self
+
+    def _connect(self) -> None:
+        """NCCL creates its communicators at the first collective: one small broadcast here, so
+        an unreachable peer, a bad IB/P2P setup or a duplicate GPU fails the group's forming,
+        named, instead of the first push's vote."""
+        try:
+            self.wait(self.broadcast(torch.zeros(1, device=self.device)), "connecting the NCCL communicator")
+        except GroupError:
+            self.close()
+            raise
 
     def _check_placement(self, prefix: PrefixStore) -> None:
         """Every rank publishes its device and reads everyone's: two ranks on one GPU are named

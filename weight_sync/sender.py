@@ -31,13 +31,25 @@ import torch
 from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import FAILED_MARK, GroupError, WeightSyncGroup
+from weight_sync.lora import AdapterPush, push_source
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
-from weight_sync.trainer_weights import full, gather_context, list_weights, named_weights
-from weight_sync.lora import AdapterPush, push_source
+from weight_sync.trainer_weights import (
+    full,
+    gather_context,
+    list_weights,
+    named_weights,
+)
 from weight_sync.votes import (
-    VOTE_NEEDS_BASE, VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, NeedsBaseError, StaleManifestError, WeightSyncError,
-    commit_vote, manifest_vote,
+    VOTE_NEEDS_BASE,
+    VOTE_OK,
+    VOTE_STALE,
+    VOTE_UNREADABLE,
+    NeedsBaseError,
+    StaleManifestError,
+    WeightSyncError,
+    commit_vote,
+    manifest_vote,
 )
 
 log = logging.getLogger(__name__)
@@ -118,6 +130,10 @@ class WeightSender:
         self._buffers = [None, None]
 
     # -- pushes -----------------------------------------------------------------------------
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as a push sends it (cast to the wire dtype): what the engine holds after."""
+        return t.to(self._wire_dtype(t))
+
     def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.dtype.is_floating_point else t.dtype
 
@@ -193,13 +209,13 @@ class WeightSender:
         return manifest
 
     def checksum(self, weights) -> str:
-        """The checksum the engine's `weights_checksum()` reports after this push (same dtype).
+        """The checksum the engine's `weights_checksum()` reports after this push (in the wire dtype).
         A trainer of several ranks: the others call `follow_push(weights)` meanwhile."""
         weights = push_source(weights, "merged")  # a PEFT model: the engine merges what it is sent
         tell_peers(GATHER)
         try:
             with named_weights(weights) as named:
-                return weights_checksum((n, full(t)) for n, t in named)
+                return weights_checksum((n, self._on_wire(full(t))) for n, t in named)
         finally:
             tell_peers(DONE)
 

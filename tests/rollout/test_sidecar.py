@@ -353,3 +353,23 @@ def test_binding_off_loopback_needs_a_token(qwen2_dir):
 def test_help_is_there():
     r = subprocess.run([sys.executable, "-m", "rollout.serve", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--pause-mode" in r.stdout and "--max-staleness" in r.stdout
+
+
+def test_an_fp32_trainer_pushes_a_bf16_engine_in_bf16(qwen2_dir, trainer):
+    """The engines' dtype sets the wire dtype: half the bytes of the trainer's fp32, and the
+    engine holds exactly the trainer's weights rounded to bf16 (checksums in bf16 agree)."""
+    from weight_sync.sender import WeightSender
+
+    s = Sidecar(qwen2_dir, "--dtype", "bfloat16")
+    try:
+        with RolloutClient(s.url, token=TOKEN) as client:
+            client.init_weight_sync()
+            sender = client._client.sender
+            assert sender.dtype is torch.bfloat16
+            manifest = sender.prepare(trainer, version=1).manifest
+            assert {t.dtype for t in manifest.tensors} == {"bfloat16"}
+            assert manifest.total_bytes * 2 == WeightSender().prepare(trainer, version=1).manifest.total_bytes
+            client.push_weights(trainer, version=1)
+            assert client.weights_checksums() == [sender.checksum(trainer)]
+    finally:
+        s.stop()
