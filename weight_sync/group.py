@@ -319,9 +319,11 @@ class WeightSyncGroup:
         return torch.stack(gathered).amax(0).reshape(tensor.shape).cpu()
 
     def synchronize(self) -> None:
-        """Wait for device work issued on this group (NCCL runs on a CUDA stream)."""
+        """Wait for the device work this thread's collectives ordered: NCCL's waits make the
+        calling thread's current stream wait for them, so that stream is synchronized (a
+        receiving thread on a side stream does not wait for the forward's kernels, nor they for it)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- teardown ---------------------------------------------------------------------------
     def abort(self) -> None:

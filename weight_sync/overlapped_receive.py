@@ -5,6 +5,7 @@ protocol, in weight_sync/README.md ("Overlapped receive")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -82,9 +83,24 @@ class OverlappedReceive:
         self._ws_commit(m, staging, plan)
         return self._ws_done(m, t0, t1, t2, "broadcast, overlapped", len(m.buckets))
 
+    def _ws_receive_stream(self):
+        """The context the receiving thread runs in: on CUDA a stream of its own, so the staging
+        buffer is allocated there and NCCL's waits order that stream, not the default one the
+        forward runs on (a broadcast that never completes, from a dead trainer, would otherwise
+        queue every step behind it until the group is aborted)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if getattr(self, "_ws_side_stream", None) is None:
+            self._ws_side_stream = torch.cuda.Stream(self.device)
+        # after what the engine queued so far: the staging a push reuses may be memory the
+        # forward read before the last commit swapped it out
+        self._ws_side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._ws_side_stream)
+
     def _ws_stage(self, staged: _Staged, g: WeightSyncGroup, manifest, group_name: str | None) -> None:
         try:
-            ready = self._ws_arrive(g, manifest, group_name, lambda staging: setattr(staged, "staging", staging))
+            with self._ws_receive_stream():  # g.synchronize() then waits for this stream alone
+                ready = self._ws_arrive(g, manifest, group_name, lambda staging: setattr(staged, "staging", staging))
             if not staged.given_up:
                 staged.ready = ready
             del ready

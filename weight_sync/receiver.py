@@ -474,6 +474,9 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
                     p.copy_(view)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # staging may come from the receiving thread's stream: the forward reads it on this
+            # one now, so the allocator must not hand it out again before this stream is past it
+            staging.record_stream(torch.cuda.current_stream(self.device))
         if m.adapter is not None:
             self._ws_adapter_committed(m, staging, plan)
             if not m.adapter.with_base:
