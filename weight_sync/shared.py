@@ -25,6 +25,7 @@ from weight_sync.manifest import Manifest, dtype_name
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rollout-weights-"
 _SHM_FILES: dict[int, str] = {}  # storage data_ptr -> the /dev/shm file behind it (this process's)
+_CUDA_HANDLES: dict[tuple, dict] = {}  # (data_ptr, nbytes) of a storage -> its CUDA IPC handle, shared once
 
 
 def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -102,12 +103,21 @@ def export_weights(manifest: Manifest, named: list[tuple[str, torch.Tensor]]) ->
                              "weight_sync.flatten_parameters(model, shared=True) once, before training")
     offset = base - storage.data_ptr()
     if storage.device.type == "cuda":
-        (device, handle, size, storage_offset, rc_handle, rc_offset, event_handle,
-         event_sync) = storage._share_cuda_()
-        return {"kind": "cuda", "device": int(device), "handle": bytes(handle), "size": int(size),
+        # The engine copies out of this buffer as soon as it has the handle, on its own stream:
+        # every write the trainer queued (its optimizer step) must be done first, at every push
+        # (the IPC event below orders only the engine's first mapping, which it then keeps).
+        torch.cuda.synchronize(storage.device)
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in _CUDA_HANDLES:  # each _share_cuda_ call takes an IPC reference: once per buffer
+            (device, handle, size, storage_offset, rc_handle, rc_offset, event_handle,
+             event_sync) = storage._share_cuda_()
+            _CUDA_HANDLES[key] = {
+                "kind": "cuda", "device": int(device), "handle": bytes(handle), "size": int(size),
                 "storage_offset": int(storage_offset), "ref_counter_handle": bytes(rc_handle),
                 "ref_counter_offset": int(rc_offset), "event_handle": bytes(event_handle or b""),
-                "event_sync_required": bool(event_sync), "offset": int(offset), "nbytes": manifest.layout_bytes}
+                "event_sync_required": bool(event_sync),
+                "gpu_uuid": str(torch.cuda.get_device_properties(storage.device).uuid)}
+        return {**_CUDA_HANDLES[key], "offset": int(offset), "nbytes": manifest.layout_bytes}
     path = _SHM_FILES.get(storage.data_ptr())
     if path is None:
         raise ValueError("the weights are not in shared memory: call weight_sync.flatten_parameters(model, "
@@ -132,8 +142,12 @@ def open_weights(handle: dict) -> torch.Tensor:
         return buf[offset:offset + nbytes]
     if handle["kind"] == "cuda":
         torch.cuda._lazy_init()
+        device = handle["device"]
+        if handle.get("gpu_uuid"):  # the trainer's index may name another GPU here (CUDA_VISIBLE_DEVICES)
+            uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+            device = local_cuda_index(handle["gpu_uuid"], uuids)
         storage = torch.UntypedStorage._new_shared_cuda(
-            handle["device"], handle["handle"], handle["size"], handle["storage_offset"],
+            device, handle["handle"], handle["size"], handle["storage_offset"],
             handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"] or None,
             handle["event_sync_required"])
         if offset + nbytes > storage.nbytes():
@@ -141,3 +155,13 @@ def open_weights(handle: dict) -> torch.Tensor:
                              f"{offset + nbytes}")
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, offset, (nbytes,))
     raise ValueError(f"unknown shared-memory kind {handle.get('kind')!r}")
+
+
+def local_cuda_index(gpu_uuid: str, visible_uuids: list[str]) -> int:
+    """This process's index of the GPU whose UUID is `gpu_uuid` (processes with different
+    CUDA_VISIBLE_DEVICES, or containers, number one GPU differently). Raises ValueError when
+    the trainer's GPU is not visible here: a colocated push needs the same GPU."""
+    if gpu_uuid not in visible_uuids:
+        raise ValueError(f"the trainer's GPU ({gpu_uuid}) is not one this engine sees ({', '.join(visible_uuids) or 'none'}):"
+                         " a shared push needs trainer and engine on one GPU; push over the group instead")
+    return visible_uuids.index(gpu_uuid)

@@ -117,3 +117,14 @@ def test_a_killed_owners_shared_memory_is_swept_and_a_live_owners_is_kept(tmp_pa
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_cuda_handle_names_its_gpu_by_uuid_not_by_index():
+    """Processes with different CUDA_VISIBLE_DEVICES number one GPU differently: the engine
+    opens the trainer's buffer on its own index of the trainer's GPU, or refuses by name."""
+    from weight_sync.shared import local_cuda_index
+
+    assert local_cuda_index("GPU-b", ["GPU-a", "GPU-b"]) == 1
+    assert local_cuda_index("GPU-b", ["GPU-b"]) == 0
+    with pytest.raises(ValueError, match=r"the trainer's GPU \(GPU-c\) is not one this engine sees"):
+        local_cuda_index("GPU-c", ["GPU-a", "GPU-b"])
