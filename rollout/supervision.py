@@ -240,7 +240,7 @@ class EngineSupervisor:
             return
         path = _owned_dir(HOST_COPY_PREFIX)
         try:
-            out = await self.engines[live[0]].collective_rpc("save_weights", args=(path, version))
+            out = await save_in_background(self.engines[live[0]], path, version)
         except BaseException as e:  # cancelled (close) too: a half-written copy is removed either way
             shutil.rmtree(path, ignore_errors=True)
             if not isinstance(e, Exception):
@@ -250,7 +250,7 @@ class EngineSupervisor:
         old, self._host_dir, self._host_version = self._host_dir, path, version
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        log.debug("host copy of version %d: %s", version, out[0])
+        log.debug("host copy of version %d: %s", version, out)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _set(self, i: int, state: str) -> None:
@@ -274,3 +274,15 @@ class EngineSupervisor:
         if self._standby is not None and self._standby.poll() is None:
             self._standby.kill()
             self._standby.wait()
+
+
+async def save_in_background(engine, path: str, version: int, poll_s: float = 0.05) -> dict:
+    """An engine's weights written to `path` by a thread of its worker (save_weights with
+    background=True): the engine stops only for the host snapshot, not for the write; polled
+    between its steps until written. Raises what the write raised."""
+    started = (await engine.collective_rpc("save_weights", args=(path, version), kwargs={"background": True}))[0]
+    while True:
+        done = (await engine.collective_rpc("saved_weights", args=(path,)))[0]
+        if done is not None:
+            return {**done, "snapshot_seconds": started.get("snapshot_seconds")}
+        await asyncio.sleep(poll_s)

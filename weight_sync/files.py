@@ -29,10 +29,6 @@ MANIFEST_FILE = "manifest.json"
 def write_safetensors(weights, path: str | os.PathLike, version: int, dtype: torch.dtype | None = None) -> Manifest:
     """Write a push of `weights` (module or (name, tensor) pairs, as WeightSender takes) to the
     directory `path`; returns its manifest (also saved as manifest.json)."""
-    from safetensors.torch import save_file
-
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     with named_weights(weights) as named:
         tensors = {}
         for name, t in named:
@@ -40,11 +36,43 @@ def write_safetensors(weights, path: str | os.PathLike, version: int, dtype: tor
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             tensors[name] = t.detach().to("cpu").contiguous()
-        manifest = build_manifest([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()], version,
-                                  DEFAULT_BUCKET_BYTES)
-        tmp = os.path.join(path, f".{WEIGHTS_FILE}.tmp")
-        save_file(tensors, tmp, metadata={"version": str(int(version)), "push_id": manifest.push_id})
-        del tensors
+    return write_tensors(tensors, path, version)
+
+
+def host_snapshot(named) -> tuple[dict[str, torch.Tensor], object]:
+    """A copy of (name, tensor) pairs in host memory, for writing in the background while the
+    engine goes on (and a later push changes its weights). On CUDA: pinned buffers filled on a
+    stream of their own, so the engine's thread only queues the copies; returns the event that
+    marks them done (None on CPU, where the copy is made here)."""
+    cuda = [t for _, t in named if t.is_cuda]
+    if not cuda:
+        return {n: t.detach().clone() for n, t in named}, None
+    device = cuda[0].device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))  # after the commit that made these weights
+    out = {}
+    with torch.cuda.stream(side):
+        for n, t in named:
+            out[n] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
+            t.record_stream(side)
+    done = torch.cuda.Event()
+    done.record(side)
+    return out, done
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, version: int, ready=None) -> Manifest:
+    """Write host tensors as a push directory (weights, then manifest.json: a reader that sees
+    the manifest sees a whole push). `ready`: an event to wait for first (host_snapshot's)."""
+    from safetensors.torch import save_file
+
+    if ready is not None:
+        ready.synchronize()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    manifest = build_manifest([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()], version,
+                              DEFAULT_BUCKET_BYTES)
+    tmp = os.path.join(path, f".{WEIGHTS_FILE}.tmp")
+    save_file(tensors, tmp, metadata={"version": str(int(version)), "push_id": manifest.push_id})
     os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
     tmp = os.path.join(path, f".{MANIFEST_FILE}.tmp")
     with open(tmp, "wb") as f:

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +77,7 @@ class _SyncState:
     w0: dict | None = None  # target weight name -> its base tensor
     lora_spare: dict | None = None  # target weight name -> a buffer for its next merge (keep_staging)
     torn: bool = False  # an in-place push failed after writing (weight_sync.inplace_receive): restart
+    saves: dict = field(default_factory=dict)  # path -> (thread, outcome) of a background save_weights
 
 
 class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
@@ -288,15 +290,43 @@ class WeightSyncExtension(OverlappedReceive, AdapterReceive, InplaceReceive):
         self._ws_commit(m, staging)
         return self._ws_done(m, t0, t0, t1, "safetensors", 0)
 
-    def save_weights(self, path: str, version: int) -> dict:
+    def save_weights(self, path: str, version: int, background: bool = False) -> dict:
         """Write this worker's weights as a push directory (`weight_sync.files`) that another
         engine can `load_weights_from_path`: how a restarted engine catches up from a sibling or
-        from the sidecar's host copy without the trainer."""
-        from weight_sync.files import write_safetensors
+        from the sidecar's host copy without the trainer. `background=True`: only a host
+        snapshot is taken here (on CUDA, copies queued on a side stream into pinned memory);
+        a thread writes it while the engine steps, and `saved_weights(path)` says when it is done."""
+        from weight_sync.files import host_snapshot, write_tensors
 
         t0 = time.perf_counter()
-        m = write_safetensors(list(self._served_weights()), path, version)  # unmerged LoRA: the newest merged
-        return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+        tensors, ready = host_snapshot(list(self._served_weights()))  # unmerged LoRA: the newest merged
+        if not background:
+            m = write_tensors(tensors, path, version, ready)
+            return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+        saves = self._ws().saves
+        done: dict = {}
+
+        def write():
+            try:
+                m = write_tensors(tensors, path, version, ready)
+                done["result"] = {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+            except BaseException as e:  # noqa: BLE001 - handed to saved_weights
+                done["error"] = f"{type(e).__name__}: {e}"
+
+        saves[path] = (threading.Thread(target=write, name="weight-sync-save", daemon=True), done)
+        saves[path][0].start()
+        return {"path": path, "pending": True, "snapshot_seconds": time.perf_counter() - t0}
+
+    def saved_weights(self, path: str) -> dict | None:
+        """A background save_weights: None while it writes; its result once written; raises
+        RuntimeError with its error if it failed (and forgets it either way)."""
+        thread, done = self._ws().saves[path]
+        if thread.is_alive():
+            return None
+        del self._ws().saves[path]
+        if "error" in done:
+            raise RuntimeError(f"writing the weights to {path} failed: {done['error']}")
+        return done["result"]
 
     def _ws_shared_source(self, handle: dict, open_weights) -> torch.Tensor:
         """The trainer's shared buffer, mapped once and kept while the handle stays the same (a

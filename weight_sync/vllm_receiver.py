@@ -136,11 +136,16 @@ class _VllmSyncExtension(WeightSyncExtension):
             return [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in committed]
         return list(load_checkpoint(self.vllm_config.model_config.model, self._vllm_serving_dtype()))
 
-    def save_weights(self, path: str, version: int) -> dict:
+    def save_weights(self, path: str, version: int, background: bool = False) -> dict:
         """Rank 0 writes the engine's weights (every rank holds them whole); other ranks write nothing."""
         if self.rank != 0:
             return {"path": path, "bytes": 0, "seconds": 0.0}
-        return super().save_weights(path, version)
+        return super().save_weights(path, version, background)
+
+    def saved_weights(self, path: str) -> dict | None:
+        if self.rank != 0:
+            return {"path": path, "bytes": 0, "seconds": 0.0}
+        return super().saved_weights(path)
 
     # -- the in-place receive: streamed into vLLM's loaders --------------------------------------
     def _ws_write_buckets(self, g, m: Manifest) -> int:
