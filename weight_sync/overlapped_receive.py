@@ -26,7 +26,7 @@ class _Staged:
     """An overlapped push received on a thread of its own while the engine steps."""
 
     thread: threading.Thread
-    group: "WeightSyncGroup"  # the group it arrives over (a later group's push may replace it)
+    group: WeightSyncGroup  # the group it arrives over (a later group's push may replace it)
     error: BaseException | None = None
     ready: tuple | None = None  # (manifest, staging buffer, commit plan, t0, t1, t2) once every byte is in
     staging: torch.Tensor | None = None  # the buffer its bytes arrive in, while the thread runs

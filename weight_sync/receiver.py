@@ -38,17 +38,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weight_sync.adapter_receive import NEEDS_BASE, AdapterReceive
 from weight_sync.checksum import weights_checksum as _checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
-from weight_sync.adapter_receive import NEEDS_BASE, AdapterReceive
 from weight_sync.inplace_receive import InplaceReceive
+from weight_sync.manifest import (
+    DTYPES,
+    Manifest,
+    model_params,
+    param_infos,
+    validate_manifest,
+)
 from weight_sync.overlapped_receive import OverlappedReceive
 from weight_sync.staging_memory import alloc, drop_pages, st_dtype, whole
-from weight_sync.manifest import (
-    DTYPES, Manifest, model_params, param_infos, validate_manifest,
+from weight_sync.votes import (
+    VOTE_NEEDS_BASE,
+    VOTE_OK,
+    VOTE_REFUSED,
+    PushRefused,
+    commit_vote,
+    manifest_vote,
 )
-from weight_sync.votes import VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote
 
 log = logging.getLogger(__name__)
 
