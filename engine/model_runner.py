@@ -447,15 +447,20 @@ class ModelRunner:
 
     def penalties(self, seqs: list[Sequence], vocab: int, cols: SamplingColumns) -> Penalties:
         """Each row's output-token counts and prompt-token mask, built on the device from the
-        token ids (only in steps where some row has a penalty)."""
+        token ids (only in steps where some row has a penalty): every penalised row's (row,
+        token) pairs go in one copy, and two scatters build both, whatever the batch."""
         dev, rows = self.device, len(seqs)
-        counts = torch.zeros(rows, vocab, device=dev)
-        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        out_pairs, prompt_pairs = [], []
         for i, s in enumerate(seqs):
             if s.params.penalised:
-                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
-                counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-                prompt[i, torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=dev)] = True
+                out_pairs.append(np.stack([np.full(s.num_output_tokens, i), s.output_token_ids]))
+                prompt_pairs.append(np.stack([np.full(s.num_prompt_tokens, i), s.token_ids[: s.num_prompt_tokens]]))
+        n_out = sum(p.shape[1] for p in out_pairs)
+        pairs = step_inputs.upload(np.concatenate(out_pairs + prompt_pairs, axis=1).astype(np.int64), dev)
+        counts = torch.zeros(rows, vocab, device=dev)
+        counts.index_put_((pairs[0, :n_out], pairs[1, :n_out]), torch.ones(n_out, device=dev), accumulate=True)
+        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        prompt[pairs[0, n_out:], pairs[1, n_out:]] = True
         return Penalties(cols["repetition_penalty"].float(), cols["presence_penalty"].float(),
                          cols["frequency_penalty"].float(), counts, prompt)
 
