@@ -156,21 +156,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tiny model: {layers} layers; goal per decode step: <= {goal} aten ops, <= {FROM_PYTHON_GOAL} "
           f"tensors from Python data, {SYNCS_GOAL} sync")
     print("decode ops: as the CPU cuts the batch (chunks where padding costs more than a chunk) and with the "
-          "batch in one chunk (the cut on a GPU)")
+          "batch in one chunk (the cut on a GPU); prefill ops: per-span calls (CPU) and padded into one call (GPU)")
     print(f"{'batch':>5} {'groups':>6} {'seeds':>5} | {'decode ops':>10} {'(views)':>7} {'1 chunk':>7} {'from py':>7} "
-          f"{'syncs':>5} | {'prefill ops':>11} {'from py':>7} {'syncs':>5}")
+          f"{'syncs':>5} | {'prefill ops':>11} {'padded':>6} {'from py':>7} {'syncs':>5}")
     largest = None
     for batch in batches:
         for groups in (1, 8):
             for seeded in (True, False):
                 prompts = prompts_for(batch, groups, vocab, bs)
                 pre, dec = count_steps(core, prompts, seeded)
-                core.runner.decode_chunk_cost = float("inf")
-                _, one = count_steps(core, prompts, seeded)
-                core.runner.decode_chunk_cost = 1.0
+                core.runner.decode_chunk_cost, core.runner.padded_prefill = float("inf"), True  # a GPU's paths
+                gpu_pre, one = count_steps(core, prompts, seeded)
+                core.runner.decode_chunk_cost, core.runner.padded_prefill = 1.0, False
                 largest = one if batch == max(batches) and groups == 8 and seeded else largest
                 print(f"{batch:>5} {groups:>6} {'yes' if seeded else 'no':>5} | {dec.ops:>10} {dec.views:>7} "
-                      f"{one.ops:>7} {dec.from_python:>7} {dec.syncs:>5} | {pre.ops:>11} {pre.from_python:>7} "
+                      f"{one.ops:>7} {dec.from_python:>7} {dec.syncs:>5} | {pre.ops:>11} {gpu_pre.ops:>6} {pre.from_python:>7} "
                       f"{pre.syncs:>5}")
     if largest is not None and args.top:
         print(f"most frequent ops of the batch-{max(batches)} 8-group seeded one-chunk decode step:",

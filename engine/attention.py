@@ -33,9 +33,9 @@ class AttnContext:
     prefill_spans: list[tuple[int, int, int, torch.Tensor | None]] | None = None
     # decode: chunks of the (length-sorted) batch that are attended together
     decode_chunks: list[DecodeChunk] | None = None
-    # prefill with no cached prefix anywhere: one SDPA call over every packed token with this
-    # block-diagonal causal mask [T, T] instead of one call per sequence (set by the runner on GPUs)
-    packed_mask: torch.Tensor | None = None
+    # prefill as one batch (set by the runner on GPUs): the spans padded to one shape, keys and
+    # values gathered from the cache (every span's prefix and new tokens), see PaddedPrefill
+    padded_prefill: PaddedPrefill | None = None
     # per layer: the cache as blocks [num_blocks, bs, kvh, d] and as slots [num_slots, kvh, d]
     # (views made when the cache is allocated, so a step selects no layer)
     k_blocks: list[torch.Tensor] | None = None
@@ -60,7 +60,37 @@ class DecodeChunk:
     v: torch.Tensor | None = None
 
 
+@dataclass
+class PaddedPrefill:
+    """A prefill step as one attention call per layer, whatever its spans: S spans padded to
+    Lq query rows and Lk keys (every span's blocks gathered; the new tokens are in the cache
+    already). No [T, T] mask and no loop over spans: the GPU's path."""
+
+    blocks: torch.Tensor  # [S * nb] block ids, span after span (padded with 0)
+    rows: torch.Tensor  # [S * Lq] index of each padded query row into the packed tokens (pads: any)
+    back: torch.Tensor  # [T] index of each packed token into the padded rows
+    mask: torch.Tensor  # [S, 1, Lq, Lk] True where a query row may attend a key
+    spans: int
+    q_len: int
+    num_blocks: int
+
+
 _ctx: AttnContext | None = None
+
+
+def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Per-layer views of the caches [layers, num_blocks, bs, kvh, d]: as blocks and as slots."""
+    return {
+        "k_blocks": list(k_cache.unbind(0)),
+        "v_blocks": list(v_cache.unbind(0)),
+        "k_slots": [k.flatten(0, 1) for k in k_cache.unbind(0)],
+        "v_slots": [v.flatten(0, 1) for v in v_cache.unbind(0)],
+    }
+
+
+def set_context(ctx: AttnContext | None) -> None:
+    global _ctx
+    _ctx = ctx
 
 
 def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -89,9 +119,8 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
     """Prefill attention, query [1, H, T, d], key/value [1, KVH, T, d] (written to the cache
     already): [1, H, T, d]."""
     gqa = query.shape[1] != key.shape[1]
-    if ctx.packed_mask is not None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.packed_mask, scale=scaling,
-                                              enable_gqa=gqa)
+    if ctx.padded_prefill is not None:
+        return _padded_prefill(ctx.padded_prefill, ctx.k_blocks[layer], ctx.v_blocks[layer], query, scaling, gqa)
     k_cache, v_cache = ctx.k_blocks[layer], ctx.v_blocks[layer]
     outs = []
     for start, end, computed, block_table in ctx.prefill_spans:
@@ -108,6 +137,18 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outs.append(out)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _padded_prefill(p: PaddedPrefill, k_blocks, v_blocks, query, scaling, gqa) -> torch.Tensor:
+    """query [1, H, T, d] -> [1, H, T, d], one SDPA over the padded spans."""
+    h, d = query.shape[1], query.shape[-1]
+    kvh, bs = k_blocks.shape[-2], k_blocks.shape[1]
+    length = p.num_blocks * bs
+    k = k_blocks.index_select(0, p.blocks).view(p.spans, length, kvh, d).transpose(1, 2)  # [S, kvh, Lk, d]
+    v = v_blocks.index_select(0, p.blocks).view(p.spans, length, kvh, d).transpose(1, 2)
+    q = query[0].index_select(1, p.rows).view(h, p.spans, p.q_len, d).transpose(0, 1)  # [S, H, Lq, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(0, 1).reshape(h, -1, d).index_select(1, p.back).unsqueeze(0)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from engine.sampler import (
     token_ranks,
     uniform_noise,
 )
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,9 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
-        # One attention call for a whole fresh prefill (block-diagonal causal mask) on GPUs, where
-        # launches cost; on the CPU the per-sequence calls do less arithmetic (sum of L^2, not T^2).
-        self.packed_prefill = self.device.type == "cuda"
+        # One attention call for a whole prefill (its spans padded to one shape) on GPUs, where
+        # launches cost; on the CPU the per-span calls do less arithmetic.
+        self.padded_prefill = self.device.type == "cuda"
         self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
         self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
         self.num_blocks = self._num_blocks()  # on CUDA after a profile run, which needs all of the above
@@ -156,38 +157,43 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
-        """The most memory this engine holds beside its KV cache (CUDA): a forward of the largest
-        prefill a step holds and sampling of the largest batch (top-p: the sort's temporaries),
-        with the decode gather buffers allocated at their largest, on a scratch one-block cache."""
-        cfg, dev = self.cfg, self.device
-        max_blocks = -(-cfg.max_model_len // self.block_size)
-        self._gather = None
+        """The most memory this engine holds beside its KV cache (CUDA), measured over
+        `profile_step` with the real cache not yet allocated."""
+        dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        saved = self.k_cache, self.v_cache, self._cache_views
-        self.k_cache = torch.zeros((self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim),
+        self.profile_step()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def profile_step(self) -> None:
+        """The largest step this engine takes, on a scratch cache of one full-length sequence
+        (every span writes there; the real cache is untouched): a prefill of the most tokens a
+        step holds, in spans of max_model_len, then sampling of max_num_seqs rows with top-p
+        (the sort's temporaries), with the decode gather buffers at their largest."""
+        cfg, dev = self.cfg, self.device
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        saved = self.k_cache, self.v_cache, self._cache_views, self._gather
+        self.k_cache = torch.zeros((self.num_layers, max_blocks, self.block_size, self.num_kv_heads, self.head_dim),
                                    dtype=cfg.torch_dtype, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
+        self._gather = None
         self._gather_buffers(cfg.max_num_seqs * max_blocks)
         tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         whole, rest = divmod(tokens, cfg.max_model_len)
-        lengths = [cfg.max_model_len] * whole + ([rest] if rest else [])
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
-        ctx = attention.AttnContext(
-            is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache,
-            slot_mapping=torch.zeros(tokens, dtype=torch.long, device=dev),
-            prefill_spans=[(a, a + n, 0, None) for a, n in zip(starts, lengths)],
-            packed_mask=attention.packed_causal_mask(seg) if self.packed_prefill and len(lengths) > 1 else None,
-            **self._cache_views)
-        attention.set_context(ctx)
+        seqs = []
+        for n in [cfg.max_model_len] * whole + ([rest] if rest else []):
+            seq = Sequence("profile", 0, [0] * n, SamplingParams(), self.block_size)
+            seq.block_table = list(range(-(-n // self.block_size)))
+            seqs.append(seq)
         try:
-            pos = torch.cat([torch.arange(n, device=dev) for n in lengths])
-            ids = torch.zeros(tokens, dtype=torch.long, device=dev)
-            keep = torch.arange(min(tokens, cfg.max_num_seqs), device=dev)
+            ids, pos, ctx, keep = self._prepare_prefill(seqs)
+            attention.set_context(ctx)
             logits = self.model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False,
                                 logits_to_keep=keep).logits[0].float()
             rows = cfg.max_num_seqs
@@ -195,12 +201,9 @@ class ModelRunner:
             t = SamplingTensors(torch.ones(rows, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
                                 uniforms=uniform_noise(self.shared_generator, rows, dev), any_greedy=False)
             sample(logits, t)
-            torch.cuda.synchronize(dev)
-            return torch.cuda.max_memory_allocated(dev)
         finally:
             attention.set_context(None)
-            self.k_cache, self.v_cache, self._cache_views = saved
-            torch.cuda.empty_cache()
+            self.k_cache, self.v_cache, self._cache_views, self._gather = saved
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
@@ -214,19 +217,18 @@ class ModelRunner:
 
     def _prepare_prefill(self, seqs: list[Sequence]):
         """Inputs of a prefill step, packed on the host and sent in one copy: token ids,
-        positions, cache slots, the rows whose logits are kept, each span's segment id and the
-        block tables of the spans that extend a cached prefix."""
+        positions, cache slots, the rows whose logits are kept, the block tables of the spans
+        that extend a cached prefix, and on GPUs the padded layout of one attention call."""
         bs = self.block_size
-        ids, pos, slots, seg, last, tables, spans = [], [], [], [], [], [], []
+        ids, pos, slots, last, tables, spans = [], [], [], [], [], []
         offset = 0
-        for k, seq in enumerate(seqs):
+        for seq in seqs:
             start, end = seq.num_computed_tokens, len(seq)
             p = np.arange(start, end)
             table = np.asarray(seq.block_table, dtype=np.int64)
             ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            seg.append(np.full(end - start, k))
             table_at = None
             if start:  # attends to its cached prefix: its block table goes along
                 table_at = (sum(len(t) for t in tables), len(table))
@@ -238,23 +240,48 @@ class ModelRunner:
             offset += end - start
             last.append(np.array([offset - 1]))
         t, n_last = offset, sum(len(x) for x in last)
-        buf = step_inputs.upload(np.concatenate([*ids, *pos, *slots, *seg, *last, *tables]), self.device)
-        ids_d, pos_d, slots_d, seg_d = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t], buf[3 * t : 4 * t]
-        last_d, tables_d = buf[4 * t : 4 * t + n_last], buf[4 * t + n_last :]
-        spans = [(a, b, c, None if at is None else tables_d[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
-        packed = None
-        if self.packed_prefill and len(spans) > 1 and all(computed == 0 for _, _, computed, _ in spans):
-            packed = attention.packed_causal_mask(seg_d)
-        ctx = attention.AttnContext(
-            is_prefill=True,
-            k_cache=self.k_cache,
-            v_cache=self.v_cache,
-            slot_mapping=slots_d,
-            prefill_spans=spans,
-            packed_mask=packed,
-            **self._cache_views,
-        )
+        padded = self._padded_layout(seqs, spans, t) if self.padded_prefill else None
+        extra = [] if padded is None else list(padded[:4])
+        buf = step_inputs.upload(np.concatenate([*ids, *pos, *slots, *last, *tables, *extra]), self.device)
+        ids_d, pos_d, slots_d = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t]
+        last_d, rest = buf[3 * t : 3 * t + n_last], buf[3 * t + n_last :]
+        n_tables = sum(len(x) for x in tables)
+        spans = [(a, b, c, None if at is None else rest[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
+        ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots_d,
+                                    prefill_spans=spans, **self._cache_views)
+        if padded is not None:
+            ctx.padded_prefill = self._padded_on_device(rest[n_tables:], *padded[4:])
         return ids_d, pos_d, ctx, last_d
+
+    def _padded_layout(self, seqs: list[Sequence], spans: list, total: int):
+        """Host arrays of the padded prefill (attention.PaddedPrefill): blocks, query rows, back
+        index, each padded row's position; then (spans, q_len, num_blocks). None when padding
+        would multiply the queries or keys by more than 4 (one long prompt among many short
+        ones): the per-span path then does far less arithmetic."""
+        bs, n = self.block_size, len(spans)
+        q_len = max(b - a for a, b, _, _ in spans)
+        need = [-(-(c + b - a) // bs) for a, b, c, _ in spans]
+        nb = max(need)
+        if n * q_len > 4 * total + 64 or n * nb > 4 * sum(need) + 4:
+            return None
+        blocks = np.zeros((n, nb), dtype=np.int64)
+        i = np.arange(q_len)
+        rows, qpos = np.empty((n, q_len), dtype=np.int64), np.empty((n, q_len), dtype=np.int64)
+        back = np.empty(total, dtype=np.int64)
+        for k, ((a, b, c, _), seq) in enumerate(zip(spans, seqs)):
+            blocks[k, : need[k]] = seq.block_table[: need[k]]
+            clipped = np.minimum(i, b - a - 1)  # a pad row repeats the span's last token: no empty softmax
+            rows[k], qpos[k] = a + clipped, c + clipped
+            back[a:b] = k * q_len + np.arange(b - a)
+        return blocks.ravel(), rows.ravel(), back, qpos.ravel(), n, q_len, nb
+
+    def _padded_on_device(self, buf: torch.Tensor, n: int, q_len: int, nb: int) -> attention.PaddedPrefill:
+        total = buf.numel() - n * nb - 2 * n * q_len
+        blocks, rows = buf[: n * nb], buf[n * nb : n * nb + n * q_len]
+        back, qpos = buf[n * nb + n * q_len : n * nb + n * q_len + total], buf[n * nb + n * q_len + total :]
+        keys = torch.arange(nb * self.block_size, device=buf.device)
+        mask = (keys <= qpos.view(n, q_len, 1)).unsqueeze(1)  # [S, 1, Lq, Lk]: causal at each row's position
+        return attention.PaddedPrefill(blocks, rows, back, mask, n, q_len, nb)
 
     def decode_order(self, seqs: list[Sequence]) -> list[Sequence]:
         """A decode batch in the order the step wants its rows: by block count (see chunk_cuts)."""

@@ -1,6 +1,7 @@
 """Greedy output equals HF `generate` token for token, each prompt against HF run alone."""
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from tests.engine.helpers import hf_greedy, random_prompts
@@ -64,22 +65,47 @@ def test_eos_ends_like_hf(eos_model_dir):
     assert "stop" in reasons
 
 
-def test_packed_prefill_matches_hf(model_dirs, hf_models):
-    """The GPU's prefill path (one attention call with a block-diagonal causal mask), forced on
-    the CPU: greedy equal to HF, and the same logprobs as the per-sequence path within rounding."""
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["fresh", "cached-prefixes"])
+def test_padded_prefill_matches_hf(prefix_caching, model_dirs, hf_models):
+    """The GPU's prefill path (the step's spans padded into one attention call per layer),
+    forced on the CPU, with fresh prompts and with prompts that extend a cached prefix (a GRPO
+    group): greedy equal to HF, and the per-span path's logprobs within rounding."""
     from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
 
     prompts = random_prompts(6, 3, 40, 2000, seed=77)
+    if prefix_caching:
+        prompts += [p[: len(p) // 2] + [5, 6, 7] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
-    for packed in (True, False):
-        llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=8, max_model_len=128,
-                               enable_prefix_caching=False))
-        llm.core.runner.packed_prefill = packed
+    for padded in (True, False):
+        llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=8, max_model_len=128, block_size=4,
+                               enable_prefix_caching=prefix_caching))
+        runner = llm.core.runner
+        runner.padded_prefill = padded
+        layouts = []  # the padded layouts the steps took (None: that step fell back to per-span calls)
+        runner._padded_layout = lambda *a, f=runner._padded_layout: layouts.append(f(*a)) or layouts[-1]
+        if prefix_caching:  # the first prompts fill the cache; the rest reuse their prefixes
+            llm.generate(prompts[:6], params, use_tqdm=False)
         results.append(llm.generate(prompts, params, use_tqdm=False))
-    packed, plain = results
+        assert any(x is not None for x in layouts) if padded else layouts == []
+    padded, plain = results
     hf = hf_models["qwen2"]
-    for p, a, b in zip(prompts, packed, plain):
+    for p, a, b in zip(prompts, padded, plain):
         assert a.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True) == b.outputs[0].token_ids
         tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + a.outputs[0].token_ids))
         assert a.outputs[0].logprobs == pytest.approx(b.outputs[0].logprobs, abs=tol)
+
+
+def test_the_profile_step_runs_the_largest_step_and_leaves_the_cache_alone(model_dirs):
+    """The start-up profile (what a GPU's KV budget subtracts) on the CPU: the largest prefill
+    and sample run on a scratch cache; the engine's cache and its answers are as before."""
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=8, max_model_len=128, max_num_batched_tokens=300))
+    runner = llm.core.runner
+    runner.padded_prefill = True
+    prompt = random_prompts(1, 10, 10, 2000, seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    cache = runner.k_cache.clone()
+    runner.profile_step()
+    assert torch.equal(runner.k_cache, cache)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == before
