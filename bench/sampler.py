@@ -19,6 +19,7 @@ import logging
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from engine.sampler import SamplingTensors, counter_uniforms, sample, uniform_noise
@@ -46,8 +47,8 @@ def ours(logits: torch.Tensor, generators: list, shared: torch.Generator) -> tor
     u = uniform_noise(shared, rows, "cpu")
     seeded = torch.tensor([g is not None for g in generators])
     if seeded.any():  # the engine's seeded rows: a counter-based draw from (seed, position)
-        seeds = torch.arange(rows)
-        u = torch.where(seeded, counter_uniforms(seeds, seeds, torch.zeros(rows, dtype=torch.long)), u)
+        drawn = counter_uniforms(np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
+        u = torch.where(seeded, torch.from_numpy(drawn), u)
     t = SamplingTensors(torch.ones(rows), uniforms=u, any_greedy=False)
     return sample(logits, t)[:2]
 

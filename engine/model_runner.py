@@ -455,9 +455,8 @@ class ModelRunner:
             t.penalties = self.penalties(seqs, vocab, cols)
         if not all(p.greedy for p in params):
             t.uniforms = uniform_noise(self.shared_generator, len(seqs), self.device)
-            if cols.any_seed:  # a seeded row's draw is a function of its seed and position alone
-                drawn = counter_uniforms(cols["seed_key"].long(), cols["position"].long())
-                t.uniforms = torch.where(cols["seeded"] > 0, drawn, t.uniforms)
+            if cols.any_seed:  # a seeded row's draw, made on the host: a function of its seed and position alone
+                t.uniforms = torch.where(cols["seeded"] > 0, cols["seeded_uniform"], t.uniforms)
         return t
 
     def logits_edits(self, seqs: list[Sequence], vocab: int):
@@ -494,24 +493,28 @@ class ModelRunner:
 
 class SamplingColumns:
     """Every row's sampling parameters in one float64 host array, sent to the device in one
-    copy; `cols[name]` is that column on the device. A seeded row sends its stream's 32-bit key
-    (Sequence.seed_key), exact in float64."""
+    copy; `cols[name]` is that column on the device. A seeded row's uniform is drawn here, on
+    the host (sampler.counter_uniforms of its stream's key and position), and travels along."""
 
-    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seed_key", "position",
+    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seeded_uniform",
              "repetition_penalty", "presence_penalty", "frequency_penalty")
 
     def __init__(self, seqs: list[Sequence], device: torch.device):
         host = np.empty((len(self.NAMES), len(seqs)), dtype=np.float64)
+        keys, positions = np.empty(len(seqs), dtype=np.int64), np.empty(len(seqs), dtype=np.int64)
         self.any_top_k = self.any_top_p = self.any_min_p = self.any_seed = False
         for i, s in enumerate(seqs):
             p = s.params
             key = s.seed_key
-            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, key is not None, key or 0, s.num_output_tokens,
+            keys[i], positions[i] = key or 0, s.num_output_tokens
+            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, key is not None, 0.0,
                           p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             self.any_top_k |= bool(p.top_k)
             self.any_top_p |= p.top_p < 1
             self.any_min_p |= p.min_p > 0
             self.any_seed |= key is not None
+        if self.any_seed:  # every row's counter draw at once (unseeded rows' go unused)
+            host[self.NAMES.index("seeded_uniform")] = counter_uniforms(keys, positions)
         self._device = step_inputs.upload(host, device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
