@@ -1,16 +1,18 @@
-"""Attention over the engine-owned paged KV cache, plugged into transformers' AttentionInterface.
+"""Attention over the engine-owned paged KV cache: plugged into transformers' AttentionInterface
+(`paged_attention`), or called by the fused decoder layers (`attend`, engine/fused_layers.py).
 
-The HF model runs unchanged on packed inputs (batch 1, all sequences' new tokens concatenated);
-each attention layer lands here. For every layer we first write all new keys/values into the
-cache, then attend: prefill per sequence (causal over its cached prefix + new tokens), decode
-batched over gathered block tables. Writing before reading lets sequences scheduled in the same
-step share prefix blocks that one of them is computing.
+The model runs on packed inputs (batch 1, all sequences' new tokens concatenated). For every
+layer we first write all new keys/values into the cache, then attend. Writing before reading
+lets sequences scheduled in the same step share prefix blocks that one of them is computing,
+and lets every path read keys from the cache alone.
 
-Decode is memory-bound on CPU: gathering every sequence's blocks costs as much as the attention
-itself. So the runner sorts a decode batch by block count and cuts it into chunks of similar
-length (padding stays small), the blocks are gathered with `index_select` into buffers reused by
-every layer (no per-layer allocation and page faults), and the query heads that share a KV head
-are laid out as query positions, which turns grouped-query attention into plain attention.
+Prefill: on the CPU one call per sequence (causal over its cached prefix + new tokens: the least
+arithmetic); on a GPU the step's spans padded into one call per layer (`PaddedPrefill`).
+Decode: every row's blocks are gathered with `index_select` into buffers reused by every layer
+and step, and the query heads that share a KV head are laid out as query positions, which turns
+grouped-query attention into one plain masked call. The batch comes sorted by block count; on a
+GPU it is one chunk, on the CPU (memory-bound) it is cut where padding costs more than a chunk
+(engine/step_inputs.chunk_cuts).
 """
 
 from __future__ import annotations
@@ -91,28 +93,6 @@ def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[
 def set_context(ctx: AttnContext | None) -> None:
     global _ctx
     _ctx = ctx
-
-
-def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """Per-layer views of the caches [layers, num_blocks, bs, kvh, d]: as blocks and as slots."""
-    return {
-        "k_blocks": list(k_cache.unbind(0)),
-        "v_blocks": list(v_cache.unbind(0)),
-        "k_slots": [k.flatten(0, 1) for k in k_cache.unbind(0)],
-        "v_slots": [v.flatten(0, 1) for v in v_cache.unbind(0)],
-    }
-
-
-def set_context(ctx: AttnContext | None) -> None:
-    global _ctx
-    _ctx = ctx
-
-
-def packed_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool, built on the segments' device: token i may attend token j when both lie in
-    one sequence (segment id) and j <= i."""
-    idx = torch.arange(segments.shape[0], device=segments.device)
-    return (segments[:, None] == segments[None, :]) & (idx[None, :] <= idx[:, None])
 
 
 def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.Tensor:
