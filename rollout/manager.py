@@ -330,5 +330,8 @@ class RolloutManager:
             "requests_per_engine": list(self.requests_per_engine),
             "engines": len(self.engines),
             "last_restart": self.supervisor.last_restart,
+            # the version a lone engine's restart comes back with (None: none written yet; the
+            # copy is written in the background after each push)
+            "host_copy_version": self.supervisor.host_copy_version,
             "uptime_s": up,
         }

@@ -219,6 +219,10 @@ class EngineSupervisor:
             return f"engine {sibling}"
         return None
 
+    @property
+    def host_copy_version(self) -> int | None:
+        return self._host_version
+
     # -- after each push ----------------------------------------------------------------------
     def committed(self, version: int) -> None:
         """A push or load committed on every engine that is up: stale engines are current now,

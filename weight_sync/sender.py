@@ -31,7 +31,7 @@ import torch
 from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
 from weight_sync.group import FAILED_MARK, GroupError, WeightSyncGroup
-from weight_sync.lora import AdapterPush, push_source
+from weight_sync.lora import A_SUFFIX, B_SUFFIX, AdapterPush, push_source
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import (
@@ -151,7 +151,10 @@ class WeightSender:
         weights = push_source(weights)
         if isinstance(weights, AdapterPush):  # a LoRA adapter (weight_sync.lora): listed now, it is small
             named, spec = weights.listing()
-            manifest = self._manifest(self._specs(named), version, "_last_adapter")
+            # the factors go in their own dtype: the engine merges them as PEFT does (an fp32
+            # adapter's delta rounded once into a bf16 base); cast first, the sum would differ
+            factors = {n for n, _ in named if n.endswith((A_SUFFIX, B_SUFFIX))}
+            manifest = self._manifest(self._specs(named, keep=factors), version, "_last_adapter")
             return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named)
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
@@ -183,9 +186,10 @@ class WeightSender:
             return
         prepared.named = named
 
-    def _specs(self, named: list) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, wire dtype, shape) of each listed tensor: what a manifest says of it."""
-        return [(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
+    def _specs(self, named: list, keep: set[str] = frozenset()) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, wire dtype, shape) of each listed tensor: what a manifest says of it. Those
+        named in `keep` go in their own dtype."""
+        return [(n, dtype_name(t.dtype if n in keep else self._wire_dtype(t)), tuple(t.shape)) for n, t in named]
 
     def _check(self, named: list, m: Manifest) -> tuple[int, str]:
         """Whether listed weights still fit the manifest (a reused layout may not)."""
@@ -342,7 +346,7 @@ class WeightSender:
         base = first.data_ptr() - (m.tensors[live[0]].offset - b.start)  # where the bucket would start
         for i in live:
             t, spec = tensors[i], m.tensors[i]
-            if (hasattr(t, "full_tensor") or t.dtype != self._wire_dtype(t) or not t.is_contiguous()
+            if (hasattr(t, "full_tensor") or t.dtype != dtype_from(spec.dtype) or not t.is_contiguous()
                     or t.untyped_storage().data_ptr() != storage.data_ptr()
                     or t.data_ptr() != base + spec.offset - b.start):
                 return None

@@ -45,6 +45,14 @@ def _wait_healthy(client, timeout=90.0) -> tuple[dict, float]:
     return health, time.monotonic() - t0
 
 
+def _wait_host_copy(client, version: int, timeout=30.0) -> None:
+    """Until the host copy (written in the background after a push) holds `version`."""
+    t0 = time.monotonic()
+    while client.stats()["host_copy_version"] != version:
+        assert time.monotonic() - t0 < timeout, f"no host copy of version {version} after {timeout} s"
+        time.sleep(0.05)
+
+
 def _kill_when_generating(client, victim: int) -> None:
     """SIGKILL core `victim` once both engines are decoding (tokens are coming out)."""
     before = client.stats()["generated_tokens"]
@@ -108,7 +116,7 @@ def test_a_lone_engine_comes_back_from_the_host_copy(qwen2_dir, hf_models):
         client.init_weight_sync()
         client.push_weights(trainer, version=5)
         want = weights_checksum(trainer.named_parameters())
-        time.sleep(0.5)  # the host copy is written in the background after the push
+        _wait_host_copy(client, 5)
         [core] = _cores(client)
         os.kill(core, signal.SIGKILL)
         prompt = [11, 12, 13]

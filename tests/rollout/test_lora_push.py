@@ -14,7 +14,7 @@ from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy
 from tests.rollout.sidecar import TOKEN, Sidecar
-from tests.rollout.test_engine_faults import _cores, _wait_healthy
+from tests.rollout.test_engine_faults import _cores, _wait_healthy, _wait_host_copy
 from tests.rollout.test_overlap import _long_rollouts
 from tests.weight_sync.test_lora import TARGET_SETS, hf_merged, lora_model, randomize
 from weight_sync import weights_checksum
@@ -140,6 +140,7 @@ def test_a_restarted_engine_gets_the_base_again(qwen2_dir, hf_models):
         model = lora_model(hf_models["qwen2"], ["q_proj", "down_proj"])
         client.push_weights(model, version=1)
         merged = weights_checksum(hf_merged(model).named_parameters())
+        _wait_host_copy(client, 1)  # a kill before it is written would lose version 1 (as it should)
         os.kill(_cores(client)[0], signal.SIGKILL)
         _wait_healthy(client)
         assert client.weights_checksums() == [merged]  # caught up from the host copy
