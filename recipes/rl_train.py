@@ -84,6 +84,15 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--sidecar-device", default=None,
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
+    ray = p.add_argument_group("on a Ray cluster (the 'ray' extra; README: On a Ray cluster)")
+    ray.add_argument("--ray", action="store_true",
+                     help="start the sidecars as Ray actors (rollout.ray_launcher) instead of one local process")
+    ray.add_argument("--ray-address", default=None,
+                     help="cluster to join (auto: the one `ray start` runs here; default: RAY_ADDRESS, else a "
+                          "local cluster for this run)")
+    ray.add_argument("--num-sidecars", type=int, default=1, help="sidecars on the cluster (each one engine)")
+    ray.add_argument("--placement", default="pack", choices=["pack", "spread"],
+                     help="pack: as few nodes as fit; spread: one sidecar per node where possible")
     p.add_argument("--log-level", default="INFO")
     add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
@@ -125,6 +134,17 @@ def _rollout_source(args, model_dir: str, trainer_device: torch.device):
 
     sidecar = None
     url = args.rollout_url
+    if args.ray:  # imported only here: without --ray, Ray is never imported
+        if url is not None:
+            raise ValueError("--ray starts the sidecars on the cluster: drop --rollout-url")
+        from rollout.ray_launcher import RaySidecars
+
+        gpu = trainer_device.type == "cuda" or (args.sidecar_device or "cpu").startswith("cuda")
+        flags = sidecar_command(args, model_dir, trainer_device)
+        flags[flags.index("--device") + 1] = "cuda" if gpu else "cpu"  # an actor sees only its own GPU
+        sidecar = RaySidecars(model_dir, args.num_sidecars, flags, placement=args.placement,
+                              gpus_per_sidecar=1 if gpu else 0, ray_address=args.ray_address)
+        return sidecar.client(), sidecar, None
     if url is None:
         sidecar = LocalSidecar(model_dir, *sidecar_command(args, model_dir, trainer_device), token=args.token)
         url = sidecar.url
@@ -210,7 +230,7 @@ def setup(algo, args: argparse.Namespace) -> Run:
               params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens),
               seed_requests=seeds_requests(args, accelerator.device) if main else True)
     if args.async_ and main:
-        run.gen_client = RolloutClient(url, token=args.token)
+        run.gen_client = sidecar.client() if args.ray else RolloutClient(url, token=args.token)
         run.pool = concurrent.futures.ThreadPoolExecutor(1)
     if main:  # the group's backend follows the trainer's device: gloo on CPU, NCCL on CUDA
         client.init_weight_sync(device=accelerator.device)

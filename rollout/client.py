@@ -344,6 +344,10 @@ class _Spread:
     async def call_ended(self, i: int, cid: int, msg) -> None:
         """Call (i, cid) ended: its sidecar went (its unfinished prompts are re-sent), it failed
         (raised here), or it finished (forgotten)."""
+        if isinstance(msg, P.Reply) and not msg.ok and msg.error_kind == "gone" and len(self.client._in(ACTIVE)) > 1:
+            # the sidecar is shutting down or has no engine left: the others take its prompts
+            self.client._drop(i, msg.error)
+            msg = SidecarGoneError(self.client._links[i].url, msg.error)
         if isinstance(msg, SidecarGoneError):
             rest = [x for x in self.calls.pop((i, cid)) if x not in self.done]
             log.warning("re-sending %d unfinished prompts of %s to the other sidecars", len(rest), msg.url)

@@ -117,10 +117,14 @@ class Progress(msgspec.Struct, tag="progress"):
 # load refused before any byte moved: nothing changed, the group still usable), "failed".
 # "regroup": a push over a weight-sync group the sidecar's engines no longer match (an engine was
 # restarted); nothing changed, and the client forms a new group and pushes again by itself.
-ERROR_KINDS = ("invalid", "refused", "regroup", "failed")
+# "gone": the sidecar cannot serve the call and will not (it is shutting down, or no engine of it
+# is left): a client of several sidecars drops it and sends the work to the others.
+ERROR_KINDS = ("invalid", "refused", "regroup", "failed", "gone")
 
 
 def error_kind(e: BaseException) -> str:
+    if getattr(e, "gone", False):
+        return "gone"
     if getattr(e, "regroup", False):
         return "regroup"
     if getattr(e, "refused", False):

@@ -152,7 +152,7 @@ class RolloutServer:
             await self._reply(identity, P.Reply(call.call_id, True, value))
         except asyncio.CancelledError:
             await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down",
-                                                error_kind="failed"))
+                                                error_kind="gone"))
             raise
         except Exception as e:
             log.info("call %s failed: %s", type(call).__name__, e)
