@@ -29,7 +29,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import ray
+try:
+    import ray
+except ImportError as e:  # the extra is optional: say how to get it
+    raise ImportError("sidecars on Ray need the 'ray' extra: pip install -e '.[ray]'") from e
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

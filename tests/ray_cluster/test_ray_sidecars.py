@@ -1,6 +1,8 @@
-"""Sidecars as Ray actors on a local cluster (logical CPUs are counts: 8 declared on 2 cores):
-started in one call, pushed to and generating as hand-launched ones do; a SIGKILLed actor is
-restarted by Ray and taken back by the client, which sends it nothing before a push."""
+"""Sidecars as Ray actors on a two-node cluster on this host (two raylets, each declaring 4
+logical CPUs and a custom resource the sidecars' bundles ask for; logical resources are counts):
+started in one call, SPREAD one per node and PACK both on one, pushed to and generating as
+hand-launched ones do; a SIGKILLed actor is restarted by Ray and taken back by the client, which
+sends it nothing before a push; the recipe with --ray learns."""
 
 import concurrent.futures
 import copy
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
@@ -24,16 +27,24 @@ pytestmark = pytest.mark.timeout(300)
 SERVE_ARGS = ["--log-level", "WARNING", "--max-model-len", "256", "--stats-interval", "0", "--warm-standby", "off"]
 
 
+ON_A_NODE = {"rollout_host": 1}  # each node has 3: room for both placements' sidecars at once
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
-    yield
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"rollout_host": 3},
+                                                      "include_dashboard": False})
+    c.add_node(num_cpus=4, resources={"rollout_host": 3})
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING")
+    yield c
     ray.shutdown()
+    c.shutdown()
 
 
 @pytest.fixture(scope="module")
 def sidecars(cluster, qwen2_dir):
-    s = RaySidecars(qwen2_dir, 2, SERVE_ARGS, placement="pack", max_restarts=2)
+    s = RaySidecars(qwen2_dir, 2, SERVE_ARGS, placement="pack", resources_per_sidecar=ON_A_NODE, max_restarts=2)
     yield s
     s.shutdown()
 
@@ -53,19 +64,41 @@ def _requests(url: str, token: str) -> int:
         return sum(c.stats()["requests_per_engine"])
 
 
+def test_spread_puts_one_sidecar_on_each_node_and_pack_both_on_one(sidecars, qwen2_dir, hf_models):
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2 and len({i["node_id"] for i in sidecars.infos}) == 1  # pack
+    spread = RaySidecars(qwen2_dir, 2, SERVE_ARGS, placement="spread", resources_per_sidecar=ON_A_NODE,
+                         max_restarts=0, token=sidecars.token)
+    try:
+        assert {i["node_id"] for i in spread.infos} == nodes
+        client = spread.client()  # one trainer, one group of the four sidecars
+        try:
+            for url in sidecars.urls:
+                client.add_sidecar(url)
+            assert client.init_weight_sync(take_over=True)["world_size"] == 5
+            trainer = _perturbed(hf_models["qwen2"], 9)
+            client.push_weights(trainer, version=1)
+            assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 4
+        finally:
+            client.close()
+    finally:
+        spread.shutdown()
+
+
 def test_two_sidecars_in_one_call_generate_and_take_a_push(sidecars, hf_models):
     assert len(set(sidecars.urls)) == 2 and all(u.startswith("tcp://") and "127.0.0.1" not in u for u in sidecars.urls)
     client = sidecars.client()
     try:
         trainer = _perturbed(hf_models["qwen2"], 1)
-        info = client.init_weight_sync()
+        info = client.init_weight_sync(take_over=True)
+        assert info["world_size"] == 3 and info["rank_offsets"] == [1, 2]
         assert not info["host"].startswith("127.")  # the trainer's node IP: other nodes reach it
-        client.push_weights(trainer, version=1)
+        client.push_weights(trainer, version=2)
         assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
         prompts = random_prompts(8, 3, 12, 2000, seed=3)
         groups = client.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         for p, [r] in zip(prompts, groups):
-            assert r.token_ids == hf_greedy(trainer, p, 8, ignore_eos=True) and set(r.weight_versions) == {1}
+            assert r.token_ids == hf_greedy(trainer, p, 8, ignore_eos=True) and set(r.weight_versions) == {2}
         assert all(_requests(u, sidecars.token) > 0 for u in sidecars.urls)  # both took prompts
     finally:
         client.close()
@@ -75,8 +108,8 @@ def test_a_killed_sidecar_actor_is_restarted_by_ray_and_taken_back(sidecars, hf_
     client, loader = sidecars.client(), sidecars.client()
     try:
         trainer = _perturbed(hf_models["qwen2"], 2)
-        client.init_weight_sync()
-        client.push_weights(trainer, version=2)
+        client.init_weight_sync(take_over=True)
+        client.push_weights(trainer, version=3)
         victim = sidecars.info(1)
         prompts = random_prompts(24, 5, 20, 2000, seed=7)
         params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
@@ -104,7 +137,7 @@ def test_a_killed_sidecar_actor_is_restarted_by_ray_and_taken_back(sidecars, hf_
         client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4))
         assert _requests(new_url, sidecars.token) == 0  # joining: nothing before it holds the newest weights
         trainer = _perturbed(trainer, 3)
-        client.push_weights(trainer, version=3)
+        client.push_weights(trainer, version=4)
         assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
         client.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=4))
         assert _requests(new_url, sidecars.token) > 0

@@ -29,6 +29,7 @@ def _wait_for_tokens(client) -> None:
     time.sleep(0.3)
 
 
+@pytest.mark.slow  # in CI through tests/ray_cluster's kill test: the same drop, re-send and regroup
 def test_a_killed_sidecar_is_dropped_and_its_prompts_come_back_from_the_other(qwen2_dir, hf_models):
     a, b = Sidecar(qwen2_dir), Sidecar(qwen2_dir)
     client = RolloutClient([a.url, b.url], token=TOKEN)
@@ -83,6 +84,7 @@ def test_a_sidecar_killed_during_a_push_leaves_the_push_to_the_other(qwen2_dir, 
         b.stop()
 
 
+@pytest.mark.slow  # in CI through tests/ray_cluster's kill test: the restarted sidecar joins this way
 def test_a_sidecar_added_mid_run_serves_once_a_push_reached_it(qwen2_dir, hf_models):
     a, b = Sidecar(qwen2_dir), Sidecar(qwen2_dir)
     client = RolloutClient(a.url, token=TOKEN)

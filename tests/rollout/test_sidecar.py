@@ -274,6 +274,7 @@ def test_a_trainer_frozen_mid_push_costs_the_stall_timeout(qwen2_dir, freeze, ov
         s.stop()
 
 
+@pytest.mark.slow  # in CI through tests/ray_cluster: one client's group of two and of four sidecars
 def test_two_sidecars_one_client_one_broadcast(sidecar, qwen2_dir, trainer):
     second = Sidecar(qwen2_dir)
     try:
