@@ -131,7 +131,14 @@ class RaySidecars:
 
     def info(self, i: int, timeout_s: float = 60.0) -> dict:
         """Sidecar i's address, node and processes now (waits for a restarting actor)."""
-        return ray.get(self.actors[i].info.remote(), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(self.actors[i].info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            except ray.exceptions.ActorUnavailableError:  # dying or restarting: ask the next incarnation
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def client(self, timeout_s: float = 600.0) -> "RayRolloutClient":
         """A RolloutClient of every sidecar that takes restarted ones back by itself."""
