@@ -144,9 +144,10 @@ class RaySidecars:
         """A RolloutClient of every sidecar that takes restarted ones back by itself."""
         return RayRolloutClient(self, timeout_s)
 
-    def moves(self) -> list[tuple[str, str]]:
-        """(old address, new address) of each sidecar restarted since the last call; never blocks."""
-        out, now = [], time.monotonic()
+    def refresh(self) -> None:
+        """Asks each actor which sidecar it runs now, without blocking: an actor restarting
+        answers once its new sidecar is ready (then `urls` has the new address)."""
+        now = time.monotonic()
         for i, s in enumerate(self._slots):
             if s.pending is None:
                 if now < s.next_poll:
@@ -166,10 +167,8 @@ class RaySidecars:
             s.failures, s.next_poll = 0, now + self.poll_s
             if info["boot"] != s.boot:
                 log.warning("sidecar actor %d was restarted by Ray: %s -> %s", i, s.url, info["url"])
-                out.append((s.url, info["url"]))
                 s.url, s.boot = info["url"], info["boot"]
                 s.history.append((now, info["url"]))
-        return out
 
     def shutdown(self) -> None:
         """Stop every sidecar (SIGTERM: in-flight work aborted), then the actors and their group."""
@@ -193,6 +192,7 @@ class RayRolloutClient(RolloutClient):
         self.sidecars = sidecars
         self._healing = False  # not while the base class connects
         super().__init__(sidecars.urls, token=sidecars.token, timeout_s=timeout_s)
+        self._known = list(sidecars.urls)  # each client its own view: several may share the sidecars
         self._healing = True
 
     def _run(self, coro):
@@ -201,10 +201,14 @@ class RayRolloutClient(RolloutClient):
         return super()._run(coro)
 
     def _take_back(self) -> None:
-        for old, new in self.sidecars.moves():
-            if old in self._client.urls:  # its death not noticed yet (no call since): out before the new one comes in
+        self.sidecars.refresh()
+        for i, (old, new) in enumerate(zip(self._known, self.sidecars.urls)):
+            if old == new:
+                continue
+            if old in self._client.urls:  # its death not noticed yet (no call since): out first
                 super()._run(self._client.remove_sidecar(old))
             super()._run(self._client.add_sidecar(new))
+            self._known[i] = new
 
     def init_weight_sync(self, host: str | None = None, port: int = 0, timeout_s: float = 120.0, **kw):
         """As RolloutClient's, on this node's IP and a free port of it by default."""

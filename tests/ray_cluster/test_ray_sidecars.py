@@ -5,13 +5,11 @@ hand-launched ones do; a SIGKILLed actor is restarted by Ray and taken back by t
 sends it nothing before a push; the recipe with --ray learns."""
 
 import concurrent.futures
-import copy
 import os
 import signal
 import time
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -20,6 +18,7 @@ from engine import SamplingParams  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
 from rollout.ray_launcher import RaySidecars  # noqa: E402
 from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
+from tests.rollout.test_engine_faults import _perturbed  # noqa: E402
 from weight_sync import weights_checksum  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,15 +46,6 @@ def sidecars(cluster, qwen2_dir):
     s = RaySidecars(qwen2_dir, 2, SERVE_ARGS, placement="pack", resources_per_sidecar=ON_A_NODE, max_restarts=2)
     yield s
     s.shutdown()
-
-
-def _perturbed(model, seed):
-    model = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    return model
 
 
 def _requests(url: str, token: str) -> int:
@@ -134,6 +124,8 @@ def test_a_killed_sidecar_actor_is_restarted_by_ray_and_taken_back(sidecars, hf_
         back = time.monotonic() - killed
         [new_url] = [u for u in client.urls if u != sidecars.infos[0]["url"]]
         assert new_url == sidecars.urls[1] and sidecars.info(1)["pid"] != victim["pid"]
+        loader.health()  # another client of the same sidecars takes it back at its own next call
+        assert new_url in loader.urls and victim["url"] not in loader.urls
         client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4))
         assert _requests(new_url, sidecars.token) == 0  # joining: nothing before it holds the newest weights
         trainer = _perturbed(trainer, 3)
