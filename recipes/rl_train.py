@@ -84,19 +84,22 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--sidecar-device", default=None,
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
-    ray = p.add_argument_group("on a Ray cluster (the 'ray' extra; README: On a Ray cluster)")
-    ray.add_argument("--ray", action="store_true",
-                     help="start the sidecars as Ray actors (rollout.ray_launcher) instead of one local process")
-    ray.add_argument("--ray-address", default=None,
-                     help="cluster to join (auto: the one `ray start` runs here; default: RAY_ADDRESS, else a "
-                          "local cluster for this run)")
-    ray.add_argument("--num-sidecars", type=int, default=1, help="sidecars on the cluster (each one engine)")
-    ray.add_argument("--placement", default="pack", choices=["pack", "spread"],
-                     help="pack: as few nodes as fit; spread: one sidecar per node where possible")
+    add_ray_args(p.add_argument_group("on a Ray cluster (the 'ray' extra; README: On a Ray cluster)"))
     p.add_argument("--log-level", default="INFO")
     add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
     return p
+
+
+def add_ray_args(p) -> None:
+    p.add_argument("--ray", action="store_true",
+                   help="start the sidecars as Ray actors (rollout.ray_launcher) instead of one local process")
+    p.add_argument("--ray-address", default=None,
+                   help="cluster to join (auto: the one `ray start` runs here; default: RAY_ADDRESS, else a "
+                        "local cluster for this run)")
+    p.add_argument("--num-sidecars", type=int, default=1, help="sidecars on the cluster (each one engine)")
+    p.add_argument("--placement", default="pack", choices=["pack", "spread"],
+                   help="pack: as few nodes as fit; spread: one sidecar per node where possible")
 
 
 def sidecar_device(trainer_device: torch.device, requested: str | None = None) -> str:
@@ -110,10 +113,10 @@ def sidecar_device(trainer_device: torch.device, requested: str | None = None) -
     return f"cuda:{index + 1}"
 
 
-def sidecar_command(args, model_dir: str, trainer_device: torch.device) -> list[str]:
-    """The flags of the sidecar this run starts (after `--model`)."""
+def sidecar_command(args, model_dir: str, trainer_device: torch.device, device: str | None = None) -> list[str]:
+    """The flags of the sidecar this run starts (after `--model`); `device` overrides where it runs."""
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
-            "--device", sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
+            "--device", device or sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
             "--engine", args.engine]
 
 
@@ -140,8 +143,8 @@ def _rollout_source(args, model_dir: str, trainer_device: torch.device):
         from rollout.ray_launcher import RaySidecars
 
         gpu = trainer_device.type == "cuda" or (args.sidecar_device or "cpu").startswith("cuda")
-        flags = sidecar_command(args, model_dir, trainer_device)
-        flags[flags.index("--device") + 1] = "cuda" if gpu else "cpu"  # an actor sees only its own GPU
+        # "cuda" alone: an actor sees only its own GPU
+        flags = sidecar_command(args, model_dir, trainer_device, "cuda" if gpu else "cpu")
         sidecar = RaySidecars(model_dir, args.num_sidecars, flags, placement=args.placement,
                               gpus_per_sidecar=1 if gpu else 0, ray_address=args.ray_address)
         return sidecar.client(), sidecar, None

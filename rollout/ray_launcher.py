@@ -27,7 +27,7 @@ import os
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 try:
     import ray
@@ -68,7 +68,6 @@ class _Slot:
     pending: object | None = None  # an info() call not answered yet (the actor may be restarting)
     next_poll: float = 0.0
     failures: int = 0
-    history: list = field(default_factory=list)  # (monotonic time, url) of each incarnation seen
 
 
 class RaySidecars:
@@ -119,8 +118,7 @@ class RaySidecars:
         except BaseException:
             self.shutdown()
             raise
-        now = time.monotonic()
-        self._slots = [_Slot(a, i["url"], i["boot"], history=[(now, i["url"])]) for a, i in zip(self.actors, infos)]
+        self._slots = [_Slot(a, i["url"], i["boot"]) for a, i in zip(self.actors, infos)]
         self.infos = infos  # as the sidecars started (node, pids); info(i) asks again
         log.info("%d sidecars on Ray: %s", num_sidecars, ", ".join(f"{i['url']} (node {i['node_id'][:8]})" for i in infos))
 
@@ -168,7 +166,6 @@ class RaySidecars:
             if info["boot"] != s.boot:
                 log.warning("sidecar actor %d was restarted by Ray: %s -> %s", i, s.url, info["url"])
                 s.url, s.boot = info["url"], info["boot"]
-                s.history.append((now, info["url"]))
 
     def shutdown(self) -> None:
         """Stop every sidecar (SIGTERM: in-flight work aborted), then the actors and their group."""

@@ -33,18 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to bind; anything but loopback requires --token")
     p.add_argument("--port", type=int, default=5555, help="port to bind (0: pick a free one and log it)")
     p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu; cuda (engine i on cuda:i, or on the GPUs of --gpus); or one device per engine, "
-                        "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
-    p.add_argument("--gpus", default=None,
-                   help="with --device cuda: the GPU indices of the engines, e.g. 1,2 (keep the trainer's GPU free)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="CUDA: share of each engine's GPU it may fill (KV cache included; default 0.9); lower it "
-                        "when a trainer shares the GPU. --engine vllm on CPU: the share of memory vLLM wants free "
-                        "at start (default 0.3), checked only when VLLM_CPU_KVCACHE_SPACE is unset")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' and KV cache's dtype; auto: the checkpoint's on a GPU, float32 on the CPU "
-                        "(a trainer's pushes travel in it)")
+    _add_device_flags(p.add_argument_group("devices and memory"))
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
     p.add_argument("--pause-mode", default="keep", choices=["abort", "wait", "keep"],
@@ -76,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
                         "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
     return p
+
+
+def _add_device_flags(p) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="cpu; cuda (engine i on cuda:i, or on the GPUs of --gpus); or one device per engine, "
+                        "e.g. cuda:1,cuda:2. Two engines never share a GPU (the NCCL group could not form)")
+    p.add_argument("--gpus", default=None,
+                   help="with --device cuda: the GPU indices of the engines, e.g. 1,2 (keep the trainer's GPU free)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: share of each engine's GPU it may fill (KV cache included; default 0.9); lower it "
+                        "when a trainer shares the GPU. --engine vllm on CPU: the share of memory vLLM wants free "
+                        "at start (default 0.3), checked only when VLLM_CPU_KVCACHE_SPACE is unset")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' and KV cache's dtype; auto: the checkpoint's on a GPU, float32 on the CPU "
+                        "(a trainer's pushes travel in it)")
 
 
 def _add_engine_flags(p) -> None:

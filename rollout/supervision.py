@@ -41,6 +41,8 @@ class NoEngineError(EngineDeadError):
     """No engine can serve, and none is being restarted."""
 
     gone = True  # error kind "gone": a client of several sidecars sends the work to the others
+
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # the weight copies this module writes; named by owner pid so a killed sidecar's are swept
 HOST_COPY_PREFIX, CATCH_UP_PREFIX = "rollout-host-copy-", "rollout-catch-up-"
