@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 
 import zmq
 
@@ -52,7 +53,7 @@ class EngineCoreProc:
         self.core = EngineCore(cfg)
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
-        self.drain_calls: list[int] = []  # call ids of pause(mode="wait") calls, answered once drained
+        self.drains: list[Future] = []  # pause(mode="wait") calls' answers, completed once drained
         self.running = True
         self.exit_code = 0
         self.flushed = threading.Event()  # set by the output thread once everything queued is sent
@@ -111,8 +112,8 @@ class EngineCoreProc:
             self._handle_inputs(block=not self.core.can_step())
             if self.running and self.core.can_step():
                 self._step()
-            if self.drain_calls and self.core.drained():
-                self._answer_drain_calls()
+            if self.drains and self.core.drained():
+                self._complete_drains()
 
     def _handle_inputs(self, block: bool) -> None:
         try:
@@ -164,7 +165,8 @@ class EngineCoreProc:
 
     # -- utility calls ------------------------------------------------------------------------
     def _call(self, msg: UtilityCall) -> None:
-        self._current_call_id = msg.call_id  # a deferred result (pause "wait") answers it later
+        """Run a utility call and answer it; a handler that returns a Future is answered from its
+        done-callback, by whichever thread completes it (vLLM's `_invoke_utility_method`)."""
         try:
             handler = self.utilities.get(msg.method)
             if handler is None:
@@ -172,28 +174,31 @@ class EngineCoreProc:
             value = handler(*msg.args, **msg.kwargs)
         except Exception as e:
             log.debug("call %s failed", msg.method, exc_info=True)
-            self.outputs.put(CallResult(msg.call_id, False, None, f"{type(e).__name__}: {e}", error_kind(e)))
+            self.outputs.put(_failure(msg.call_id, e))
             return
-        if value is not _DEFERRED:
+        if isinstance(value, Future):
+            value.add_done_callback(lambda done: self.outputs.put(_answer(msg.call_id, done)))
+        else:
             self.outputs.put(CallResult(msg.call_id, True, value))
 
-    def _pause(self, mode: str = "abort", clear_cache: bool = True):
+    def _pause(self, mode: str = "abort", clear_cache: bool = True) -> bool | Future:
         deltas = self.core.pause(mode, clear_cache)
         if deltas:
             self.outputs.put(StepOutputs(deltas))
-        if not self.core.drained():  # "wait": answered by run() once every earlier request finished
-            self.drain_calls.append(self._current_call_id)
-            return _DEFERRED
-        return True
+        if self.core.drained():
+            return True
+        drained: Future = Future()  # "wait": completed by run() once every earlier request finished
+        self.drains.append(drained)
+        return drained
 
-    def _answer_drain_calls(self) -> None:
-        for call_id in self.drain_calls:
-            self.outputs.put(CallResult(call_id, True, True))
-        self.drain_calls = []
+    def _complete_drains(self) -> None:
+        drains, self.drains = self.drains, []
+        for drained in drains:
+            drained.set_result(True)
 
     def _resume(self):
         self.core.resume()
-        self._answer_drain_calls()  # resumed before a drain completed: that pause is over
+        self._complete_drains()  # resumed before a drain completed: that pause is over
         return True
 
     def _is_paused(self):
@@ -203,7 +208,8 @@ class EngineCoreProc:
         worker = self.core.worker
         if not isinstance(method, str) or method.startswith("_") or not worker.rpc_allowed(method):
             raise ValueError(f"method {method!r} is not callable over collective_rpc")
-        return [getattr(worker, method)(*(args or []), **(kwargs or {}))]
+        result = getattr(worker, method)(*(args or []), **(kwargs or {}))
+        return _one_per_worker(result) if isinstance(result, Future) else [result]
 
     def _set_weight_version(self, version: int):
         self.core.weight_version = int(version)
@@ -230,7 +236,30 @@ class EngineCoreProc:
         return self.core.stats()
 
 
-_DEFERRED = object()
+def _failure(call_id: int, e: BaseException) -> CallResult:
+    return CallResult(call_id, False, None, f"{type(e).__name__}: {e}", error_kind(e))
+
+
+def _answer(call_id: int, done: Future) -> CallResult:
+    """The answer to a deferred call, from its completed future."""
+    try:
+        return CallResult(call_id, True, done.result())
+    except Exception as e:  # noqa: BLE001 - the handler's failure (or a cancellation), for its caller
+        return _failure(call_id, e)
+
+
+def _one_per_worker(result: Future) -> Future:
+    """A worker's deferred RPC result as collective_rpc answers: one per worker, a list of one."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result([f.result()])
+        except Exception as e:  # noqa: BLE001 - its error, kind kept, for the caller
+            out.set_exception(e)
+
+    result.add_done_callback(done)
+    return out
 
 
 def _warm_up(model_dir: str) -> None:

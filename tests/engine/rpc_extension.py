@@ -1,6 +1,8 @@
 """A worker extension used by the tests to exercise collective_rpc (loaded by dotted path)."""
 
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -24,6 +26,27 @@ class RpcTestExtension:
             for p in self.model.parameters():
                 p.mul_(factor)
         return True
+
+    def later(self, value=None, error: str | None = None) -> Future:
+        """A deferred answer: a Future that a thread completes at `release_later` (with `value`,
+        or failing: error "refuse" a ValueError, any other a RuntimeError)."""
+        fut: Future = Future()
+        self.__dict__.setdefault("_later", []).append((fut, value, error))
+        return fut
+
+    def release_later(self) -> int:
+        """Completes every pending `later` future, from a thread of its own; how many."""
+        pending, self._later = self.__dict__.get("_later", []), []
+
+        def complete():
+            for fut, value, error in pending:
+                if error is None:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(Refusal(error) if error == "refuse" else RuntimeError(error))
+
+        threading.Thread(target=complete, daemon=True, name="complete-later").start()
+        return len(pending)
 
     def unsendable(self):
         return object()

@@ -298,6 +298,38 @@ def test_error_kinds_cross_the_process_as_data(engine, loop):
     loop.run_until_complete(run())
 
 
+def test_a_worker_rpc_returning_a_future_is_answered_when_it_completes(engine, loop):
+    """A worker method may return a concurrent Future (as vLLM's utility calls may): its
+    collective_rpc is answered once a thread completes it, and the engine generates meanwhile."""
+    async def run():
+        pending = asyncio.ensure_future(engine.collective_rpc("later", args=(7,)))
+        await asyncio.sleep(0)  # the call reaches the core before the request
+        out = await _collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        waited = not pending.done()
+        assert await engine.collective_rpc("release_later") == [1]
+        return out, waited, await asyncio.wait_for(pending, 10)
+
+    out, waited, value = loop.run_until_complete(run())
+    assert len(out.outputs[0].token_ids) == 20 and waited
+    assert value == [7]
+
+
+def test_a_worker_rpc_future_that_fails_keeps_its_error_kind(engine, loop):
+    async def run():
+        refused = asyncio.ensure_future(engine.collective_rpc("later", kwargs={"error": "refuse"}))
+        failed = asyncio.ensure_future(engine.collective_rpc("later", kwargs={"error": "boom later"}))
+        await asyncio.sleep(0)
+        assert await engine.collective_rpc("release_later") == [2]
+        with pytest.raises(ValueError, match="Refusal: refuse"):
+            await refused
+        with pytest.raises(RuntimeError, match="RuntimeError: boom later") as err:
+            await failed
+        assert not isinstance(err.value, ValueError)
+        return await _collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5))
+
+    assert len(loop.run_until_complete(run()).outputs[0].token_ids) == 5
+
+
 def test_bad_requests_fail_alone(engine, loop):
     async def run():
         good = asyncio.ensure_future(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=30)))
