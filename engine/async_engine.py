@@ -294,7 +294,7 @@ class AsyncEngine:
         self.requests[request_id] = collector
         finished = False
         try:
-            self._send(AddRequest(request_id, ids, params.to_dict()))
+            self._send(AddRequest(request_id, ids, params))
             delta = params.output_kind == "delta"
             while True:
                 await collector.event.wait()

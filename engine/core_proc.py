@@ -17,15 +17,15 @@ import time
 import traceback
 from concurrent.futures import Future
 
+import msgspec
 import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import (
-    FAILED, AbortRequests, AddRequest, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
+    FAILED, AbortRequests, AddRequest, AddRequestId, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
     StepOutputs, UtilityCall, error_kind,
 )
-from engine.sampling_params import SamplingParams
 from engine.serial import Decoder, Encoder
 
 log = logging.getLogger("engine.core_proc")
@@ -82,13 +82,22 @@ class EngineCoreProc:
     def _input_loop(self) -> None:
         decoder = Decoder(EngineInput)
         while True:
-            frames = self.in_sock.recv_multipart(copy=False)
+            frames = [f.buffer for f in self.in_sock.recv_multipart(copy=False)]
             try:
-                msg = decoder.decode([f.buffer for f in frames])
-            except Exception as e:  # a malformed frame is dropped; the core never dies of one
-                log.warning("dropped a malformed input message: %s", str(e)[:200])
+                msg = decoder.decode(frames)
+            except Exception as e:  # a malformed message is refused; the core never dies of one
+                self._refuse(frames, e)
                 continue
             self.inputs.put(msg)
+
+    def _refuse(self, frames: list, e: Exception) -> None:
+        """A request whose parameters do not decode (msgspec runs SamplingParams' checks) fails
+        alone, as a bad request; any other malformed message is dropped."""
+        request_id = _request_id_of(frames)
+        if request_id is None:
+            log.warning("dropped a malformed input message: %s", str(e)[:200])
+        else:
+            self.outputs.put(RequestError(request_id, f"{type(e).__name__}: {e}", error_kind(e)))
 
     def _output_loop(self) -> None:
         encoder = Encoder()
@@ -153,8 +162,7 @@ class EngineCoreProc:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            params = SamplingParams.from_dict(msg.params)
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
         except Exception as e:
             self.outputs.put(RequestError(msg.request_id, f"{type(e).__name__}: {e}", error_kind(e)))
 
@@ -234,6 +242,14 @@ class EngineCoreProc:
 
     def _stats(self):
         return self.core.stats()
+
+
+def _request_id_of(frames: list) -> str | None:
+    """The id of the AddRequest in `frames`, or None when they are not one."""
+    try:
+        return msgspec.msgpack.decode(frames[0], type=AddRequestId).request_id
+    except Exception:  # noqa: BLE001 - random bytes raise more than DecodeError (a UnicodeDecodeError)
+        return None
 
 
 def _failure(call_id: int, e: BaseException) -> CallResult:

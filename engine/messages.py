@@ -11,6 +11,7 @@ from typing import Any, Union
 
 import msgspec
 
+from engine.sampling_params import SamplingParams
 
 # Per position {token id: (logprob, rank)}; the frontend makes them vLLM's Logprob objects.
 TokenLogprobs = dict[int, tuple[float, int]]
@@ -34,7 +35,14 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams  # a dataclass msgspec decodes field by field, validating it (__post_init__)
+
+
+class AddRequestId(msgspec.Struct, tag="add", array_like=True):
+    """An AddRequest read only as far as its id: one whose parameters do not decode is still
+    answered, with a RequestError of its own."""
+
+    request_id: str
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

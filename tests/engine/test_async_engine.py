@@ -349,6 +349,21 @@ def test_bad_requests_fail_alone(engine, loop):
     assert len(loop.run_until_complete(run()).outputs[0].token_ids) == 30
 
 
+def test_parameters_the_core_refuses_to_decode_fail_their_request_alone(engine, loop):
+    """AddRequest carries a typed SamplingParams that msgspec decodes (and checks) in the core:
+    parameters spoiled after the frontend's checks fail their own request, as a ValueError."""
+    spoiled = SamplingParams(max_tokens=5)
+    spoiled.max_tokens = 0
+
+    async def run():
+        good = asyncio.ensure_future(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=8)))
+        with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+            await _collect(engine, [5, 6], spoiled)
+        return await good
+
+    assert len(loop.run_until_complete(run()).outputs[0].token_ids) == 8
+
+
 def test_malformed_frames_do_not_kill_the_core(engine, loop):
     rng = random.Random(0)
     enc = msgspec.msgpack.encode
