@@ -30,7 +30,7 @@ from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyE
 from engine.inputs import is_single_prompt, tokenize_prompt, validate_params, validate_prompt_ids
 from engine.messages import (
     INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Fatal, Ready, RequestError, Shutdown,
-    StepOutputs, UtilityCall,
+    PauseMode, StepOutputs, UtilityCall,
 )
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
@@ -347,7 +347,7 @@ class AsyncEngine:
         finally:
             self.calls.pop(call_id, None)
 
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """abort: end in-flight requests now (finish_reason "abort"); wait: let them finish;
         keep: freeze them in place. New requests wait until resume_generation()."""
         await self._call("pause", mode=mode, clear_cache=clear_cache)

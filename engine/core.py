@@ -9,7 +9,7 @@ import logging
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.inputs import validate_params, validate_prompt_ids
-from engine.messages import SeqDelta
+from engine.messages import PAUSE_MODES, PauseMode, SeqDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PauseState, Scheduler
 from engine.sequence import Sequence
@@ -17,8 +17,6 @@ from engine.stop_checker import check_stop
 from engine.worker import make_worker
 
 log = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 def load_tokenizer(path: str):
@@ -107,7 +105,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- pausing (vLLM's pause_scheduler) ----------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list[SeqDelta]:
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> list[SeqDelta]:
         """abort: end what is in flight now (returns their final deltas); wait: keep stepping
         until every request that arrived before the pause finished (see `drained()`); keep:
         freeze in place. Requests added while paused are held until `resume()`."""

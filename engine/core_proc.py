@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.messages import (
     FAILED, AbortRequests, AddRequest, AddRequestId, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
-    StepOutputs, UtilityCall, error_kind,
+    PauseMode, StepOutputs, UtilityCall, error_kind,
 )
 from engine.serial import Decoder, Encoder
 
@@ -189,7 +189,7 @@ class EngineCoreProc:
         else:
             self.outputs.put(CallResult(msg.call_id, True, value))
 
-    def _pause(self, mode: str = "abort", clear_cache: bool = True) -> bool | Future:
+    def _pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> bool | Future:
         deltas = self.core.pause(mode, clear_cache)
         if deltas:
             self.outputs.put(StepOutputs(deltas))

@@ -7,11 +7,16 @@ Every utility call carries a call id and is answered by exactly one CallResult.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
 import msgspec
 
 from engine.sampling_params import SamplingParams
+
+# How a pause treats the requests in flight (vLLM's names): "abort" ends them now (finish reason
+# "abort"), "wait" lets every one sent before the pause finish, "keep" freezes them in place.
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 
 # Per position {token id: (logprob, rank)}; the frontend makes them vLLM's Logprob objects.
 TokenLogprobs = dict[int, tuple[float, int]]

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError
 from engine.inputs import tokenize_prompt, validate_params, validate_prompt_ids
+from engine.messages import PAUSE_MODES, PauseMode
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,7 +40,6 @@ from engine.vllm_start import CoreProcess, start_vllm
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "wait", "keep")
 # vLLM passes a worker's failure on as text, "Call to <method> method failed: <message>"; our
 # receiver starts each message with its exception's class
 _WORKER_ERROR = re.compile(r"(?:method failed: |failed with error ')(\w+): ")
@@ -271,7 +271,7 @@ class VllmEngine:
         finally:
             task.cancel()
 
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """abort: end in-flight requests now (finish_reason "abort"); wait: let them finish;
         keep: freeze them in place. New requests wait until resume_generation()."""
         if mode not in PAUSE_MODES:
