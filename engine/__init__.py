@@ -8,11 +8,13 @@ import importlib
 
 _WHERE = {
     "AsyncEngine": "engine.async_engine",
+    "EngineClient": "engine.engine_client",
     "EngineConfig": "engine.config",
     "EngineDeadError": "engine.errors",
     "EngineGenerateError": "engine.errors",
     "EngineUnhealthyError": "engine.errors",
     "LLM": "engine.llm",
+    "PauseMode": "engine.messages",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

@@ -51,6 +51,8 @@ class _Collector:
 
 
 class AsyncEngine:
+    num_workers = 1  # one worker on one device: one rank in a weight-sync group (EngineClient)
+
     def __init__(self, cfg: EngineConfig, log_level: str = "WARNING", start_timeout: float = 300.0,
                  standby: subprocess.Popen | None = None):
         """Starts the core process, or hands `standby` (from `engine.standby.spawn_standby`, still

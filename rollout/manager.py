@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import replace
 
-from engine import AsyncEngine, SamplingParams
+from engine import EngineClient, SamplingParams
 from engine.errors import EngineDeadError
 from engine.inputs import tokenize_prompt
 from engine.stop_checker import first_stop_string, truncate_at_stop
@@ -65,7 +65,7 @@ class _Sample:
 
 
 class RolloutManager:
-    def __init__(self, engines: list[AsyncEngine], max_staleness: int | None = None, pause_mode: str = "keep",
+    def __init__(self, engines: list[EngineClient], max_staleness: int | None = None, pause_mode: str = "keep",
                  max_stale_restarts: int = 3, engine_factory=None, max_restarts: int = 3,
                  restart_window_s: float = 600.0, host_copy: bool = True, spawn_standby=None):
         """`engine_factory(i, standby)` builds engine i afresh: with it, an engine that dies is
@@ -111,11 +111,11 @@ class RolloutManager:
     def _count(self, name: str) -> None:
         self.counters[name] += 1
 
-    def up_engines(self) -> list[AsyncEngine]:
+    def up_engines(self) -> list[EngineClient]:
         """The engines weight sync reaches (live, or restarted and waiting for a push)."""
         return [self.engines[i] for i in self.supervisor.up()]
 
-    def serving_engines(self) -> list[AsyncEngine]:
+    def serving_engines(self) -> list[EngineClient]:
         return [self.engines[i] for i in self.supervisor.live()]
 
     # -- generation ---------------------------------------------------------------------------

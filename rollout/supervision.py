@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from engine import AsyncEngine
+from engine import EngineClient
 from engine.errors import EngineDeadError
 from weight_sync.engine_sync import load_on_engines
 from weight_sync.shared import owned_name, sweep_orphans
@@ -55,7 +55,7 @@ def _owned_dir(prefix: str) -> str:
 
 
 class EngineSupervisor:
-    def __init__(self, engines: list[AsyncEngine], factory: Callable[..., AsyncEngine] | None = None,
+    def __init__(self, engines: list[EngineClient], factory: Callable[..., EngineClient] | None = None,
                  max_restarts: int = 3, restart_window_s: float = 600.0, backoff_s: float = 0.5,
                  host_copy: bool = True, spawn_standby: Callable[[], subprocess.Popen] | None = None):
         """`factory(i, standby)` builds engine i afresh, from `standby` (a warm core process from
@@ -198,7 +198,7 @@ class EngineSupervisor:
                 if new is not None:
                     await asyncio.to_thread(new.shutdown, 1.0)
 
-    async def _catch_up(self, i: int, new: AsyncEngine) -> str | None:
+    async def _catch_up(self, i: int, new: EngineClient) -> str | None:
         """Give `new` the newest committed weights and version; returns where they came from,
         None when there is nothing to take them from (it then waits for the trainer's next push)."""
         version = self.version_of()

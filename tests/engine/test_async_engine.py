@@ -1,6 +1,7 @@
 """AsyncEngine with the core in a real background process."""
 
 import asyncio
+import inspect
 import os
 import random
 import signal
@@ -10,7 +11,10 @@ import msgspec
 import pytest
 import torch
 
-from engine import LLM, AsyncEngine, EngineConfig, EngineDeadError, EngineUnhealthyError, SamplingParams
+from engine import (
+    LLM, AsyncEngine, EngineClient, EngineConfig, EngineDeadError, EngineUnhealthyError, SamplingParams,
+)
+from engine.engine_client import EngineProcess
 from tests.engine.helpers import random_prompts
 from tests.procs import descendants
 
@@ -403,6 +407,24 @@ def test_sleep_and_wake_up_keep_generation_correct(engine, loop):
 
     ref, results = loop.run_until_complete(run())
     assert all(r.outputs[0].token_ids == ref.outputs[0].token_ids for r in results)
+
+
+def test_both_engines_are_engine_clients(engine):
+    """rollout/ types its engines as EngineClient: ours meets it, and VllmEngine has its methods
+    (same names, parameters and kinds) and sets its attributes (starting one needs vLLM)."""
+    from engine.vllm_engine import VllmEngine
+
+    assert isinstance(engine, EngineClient) and isinstance(engine.proc, EngineProcess)
+    methods = {n: m for n, m in vars(EngineClient).items() if callable(m) and not n.startswith("_")}
+    assert {"generate", "pause_generation", "collective_rpc", "check_health", "shutdown"} <= set(methods)
+    for cls in (AsyncEngine, VllmEngine):
+        for name, member in methods.items():
+            want, got = inspect.signature(member).parameters, inspect.signature(getattr(cls, name)).parameters
+            assert list(got)[:len(want)] == list(want), (cls.__name__, name)
+            assert inspect.iscoroutinefunction(getattr(cls, name)) == inspect.iscoroutinefunction(member), name
+        assert isinstance(cls.errored, property)
+    init = inspect.getsource(VllmEngine.__init__)
+    assert all(f"self.{a} =" in init for a in EngineClient.__annotations__)
 
 
 def test_killed_core_fails_every_waiter_fast(cfg):
