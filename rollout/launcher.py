@@ -12,15 +12,23 @@ import time
 class LocalSidecar:
     """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
     SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0). The sidecar also
-    shuts down by itself when this process exits, however it exits (SIGKILL included)."""
+    shuts down by itself when this process exits, however it exits (SIGKILL included).
+    `log_path`: a file the sidecar's log is appended to (default: this process's stderr)."""
 
-    def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0):
+    def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0,
+                 log_path: str | None = None):
         cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", "--parent-pid", str(os.getpid()),
                *extra_args]
         if token:
             cmd += ["--token", token]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
+        self.log_path = log_path
+        log = open(log_path, "a") if log_path else None  # noqa: SIM115 - the child holds it from here on
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
+        finally:
+            if log is not None:
+                log.close()
         self.url: str | None = None
         self.http_url: str | None = None  # with --http-port: the OpenAI-compatible front's base URL
         deadline = time.monotonic() + timeout_s

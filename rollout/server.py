@@ -155,7 +155,8 @@ class RolloutServer:
                                                 error_kind="gone"))
             raise
         except Exception as e:
-            log.info("call %s failed: %s", type(call).__name__, e)
+            outcome = "withdrawn" if getattr(e, "withdrawn", False) else "failed"  # withdrawn: redone at once
+            log.info("call %s %s: %s", type(call).__name__, outcome, e)
             await self._reply(identity, P.Reply(call.call_id, False, error=f"{type(e).__name__}: {e}",
                                                 error_kind=P.error_kind(e)))
 

@@ -12,7 +12,7 @@ from weight_sync.engine_sync import (
     close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
     stage_on_engines, workers_of,
 )
-from weight_sync.group import FAILED_MARK, PushProgress
+from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK, PushProgress
 from weight_sync.inplace_receive import TORN
 from weight_sync.manifest import Manifest
 from weight_sync.votes import WeightSyncError
@@ -32,6 +32,14 @@ class WeightSyncRegroup(WeightSyncRefused):
     the group formed): nothing changed; the client forms a new group and pushes again."""
 
     regroup = True
+
+
+class PushWithdrawn(WeightSyncRefused):
+    """A push its trainer withdrew before any byte moved (weight_sync.push, step 6): the layout it
+    reused no longer fits its weights, and it pushes them again at once on a fresh one. Nothing
+    changed, and it is no failed push: the push that follows tells."""
+
+    withdrawn = True
 
 
 def trainer_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
@@ -127,22 +135,38 @@ class SidecarWeights:
                 if watchdog is not None:
                     watchdog.cancel()
             transfer = time.monotonic() - t1
-            return {**await self._commit(engines, results, manifest.version), "transfer_seconds": transfer}
+            return {**await self._commit(engines, results, manifest), "transfer_seconds": transfer}
 
         return self._pushed(await m.run_paused(pause_mode, work, on_paused), t0)
 
-    async def _commit(self, engines: list, results: list, version: int) -> dict:
+    async def _commit(self, engines: list, results: list, manifest: Manifest) -> dict:
         """The engines' results of a push (weight_sync.engine_sync.commit_results); the sidecar
-        serves `version` once every engine committed it, and counts a failed push otherwise."""
+        serves its version once every engine committed it, and counts a failed push otherwise
+        (unless its trainer withdrew it: PushWithdrawn)."""
         m = self.manager
         try:
-            out = await commit_results(engines, results, version, "push")
-        except Exception:
+            out = await commit_results(engines, results, manifest.version, "push")
+        except Exception as e:
+            if await self._withdrawn(manifest, e):
+                raise PushWithdrawn(f"push of version {manifest.version} withdrawn by its trainer before any byte "
+                                    "moved: the layout it reused no longer fits its weights, it pushes them again "
+                                    "on a fresh one") from e
             m.counters["failed_pushes"] += 1
             raise
-        m.version = version
-        m.supervisor.committed(version)
+        m.version = manifest.version
+        m.supervisor.committed(manifest.version)
         return out
+
+    async def _withdrawn(self, manifest: Manifest, error: Exception) -> bool:
+        """Whether a push refused before any byte moved was refused by its trainer's vote on the
+        layout it reused (it marks that, WITHDRAWN_MARK, before voting; the workers only hear
+        "refused by another rank")."""
+        if not getattr(error, "refused", False) or self.owner is None:
+            return False
+        try:
+            return await asyncio.to_thread(PushProgress(self._info, manifest.push_id).read) == WITHDRAWN_MARK
+        except Exception:  # noqa: BLE001 - the trainer's store did not answer: a failed push, as before
+            return False
 
     def _pushed(self, out: dict, t0: float) -> dict:
         """A committed push's counters and reply (`out` holds its transfer_seconds)."""
@@ -184,12 +208,12 @@ class SidecarWeights:
             results = await finish_on_engines(engines, staged, commit=False, timeout=timeout_s)
             await self._commit(engines, [r if isinstance(r, BaseException) else
                                          RuntimeError("dropped: another engine failed") for r in results],
-                               manifest.version)
+                               manifest)
 
         async def swap():
             t1 = time.monotonic()
             results = await finish_on_engines(engines, staged, commit=True, timeout=timeout_s)
-            out = await self._commit(engines, results, manifest.version)
+            out = await self._commit(engines, results, manifest)
             return {**out, "swap_seconds": time.monotonic() - t1, "transfer_seconds": transfer}
 
         return self._pushed(await m.run_paused(pause_mode, swap), t0)

@@ -261,7 +261,8 @@ class WeightSyncGroup:
         self._prefix_store().set(f"mark/go/{push_id}", b"off")
 
     def mark_progress(self, push_id: str, buckets: int) -> None:
-        """The trainer: `buckets` of push `push_id` are out; FAILED_MARK: it gave the push up. A
+        """The trainer: `buckets` of push `push_id` are out; FAILED_MARK: it gave the push up;
+        WITHDRAWN_MARK: it refuses the layout it reused, and pushes again on a fresh one. A
         sidecar's watchdog reads it (PushProgress) to tell a stalled or failed trainer from a slow
         one: its engines wait in the transfer, where nothing else can reach them."""
         self._prefix_store().set(f"mark/progress/{push_id}", str(int(buckets)))
@@ -368,6 +369,7 @@ def _group_keys(group_name: str, secret: str, store: TCPStore) -> PrefixStore:
 
 
 FAILED_MARK = -1
+WITHDRAWN_MARK = -2
 
 
 class PushProgress:
@@ -379,7 +381,8 @@ class PushProgress:
         self._prefix: PrefixStore | None = None
 
     def read(self) -> int | None:
-        """Buckets out so far (FAILED_MARK: given up); None before the transfer began. Raises when
+        """Buckets out so far (FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be
+        pushed again on a fresh layout); None before the transfer began. Raises when
         the trainer's store does not answer within the timeout (a dead or frozen trainer)."""
         try:
             if self._prefix is None:

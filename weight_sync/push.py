@@ -2,7 +2,8 @@
 the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `receive_weights`,
 `rollout.client` sends `push_weights` to each sidecar, which pauses its engines and calls theirs.
 
-1. prepare: the manifest, on the previous push's layout when there is one (no walk yet);
+1. prepare: the manifest, on the layout of the last push every rank accepted when there is one
+   (no walk yet; a refused layout is never started on again);
 2. deliver: the manifest goes out; each receiver's outcome is awaited later;
 3. walk: the trainer lists its weights and checks them against the layout while the workers
    check the manifest against their models;
@@ -12,7 +13,8 @@ the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `rec
    which frees the workers already voting);
 5. send: the votes and buckets (`WeightSender.send`, on a thread: it blocks);
 6. a layout that no longer fits is refused by every rank before a byte moves
-   (StaleManifestError): once more from 1, walking the weights afresh; a LoRA adapter push that
+   (StaleManifestError; the trainer marks the push withdrawn first, so a sidecar counts no failed
+   push for it): once more from 1, walking the weights afresh; a LoRA adapter push that
    a worker refuses for lacking its base (NeedsBaseError): once more with the base.
 
 A trainer of several ranks pushes from rank 0; the others call `trainer_ranks.follow_push`

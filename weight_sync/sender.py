@@ -30,7 +30,7 @@ import torch
 
 from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
-from weight_sync.group import FAILED_MARK, GroupError, WeightSyncGroup
+from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK, GroupError, WeightSyncGroup
 from weight_sync.lora import A_SUFFIX, B_SUFFIX, AdapterPush, push_source
 from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
@@ -68,6 +68,9 @@ class PreparedPush:
     named: list | None = None
     # (vote, problem) found by walk() when it listed the weights ahead of send()
     verdict: tuple[int, str] | None = None
+    # a fresh layout: (the sender's slot, its key), where send() keeps it for later pushes once every
+    # rank accepted it (a layout the workers refused is never reused: the next push would start on it)
+    keep_as: tuple[str, tuple] | None = None
 
 
 class WeightSender:
@@ -98,7 +101,7 @@ class WeightSender:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
         self._gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
-        self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last prepare
+        self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last accepted push
         self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.lora)
 
     # -- group ------------------------------------------------------------------------------
@@ -141,8 +144,8 @@ class WeightSender:
         """The manifest of a push (names, dtypes, shapes, layout and buckets); gathers nothing.
 
         A one-shot iterable is listed once here (references, no copies) so it can be sent later.
-        `reuse_layout=True`: when an earlier push has a layout at this bucket size, take it without
-        walking the weights now; `send()` walks them (while the manifest travels to the workers)
+        `reuse_layout=True`: when an earlier push had a layout accepted at this bucket size, take it
+        without walking the weights now; `send()` walks them (while the manifest travels to the workers)
         and, if they no longer fit it, refuses the push before any byte moves
         (StaleManifestError): prepare again without reuse and push again.
         A PEFT model is pushed as its adapter (weight_sync.lora; `push_source(model, "merged")`
@@ -154,8 +157,8 @@ class WeightSender:
             # the factors go in their own dtype: the engine merges them as PEFT does (an fp32
             # adapter's delta rounded once into a bf16 base); cast first, the sum would differ
             factors = {n for n, _ in named if n.endswith((A_SUFFIX, B_SUFFIX))}
-            manifest = self._manifest(self._specs(named, keep=factors), version, "_last_adapter")
-            return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named)
+            manifest, keep_as = self._manifest(self._specs(named, keep=factors), version, "_last_adapter")
+            return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named, keep_as=keep_as)
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
         if has_peers() and gather_context(weights) is not None:
@@ -169,7 +172,8 @@ class WeightSender:
         with ctx or contextlib.nullcontext(), torch.no_grad():
             named = list_weights(weights)
             specs = self._specs(named)
-        return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
+        manifest, keep_as = self._manifest(specs, version)
+        return PreparedPush(manifest, weights, named if ctx is None else None, keep_as=keep_as)
 
     def walk(self, prepared: PreparedPush) -> None:
         """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
@@ -201,16 +205,15 @@ class WeightSender:
     def _versioned(manifest: Manifest, version: int) -> Manifest:
         return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
 
-    def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> Manifest:
-        """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
-        bucket size are unchanged (every push of a training run). `slot`: the attribute that
-        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays)."""
+    def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> tuple[Manifest, tuple | None]:
+        """build_manifest, reusing the layout of the last accepted push when names, dtypes, shapes
+        and bucket size are unchanged (every push of a training run). `slot`: the attribute that
+        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays). Also
+        returns, for a fresh layout, where send() keeps it once accepted (PreparedPush.keep_as)."""
         key, last = (specs, self.bucket_bytes), getattr(self, slot)
         if last is not None and last[0] == key:
-            return self._versioned(last[1], version)
-        manifest = build_manifest(specs, version, self.bucket_bytes)
-        setattr(self, slot, (key, manifest))
-        return manifest
+            return self._versioned(last[1], version), None
+        return build_manifest(specs, version, self.bucket_bytes), (slot, key)
 
     def checksum(self, weights) -> str:
         """The checksum the engine's `weights_checksum()` reports after this push (in the wire dtype).
@@ -266,7 +269,12 @@ class WeightSender:
                     raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}",
                                           refused=True) from e
             self._marks = _ProgressMarks(g, m.push_id)
+            if status == VOTE_STALE:
+                self._marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
             self._vote(status, m, problem)
+            if prepared.keep_as is not None:  # every rank accepted this layout: later pushes start on it
+                slot, key = prepared.keep_as
+                setattr(self, slot, (key, m))
             try:
                 self._send_buckets_with_peers(m, [t for _, t in named], progress)
                 if not commit_vote(g):
@@ -421,7 +429,8 @@ class WeightSender:
 class _ProgressMarks:
     """What the trainer tells the sidecars' watchdogs about a push (WeightSyncGroup.mark_progress):
     it began (0), how many buckets are out, at most every MARK_EVERY_S so the transfer pays a store
-    round trip only that often, and that it failed."""
+    round trip only that often, that it failed, or that it withdrew the push (a reused layout that
+    no longer fits its weights: it pushes them again on a fresh one)."""
 
     MARK_EVERY_S = 0.5
 
@@ -437,6 +446,9 @@ class _ProgressMarks:
 
     def failed(self) -> None:
         self._mark(FAILED_MARK)
+
+    def withdrawn(self) -> None:
+        self._mark(WITHDRAWN_MARK)
 
     def _mark(self, value: int) -> None:
         try:

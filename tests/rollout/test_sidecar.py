@@ -31,8 +31,10 @@ def perturb(model, seed, scale=0.02):
 
 
 @pytest.fixture(scope="module")
-def sidecar(qwen2_dir):
-    s = Sidecar(qwen2_dir, "--max-staleness", "2", "--max-stale-restarts", "1000")
+def sidecar(qwen2_dir, tmp_path_factory):
+    log_path = str(tmp_path_factory.mktemp("sidecar") / "sidecar.log")  # for tests that read what it logged
+    s = Sidecar(qwen2_dir, "--max-staleness", "2", "--max-stale-restarts", "1000", "--log-level", "INFO",
+                log_path=log_path)
     yield s
     s.stop()
 
@@ -194,10 +196,33 @@ def test_bad_input_fails_alone(sidecar, client, trainer, qwen2_dir, model_dirs):
         client.push_weights(bad_shape, version=version + 1)
     assert client.stats()["version"] == version
     assert _greedy(client, [[9, 10, 11]], 8)[0][0].token_ids == before
-    # the group survives a refused push: a good one goes through (it starts on the refused push's
-    # layout, which no longer fits: every rank refuses that before a byte moves, then it runs afresh)
+    # the group survives a refused push: a good one goes through (on the last layout every rank
+    # accepted: a refused one is never started on again)
     client.push_weights(trainer, version=version + 1)
     assert client.stats()["version"] == version + 1
+
+
+def test_a_refused_push_counts_once_and_the_good_push_after_it_logs_no_failure(sidecar, client, trainer):
+    """Issue 36: a model with one layer fewer is refused, and counts as one failed push (its first
+    attempt, on the layout the trainer reused, is the trainer's own to withdraw); the correct push
+    after it commits at once, and the sidecar logs no failure for it (not the refused push's error)."""
+    version = client.stats()["version"]
+    client.push_weights(trainer, version=version + 1)  # a layout every rank accepted: the next push starts on it
+    failed = client.stats()["failed_pushes"]
+    last = trainer.config.num_hidden_layers - 1
+    fewer = [(n, t) for n, t in trainer.state_dict().items() if f"layers.{last}." not in n]
+    with pytest.raises(SidecarError, match="missing names") as err:
+        client.push_weights(fewer, version=version + 2)
+    assert err.value.kind == "refused"
+    assert client.stats()["failed_pushes"] == failed + 1
+
+    with open(sidecar.log_path) as log:
+        log.seek(0, os.SEEK_END)
+        client.push_weights(trainer, version=version + 2)
+        logged = log.read()
+    stats = client.stats()
+    assert stats["version"] == version + 2 and stats["failed_pushes"] == failed + 1
+    assert "failed" not in logged and "missing names" not in logged and " ERROR " not in logged, logged
 
 
 TRAINER = r"""
