@@ -2,7 +2,7 @@
 
 A trainer that trains a LoRA adapter can push only the adapter's factors (lora_A, lora_B: a few
 MB) and let the engine merge them into the base it keeps (weight_sync/lora.py,
-weight_sync/adapter_receive.py), or push the merged weights whole, as any other model.
+weight_sync/lora_target.py), or push the merged weights whole, as any other model.
 For each model (engine.tiny_model sizes, fp32, CPU, gloo on loopback), through a real
 AsyncEngine whose worker runs the weight-sync extension, this process being the trainer
 (rank 0), with a PEFT LoRA model over the trainer's weights (r=--lora-r, lora_alpha=2r, on
@@ -53,30 +53,13 @@ import time
 
 import torch
 
-from bench.weight_sync import BenchExtension, _median
+from bench.weight_sync import _median
 
 log = logging.getLogger("bench.lora_push")
 GOAL_RATIO = 20.0  # merged / adapter seconds per push, at the medium model
 GOAL_SIZE = "medium"
-EXT = "bench.lora_push:LoraBenchExtension"
+EXT = "bench.weight_sync:BenchExtension"  # a push's result says its merge time: `plan_seconds`
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-class LoraBenchExtension(BenchExtension):
-    """The production extension (plus bench.weight_sync's baselines), which also reports how long
-    each push's adapter merge took (`merge_seconds` in the worker's result; part of its
-    `receive_seconds`: the merge runs once every byte is in, before the commit vote)."""
-
-    def _ws_plan_adapter(self, m, staging):
-        t0 = time.perf_counter()
-        plan = super()._ws_plan_adapter(m, staging)
-        self._bench_merge_s = getattr(self, "_bench_merge_s", 0.0) + time.perf_counter() - t0
-        return plan
-
-    def _ws_done(self, m, t0, t1, t2, transport, buckets):
-        out = super()._ws_done(m, t0, t1, t2, transport, buckets)
-        out["merge_seconds"], self._bench_merge_s = getattr(self, "_bench_merge_s", 0.0), 0.0
-        return out
 
 
 def other_cores_busy(seconds: float = 1.0) -> float | None:
@@ -182,12 +165,12 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
             out["merged_s"].append(merged_dt)
             out["merged_send_s"].append(trainer["seconds"])
             out["adapter_s"].append(adapter_dt)
-            out["merge_s"].append(worker["merge_seconds"])
-            out["merge_share"].append(worker["merge_seconds"] / adapter_dt)
+            out["merge_s"].append(worker["plan_seconds"])
+            out["merge_share"].append(worker["plan_seconds"] / adapter_dt)
             out["receive_s"].append(worker["receive_seconds"])
             out["commit_s"].append(worker["commit_seconds"])
             log.info("%s round %d/%d: adapter %.4f s (merge %.4f s), merged %.4f s: %.1fx", size, i + 1, repeats,
-                     adapter_dt, worker["merge_seconds"], merged_dt, merged_dt / adapter_dt)
+                     adapter_dt, worker["plan_seconds"], merged_dt, merged_dt / adapter_dt)
         (got,) = await engines_checksums([engine], timeout=timeout_s)
         reference = copy.deepcopy(peft_model).merge_and_unload()
         want = weights_checksum(reference.named_parameters())

@@ -48,8 +48,8 @@ class BenchExtension(WeightSyncExtension):
     """The production extension plus the two baselines' receiving sides (benchmark only)."""
 
     def bench_raw_receive(self, nbytes: int, repeats: int) -> bool:
-        g = self._ws().group
-        spare = self._ws().spare  # kept staging memory is warm: no extra copy, no page faults
+        g = self._receiver().group
+        spare = self._receiver().pool.spare  # kept staging memory is warm: no extra copy, no page faults
         buf = getattr(self, "_bench_buf", None)
         if spare is not None and spare.numel() >= nbytes:
             buf = spare[:nbytes]
@@ -63,7 +63,7 @@ class BenchExtension(WeightSyncExtension):
     def bench_per_param_receive(self, specs: list, repeats: int) -> bool:
         from weight_sync.manifest import DTYPES
 
-        g = self._ws().group
+        g = self._receiver().group
         params = dict(self.model.named_parameters())
         for _ in range(repeats):
             for name, dtype, shape in specs:

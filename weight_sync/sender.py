@@ -21,18 +21,18 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
+from weight_sync.bucket_sender import BucketSender, ProgressMarks
 from weight_sync.checksum import weights_checksum
 from weight_sync.devices import normalize_device
-from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK, GroupError, WeightSyncGroup
+from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.lora import A_SUFFIX, B_SUFFIX, AdapterPush, push_source
-from weight_sync.manifest import DTYPES, Manifest, build_manifest, dtype_name
+from weight_sync.manifest import Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import (
     full,
@@ -98,9 +98,8 @@ class WeightSender:
         self.timeout_s = float(timeout_s)
         self.max_inflight = max(1, int(max_inflight))
         self.group: WeightSyncGroup | None = None
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._buckets = BucketSender(self.bucket_bytes, self.max_inflight)
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
-        self._gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last accepted push
         self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.lora)
 
@@ -130,7 +129,7 @@ class WeightSender:
         if self.group is not None:
             self.group.close()
             self.group = None
-        self._buffers = [None, None]
+        self._buckets.reset()
 
     # -- pushes -----------------------------------------------------------------------------
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
@@ -268,19 +267,19 @@ class WeightSender:
                 except Exception as e:
                     raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}",
                                           refused=True) from e
-            self._marks = _ProgressMarks(g, m.push_id)
+            marks = ProgressMarks(g, m.push_id)
             if status == VOTE_STALE:
-                self._marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
+                marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
             self._vote(status, m, problem)
             if prepared.keep_as is not None:  # every rank accepted this layout: later pushes start on it
                 slot, key = prepared.keep_as
                 setattr(self, slot, (key, m))
             try:
-                self._send_buckets_with_peers(m, [t for _, t in named], progress)
+                self._buckets.send(g, m, [t for _, t in named], progress, marks)
                 if not commit_vote(g):
                     raise GroupError("a worker did not receive every byte")
             except Exception as e:
-                self._marks.failed()
+                marks.failed()
                 self.close_group()
                 raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
                                       "form a new one (open_group / init_weight_sync)") from e
@@ -331,131 +330,3 @@ class WeightSender:
         if not verdict.same_manifest:
             raise WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
                                   refused=True)
-
-    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._buffers[slot]
-        if buf is None or buf.numel() < nbytes:
-            size = max(nbytes, self.bucket_bytes)
-            buf = torch.empty(size, dtype=torch.uint8, device=self.group.device)
-            self._buffers[slot] = buf
-        return buf[:nbytes]
-
-    def _direct(self, m: Manifest, b, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """The bucket's bytes straight from the source memory, when its tensors already lie there
-        as the manifest lays them out (one tensor, or several packed by `flatten_parameters`) in
-        the wire dtype on the group's device: no copy."""
-        live = [i for i in range(b.first, b.last) if m.tensors[i].nbytes]
-        if not live:
-            return None
-        first = tensors[live[0]]
-        if hasattr(first, "full_tensor") or first.device != self.group.device:
-            return None
-        storage = first.untyped_storage()
-        base = first.data_ptr() - (m.tensors[live[0]].offset - b.start)  # where the bucket would start
-        for i in live:
-            t, spec = tensors[i], m.tensors[i]
-            if (hasattr(t, "full_tensor") or t.dtype != dtype_from(spec.dtype) or not t.is_contiguous()
-                    or t.untyped_storage().data_ptr() != storage.data_ptr()
-                    or t.data_ptr() != base + spec.offset - b.start):
-                return None
-        start = base - storage.data_ptr()
-        if start < 0 or start + b.nbytes > storage.nbytes():
-            return None
-        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (b.nbytes,))
-
-    def _send_buckets_with_peers(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
-        """_send_buckets; a trainer's other ranks (weight_sync.trainer_ranks) take part in its
-        gathers, and if it breaks off, this rank finishes the gathers so none is left waiting."""
-        self._gathered = 0
-        if not has_peers():
-            return self._send_buckets(m, tensors, progress)
-        tell_peers(GATHER)
-        try:
-            self._send_buckets(m, tensors, progress)
-        except BaseException:
-            for t in [t for t in tensors if hasattr(t, "full_tensor")][self._gathered:]:
-                t.full_tensor()
-            raise
-
-    def _pack(self, m: Manifest, b, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
-        for i in range(b.first, b.last):
-            spec = m.tensors[i]
-            src = full(tensors[i])  # every sharded tensor is gathered, in order, even an empty one
-            self._gathered += hasattr(tensors[i], "full_tensor")
-            if not spec.nbytes:
-                continue
-            lo = spec.offset - b.start
-            dst = out[lo: lo + spec.nbytes].view(dtype_from(spec.dtype)).view(spec.shape)
-            dst.copy_(src)
-
-    def _send_buckets(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
-        g = self.group
-        inflight: deque = deque()  # (work, payload kept alive, buffer slot or None)
-        slot_busy = [False, False]
-        next_slot = 0
-        n = len(m.buckets)
-        for k, b in enumerate(m.buckets):
-            if b.nbytes == 0:
-                continue
-            payload = self._direct(m, b, tensors)
-            slot = None
-            if payload is None:
-                slot, next_slot = next_slot, 1 - next_slot
-                while slot_busy[slot] or len(inflight) >= self.max_inflight:
-                    self._retire(inflight, slot_busy)
-                payload = self._buffer(slot, b.nbytes)
-                # Overlaps the broadcast still in flight. On CUDA the copy runs on the current
-                # stream, which ProcessGroupNCCL makes its own stream wait for.
-                self._pack(m, b, tensors, payload)
-                slot_busy[slot] = True
-            else:
-                while len(inflight) >= self.max_inflight:
-                    self._retire(inflight, slot_busy)
-            inflight.append((g.broadcast(payload, src=0), payload, slot, k))
-            if progress is not None:
-                progress(k + 1, n)
-        while inflight:
-            self._retire(inflight, slot_busy)
-        g.synchronize()
-
-    def _retire(self, inflight: deque, slot_busy: list[bool]) -> None:
-        work, _, slot, k = inflight.popleft()
-        self.group.wait(work, f"broadcast of bucket {k}")
-        self._marks.sent(k + 1)
-        if slot is not None:
-            slot_busy[slot] = False
-
-
-class _ProgressMarks:
-    """What the trainer tells the sidecars' watchdogs about a push (WeightSyncGroup.mark_progress):
-    it began (0), how many buckets are out, at most every MARK_EVERY_S so the transfer pays a store
-    round trip only that often, that it failed, or that it withdrew the push (a reused layout that
-    no longer fits its weights: it pushes them again on a fresh one)."""
-
-    MARK_EVERY_S = 0.5
-
-    def __init__(self, group, push_id: str):
-        self.group, self.push_id = group, push_id
-        self._last = time.monotonic()
-        self._mark(0)
-
-    def sent(self, buckets: int) -> None:
-        if time.monotonic() - self._last >= self.MARK_EVERY_S:
-            self._last = time.monotonic()
-            self._mark(buckets)
-
-    def failed(self) -> None:
-        self._mark(FAILED_MARK)
-
-    def withdrawn(self) -> None:
-        self._mark(WITHDRAWN_MARK)
-
-    def _mark(self, value: int) -> None:
-        try:
-            self.group.mark_progress(self.push_id, value)
-        except Exception as e:  # noqa: BLE001 - a watchdog's hint: the push itself decides success
-            log.debug("could not mark push %s progress: %s", self.push_id, e)
-
-
-def dtype_from(name: str) -> torch.dtype:
-    return DTYPES[name]

@@ -1,4 +1,5 @@
-"""Staging memory for a push (weight_sync/receiver.py): how it is allocated and seen whole."""
+"""Staging memory for a push (weight_sync/receive.py): how it is allocated, seen whole, kept
+between pushes (`StagingPool`) and how much of it would fit (`free_bytes`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 
 import torch
 
+from weight_sync.devices import normalize_device
+
+MARGIN = 64 << 20  # bytes left free beyond a staging copy: the allocator and the next step need some
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -49,3 +53,63 @@ def st_dtype(name: str) -> str:
     """safetensors dtype names -> ours."""
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}.get(name, name)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new buffer could take now: on CUDA the device's free memory plus what the
+    caching allocator holds unused; on CPU the kernel's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class StagingPool:
+    """Where one worker's staging buffers come from and go back to. With `keep` (the default on
+    CPU) a buffer a push no longer needs (an uncommitted staging buffer, the weights a swap
+    replaced) is kept as the next push's, one at most: fresh pages cost page faults that on CPU
+    are slower than the network (weight_sync/README.md); on CUDA the caching allocator already
+    reuses freed blocks."""
+
+    def __init__(self, device: torch.device, keep: bool):
+        self.device = device
+        self.keep = keep
+        self.spare: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.numel() >= nbytes and spare.device == normalize_device(self.device):
+            return spare[:nbytes]
+        del spare
+        return alloc(nbytes, self.device)
+
+    def give_back(self, buf: torch.Tensor | None) -> None:
+        """`buf` (any view of it) is free again: kept whole for the next push, or let go."""
+        if buf is not None and self.keep and self.spare is None:
+            self.spare = whole(buf)
+
+    def set_keep(self, keep: bool) -> None:
+        self.keep = keep
+        if not keep:
+            self.spare = None
+
+    def room(self, nbytes: int, limit: int | None = None) -> dict:
+        """Whether a staging copy of `nbytes` fits: a kept buffer that large, or free memory for it
+        (plus a margin) within `limit`. {"fits", "free", "why"}."""
+        if self.spare is not None and self.spare.numel() >= nbytes:
+            return {"fits": True, "free": None, "why": "a kept staging buffer"}
+        if limit is not None and nbytes > limit:
+            return {"fits": False, "free": None, "why": f"{nbytes / 2**20:.1f} MiB > the staging limit of "
+                                                        f"{limit / 2**20:.1f} MiB"}
+        free = free_bytes(self.device)
+        if free < nbytes + MARGIN:
+            return {"fits": False, "free": free, "why": f"{nbytes / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB "
+                                                        f"free on {self.device}"}
+        return {"fits": True, "free": free, "why": ""}

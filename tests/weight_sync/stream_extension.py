@@ -4,21 +4,31 @@ streams: this shows the overlapped receive runs inside the hook, on its own thre
 import contextlib
 import threading
 
+from weight_sync.overlapped_receive import OverlappedReceive
 from weight_sync.receiver import WeightSyncExtension
 
 
-class RecordingReceiveStream(WeightSyncExtension):
-    def _ws_receive_stream(self):
-        log = self.__dict__.setdefault("_stream_log", [])
+class RecordingOverlap(OverlappedReceive):
+    def __init__(self, receiver, log: list):
+        super().__init__(receiver)
+        self.log = log
 
+    def receive_stream(self):
         @contextlib.contextmanager
         def recorded():
-            log.append(("enter", threading.current_thread().name))
+            self.log.append(("enter", threading.current_thread().name))
             yield
-            staged = self._ws().staged
-            log.append(("exit", "staging allocated inside" if staged.staging is not None else "no staging"))
+            staged = self.staged
+            self.log.append(("exit", "staging allocated inside" if staged.staging is not None else "no staging"))
 
         return recorded()
+
+
+class RecordingReceiveStream(WeightSyncExtension):
+    def _overlapped(self):
+        if "_weight_sync" not in self.__dict__:
+            self._weight_sync = RecordingOverlap(self._new_receiver(), self.__dict__.setdefault("_stream_log", []))
+        return self._weight_sync
 
     def receive_stream_log(self) -> list:
         return list(self.__dict__.get("_stream_log", []))

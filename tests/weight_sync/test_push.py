@@ -195,11 +195,11 @@ def test_flattened_trainer_pushes_without_packing(engines, sender, group, loop, 
     sender.close_group()  # a fresh sender state: no packing buffer allocated yet
     run(loop, _form_group(engines, sender))
     run(loop, push_to_engines(engines, sender, model, version=11))
-    assert sender._buffers == [None, None]  # nothing was packed
+    assert sender._buckets.buffers == [None, None]  # nothing was packed
     assert run(loop, engines_checksums(engines)) == [sender.checksum(model)] * 2
     unflat = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
     run(loop, push_to_engines(engines, sender, unflat, version=12))
-    assert sender._buffers != [None, None]  # the control: separate tensors are packed
+    assert sender._buckets.buffers != [None, None]  # the control: separate tensors are packed
     assert run(loop, engines_checksums(engines)) == [sender.checksum(unflat)] * 2
 
 

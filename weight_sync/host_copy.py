@@ -1,0 +1,49 @@
+"""Copies of an engine's served weights as push directories (weight_sync/files.py), written now or
+by a thread while the engine steps: how a restarted engine catches up from a sibling or from the
+sidecar's host copy without the trainer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+from weight_sync.files import host_snapshot, write_tensors
+
+
+class HostCopies:
+    def __init__(self):
+        self.saves: dict[str, concurrent.futures.Future] = {}  # path -> a background write's outcome
+
+    def save(self, named, path: str, version: int, background: bool = False) -> dict:
+        """Write `named` (name, tensor) pairs to `path`. `background=True`: only a host snapshot is
+        taken here (on CUDA, copies queued on a side stream into pinned memory); a thread writes
+        it, and `saved(path)` says when it is done."""
+        t0 = time.perf_counter()
+        tensors, ready = host_snapshot(list(named))
+
+        def write() -> dict:
+            m = write_tensors(tensors, path, version, ready)
+            return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+
+        if not background:
+            return write()
+        done = self.saves[path] = concurrent.futures.Future()
+
+        def run():
+            try:
+                done.set_result(write())
+            except BaseException as e:  # noqa: BLE001 - handed to saved()
+                done.set_exception(RuntimeError(f"writing the weights to {path} failed: {type(e).__name__}: {e}"))
+
+        threading.Thread(target=run, name="weight-sync-save", daemon=True).start()
+        return {"path": path, "pending": True, "snapshot_seconds": time.perf_counter() - t0}
+
+    def saved(self, path: str) -> dict | None:
+        """A background save: None while it writes; its result once written; raises RuntimeError
+        with its error if it failed (and forgets it either way)."""
+        done = self.saves[path]
+        if not done.done():
+            return None
+        del self.saves[path]
+        return done.result()
