@@ -206,8 +206,9 @@ class AsyncEngine:
         _release(self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir, self._stop_reading,
                  self._threads, timeout)
         # whoever still waits on this engine (a call stuck behind a stalled push) hears it is gone
-        self.dead, self.dead_reason = True, self.dead_reason or "engine was shut down"
-        loop = self._loop
+        # (getattr: a core that failed its start-up is shut down before these exist)
+        self.dead, self.dead_reason = True, getattr(self, "dead_reason", "") or "engine was shut down"
+        loop = getattr(self, "_loop", None)
         if loop is not None and not loop.is_closed():
             try:
                 running = asyncio.get_running_loop()

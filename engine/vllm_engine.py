@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 _WORKER_ERROR = re.compile(r"(?:method failed: |failed with error ')(\w+): ")
 _REFUSALS = {"PushRefused", "ValueError", "TypeError"}
 _DEATH_POLL_S = 0.2  # how often a control call in flight checks that the engine still lives
+_DEFERRED_POLL_S = 0.01  # how often a deferred worker answer is asked for (collective_rpc)
 
 
 class _Request:
@@ -286,10 +287,24 @@ class VllmEngine:
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:
-        """`method` on every vLLM worker (its worker_extension_cls included); one result each."""
+        """`method` on every vLLM worker (its worker_extension_cls included); one result each.
+
+        vLLM sends a worker's answer as soon as its method returns, so a worker whose answer must
+        wait (our engine's workers return a Future) answers `{"deferred": method, "args",
+        "pending"}` instead: that method is asked between steps until it answers something other
+        than `pending`, and that answer is the result (the one poll on this side of the seam)."""
         if not isinstance(method, str):
             raise TypeError("collective_rpc takes a method name")
-        return await self._call(self._llm.collective_rpc(method, timeout, tuple(args), kwargs or {}))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = await self._call(self._llm.collective_rpc(method, timeout, tuple(args), kwargs or {}))
+        while any(_deferred(r) for r in results):
+            ask = next(r for r in results if _deferred(r))
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM workers did not answer {method} within {timeout}s")
+            await asyncio.sleep(_DEFERRED_POLL_S)
+            answers = await self._call(self._llm.collective_rpc(ask["deferred"], timeout, tuple(ask["args"]), {}))
+            results = [a if _deferred(r) and a != r["pending"] else r for r, a in zip(results, answers)]
+        return results
 
     async def set_weight_version(self, version: int) -> int:
         """Tag every token sampled from now on with `version`: vLLM's core stamps each step's
@@ -328,6 +343,10 @@ class _Gone:
 
     def __getattr__(self, name):
         raise EngineDeadError("engine was shut down")
+
+
+def _deferred(answer) -> bool:
+    return isinstance(answer, dict) and "deferred" in answer and "pending" in answer
 
 
 def _result(task: asyncio.Task, engine: VllmEngine):

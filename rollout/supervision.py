@@ -284,13 +284,8 @@ class EngineSupervisor:
             self._standby.wait()
 
 
-async def save_in_background(engine, path: str, version: int, poll_s: float = 0.05) -> dict:
+async def save_in_background(engine, path: str, version: int) -> dict:
     """An engine's weights written to `path` by a thread of its worker (save_weights with
-    background=True): the engine stops only for the host snapshot, not for the write; polled
-    between its steps until written. Raises what the write raised."""
-    started = (await engine.collective_rpc("save_weights", args=(path, version), kwargs={"background": True}))[0]
-    while True:
-        done = (await engine.collective_rpc("saved_weights", args=(path,)))[0]
-        if done is not None:
-            return {**done, "snapshot_seconds": started.get("snapshot_seconds")}
-        await asyncio.sleep(poll_s)
+    background=True): the engine stops only for the host snapshot, not for the write; answered
+    once written. Raises what the write raised."""
+    return (await engine.collective_rpc("save_weights", args=(path, version), kwargs={"background": True}))[0]

@@ -87,31 +87,15 @@ async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeo
 
 
 async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float,
-                           group_name: str | None = None, poll_s: float = 0.01) -> list:
-    """The overlapped receive: each engine's `begin_receive_weights(manifest)`, then its
-    `staged_weights()` polled (a round trip between two of its steps) until no engine is still
-    receiving. One result per engine: "staged", "failed" (finish_on_engines raises why), or the
+                           group_name: str | None = None) -> list:
+    """The overlapped receive: each engine's `begin_receive_weights(manifest)`, answered once its
+    push is in. One result per engine: "staged", "failed" (finish_on_engines raises why), or the
     exception of a call that failed. The engines keep generating throughout."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
     kwargs = {"group_name": group_name} if group_name is not None else None
-    out: list = list(await asyncio.gather(*(e.collective_rpc("begin_receive_weights", timeout=timeout, args=(wire,),
-                                                             kwargs=kwargs) for e in engines), return_exceptions=True))
-    waiting = [i for i, r in enumerate(out) if not isinstance(r, BaseException)]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while waiting:
-        states = await asyncio.gather(*(engines[i].collective_rpc("staged_weights", timeout=timeout)
-                                        for i in waiting), return_exceptions=True)
-        for i, st in zip(list(waiting), states):
-            if isinstance(st, BaseException) or st[0] != "receiving":
-                out[i] = st if isinstance(st, BaseException) else st[0]
-                waiting.remove(i)
-        if waiting:
-            if asyncio.get_running_loop().time() > deadline:
-                for i in waiting:
-                    out[i] = TimeoutError(f"engine {i}: the push did not arrive in {timeout:.0f} s")
-                break
-            await asyncio.sleep(poll_s)
-    return out
+    out = await asyncio.gather(*(e.collective_rpc("begin_receive_weights", timeout=timeout, args=(wire,),
+                                                  kwargs=kwargs) for e in engines), return_exceptions=True)
+    return [r if isinstance(r, BaseException) else r[0] for r in out]
 
 
 async def finish_on_engines(engines: Sequence, staged: list, commit: bool, timeout: float | None = None) -> list:

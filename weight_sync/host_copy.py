@@ -15,19 +15,25 @@ class HostCopies:
     def __init__(self):
         self.saves: dict[str, concurrent.futures.Future] = {}  # path -> a background write's outcome
 
-    def save(self, named, path: str, version: int, background: bool = False) -> dict:
+    def save(self, named, path: str, version: int, background: bool = False
+             ) -> dict | concurrent.futures.Future:
         """Write `named` (name, tensor) pairs to `path`. `background=True`: only a host snapshot is
         taken here (on CUDA, copies queued on a side stream into pinned memory); a thread writes
-        it, and `saved(path)` says when it is done."""
+        it, and the future returned resolves to the result once written (`saved(path)` asks
+        without waiting)."""
         t0 = time.perf_counter()
         tensors, ready = host_snapshot(list(named))
 
+        snapshot_s = time.perf_counter() - t0
+
         def write() -> dict:
             m = write_tensors(tensors, path, version, ready)
-            return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0}
+            return {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0,
+                    "snapshot_seconds": snapshot_s}
 
         if not background:
             return write()
+        self.saves = {p: f for p, f in self.saves.items() if not f.done()}  # answered through their futures
         done = self.saves[path] = concurrent.futures.Future()
 
         def run():
@@ -37,7 +43,7 @@ class HostCopies:
                 done.set_exception(RuntimeError(f"writing the weights to {path} failed: {type(e).__name__}: {e}"))
 
         threading.Thread(target=run, name="weight-sync-save", daemon=True).start()
-        return {"path": path, "pending": True, "snapshot_seconds": time.perf_counter() - t0}
+        return done
 
     def saved(self, path: str) -> dict | None:
         """A background save: None while it writes; its result once written; raises RuntimeError

@@ -118,16 +118,16 @@ class WeightSyncExtension:
         the first write raises RuntimeError naming TORN, and the engine must be restarted."""
         return self._receiver().receive_inplace(manifest, group_name)
 
-    def begin_receive_weights(self, manifest, group_name: str | None = None) -> bool:
+    def begin_receive_weights(self, manifest, group_name: str | None = None):
         """receive_weights' check, vote, buckets and commit vote, on a thread of its own: the
-        engine keeps stepping with the current weights meanwhile. `staged_weights()` says when
-        every byte is in; `finish_staged_weights(commit=True)` then swaps them in between two
-        steps (a pointer swap: it does not grow with the model)."""
-        self._overlapped().begin(manifest, group_name)
-        return True
+        engine keeps stepping with the current weights meanwhile. Answered (a Future the core
+        process completes, vLLM's deferred utility answer) once the push is "staged" (every byte
+        in, the commit vote passed) or "failed"; `finish_staged_weights(commit=True)` then swaps
+        them in between two steps (a pointer swap: it does not grow with the model)."""
+        return self._overlapped().begin(manifest, group_name)
 
     def staged_weights(self) -> str:
-        """"none", "receiving", "staged" (every byte in, the commit vote passed) or "failed"."""
+        """"none", "receiving", "staged" or "failed": where the overlapped push is, without waiting."""
         return self._overlapped().state()
 
     def finish_staged_weights(self, commit: bool = True) -> dict:
@@ -148,10 +148,10 @@ class WeightSyncExtension:
         return self._receiver().load_from_path(path, manifest)
 
     # -- RPC: host copies -------------------------------------------------------------------
-    def save_weights(self, path: str, version: int, background: bool = False) -> dict:
+    def save_weights(self, path: str, version: int, background: bool = False):
         """Write this worker's served weights as a push directory that another engine can
-        `load_weights_from_path` (weight_sync.host_copy); `background=True` writes from a thread,
-        and `saved_weights(path)` says when it is done."""
+        `load_weights_from_path` (weight_sync.host_copy); `background=True` writes from a thread
+        while the engine steps, and is answered once written (a Future)."""
         return self._host_copies().save(self._receiver().target.served(), path, version, background)
 
     def saved_weights(self, path: str) -> dict | None:

@@ -30,11 +30,19 @@ class _VllmSyncExtension(WeightSyncExtension):
         pool = StagingPool(self.device, keep=self.device.type == "cpu")
         return PushReceiver(VllmLoaderTarget(self, pool), pool, self.device, local_rank=int(self.rank))
 
+    # NOTE: vLLM sends a worker's answer as soon as its method returns: a Future cannot wait for
+    # it. A call that must wait answers instead with where to ask (engine/vllm_engine.py's
+    # `deferred`): the method to call between steps, its arguments, and the answer meaning "not yet".
+    def begin_receive_weights(self, manifest, group_name: str | None = None) -> dict:
+        self._overlapped().begin(manifest, group_name)
+        return {"deferred": "staged_weights", "args": [], "pending": "receiving"}
+
     def save_weights(self, path: str, version: int, background: bool = False) -> dict:
         """Rank 0 writes the engine's weights (every rank holds them whole); other ranks write nothing."""
         if self.rank != 0:
             return {"path": path, "bytes": 0, "seconds": 0.0}
-        return super().save_weights(path, version, background)
+        out = super().save_weights(path, version, background)
+        return {"deferred": "saved_weights", "args": [path], "pending": None} if background else out
 
     def saved_weights(self, path: str) -> dict | None:
         if self.rank != 0:
