@@ -30,7 +30,7 @@ from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyE
 from engine.inputs import is_single_prompt, tokenize_prompt, validate_params, validate_prompt_ids
 from engine.messages import (
     INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Fatal, Ready, RequestError, Shutdown,
-    PauseMode, StepOutputs, UtilityCall,
+    PauseMode, StepOutputs, UtilityCall, error_for,
 )
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
@@ -176,7 +176,7 @@ class AsyncEngine:
                 if msg.ok:
                     fut.set_result(msg.value)
                 else:
-                    fut.set_exception((ValueError if msg.error_kind == INVALID else RuntimeError)(msg.error))
+                    fut.set_exception(error_for(msg.error_kind, msg.error))
         elif isinstance(msg, RequestError):
             c = self.requests.get(msg.request_id)
             if c is not None:

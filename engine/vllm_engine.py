@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -28,7 +27,7 @@ from engine.config import EngineConfig
 from engine.core import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError
 from engine.inputs import tokenize_prompt, validate_params, validate_prompt_ids
-from engine.messages import PAUSE_MODES, PauseMode
+from engine.messages import PAUSE_MODES, PauseMode, error_for
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -42,8 +41,6 @@ log = logging.getLogger(__name__)
 
 # vLLM passes a worker's failure on as text, "Call to <method> method failed: <message>"; our
 # receiver starts each message with its exception's class
-_WORKER_ERROR = re.compile(r"(?:method failed: |failed with error ')(\w+): ")
-_REFUSALS = {"PushRefused", "ValueError", "TypeError"}
 _DEATH_POLL_S = 0.2  # how often a control call in flight checks that the engine still lives
 _DEFERRED_POLL_S = 0.01  # how often a deferred worker answer is asked for (collective_rpc)
 
@@ -296,13 +293,13 @@ class VllmEngine:
         if not isinstance(method, str):
             raise TypeError("collective_rpc takes a method name")
         deadline = None if timeout is None else time.monotonic() + timeout
-        results = await self._call(self._llm.collective_rpc(method, timeout, tuple(args), kwargs or {}))
+        results = _raised(await self._call(self._llm.collective_rpc(method, timeout, tuple(args), kwargs or {})))
         while any(_deferred(r) for r in results):
             ask = next(r for r in results if _deferred(r))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM workers did not answer {method} within {timeout}s")
             await asyncio.sleep(_DEFERRED_POLL_S)
-            answers = await self._call(self._llm.collective_rpc(ask["deferred"], timeout, tuple(ask["args"]), {}))
+            answers = _raised(await self._call(self._llm.collective_rpc(ask["deferred"], timeout, tuple(ask["args"]), {})))
             results = [a if _deferred(r) and a != r["pending"] else r for r, a in zip(results, answers)]
         return results
 
@@ -345,6 +342,15 @@ class _Gone:
         raise EngineDeadError("engine was shut down")
 
 
+def _raised(answers: list) -> list:
+    """The workers' answers, or the first error one of them answered as data (weight_sync/
+    vllm_receiver.py: vLLM passes a raised error on as text only), raised as our engine raises it."""
+    for a in answers:
+        if isinstance(a, dict) and set(a) == {"error", "error_kind"}:
+            raise error_for(a["error_kind"], a["error"])
+    return answers
+
+
 def _deferred(answer) -> bool:
     return isinstance(answer, dict) and "deferred" in answer and "pending" in answer
 
@@ -359,7 +365,4 @@ def _result(task: asyncio.Task, engine: VllmEngine):
     except Exception as e:  # noqa: BLE001 - vLLM's errors, to our kinds
         if engine.errored or type(e).__name__ == "EngineDeadError":
             raise EngineDeadError(engine.dead_reason or str(e)) from e
-        named = _WORKER_ERROR.search(str(e))  # a worker's error, its class named (weight_sync/vllm_receiver.py)
-        if named and named.group(1) in _REFUSALS:
-            raise ValueError(str(e)[named.start(1):]) from None  # a refusal: nothing changed, the caller's fault
         raise RuntimeError(f"{type(e).__name__}: {e}") from e

@@ -8,12 +8,12 @@ import logging
 import socket
 import time
 
+from engine.errors import EngineUnhealthyError
 from weight_sync.engine_sync import (
     close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
     stage_on_engines, workers_of,
 )
 from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK, PushProgress
-from weight_sync.inplace_receive import TORN
 from weight_sync.manifest import Manifest
 from weight_sync.votes import WeightSyncError
 
@@ -242,7 +242,7 @@ class SidecarWeights:
         """Engines whose in-place receive failed after writing hold torn weights: stopped, so that
         the supervisor restarts them with the last committed weights."""
         for i, (e, r) in enumerate(zip(engines, results)):
-            if isinstance(r, BaseException) and TORN in str(r) and e.proc.poll() is None:
+            if isinstance(r, EngineUnhealthyError) and e.proc.poll() is None:
                 log.error("engine %d: %s; restarting it", i, r)
                 e.proc.kill()
 

@@ -126,8 +126,8 @@ class PushReceiver:
             freed = self.target.commit(a.m, a.plan)
         except TornWeights as e:
             self.torn = True
-            raise RuntimeError(f"the commit of version {a.m.version} failed half way: {TORN}; this engine must be "
-                               f"restarted ({e})") from None
+            raise TornWeights(f"the commit of version {a.m.version} failed half way: {TORN}; this engine must be "
+                              f"restarted ({e})") from None
         self.pool.give_back(freed)
         buckets = len(a.m.buckets) if buckets is None else buckets
         return self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
@@ -240,9 +240,9 @@ class PushReceiver:
             self.close_group(g)
             if written[0] or isinstance(e, TornWeights):
                 self.torn = True
-                raise RuntimeError(f"in-place push of version {m.version} failed after {written[0]} of "
-                                   f"{len(m.buckets)} buckets were written: {TORN}; this engine must be restarted "
-                                   f"({e})") from None
+                raise TornWeights(f"in-place push of version {m.version} failed after {written[0]} of "
+                                  f"{len(m.buckets)} buckets were written: {TORN}; this engine must be restarted "
+                                  f"({e})") from None
             raise RuntimeError(f"in-place push of version {m.version} failed before any byte was written, nothing "
                                f"changed: {e}. The group is closed; init_weight_sync again") from None
         self.torn = False

@@ -24,7 +24,10 @@ Pairs = Iterable[tuple[str, torch.Tensor]]
 
 class TornWeights(RuntimeError):
     """A commit failed after it began writing: the engine holds part of two versions and must be
-    restarted (it reports itself unhealthy until then)."""
+    restarted (it reports itself unhealthy until then). Its kind crosses the engine's boundary as
+    data (engine/messages.py): the caller gets an EngineUnhealthyError and restarts that engine."""
+
+    error_kind = "unhealthy"
 
 
 @dataclass

@@ -5,15 +5,16 @@ The same facade as weight_sync/receiver.py over the same protocol (`PushReceiver
 staging, commit vote, all or nothing; the overlapped receive, the shared-memory and file
 transports); only the target differs: vLLM's loaders (weight_sync/vllm_target.py).
 
-vLLM's errors cross its process boundary as text only, so every call here names its exception's
-class in the message ("PushRefused: ..."); engine/vllm_engine.py turns refusals back into
-ValueErrors, which the sidecar reads as "nothing changed".
+vLLM's errors cross its process boundary as text only, so every call here answers its error as
+data ({"error", "error_kind"}); engine/vllm_engine.py raises it as our engine would (a refusal as
+a ValueError, which the sidecar reads as "nothing changed"; torn weights as EngineUnhealthyError).
 """
 
 from __future__ import annotations
 
 import functools
 
+from engine.messages import INVALID, error_kind
 from weight_sync.receive import PushReceiver
 from weight_sync.receiver import WeightSyncExtension
 from weight_sync.staging_memory import StagingPool
@@ -50,31 +51,26 @@ class _VllmSyncExtension(WeightSyncExtension):
         return super().saved_weights(path)
 
 
-def _named_errors(fn):
-    """vLLM passes a worker's exception on as its message alone: put the class name in it."""
+def _errors_as_data(fn):
+    """vLLM passes a worker's exception on as its message alone, which would lose its kind: an
+    error is answered as data instead, {"error", "error_kind"} (engine/messages.py's kinds; a
+    TypeError from the call's own arguments is the caller's fault too), and
+    VllmEngine.collective_rpc raises it as our engine would."""
     @functools.wraps(fn)
     def call(self, *args, **kwargs):
         try:
             return fn(self, *args, **kwargs)
-        except Exception as e:
-            raise type(e)(f"{type(e).__name__}: {e}") if _rebuildable(e) else RuntimeError(
-                f"{type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - every error goes back as data
+            kind = INVALID if isinstance(e, TypeError) else error_kind(e)
+            return {"error": f"{type(e).__name__}: {e}", "error_kind": kind}
     return call
 
 
-def _rebuildable(e: Exception) -> bool:
-    try:
-        type(e)("x")
-        return True
-    except Exception:
-        return False
-
-
 def _public_rpcs(cls) -> dict:
-    return {name: _named_errors(getattr(cls, name)) for name in dir(cls)
+    return {name: _errors_as_data(getattr(cls, name)) for name in dir(cls)
             if not name.startswith("_") and callable(getattr(cls, name))}
 
 
 VllmWeightSyncExtension = type("VllmWeightSyncExtension", (_VllmSyncExtension,), {
     **_public_rpcs(_VllmSyncExtension), "__module__": __name__,
-    "__doc__": "vLLM's worker_extension_cls: the receiver's RPCs, each error named by its class."})
+    "__doc__": "vLLM's worker_extension_cls: the receiver's RPCs, each error answered as data."})
