@@ -2,7 +2,7 @@
 the workers (`deliver`): `weight_sync.engine_sync` calls its local engines' `receive_weights`,
 `rollout.client` sends `push_weights` to each sidecar, which pauses its engines and calls theirs.
 
-1. prepare: the manifest, on the layout of the last push every rank accepted when there is one
+1. prepare: the manifest, on the previous push's layout when there is one and it was not refused
    (no walk yet; a refused layout is never started on again);
 2. deliver: the manifest goes out; each receiver's outcome is awaited later;
 3. walk: the trainer lists its weights and checks them against the layout while the workers

@@ -68,9 +68,10 @@ class PreparedPush:
     named: list | None = None
     # (vote, problem) found by walk() when it listed the weights ahead of send()
     verdict: tuple[int, str] | None = None
-    # a fresh layout: (the sender's slot, its key), where send() keeps it for later pushes once every
-    # rank accepted it (a layout the workers refused is never reused: the next push would start on it)
-    keep_as: tuple[str, tuple] | None = None
+    # the sender's slot that keeps this push's layout for later pushes: send() empties it when the
+    # push is refused (a refused layout is never started on again: the next push would meet the
+    # same refusal first)
+    layout_slot: str = "_last_layout"
 
 
 class WeightSender:
@@ -100,7 +101,7 @@ class WeightSender:
         self.group: WeightSyncGroup | None = None
         self._buckets = BucketSender(self.bucket_bytes, self.max_inflight)
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
-        self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last accepted push
+        self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last push not refused
         self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.lora)
 
     # -- group ------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class WeightSender:
         """The manifest of a push (names, dtypes, shapes, layout and buckets); gathers nothing.
 
         A one-shot iterable is listed once here (references, no copies) so it can be sent later.
-        `reuse_layout=True`: when an earlier push had a layout accepted at this bucket size, take it
+        `reuse_layout=True`: when an earlier push (not refused) had a layout at this bucket size, take it
         without walking the weights now; `send()` walks them (while the manifest travels to the workers)
         and, if they no longer fit it, refuses the push before any byte moves
         (StaleManifestError): prepare again without reuse and push again.
@@ -156,8 +157,9 @@ class WeightSender:
             # the factors go in their own dtype: the engine merges them as PEFT does (an fp32
             # adapter's delta rounded once into a bf16 base); cast first, the sum would differ
             factors = {n for n, _ in named if n.endswith((A_SUFFIX, B_SUFFIX))}
-            manifest, keep_as = self._manifest(self._specs(named, keep=factors), version, "_last_adapter")
-            return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named, keep_as=keep_as)
+            manifest = self._manifest(self._specs(named, keep=factors), version, "_last_adapter")
+            return PreparedPush(msgspec.structs.replace(manifest, adapter=spec), weights, named,
+                                layout_slot="_last_adapter")
         if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
             weights = list(weights)
         if has_peers() and gather_context(weights) is not None:
@@ -171,8 +173,7 @@ class WeightSender:
         with ctx or contextlib.nullcontext(), torch.no_grad():
             named = list_weights(weights)
             specs = self._specs(named)
-        manifest, keep_as = self._manifest(specs, version)
-        return PreparedPush(manifest, weights, named if ctx is None else None, keep_as=keep_as)
+        return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
 
     def walk(self, prepared: PreparedPush) -> None:
         """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
@@ -204,15 +205,22 @@ class WeightSender:
     def _versioned(manifest: Manifest, version: int) -> Manifest:
         return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
 
-    def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> tuple[Manifest, tuple | None]:
-        """build_manifest, reusing the layout of the last accepted push when names, dtypes, shapes
-        and bucket size are unchanged (every push of a training run). `slot`: the attribute that
-        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays). Also
-        returns, for a fresh layout, where send() keeps it once accepted (PreparedPush.keep_as)."""
+    def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> Manifest:
+        """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
+        bucket size are unchanged (every push of a training run). `slot`: the attribute that
+        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays)."""
         key, last = (specs, self.bucket_bytes), getattr(self, slot)
         if last is not None and last[0] == key:
-            return self._versioned(last[1], version), None
-        return build_manifest(specs, version, self.bucket_bytes), (slot, key)
+            return self._versioned(last[1], version)
+        manifest = build_manifest(specs, version, self.bucket_bytes)
+        setattr(self, slot, (key, manifest))
+        return manifest
+
+    def _forget_layout(self, slot: str, m: Manifest) -> None:
+        """A refused push's layout is not started on again: the next push walks its weights afresh."""
+        last = getattr(self, slot)
+        if last is not None and last[1].tensors is m.tensors:
+            setattr(self, slot, None)
 
     def checksum(self, weights) -> str:
         """The checksum the engine's `weights_checksum()` reports after this push (in the wire dtype).
@@ -270,10 +278,12 @@ class WeightSender:
             marks = ProgressMarks(g, m.push_id)
             if status == VOTE_STALE:
                 marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
-            self._vote(status, m, problem)
-            if prepared.keep_as is not None:  # every rank accepted this layout: later pushes start on it
-                slot, key = prepared.keep_as
-                setattr(self, slot, (key, m))
+            try:
+                self._vote(status, m, problem)
+            except WeightSyncError as e:
+                if e.refused:
+                    self._forget_layout(prepared.layout_slot, m)
+                raise
             try:
                 self._buckets.send(g, m, [t for _, t in named], progress, marks)
                 if not commit_vote(g):
