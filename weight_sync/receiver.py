@@ -46,7 +46,10 @@ class WeightSyncExtension:
         return self._overlapped().receiver
 
     def _host_copies(self) -> HostCopies:
-        return self.__dict__.setdefault("_weight_copies", HostCopies())
+        copies = self.__dict__.get("_weight_copies")
+        if copies is None:
+            copies = self._weight_copies = HostCopies()
+        return copies
 
     # -- RPC: group -------------------------------------------------------------------------
     def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
