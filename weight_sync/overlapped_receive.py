@@ -98,7 +98,7 @@ class OverlappedReceive:
         elif g is not None:
             g.close()
         if drop_staging:
-            r.pool.spare = None
+            r.pool.drop()
             r.shared.drop()
             if staged is not None and not staged.thread.is_alive():
                 self.staged = None  # a push staged but never finished: nobody will commit it now

@@ -34,7 +34,13 @@ class WeightSyncExtension:
     # -- the parts, made at first use -------------------------------------------------------
     def _new_receiver(self) -> PushReceiver:
         pool = StagingPool(self.device, keep=self.device.type == "cpu")
-        return PushReceiver(ParamsTarget(self, pool), pool, self.device)
+        return PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
+
+    def _new_target(self, pool: StagingPool):
+        return ParamsTarget(self, pool)
+
+    def _local_rank(self) -> int:
+        return 0  # one worker per engine
 
     def _overlapped(self) -> OverlappedReceive:
         ov = self.__dict__.get("_weight_sync")
@@ -89,7 +95,7 @@ class WeightSyncExtension:
 
     def _on_weights_released(self) -> None:
         r = self._receiver()
-        r.pool.spare = None
+        r.pool.drop()
         r.target.forget()
 
     def _weights_reloaded(self) -> None:

@@ -98,7 +98,11 @@ class StagingPool:
     def set_keep(self, keep: bool) -> None:
         self.keep = keep
         if not keep:
-            self.spare = None
+            self.drop()
+
+    def drop(self) -> None:
+        """Let the kept buffer go (the group is left, or the weights are released)."""
+        self.spare = None
 
     def room(self, nbytes: int, limit: int | None = None) -> dict:
         """Whether a staging copy of `nbytes` fits: a kept buffer that large, or free memory for it

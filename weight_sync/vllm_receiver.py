@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 
 from engine.messages import INVALID, error_kind
-from weight_sync.receive import PushReceiver
 from weight_sync.receiver import WeightSyncExtension
 from weight_sync.staging_memory import StagingPool
 from weight_sync.vllm_target import VllmLoaderTarget
@@ -27,9 +26,11 @@ class _VllmSyncExtension(WeightSyncExtension):
     """The receiver with vLLM's worker as its host (`self.model_runner`, `self.vllm_config`,
     `self.rank`, `self.device`)."""
 
-    def _new_receiver(self) -> PushReceiver:
-        pool = StagingPool(self.device, keep=self.device.type == "cpu")
-        return PushReceiver(VllmLoaderTarget(self, pool), pool, self.device, local_rank=int(self.rank))
+    def _new_target(self, pool: StagingPool) -> VllmLoaderTarget:
+        return VllmLoaderTarget(self, pool)
+
+    def _local_rank(self) -> int:
+        return int(self.rank)  # this worker's rank in its engine (tensor parallel)
 
     # NOTE: vLLM sends a worker's answer as soon as its method returns: a Future cannot wait for
     # it. A call that must wait answers instead with where to ask (engine/vllm_engine.py's
