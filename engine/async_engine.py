@@ -58,7 +58,6 @@ class AsyncEngine:
         """Starts the core process, or hands `standby` (from `engine.standby.spawn_standby`, still
         alive) its arguments instead."""
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
         self._dir = tempfile.mkdtemp(prefix="engine-")
         in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._zctx = zmq.Context()
@@ -85,6 +84,7 @@ class AsyncEngine:
             self._stop_reading, self._threads)
         atexit.register(_kill_quietly, weakref.ref(self))
         try:
+            self.tokenizer = load_tokenizer(cfg.tokenizer)  # while the core starts, not before
             ready = self._handshake(start_timeout)
         except BaseException:
             self.shutdown()

@@ -4,6 +4,10 @@ pickled object ever reaches it: the config comes as JSON, everything else as msg
 
 from __future__ import annotations
 
+import time
+
+_STARTED = time.perf_counter()  # before the imports below: a start's largest part is importing torch
+
 import argparse
 import ctypes
 import json
@@ -13,7 +17,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from concurrent.futures import Future
 
@@ -281,7 +284,7 @@ def _one_per_worker(result: Future) -> Future:
 def _warm_up(model_dir: str) -> None:
     """What a standby core does before it is needed: import the model's modelling code (most of
     an engine's start on CPU is importing torch and transformers, not loading the weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - the imports are the point
 
     from engine import attention
 
@@ -313,9 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--standby", metavar="MODEL_DIR", default=None,
                    help="start warm (imports done for this model) and wait for the other arguments on stdin")
     args = p.parse_args(argv)
+    started, how = _STARTED, "cold"
     if args.standby:
         _die_with_parent(args.parent_pid)
         args = _read_standby_args(p, args)
+        started, how = time.perf_counter(), "from a warm standby, counted from its arguments"
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -325,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:
         log.error("engine core failed to start:\n%s", traceback.format_exc())
         sys.exit(1)
+    log.info("engine core up in %.2f s (%s)", time.perf_counter() - started, how)
     proc.run()
     proc.outputs.put(None)
     proc.flushed.wait(5.0)  # the last outputs (a Fatal above all) reach the frontend

@@ -6,6 +6,10 @@ stats / health calls from trainers over ZMQ. See `--help`.
 
 from __future__ import annotations
 
+import time
+
+_STARTED = time.perf_counter()
+
 import argparse
 import asyncio
 import logging
@@ -141,21 +145,32 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Flag defaults in the help, and the epilog's table as written."""
 
 
-def build_manager(args):
+def start_cores_early(args, model: str) -> list:
+    """Our engines' core processes, started before this process imports torch: each imports
+    torch, transformers and the model's code (most of a start) while this one imports its own,
+    then waits as a standby for its engine's arguments. vLLM starts its own processes."""
+    if args.engine != "native":
+        return []
+    from engine.standby import spawn_standby
+
+    return [spawn_standby(model, args.log_level) for _ in range(args.num_engines)]
+
+
+def build_manager(args, model: str, early_cores: list = ()):
     """The engines and the rollout manager that supervises them (and restarts them with
-    `make_engine`, the same way they were first built)."""
-    from engine.model_names import resolve_model_arg
+    `make_engine`, the same way they were first built). `early_cores`: standbys from
+    `start_cores_early`, one per engine, that become the first engines."""
     from engine.standby import spawn_standby
     from rollout.manager import RolloutManager
     from weight_sync.devices import engine_devices
 
     devices = engine_devices(args.device, args.num_engines, args.gpus, args.tensor_parallel_size)
-    model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
     make_engine = _engine_factory(args, model, devices)
 
     engines = []
     try:
-        engines += _start_engines(make_engine, args.num_engines, parallel=args.engine == "vllm")
+        engines += _start_engines(make_engine, args.num_engines, parallel=args.engine == "vllm",
+                                  standbys=list(early_cores))
         return RolloutManager(engines, max_staleness=args.max_staleness, pause_mode=args.pause_mode,
                               max_stale_restarts=args.max_stale_restarts,
                               engine_factory=make_engine if args.max_restarts > 0 else None,
@@ -169,14 +184,15 @@ def build_manager(args):
         raise
 
 
-def _start_engines(make_engine, n: int, parallel: bool) -> list:
-    """Engines 0..n-1; in parallel threads for vLLM, whose starts are mostly waiting on its
-    own processes (none is left running when one fails)."""
+def _start_engines(make_engine, n: int, parallel: bool, standbys: list) -> list:
+    """Engines 0..n-1, engine i from standbys[i] where there is one; in parallel threads for
+    vLLM, whose starts are mostly waiting on its own processes (none is left running when one
+    fails)."""
     if not parallel or n == 1:
         engines = []
         try:
             for i in range(n):
-                engines.append(make_engine(i))
+                engines.append(make_engine(i, standbys[i] if i < len(standbys) else None))
         except BaseException:
             for e in engines:
                 e.shutdown()
@@ -224,11 +240,11 @@ def _engine_factory(args, model: str, devices: list[str]):
     return make_engine
 
 
-async def run(args) -> int:
+async def run(args, model: str, early_cores: list = ()) -> int:
     from rollout.server import RolloutServer
     from rollout.stats_logger import StatsLogger
 
-    manager = build_manager(args)
+    manager = build_manager(args, model, early_cores)
     try:
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token,
                                push_stall_s=args.push_stall_timeout, overlap_receive=args.overlap_receive == "on",
@@ -249,6 +265,7 @@ async def run(args) -> int:
         asyncio.ensure_future(_stop_when_parent_exits(args.parent_pid, stop))
     stats = StatsLogger(manager, args.stats_interval, args.wandb_project)
     stats.start()
+    log.info("sidecar READY in %.2f s", time.perf_counter() - _STARTED)
     print(f"READY {server.address}", flush=True)  # a line scripts can wait for
     try:
         await server.serve(stop)
@@ -333,7 +350,16 @@ def host_copy_wanted(choice: str, model_dir: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from weight_sync.group import is_loopback
+    model, early_cores = prepare(args)
+    sys.exit(asyncio.run(run(args, model, early_cores)))
+
+
+def prepare(args) -> tuple[str, list]:
+    """Check the arguments (exits with one line on a bad one, before anything starts), then start
+    the engine cores: (the model's directory, the cores started early). Imports no torch: the
+    cores import it on the other cores meanwhile."""
+    from engine.model_names import resolve_model_arg
+    from weight_sync.hosts import is_loopback
 
     if not is_loopback(args.host) and not args.token:
         sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")
@@ -354,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--lora-versions needs --engine native (LoRA pushes into vLLM are not there yet)")
     if args.engine == "vllm":
         _prepare_vllm(args)
-    sys.exit(asyncio.run(run(args)))
+    model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
+    return model, start_cores_early(args, model)
 
 
 def _prepare_vllm(args) -> None:

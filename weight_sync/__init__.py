@@ -7,18 +7,34 @@ Engine side: `weight_sync.receiver:WeightSyncExtension`, the worker extension cl
 See weight_sync/README.md.
 """
 
-from weight_sync.checksum import weights_checksum
-from weight_sync.group import GroupError, WeightSyncGroup
-from weight_sync.manifest import Manifest, build_manifest, plan_layout, validate_manifest
-from weight_sync.sender import DEFAULT_BUCKET_BYTES, WeightSender
-from weight_sync.votes import StaleManifestError, WeightSyncError
-from weight_sync.trainer_ranks import follow_push
-from weight_sync.trainer_weights import clean_name, flatten_parameters, unwrap_model
+import importlib
 
 EXTENSION = "weight_sync.receiver:WeightSyncExtension"
 
+# Where each public name lives. Imported on first use (PEP 562): the sidecar reads its placement
+# (weight_sync.devices) before it imports torch, so this package must not import torch itself.
+_HOME = {
+    "weights_checksum": "checksum", "GroupError": "group", "WeightSyncGroup": "group", "Manifest": "manifest",
+    "build_manifest": "manifest", "plan_layout": "manifest", "validate_manifest": "manifest",
+    "DEFAULT_BUCKET_BYTES": "sender", "WeightSender": "sender", "StaleManifestError": "votes",
+    "WeightSyncError": "votes", "follow_push": "trainer_ranks", "clean_name": "trainer_weights",
+    "flatten_parameters": "trainer_weights", "unwrap_model": "trainer_weights",
+}
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES", "EXTENSION", "GroupError", "Manifest", "StaleManifestError", "WeightSender", "WeightSyncError",
-    "WeightSyncGroup", "build_manifest", "clean_name", "flatten_parameters", "follow_push", "plan_layout", "unwrap_model", "validate_manifest",
-    "weights_checksum",
+    "WeightSyncGroup", "build_manifest", "clean_name", "flatten_parameters", "follow_push", "plan_layout", "unwrap_model",
+    "validate_manifest", "weights_checksum",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'weight_sync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"weight_sync.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -9,13 +9,21 @@ versions), so placement is checked before anything starts: the sidecar's engines
 
 from __future__ import annotations
 
+import re
 import socket
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+ENGINE_DEVICE_TYPES = ("cpu", "cuda")  # what an engine runs on
+_DEVICE = re.compile(r"([a-z]+)(?::(\d+))?")
 
 
 def normalize_device(device: torch.device | str) -> torch.device:
     """`cuda` -> `cuda:<current device>`; everything else as torch spells it."""
+    import torch  # here: the sidecar checks placement before it imports torch
+
     d = torch.device(device)
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -34,7 +42,7 @@ def engine_devices(device: str, num_engines: int, gpus: str | None = None, per_e
     two ranks would share a GPU."""
     if num_engines < 1:
         raise ValueError(f"--num-engines must be >= 1, got {num_engines}")
-    if per_engine > 1 and torch.device(device.split(",")[0].strip()).type == "cuda":
+    if per_engine > 1 and device_type(device.split(",")[0].strip()) == "cuda":
         try:
             gpus_each = engine_devices(device, num_engines * per_engine, gpus)
         except ValueError as e:
@@ -49,18 +57,26 @@ def engine_devices(device: str, num_engines: int, gpus: str | None = None, per_e
         listed = [f"cuda:{int(g)}" for g in gpus.split(",") if g.strip()]
     elif listed == ["cuda"]:
         listed = [f"cuda:{i}" for i in range(num_engines)]
-    for d in listed:
-        torch.device(d)  # raises on a misspelt device
-    if all(torch.device(d).type == "cpu" for d in listed) and len(listed) == 1:
+    types = [device_type(d) for d in listed]  # raises on a misspelt device
+    if types == ["cpu"]:
         return listed * num_engines
     if len(listed) != num_engines:
         raise ValueError(f"{num_engines} engines but {len(listed)} devices ({', '.join(listed)}): give one device "
                          "per engine, e.g. --device cuda:1,cuda:2 or --device cuda --gpus 1,2")
-    clash = sorted({d for d in listed if listed.count(d) > 1 and torch.device(d).type == "cuda"})
+    clash = sorted({d for d in listed if listed.count(d) > 1 and device_type(d) == "cuda"})
     if clash:
         raise ValueError(f"two engines on {', '.join(clash)}: the weight-sync group (NCCL) cannot hold two ranks "
                          "on one GPU; give each engine its own GPU")
     return listed
+
+
+def device_type(spec: str) -> str:
+    """"cpu", "cuda" of a device spelt `cpu`, `cuda` or `cuda:N` (torch's spelling, without
+    importing torch); ValueError for anything else."""
+    m = _DEVICE.fullmatch(spec)
+    if m is None or m[1] not in ENGINE_DEVICE_TYPES or (m[1] == "cpu" and m[2] not in (None, "0")):
+        raise ValueError(f"unknown device {spec!r}: an engine runs on cpu, cuda or cuda:N")
+    return m[1]
 
 
 def device_identity(device: torch.device) -> dict:
@@ -68,6 +84,8 @@ def device_identity(device: torch.device) -> dict:
     UUID (indices differ between processes with different CUDA_VISIBLE_DEVICES)."""
     ident = {"host": socket.gethostname(), "device": str(device)}
     if device.type == "cuda":
+        import torch
+
         ident["gpu"] = str(torch.cuda.get_device_properties(device).uuid)
     return ident
 

@@ -25,7 +25,6 @@ the rendezvous, every collective.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
+from weight_sync.hosts import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,6 @@ def new_group_name(prefix: str = "weight-sync") -> str:
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def create_master_store(host: str, port: int, world_size: int, timeout_s: float) -> TCPStore:
