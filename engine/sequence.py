@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from engine.sampler import seed_key
+from engine.seeded_draws import seed_key
 from engine.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
