@@ -25,7 +25,7 @@ from typing import Any, AsyncGenerator
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
 from engine.inputs import is_single_prompt, tokenize_prompt, validate_params, validate_prompt_ids
 from engine.messages import (

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "float16", "bfloat16")  # the engine's dtypes, by torch's names
 
 
 def checkpoint_dtype(model_dir: str) -> str | None:
@@ -85,4 +87,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch  # here: the sidecar's front end holds configs and imports no torch
+
+        return getattr(torch, self.dtype)

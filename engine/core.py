@@ -14,15 +14,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import PauseState, Scheduler
 from engine.sequence import Sequence
 from engine.stop_checker import check_stop
+from engine.tokenizer import load_tokenizer
 from engine.worker import make_worker
 
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

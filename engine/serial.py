@@ -3,18 +3,17 @@ ZMQ frames, the first the msgpack body, the rest tensor bytes sent without a cop
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 TENSOR_EXT = 1
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool)
-}
+# Tensor dtypes that travel, by torch's names. torch is imported only where a tensor is met: the
+# sidecar's front end, which sends none, runs without it (an object cannot be a tensor before
+# torch was imported).
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 class Encoder:
@@ -23,7 +22,8 @@ class Encoder:
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._hook)
 
     def _hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
             t = obj.detach().contiguous().cpu()
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
@@ -53,11 +53,13 @@ class Decoder:
         dtype, shape, idx = msgspec.msgpack.decode(data)
         if dtype not in _DTYPES or not 0 < idx < len(self._frames):
             raise ValueError("malformed tensor header")
+        import torch
+
         buf = self._frames[idx]
         if len(buf) == 0:
-            return torch.empty(shape, dtype=_DTYPES[dtype])
+            return torch.empty(shape, dtype=getattr(torch, dtype))
         # copy out of the ZMQ frame so the tensor owns writable memory
-        return torch.frombuffer(bytearray(buf), dtype=_DTYPES[dtype]).reshape(shape)
+        return torch.frombuffer(bytearray(buf), dtype=getattr(torch, dtype)).reshape(shape)
 
     def decode(self, frames: list[Any]) -> Any:
         """Raises msgspec.DecodeError / ValueError on a malformed message."""

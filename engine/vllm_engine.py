@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import load_tokenizer
+from engine.tokenizer import load_tokenizer
 from engine.errors import EngineDeadError, EngineGenerateError
 from engine.inputs import tokenize_prompt, validate_params, validate_prompt_ids
 from engine.messages import PAUSE_MODES, PauseMode, error_for

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from engine import EngineClient
 from engine.errors import EngineDeadError
 from weight_sync.engine_sync import load_on_engines
-from weight_sync.shared import owned_name, sweep_orphans
+from weight_sync.shm_names import owned_name, sweep_orphans
 
 log = logging.getLogger(__name__)
 

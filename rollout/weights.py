@@ -13,7 +13,7 @@ from weight_sync.engine_sync import (
     close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
     stage_on_engines, workers_of,
 )
-from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK, PushProgress
+from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
 from weight_sync.manifest import Manifest
 from weight_sync.votes import WeightSyncError
 

@@ -23,11 +23,13 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from weight_sync.manifest import Manifest
-from weight_sync.push import describe, run_push
-from weight_sync.sender import WeightSender
-from weight_sync.votes import WeightSyncError
+from weight_sync.votes import WeightSyncError, describe
+
+if TYPE_CHECKING:  # the trainer's side; the sidecar's front end, which imports no torch, never runs it
+    from weight_sync.sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
         raise WeightSyncError(f"push of version {version} not started: the trainer's group has {workers} workers but "
                               f"the {len(engines)} engines given have {sum(workers_of(e) for e in engines)}; "
                               "init_weight_sync(engines, sender) with these engines", refused=True)
+    from weight_sync.push import run_push
+
     group_name = sender.group.group_name
     try:
         if pause_mode is not None:

@@ -38,6 +38,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
 from weight_sync.hosts import is_loopback
+from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress  # noqa: F401 - the group's marks
 
 log = logging.getLogger(__name__)
 
@@ -356,34 +357,6 @@ class WeightSyncGroup:
 def _group_keys(group_name: str, secret: str, store: TCPStore) -> PrefixStore:
     """A group's keys in the trainer's store: found only with the group's secret."""
     return PrefixStore(f"weight_sync/{group_name}/{secret}/", store)
-
-
-FAILED_MARK = -1
-WITHDRAWN_MARK = -2
-
-
-class PushProgress:
-    """A push's progress as its trainer marks it (WeightSyncGroup.mark_progress), read from
-    outside the group by a process that holds the group's connection info."""
-
-    def __init__(self, info: dict, push_id: str, timeout_s: float = 1.0):
-        self.info, self.key, self.timeout_s = info, f"mark/progress/{push_id}", timeout_s
-        self._prefix: PrefixStore | None = None
-
-    def read(self) -> int | None:
-        """Buckets out so far (FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be
-        pushed again on a fresh layout); None before the transfer began. Raises when
-        the trainer's store does not answer within the timeout (a dead or frozen trainer)."""
-        try:
-            if self._prefix is None:
-                store = TCPStore(self.info["host"], int(self.info["port"]), None, False, _td(self.timeout_s))
-                self._prefix = _group_keys(self.info["group_name"], self.info["secret"], store)
-            if not self._prefix.check([self.key]):
-                return None
-            return int(self._prefix.get(self.key))
-        except Exception:
-            self._prefix = None  # a fresh connection next time
-            raise
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -14,28 +14,38 @@ import hashlib
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGNMENT = 256  # bytes; what cudaMalloc guarantees, more than any dtype or vector load needs
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+# The dtypes a push carries, by name, with their bytes per element. Written out rather than asked
+# of torch: the sidecar's front end reads manifests and imports no torch (`DTYPES`, the torch
+# dtype of each name, is made on first use).
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+def __getattr__(name: str):
+    if name == "DTYPES":
+        import torch
+
+        value = {n: getattr(torch, n) for n in _ITEMSIZE}
+        globals()["DTYPES"] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype} cannot be pushed (supported: {sorted(DTYPES)})")
+    if name not in _ITEMSIZE:
+        raise ValueError(f"dtype {dtype} cannot be pushed (supported: {sorted(_ITEMSIZE)})")
     return name
-
-
-_ITEMSIZE = {name: torch.empty((), dtype=d).element_size() for name, d in DTYPES.items()}
 
 
 def itemsize(name: str) -> int:
@@ -162,8 +172,8 @@ def build_manifest(specs: Iterable[tuple[str, str, Sequence[int]]], version: int
     """A manifest from (name, dtype name, shape) triples, in push order."""
     specs = [(n, d, tuple(int(s) for s in shape)) for n, d, shape in specs]
     for n, d, _ in specs:
-        if d not in DTYPES:
-            raise ValueError(f"{n}: dtype {d!r} cannot be pushed (supported: {sorted(DTYPES)})")
+        if d not in _ITEMSIZE:
+            raise ValueError(f"{n}: dtype {d!r} cannot be pushed (supported: {sorted(_ITEMSIZE)})")
     sizes = [math.prod(shape) * itemsize(d) for _, d, shape in specs]
     offsets, layout, buckets = plan_layout(sizes, bucket_bytes, alignment)
     tensors = [TensorSpec(n, d, shape, off, size) for (n, d, shape), off, size in zip(specs, offsets, sizes)]
@@ -193,7 +203,7 @@ def check_layout(m: Manifest) -> list[str]:
         if t.name in seen:
             dup.append(t.name)
         seen.add(t.name)
-        if t.dtype not in DTYPES:
+        if t.dtype not in _ITEMSIZE:
             problems.append(f"{t.name}: unsupported dtype {t.dtype!r}")
             continue
         if any(s < 0 for s in t.shape):
@@ -265,7 +275,7 @@ def check_names(tensors: Sequence[TensorSpec], params: Mapping[str, ParamInfo],
         info = params[canon]
         if tuple(t.shape) != tuple(info.shape):
             shape_bad.append(f"{t.name} {list(t.shape)} != {list(info.shape)}")
-        if t.dtype in DTYPES and not can_take(t.dtype, info.dtype):
+        if t.dtype in _ITEMSIZE and not can_take(t.dtype, info.dtype):
             dtype_bad.append(f"{t.name} {t.dtype} -> {info.dtype}")
     missing = [n for n in params if n not in covered]
     if unknown:

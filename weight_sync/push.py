@@ -35,7 +35,7 @@ from weight_sync.lora import push_source
 from weight_sync.manifest import Manifest
 from weight_sync.sender import PreparedPush, WeightSender
 from weight_sync.trainer_ranks import PeersFollowing
-from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncError
+from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncError, describe
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,6 @@ class PushOutcome:
         if isinstance(self.trainer, BaseException):
             out.insert(0, f"trainer: {describe(self.trainer)}")
         return out
-
-
-def describe(e: BaseException) -> str:
-    """An error for a person (errors from an engine arrive as "Type: message" already)."""
-    return str(e) or type(e).__name__
 
 
 async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
-import uuid
 
 import torch
 
 from weight_sync.manifest import Manifest, dtype_name
+from weight_sync.shm_names import SHM_DIR, _remove, owned_name, sweep_orphans
 
-SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rollout-weights-"
 _SHM_FILES: dict[int, str] = {}  # storage data_ptr -> the /dev/shm file behind it (this process's)
 _CUDA_HANDLES: dict[tuple, dict] = {}  # (data_ptr, nbytes) of a storage -> its CUDA IPC handle, shared once
@@ -39,52 +37,6 @@ def shared_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     _SHM_FILES[buf.untyped_storage().data_ptr()] = path
     atexit.register(_remove, path)
     return buf
-
-
-def owned_name(prefix: str) -> str:
-    """A /dev/shm name that says which process owns it, so that `sweep_orphans` can tell when that
-    process died without removing it (SIGKILL, OOM): `<prefix><pid>-<random>`."""
-    return f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def sweep_orphans(prefixes: tuple[str, ...], shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the /dev/shm files and directories named by `owned_name` whose owner is gone: a
-    killed trainer's weight buffer or a killed sidecar's host copy is a whole model of RAM that
-    nothing else frees. A pid that is alive (even reused by another process) keeps its entries."""
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        prefix = next((p for p in prefixes if name.startswith(p)), None)
-        pid = name[len(prefix):].split("-", 1)[0] if prefix else ""
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        path = os.path.join(shm_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            _remove(path)
-        removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def export_weights(manifest: Manifest, named: list[tuple[str, torch.Tensor]]) -> dict:

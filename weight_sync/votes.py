@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 # Statuses, ordered: the worst (largest) one wins the MAX.
 VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
 VOTE_NEEDS_BASE = 4  # a LoRA adapter push to a worker without its base (weight_sync.lora): push it with the base
+
+
+def describe(e: BaseException) -> str:
+    """An error for a person (errors from an engine arrive as "Type: message" already)."""
+    return str(e) or type(e).__name__
 
 
 class WeightSyncError(RuntimeError):
@@ -66,6 +69,8 @@ class Verdict:
 def manifest_vote(group, status: int, digest: int) -> Verdict:
     """Cast this rank's vote on a manifest and read the verdict (raises GroupError if the
     collective fails)."""
+    import torch  # here: the sidecar's front end uses this module's errors and imports no torch
+
     r = group.allreduce_max(torch.tensor([status, digest, -digest], dtype=torch.int64), "manifest vote")
     return Verdict(int(r[0]), int(r[1]) == digest and int(-r[2]) == digest)
 
@@ -74,5 +79,7 @@ def commit_vote(group) -> bool:
     """True when every rank received every byte. One worker needs no vote (see the module doc)."""
     if group.world_size == 2:
         return True
+    import torch
+
     r = group.allreduce_max(torch.tensor([VOTE_OK], dtype=torch.int64), "commit vote")
     return int(r[0]) == VOTE_OK
