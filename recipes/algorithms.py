@@ -70,10 +70,11 @@ class PPO:
 
     @staticmethod
     def add_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--gamma", type=float, default=1.0)
-        p.add_argument("--lam", type=float, default=0.95)
-        p.add_argument("--vf-coef", type=float, default=0.5)
-        p.add_argument("--value-clip", type=float, default=0.2)
+        p.add_argument("--gamma", type=float, default=1.0, help="discount per token in the returns (1: none)")
+        p.add_argument("--lam", type=float, default=0.95, help="GAE's lambda (1: Monte-Carlo returns, 0: one-step TD)")
+        p.add_argument("--vf-coef", type=float, default=0.5, help="weight of the value loss beside the policy loss")
+        p.add_argument("--value-clip", type=float, default=0.2,
+                       help="the new value stays within this of the old one in the clipped value loss")
 
     def wrap(self, policy: torch.nn.Module) -> torch.nn.Module:
         return PolicyWithValue(policy)

@@ -59,10 +59,14 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=SUPPRESS, help=f"completion length limit {default_help('max_tokens')}")
     p.add_argument("--temperature", type=float, default=SUPPRESS, help=default_help("temperature"))
     p.add_argument("--lr", type=float, default=SUPPRESS, help=default_help("lr"))
-    p.add_argument("--clip-low", type=float, default=0.2)
-    p.add_argument("--clip-high", type=float, default=0.28, help="DAPO's clip-higher")
-    p.add_argument("--beta", type=float, default=0.0, help="k3 KL to the initial policy (0: no reference model)")
-    p.add_argument("--loss-agg", default="token-mean", choices=list(L.AGGREGATIONS))
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below: the ratio's floor is 1 - this")
+    p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above (DAPO's clip-higher): the ratio's "
+                                                                   "ceiling is 1 + this")
+    p.add_argument("--beta", type=float, default=0.0, help="weight of the k3 KL to the initial policy (0, the default: no reference model, and "
+                        "the logged kl stays 0)")
+    p.add_argument("--loss-agg", default="token-mean", choices=list(L.AGGREGATIONS),
+                   help="how token losses make the batch's: the mean over all tokens (DAPO), the mean of each "
+                        "sequence's mean (GRPO's paper), or each sequence's sum over the longest possible (Dr. GRPO)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncated importance-sampling cap (0: off)")
     p.add_argument("--epochs", type=int, default=1, help="passes over each batch")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass")
@@ -85,7 +89,8 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
     add_ray_args(p.add_argument_group("on a Ray cluster (the 'ray' extra; README: On a Ray cluster)"))
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what the trainer logs (the sidecar it starts logs WARNING and up)")
     add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
     return p

