@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recipes import losses as L
 from recipes.algorithms import ALGORITHMS
@@ -193,9 +194,10 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
     try:
         push(run)  # the sidecar serves exactly the trainer's weights from the start
         bar = tqdm(range(args.max_steps), desc=algo, unit="step", disable=not run.accelerator.is_main_process)
-        for step in bar:
-            metrics = train_step(run, step)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
+        with logging_redirect_tqdm():  # log lines print above the bar instead of breaking it
+            for step in bar:
+                metrics = train_step(run, step)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}")
         return finish(run)
     finally:
         close(run)
@@ -337,6 +339,7 @@ def finish(run: Run) -> dict:
     run.accelerator.wait_for_everyone()
     if run.accelerator.is_main_process:
         _save(run.policy(), run.tokenizer, out_dir / "checkpoint-final")
+        log.info("final checkpoint: %s", (out_dir / "checkpoint-final").resolve())
     rows = run.tracker.rows
     k = max(1, min(10, len(rows) // 2))
     first = sum(r["reward"] for r in rows[:k]) / k

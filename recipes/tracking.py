@@ -15,6 +15,7 @@ class Tracker:
     def __init__(self, output_dir: Path, report_to: str, run_name: str, config: dict, enabled: bool = True):
         """`enabled=False` (ranks other than 0): keep the rows in memory, write nothing."""
         self.output_dir = output_dir
+        self.run_name = run_name
         self.path = output_dir / "metrics.jsonl"
         self.enabled = enabled
         if enabled:
@@ -77,6 +78,7 @@ class Tracker:
         ax.plot(steps, smooth, label=f"mean of last {k}")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
+        ax.set_title(f"{self.run_name}: reward per step")
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()

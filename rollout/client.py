@@ -145,6 +145,17 @@ class AsyncRolloutClient(WeightSyncCalls):
         await link.sock.send(P.encoder.encode(call_type(call_id=call_id, token=self.token, **fields)))
         return call_id, q
 
+    async def _give_up(self, i: int, call_id: int) -> None:
+        """Tell sidecar i this client gave up on its call `call_id` (best effort: a sidecar that is
+        gone has nothing left to abort)."""
+        link = self._links[i]
+        if link.state == DROPPED:
+            return
+        try:
+            await link.sock.send(P.encoder.encode(P.Cancel(next(self._ids), call_id, self.token)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("could not cancel call %d on %s: %s", call_id, link.url, e)
+
     async def _next(self, i: int, q: asyncio.Queue, what: str, timeout: float | None = None):
         try:
             msg = await asyncio.wait_for(q.get(), timeout or self.timeout_s)
@@ -360,10 +371,14 @@ class _Spread:
             del self.calls[(i, cid)]
 
     async def close(self) -> None:
-        """Stops the pumps and forgets the calls' queues."""
+        """Stops the pumps, tells each sidecar of a call still open that its caller gave up (a
+        timeout, a cancelled task, a consumer that stopped reading: the sidecar aborts its
+        requests), and forgets the calls' queues."""
         for t in self._pumps:
             t.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)  # let the cancellations land
+        for i, cid in list(self.calls):
+            await self.client._give_up(i, cid)
         for key in self._sent:
             self.client._queues.pop(key, None)
 

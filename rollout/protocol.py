@@ -95,8 +95,18 @@ class Health(msgspec.Struct, tag="health"):
     token: str = ""
 
 
+class Cancel(msgspec.Struct, tag="cancel"):
+    """The client gave up on its generate call `target` (its timeout passed, or its caller was
+    cancelled): the sidecar aborts that call's requests, as vLLM aborts a request whose caller
+    goes. No reply."""
+
+    call_id: int
+    target: int
+    token: str = ""
+
+
 Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Sleep, WakeUp, Stats,
-             Health]
+             Health, Cancel]
 
 
 class GroupOut(msgspec.Struct, tag="group"):

@@ -49,6 +49,7 @@ class RolloutServer:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.tasks: set[asyncio.Task] = set()
         self.generating: dict[bytes, set[asyncio.Task]] = {}  # a client's generate calls in flight
+        self.generate_calls: dict[tuple[bytes, int], asyncio.Task] = {}  # the same, by (client, call id)
         self.accepting = True
         # one handler per call type of rollout.protocol.Call
         self.handlers = {
@@ -92,6 +93,9 @@ class RolloutServer:
                 await self._reply(identity, P.Reply(_call_id_of(body), False, error=f"malformed message: {e}",
                                                     error_kind="invalid"))
                 continue
+            if isinstance(call, P.Cancel):
+                self._cancel(identity, call)
+                continue
             if not self.accepting:
                 await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down",
                                                     error_kind="failed"))
@@ -100,7 +104,7 @@ class RolloutServer:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             if isinstance(call, P.Generate):
-                self._track(identity, task)
+                self._track(identity, call.call_id, task)
 
     async def _send(self, identity: bytes, msg) -> None:
         try:
@@ -113,16 +117,28 @@ class RolloutServer:
     _reply = _send
 
     # -- clients that vanish ------------------------------------------------------------------
-    def _track(self, identity: bytes, task: asyncio.Task) -> None:
+    def _track(self, identity: bytes, call_id: int, task: asyncio.Task) -> None:
         calls = self.generating.setdefault(identity, set())
         calls.add(task)
+        self.generate_calls[(identity, call_id)] = task
 
         def done(t: asyncio.Task) -> None:
             calls.discard(t)
+            self.generate_calls.pop((identity, call_id), None)
             if not calls and self.generating.get(identity) is calls:
                 del self.generating[identity]
 
         task.add_done_callback(done)
+
+    def _cancel(self, identity: bytes, call: P.Cancel) -> None:
+        """A client gave up on one of its own generate calls (a call of another client is not
+        found under this one's identity)."""
+        if self.token and not hmac.compare_digest(call.token.encode(), self.token.encode()):
+            return
+        task = self.generate_calls.get((identity, call.target))
+        if task is not None:
+            task.cancel()
+            log.info("a client gave up on its generate call %d: its requests are aborted", call.target)
 
     def _client_gone(self, identity: bytes) -> None:
         """Cancels the generate calls of a client whose connection is gone (their engine requests

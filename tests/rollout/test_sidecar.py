@@ -149,6 +149,24 @@ def test_pushes_under_load_return_every_rollout_whole_once(sidecar, trainer, mod
         assert stats["aborted_resubmitted"] > 0
 
 
+def test_a_generate_that_times_out_is_aborted_on_the_sidecar(sidecar, module_client):
+    """A client whose call times out (or whose caller is cancelled) tells the sidecar, which aborts
+    the call's requests: nothing keeps decoding for nobody. The work sent would take far longer
+    than the bound below (64 prompts x 4 samples x 200 tokens)."""
+    impatient = RolloutClient(sidecar.url, token=TOKEN, timeout_s=1)
+    try:
+        with pytest.raises(TimeoutError):
+            impatient.generate(random_prompts(64, 4, 8, 2000, seed=5),
+                               SamplingParams(n=4, max_tokens=200, ignore_eos=True))
+        deadline = time.monotonic() + 5
+        while module_client.stats()["groups_in_flight"] > 0:
+            assert time.monotonic() < deadline, "the sidecar is still generating for a caller that gave up"
+            time.sleep(0.05)
+        assert impatient.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0][0].token_ids  # still usable
+    finally:
+        impatient.close()
+
+
 def _raw(url, payload: bytes, timeout=30):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
