@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-engines", type=int, default=1, help="engine processes (each holds a model copy)")
     _add_device_flags(p.add_argument_group("devices and memory"))
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together per engine")
-    p.add_argument("--max-model-len", type=int, default=1024, help="prompt + completion tokens per sequence")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens per sequence (default: what the model holds, its "
+                        "max_position_embeddings)")
     p.add_argument("--pause-mode", default="keep", choices=["abort", "wait", "keep"],
                    help="how in-flight rollouts are paused for a weight push unless the push says otherwise")
     p.add_argument("--max-staleness", type=int, default=None,
@@ -390,7 +392,29 @@ def prepare(args) -> tuple[str, list]:
     if args.engine == "vllm":
         _prepare_vllm(args)
     model = resolve_model_arg(args.model or "tiny")  # a name builds or converts a cached directory
+    _check_or_exit(args, model)
     return model, start_cores_early(args, model)
+
+
+def _check_or_exit(args, model: str) -> None:
+    """The model, the sequence length, the engine's values and the port, before anything starts."""
+    from engine.config import EngineConfig
+    from rollout import serve_checks as C
+
+    if problem := C.model_problem(args.model or "tiny", model):
+        sys.exit(f"error: {problem}")
+    held = C.model_max_len(model)
+    if args.max_model_len is None:
+        args.max_model_len = held or 1024
+    if problem := C.max_len_problem(args.max_model_len, held):
+        sys.exit(f"error: {problem}")
+    try:
+        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                     lora_versions=args.lora_versions)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if problem := C.port_problem(args.host, args.port):
+        sys.exit(f"error: {problem}")
 
 
 def _prepare_vllm(args) -> None:

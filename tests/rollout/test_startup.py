@@ -1,7 +1,9 @@
 """A sidecar's start: its engine cores start first, and import torch while the front end imports
 its own (bench.startup measures the seconds; this checks the order)."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -32,3 +34,40 @@ def test_vllm_engines_start_no_cores_of_ours():
 
     args = serve.build_parser().parse_args(["--engine", "vllm"])
     assert serve.start_cores_early(args, "unused") == []
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout.serve", "--log-level", "INFO", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_a_bad_argument_ends_the_sidecar_with_one_line_before_any_engine_starts(qwen2_dir, tmp_path):
+    """A bad path, a mistyped name (the names that exist are listed), a value an engine refuses, a
+    length past the model's positions, a port in use: one line, exit 1 (argparse's own: 2), and no
+    engine core started (it would log; at INFO the sidecar logs its engines' start)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = [
+            ((str(tmp_path / "nowhere"),), "no such directory"),
+            (("tinyy",), "tiny, small"),
+            ((str(tmp_path),), "without config.json"),
+            ((qwen2_dir, "--max-num-seqs", "0"), "max_num_seqs must be >= 1"),
+            ((qwen2_dir, "--max-model-len", "100000"), "more than the model holds"),
+            ((qwen2_dir, "--port", str(busy.getsockname()[1])), "Address already in use"),
+        ]
+        for (model, *rest), what in cases:
+            out = _serve("--model", model, *rest)
+            lines = out.stderr.strip().splitlines()
+            assert out.returncode == 1 and len(lines) == 1 and what in lines[0], (model, rest, out.stderr)
+    out = _serve("--model", qwen2_dir, "--dtype", "float64")
+    assert out.returncode == 2 and "invalid choice" in out.stderr.strip().splitlines()[-1]
+
+
+def test_the_sequence_length_defaults_to_what_the_model_holds(qwen2_dir):
+    from rollout import serve
+
+    args = serve.build_parser().parse_args(["--model", qwen2_dir, "--port", "0"])
+    serve._check_or_exit(args, qwen2_dir)
+    with open(os.path.join(qwen2_dir, "config.json")) as f:
+        assert args.max_model_len == json.load(f)["max_position_embeddings"]
