@@ -284,10 +284,12 @@ def _one_per_worker(result: Future) -> Future:
 def _warm_up(model_dir: str) -> None:
     """What a standby core does before it is needed: import the model's modelling code (most of
     an engine's start on CPU is importing torch and transformers, not loading the weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - the imports are the point
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine import attention
+    from engine.tokenizer import load_tokenizer
 
+    load_tokenizer(model_dir)  # imports what this model's tokenizer needs (transformers', or tokenizers alone)
     attention.register()
     AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]  # imports the model class
 

@@ -61,8 +61,11 @@ class TokenizerFile:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, conversation: list[dict], tools=None, add_generation_prompt: bool = False,
-                            tokenize: bool = True, continue_final_message: bool = False, **kwargs):
-        """transformers' own renderer (imports jinja2 and transformers' utilities, not torch)."""
+                            tokenize: bool = True, continue_final_message: bool = False, return_dict: bool = True,
+                            **kwargs):
+        """transformers' own renderer (imports jinja2 and transformers' utilities, not torch); the
+        text, or its ids as transformers 5 returns them ({"input_ids": ...}, or the list alone
+        with return_dict=False)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if not self.chat_template:
@@ -75,4 +78,7 @@ class TokenizerFile:
                                           continue_final_message=continue_final_message,
                                           add_generation_prompt=add_generation_prompt,
                                           **{**self.special_tokens_map, **kwargs})
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids} if return_dict else ids

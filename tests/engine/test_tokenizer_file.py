@@ -34,7 +34,9 @@ def test_the_tiny_tokenizer_file_answers_as_transformers(model_dirs, arch):
         assert (mine.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False)
                 == hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False))
         ids = hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True)
-        assert mine.apply_chat_template(chat, add_generation_prompt=prompt) == list(getattr(ids, "input_ids", ids))
+        assert mine.apply_chat_template(chat, add_generation_prompt=prompt)["input_ids"] == list(ids["input_ids"])
+        assert mine.apply_chat_template(chat, add_generation_prompt=prompt, return_dict=False) == list(
+            hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=True, return_dict=False))
 
 
 def test_a_model_of_ours_not_built_here_loads_through_transformers(tmp_path, hf_models):
