@@ -60,17 +60,7 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=SUPPRESS, help=f"completion length limit {default_help('max_tokens')}")
     p.add_argument("--temperature", type=float, default=SUPPRESS, help=default_help("temperature"))
     p.add_argument("--lr", type=float, default=SUPPRESS, help=default_help("lr"))
-    p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below: the ratio's floor is 1 - this")
-    p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above (DAPO's clip-higher): the ratio's "
-                                                                   "ceiling is 1 + this")
-    p.add_argument("--beta", type=float, default=0.0, help="weight of the k3 KL to the initial policy (0, the default: no reference model, and "
-                        "the logged kl stays 0)")
-    p.add_argument("--loss-agg", default="token-mean", choices=list(L.AGGREGATIONS),
-                   help="how token losses make the batch's: the mean over all tokens (DAPO), the mean of each "
-                        "sequence's mean (GRPO's paper), or each sequence's sum over the longest possible (Dr. GRPO)")
-    p.add_argument("--is-cap", type=float, default=2.0, help="truncated importance-sampling cap (0: off)")
-    p.add_argument("--epochs", type=int, default=1, help="passes over each batch")
-    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass")
+    add_loss_args(p.add_argument_group("the loss"))
     p.add_argument("--async", dest="async_", action="store_true",
                    help="generate step k+1's rollouts while step k trains (staleness 1)")
     p.add_argument("--pause-mode", default=None, choices=["abort", "wait", "keep"], help="pause mode of each push")
@@ -95,6 +85,22 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
     return p
+
+
+def add_loss_args(p) -> None:
+    """The policy loss's knobs, the same for every algorithm."""
+    p.add_argument("--clip-low", type=float, default=0.2, help="PPO clip below: the ratio's floor is 1 - this")
+    p.add_argument("--clip-high", type=float, default=0.28, help="PPO clip above (DAPO's clip-higher): the ratio's "
+                                                                   "ceiling is 1 + this")
+    p.add_argument("--beta", type=float, default=0.0,
+                   help="weight of the k3 KL to the initial policy (0, the default: no reference model, and the "
+                        "logged kl stays 0)")
+    p.add_argument("--loss-agg", default="token-mean", choices=list(L.AGGREGATIONS),
+                   help="how token losses make the batch's: the mean over all tokens (DAPO), the mean of each "
+                        "sequence's mean (GRPO's paper), or each sequence's sum over the longest possible (Dr. GRPO)")
+    p.add_argument("--is-cap", type=float, default=2.0, help="truncated importance-sampling cap (0: off)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over each batch")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass")
 
 
 def add_ray_args(p) -> None:
