@@ -12,8 +12,8 @@ from collections import deque
 
 import torch
 
-from weight_sync.group import FAILED_MARK, WITHDRAWN_MARK
 from weight_sync.manifest import DTYPES, Manifest
+from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK
 from weight_sync.trainer_ranks import GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import full
 

@@ -38,7 +38,6 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
 from weight_sync.hosts import is_loopback
-from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress  # noqa: F401 - the group's marks
 
 log = logging.getLogger(__name__)
 
