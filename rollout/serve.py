@@ -222,15 +222,20 @@ def _start_engines(make_engine, n: int, parallel: bool, standbys: list) -> list:
     return started
 
 
+def engine_config(args, model: str, device: str, i: int, **extra):
+    """Engine i's EngineConfig from the flags (raises ValueError on a value it refuses)."""
+    from engine.config import EngineConfig
+
+    memory = args.gpu_memory_utilization or (0.3 if args.engine == "vllm" and device == "cpu" else 0.9)
+    return EngineConfig(model=model, device=device, dtype=args.dtype, gpu_memory_utilization=memory,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i, **extra)
+
+
 def _engine_factory(args, model: str, devices: list[str]):
     """`make_engine(i, standby)`: engine i on devices[i], our engine or vLLM's (--engine)."""
-    from engine import EngineConfig
 
-    def config(i: int, **extra) -> EngineConfig:
-        memory = args.gpu_memory_utilization or (0.3 if args.engine == "vllm" and devices[i] == "cpu" else 0.9)
-        return EngineConfig(model=model, device=devices[i], dtype=args.dtype, gpu_memory_utilization=memory,
-                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
-                            **extra)
+    def config(i: int, **extra):
+        return engine_config(args, model, devices[i], i, **extra)
 
     if args.engine == "vllm":
         from engine.vllm_engine import VllmEngine
@@ -398,7 +403,6 @@ def prepare(args) -> tuple[str, list]:
 
 def _check_or_exit(args, model: str) -> None:
     """The model, the sequence length, the engine's values and the port, before anything starts."""
-    from engine.config import EngineConfig
     from rollout import serve_checks as C
 
     if problem := C.model_problem(args.model or "tiny", model):
@@ -408,9 +412,8 @@ def _check_or_exit(args, model: str) -> None:
         args.max_model_len = held or 1024
     if problem := C.max_len_problem(args.max_model_len, held):
         sys.exit(f"error: {problem}")
-    try:
-        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                     lora_versions=args.lora_versions)
+    try:  # engine 0's config as it will be built: every value the engines refuse, refused now
+        engine_config(args, model, args.device.split(",")[0].strip(), 0, lora_versions=args.lora_versions)
     except ValueError as e:
         sys.exit(f"error: {e}")
     if problem := C.port_problem(args.host, args.port):
