@@ -69,7 +69,8 @@ def _requests_finished_meanwhile(client, seconds: float) -> int:
     "on", pytest.param("off", marks=pytest.mark.slow)])
 def test_rollouts_go_on_while_a_push_arrives(qwen2_dir, overlap):
     """A transfer held up for 3 s at bucket 3: with the overlapped receive requests keep coming
-    back meanwhile; with the engines paused for the transfer, none does."""
+    back meanwhile; with the engines paused for the transfer, none does. How many come back depends
+    on the load of the machine (2 under CI's 2 busy workers), so the check is none against some."""
     s = Sidecar(qwen2_dir, "--overlap-receive", overlap)
     client = RolloutClient(s.url, token=TOKEN)
     trainer = _trainer(s, qwen2_dir, 3)
@@ -78,8 +79,8 @@ def test_rollouts_go_on_while_a_push_arrives(qwen2_dir, overlap):
         served = _requests_finished_meanwhile(client, 1.5)
         assert json.loads(trainer.stdout.readline()) == {"done": 7}
         assert client.stats()["version"] == 7
-        if overlap == "on":
-            assert served > 3
+        if overlap == "on":  # any request back at all: paused engines return none (the "off" case)
+            assert served >= 1
             assert client.stats()["pause_seconds"] < 0.5  # the swap only, not the 3 s transfer
         else:
             assert served == 0
