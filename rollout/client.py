@@ -152,7 +152,7 @@ class AsyncRolloutClient(WeightSyncCalls):
         if link.state == DROPPED:
             return
         try:
-            await link.sock.send(P.encoder.encode(P.Cancel(next(self._ids), call_id, self.token)), zmq.NOBLOCK)
+            await link.sock.send(P.encoder.encode(P.Cancel(call_id=next(self._ids), target=call_id, token=self.token)), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.debug("could not cancel call %d on %s: %s", call_id, link.url, e)
 

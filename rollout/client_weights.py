@@ -8,9 +8,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 from rollout import protocol as P
 from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError
+
+if TYPE_CHECKING:
+    from weight_sync.manifest import Manifest
 
 log = logging.getLogger("rollout.client")
 
@@ -125,7 +129,7 @@ class WeightSyncCalls:
 
         def deliver(manifest) -> list:
             group_name = self.sender.group.group_name
-            return [(self._links[i].url, self._push_call(i, manifest.to_wire(), pause_mode, timeout_s, group_name))
+            return [(self._links[i].url, self._push_call(i, manifest, pause_mode, timeout_s, group_name))
                     for i in self._members]
 
         with PeersFollowing() as peers:  # a trainer's other ranks follow every attempt, then are told DONE once
@@ -186,9 +190,8 @@ class WeightSyncCalls:
                 shared = export_weights(prepared.manifest, named)
         finally:
             tell_peers(DONE)  # nothing to gather from shared memory: a trainer's other ranks stop following
-        wire = prepared.manifest.to_wire()
         members = self._in(ACTIVE, JOINING)
-        sent = [(i, *await self._send(i, P.PushWeights, manifest=wire, pause_mode=pause_mode or "",
+        sent = [(i, *await self._send(i, P.PushWeights, manifest=prepared.manifest, pause_mode=pause_mode or "",
                                       timeout_s=timeout_s, shared=shared)) for i in members]
         replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in sent),
                                        return_exceptions=True)
@@ -199,7 +202,7 @@ class WeightSyncCalls:
         self._pushed_to(members, version)
         return {"version": version, "sidecars": replies}
 
-    async def _push_call(self, i: int, manifest: dict, pause_mode: str | None, timeout_s: float,
+    async def _push_call(self, i: int, manifest: Manifest, pause_mode: str | None, timeout_s: float,
                          group_name: str) -> dict:
         """Sidecar i pauses its engines, which receive the push in the trainer's group."""
         call_id, q = await self._send(i, P.PushWeights, manifest=manifest, pause_mode=pause_mode or "",

@@ -3,11 +3,10 @@ path returns whole groups through `RolloutManager.generate_group`).
 
 The same promise as a whole group: a sample cut short by an `abort` pause or by its engine's
 death goes on from its tokens so far on a live engine, and its stream simply continues; the
-deltas of a sample, joined, are the whole sample, with the weight version of every token. A
-stop string that straddles such a resubmission is found over the whole completion (as
-`RolloutManager._continue_watching_stops` does). What a stream cannot do is take back tokens it
-already handed out: streamed samples are not regenerated for `max_staleness` (their versions
-tell the trainer how stale they are).
+deltas of a sample, joined, are the whole sample, with the weight version of every token. The
+resubmission is rollout.resubmit's, as for whole groups. What a stream cannot do is take back
+tokens it already handed out: streamed samples are not regenerated for `max_staleness` (their
+versions tell the trainer how stale they are).
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from engine import SamplingParams
 from engine.errors import EngineDeadError
-from engine.stop_checker import first_stop_string
-from rollout.manager import continuation_params
+from rollout.resubmit import go_on, tail
 from rollout.supervision import NoEngineError
 
 
@@ -29,7 +27,7 @@ class ShuttingDown(RuntimeError):
 
 def end_streams(manager, reason: str) -> None:
     """Ends every streamed group now with ShuttingDown (their engine requests are aborted)."""
-    for q in list(manager.streams):
+    for q in list(manager.state.streams):
         q.put_nowait(ShuttingDown(reason))
 
 
@@ -47,13 +45,6 @@ class SampleDelta:
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: the prompt's, on every delta once known
 
 
-def _tail(c, k: int):
-    """Completion output `c` without its first k tokens."""
-    top = None if c.top_logprobs is None else c.top_logprobs[k:]
-    return replace(c, token_ids=c.token_ids[k:], logprobs=c.logprobs[k:], weight_versions=c.weight_versions[k:],
-                   top_logprobs=top)
-
-
 @dataclass
 class _Progress:
     token_ids: list[int] = field(default_factory=list)
@@ -67,27 +58,27 @@ async def stream_group(manager, prompt_ids: list[int], params: SamplingParams, s
     `stream=False`: each engine request answers once, at its end (fewer, larger deltas). The
     engines do not decode text here: the caller does, once per delta."""
     group = _GroupStream(manager, prompt_ids, params, "delta" if stream else "final")
-    manager.counters["groups_in_flight"] += 1
-    manager.streams.add(group.out)
+    state = manager.state
+    state.streams.add(group.out)
     group.spawn(group.first())
     finished = 0  # samples whose last delta was handed out
     try:
-        while finished < params.n:
-            item = await group.out.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                if not group.tasks and group.out.empty():
-                    raise RuntimeError("a sample's stream ended without finishing")  # a bug, not a hang
-                continue
-            if item.finish_reason:
-                finished += 1
-                manager.counters["rollouts"] += 1
-            manager.counters["generated_tokens"] += len(item.token_ids)
-            yield item
+        with state.in_flight("groups_in_flight"):
+            while finished < params.n:
+                item = await group.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    if not group.tasks and group.out.empty():
+                        raise RuntimeError("a sample's stream ended without finishing")  # a bug, not a hang
+                    continue
+                if item.finish_reason:
+                    finished += 1
+                    state.count("rollouts")
+                state.count("generated_tokens", len(item.token_ids))
+                yield item
     finally:
-        manager.streams.discard(group.out)
-        manager.counters["groups_in_flight"] -= 1
+        state.streams.discard(group.out)
         await group.cancel()
 
 
@@ -123,13 +114,11 @@ class _GroupStream:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    def emit(self, i: int, c, finish: str | None, upto: int | None = None) -> None:
-        k = len(c.token_ids) if upto is None else upto
+    def emit(self, i: int, c, finish: str | None) -> None:
         s = self.samples[i]
-        s.token_ids += c.token_ids[:k]
+        s.token_ids += c.token_ids
         s.done = finish is not None
-        top = None if c.top_logprobs is None else c.top_logprobs[:k]
-        self.out.put_nowait(SampleDelta(i, c.token_ids[:k], c.logprobs[:k], c.weight_versions[:k], top, finish,
+        self.out.put_nowait(SampleDelta(i, c.token_ids, c.logprobs, c.weight_versions, c.top_logprobs, finish,
                                         c.stop_reason if finish else None, self.prompt_logprobs))
 
     async def first(self) -> None:
@@ -147,44 +136,22 @@ class _GroupStream:
         except NoEngineError:
             raise
         except EngineDeadError as e:  # every sample not finished goes on elsewhere, from its tokens so far
-            m.counters["resubmitted_after_engine_death"] += 1
+            m.state.count("resubmitted_after_engine_death")
             partial = getattr(e, "partial", None)
             for c in partial.outputs if partial is not None else ():
                 if not self.samples[c.index].done:  # the partial is cumulative: only what was not handed out
-                    self.emit(c.index, _tail(c, len(self.samples[c.index].token_ids)), None)
+                    self.emit(c.index, tail(c, len(self.samples[c.index].token_ids)), None)
             cut = [i for i, s in enumerate(self.samples) if not s.done]
         for i in cut:
             self.spawn(self.go_on(i))
 
     async def go_on(self, i: int) -> None:
-        """Sample i from its tokens so far, until it ends for real."""
-        m, params, sample = self.manager, self.params, self.samples[i]
-        attempt = 0
-        while not sample.done:
-            attempt += 1
-            m.counters["aborted_resubmitted"] += 1
-            # the prompt's logprobs once known are not asked again (a prefill of prompt + tokens so far)
-            known = self.prompt_logprobs is not None
-            cont = continuation_params(params, len(sample.token_ids), attempt, i, output_kind=self.kind,
-                                       detokenize=False, **({"prompt_logprobs": None} if known else {}))
-            try:
-                async for ro in m._stream(self.prompt_ids + sample.token_ids, cont):
-                    self.note_prompt_logprobs(ro)
-                    c = ro.outputs[0]
-                    if c.finish_reason == "abort":
-                        self.emit(i, c, None)
-                        break
-                    before = len(sample.token_ids)
-                    hit = None
-                    if params.stop and c.token_ids:  # over the whole completion: it may straddle the cut
-                        hit = first_stop_string(sample.token_ids + c.token_ids, params.stop, m.tokenizer, before)
-                    if hit is not None:
-                        self.emit(i, replace(c, stop_reason=hit[1]), "stop", upto=max(0, hit[0] - before))
-                        return
-                    self.emit(i, c, c.finish_reason)
-                    if c.finish_reason:
-                        return
-            except NoEngineError:
-                raise
-            except EngineDeadError:
-                m.counters["resubmitted_after_engine_death"] += 1
+        """Sample i from its tokens so far, until it ends for real (rollout.resubmit)."""
+        def extra() -> dict:  # the prompt's logprobs once known are not asked again
+            return {"detokenize": False, **({"prompt_logprobs": None} if self.prompt_logprobs is not None else {})}
+
+        pieces = go_on(self.manager, self.prompt_ids, self.params, i, self.samples[i].token_ids, self.kind, extra)
+        async for piece in pieces:
+            if piece.request is not None:
+                self.note_prompt_logprobs(piece.request)
+            self.emit(i, piece.output, piece.finish)

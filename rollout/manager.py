@@ -22,8 +22,10 @@ from dataclasses import replace
 from engine import EngineClient, SamplingParams
 from engine.errors import EngineDeadError
 from engine.inputs import tokenize_prompt
-from engine.stop_checker import first_stop_string, truncate_at_stop
-from rollout.protocol import PROTOCOL_VERSION
+from engine.stop_checker import truncate_at_stop
+from rollout.protocol import PROTOCOL_VERSION, EngineState, HealthReply
+from rollout.resubmit import go_on
+from rollout.sidecar_state import SidecarState
 from rollout.supervision import EngineSupervisor, NoEngineError
 from rollout.types import Rollout
 from weight_sync.engine_sync import workers_of
@@ -31,15 +33,6 @@ from weight_sync.engine_sync import workers_of
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-def continuation_params(params: SamplingParams, done: int, attempt: int, index: int, **overrides) -> SamplingParams:
-    """The params that go on with sample `index` of a request after it was cut with `done` tokens
-    (its `attempt`-th resubmission): one sample, the tokens left, a seed of its own per attempt."""
-    left = None if params.max_tokens is None else params.max_tokens - done
-    # wrapped into int64, the range a seed may take
-    seed = None if params.seed is None else (params.seed + 7919 * attempt + index + 2**63) % 2**64 - 2**63
-    return replace(params, n=1, max_tokens=left, min_tokens=max(0, params.min_tokens - done), seed=seed, **overrides)
 
 
 class _Sample:
@@ -63,15 +56,24 @@ class _Sample:
     def truncate(self, k: int) -> None:
         del self.token_ids[k:], self.logprobs[k:], self.versions[k:]
 
+    def take(self, piece) -> None:
+        """A piece of its resubmission (rollout.resubmit.Piece)."""
+        self.extend(piece.output)
+        self.finish_reason = piece.finish or "abort"  # "abort": not ended yet
+        if piece.keep is not None:
+            self.truncate(piece.keep)
+
 
 class RolloutManager:
     def __init__(self, engines: list[EngineClient], max_staleness: int | None = None, pause_mode: str = "keep",
                  max_stale_restarts: int = 3, engine_factory=None, max_restarts: int = 3,
-                 restart_window_s: float = 600.0, host_copy: bool = True, spawn_standby=None):
+                 restart_window_s: float = 600.0, host_copy: bool = True, spawn_standby=None,
+                 state: SidecarState | None = None):
         """`engine_factory(i, standby)` builds engine i afresh: with it, an engine that dies is
         restarted (at most `max_restarts` times in `restart_window_s`), from a warm standby core
         when `spawn_standby` is given; `host_copy` keeps the newest committed weights in /dev/shm
-        so that a lone engine catches up without the trainer."""
+        so that a lone engine catches up without the trainer. `state`: the sidecar's version and
+        counters (a fresh one by default), shared with the supervisor and the weight pushes."""
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         if pause_mode not in PAUSE_MODES:
@@ -87,29 +89,25 @@ class RolloutManager:
         self.max_staleness = max_staleness
         self.max_stale_restarts = max_stale_restarts
         self.pause_mode = pause_mode
-        self.version = 0
+        self.state = state or SidecarState()
         self.load = [0] * len(engines)  # sequences in flight per engine
         self.requests_per_engine = [0] * len(engines)
         self._ids = itertools.count()
-        self._push_lock = asyncio.Lock()
-        self.receiving = 0  # overlapped pushes arriving while the engines generate (rollout.weights)
-        self.streams: set[asyncio.Queue] = set()  # streamed groups' queues (rollout.group_stream), ended at shutdown
-        self.started = time.monotonic()
-        self.counters = {
-            "generated_tokens": 0, "rollouts": 0, "groups_in_flight": 0, "pushes": 0, "push_seconds": 0.0,
-            "transfer_seconds": 0.0, "pause_seconds": 0.0, "pause_wait_seconds": 0.0, "aborted_resubmitted": 0,
-            "stale_restarts": 0, "stale_returned": 0, "failed_pushes": 0, "engine_deaths": 0, "engine_restarts": 0,
-            "resubmitted_after_engine_death": 0, "inplace_pushes": 0,
-        }
-        self.supervisor = EngineSupervisor(engines, engine_factory, max_restarts, restart_window_s,
+        self.supervisor = EngineSupervisor(engines, self.state, engine_factory, max_restarts, restart_window_s,
                                            host_copy=host_copy, spawn_standby=spawn_standby)
-        self.supervisor.lock = self._push_lock
-        self.supervisor.version_of = lambda: self.version
-        self.supervisor.on_restart = lambda i: self._count("engine_restarts")
-        self.supervisor.on_death = lambda i: self._count("engine_deaths")
 
-    def _count(self, name: str) -> None:
-        self.counters[name] += 1
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def counters(self) -> dict:
+        return self.state.counters
+
+    def committed(self, version: int) -> None:
+        """Every engine that is up committed `version` (a push or a load): served from now on."""
+        self.state.committed(version)
+        self.supervisor.committed(version)
 
     def up_engines(self) -> list[EngineClient]:
         """The engines weight sync reaches (live, or restarted and waiting for a push)."""
@@ -159,7 +157,7 @@ class RolloutManager:
                 raise
             except EngineDeadError as e:
                 partial = getattr(e, "partial", None) or out
-                self.counters["resubmitted_after_engine_death"] += 1
+                self.state.count("resubmitted_after_engine_death")
                 if partial is None or not any(c.token_ids for c in partial.outputs):
                     continue
                 for c in partial.outputs:
@@ -168,42 +166,13 @@ class RolloutManager:
                 return partial
 
     async def _complete(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
-        """Resubmit an aborted sample (prompt + its tokens so far) until it ends for real."""
-        attempt = 0
-        while sample.finish_reason == "abort":
-            attempt += 1
-            self.counters["aborted_resubmitted"] += 1
-            cont = continuation_params(params, len(sample.token_ids), attempt, sample.index, output_kind="final")
-            if params.stop:
-                await self._continue_watching_stops(prompt_ids, cont, sample)
-            else:
-                out = await self._run(prompt_ids + sample.token_ids, cont)
-                sample.extend(out.outputs[0])
-
-    async def _continue_watching_stops(self, prompt_ids: list[int], cont: SamplingParams, sample: _Sample) -> None:
-        """A continuation streamed token by token: its engine sees only the continuation's text,
-        so a stop string that straddles the resubmission point is found here, over the whole
-        completion, and the sample cut at it (its request then aborted)."""
-        before = len(sample.token_ids)  # what the earlier pieces produced
-        first_new = before
-        stream = self._stream(prompt_ids + sample.token_ids, replace(cont, output_kind="cumulative"))
-        try:
-            async for out in stream:
-                sample.truncate(before)
-                sample.extend(out.outputs[0])
-                hit = first_stop_string(sample.token_ids, cont.stop, self.tokenizer, first_new)
-                if hit is not None:
-                    sample.truncate(hit[0])
-                    sample.finish_reason, sample.stop_reason = "stop", hit[1]
-                    return
-                first_new = len(sample.token_ids)
-        except NoEngineError:
-            raise
-        except EngineDeadError:  # its engine died: _complete goes on from the tokens so far
-            self.counters["resubmitted_after_engine_death"] += 1
-            sample.finish_reason = "abort"
-        finally:
-            await stream.aclose()  # leaving early aborts the engine request
+        """An aborted sample goes on (rollout.resubmit) until it ends for real. With stop strings
+        its pieces come token by token, so that one straddling the cut ends it where it should."""
+        if sample.finish_reason != "abort":
+            return
+        kind = "delta" if params.stop else "final"
+        async for piece in go_on(self, prompt_ids, params, sample.index, sample.token_ids, kind):
+            sample.take(piece)
 
     def _stale(self, sample: _Sample) -> bool:
         return (self.max_staleness is not None and bool(sample.versions)
@@ -211,18 +180,15 @@ class RolloutManager:
 
     async def generate_group(self, prompt_ids: list[int], params: SamplingParams) -> list[Rollout]:
         """The n rollouts of one prompt, whole, in index order."""
-        self.counters["groups_in_flight"] += 1
-        try:
+        with self.state.in_flight("groups_in_flight"):
             first = await self._run(prompt_ids, replace(params, output_kind="final"))
             samples = [_Sample(c.index) for c in first.outputs]
             for s, c in zip(samples, first.outputs):
                 s.extend(c)
             await asyncio.gather(*(self._sample_until_fresh(prompt_ids, params, s) for s in samples))
-        finally:
-            self.counters["groups_in_flight"] -= 1
         rollouts = [self._to_rollout(prompt_ids, params, s) for s in samples]
-        self.counters["rollouts"] += len(rollouts)
-        self.counters["generated_tokens"] += sum(len(r.token_ids) for r in rollouts)
+        self.state.count("rollouts", len(rollouts))
+        self.state.count("generated_tokens", sum(len(r.token_ids) for r in rollouts))
         return rollouts
 
     async def _sample_until_fresh(self, prompt_ids: list[int], params: SamplingParams, sample: _Sample) -> None:
@@ -234,12 +200,12 @@ class RolloutManager:
         while self._stale(sample):
             if restarts == self.max_stale_restarts:
                 sample.stale = True
-                self.counters["stale_returned"] += 1
+                self.state.count("stale_returned")
                 return
             restarts += 1
-            self.counters["stale_restarts"] += 1
+            self.state.count("stale_restarts")
             fresh = _Sample(sample.index)
-            seed = None if params.seed is None else params.seed + 104729 * (self.counters["stale_restarts"])
+            seed = None if params.seed is None else params.seed + 104729 * self.state.counter("stale_restarts")
             out = await self._run(prompt_ids, replace(params, n=1, seed=seed, output_kind="final"))
             fresh.extend(out.outputs[0])
             await self._complete(prompt_ids, params, fresh)
@@ -259,36 +225,36 @@ class RolloutManager:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self.supervisor.start()
-        async with self._push_lock:
+        async with self.state.push_lock:
             t0 = time.monotonic()
             engines = self.up_engines()
             await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in engines))
             # the engines stop after the step they are running (in "wait" mode, once their requests
             # end): that wait is decoding, not a pause, and is counted apart
             t1 = time.monotonic()
-            self.counters["pause_wait_seconds"] += t1 - t0
+            self.state.count("pause_wait_seconds", t1 - t0)
             try:
                 if on_paused is not None:
                     await on_paused()
                 return await work()
             finally:
                 await asyncio.gather(*(e.resume_generation() for e in engines), return_exceptions=True)
-                self.counters["pause_seconds"] += time.monotonic() - t1
+                self.state.count("pause_seconds", time.monotonic() - t1)
 
     # -- health -------------------------------------------------------------------------------
-    async def health(self, timeout: float = 30.0) -> dict:
+    async def health(self, timeout: float = 30.0, owner: dict | None = None) -> HealthReply:
         """Each live engine checked for real (see AsyncEngine.check_health): one that is gone,
         answers nothing in `timeout` or reports a problem is "dead" here, with the reason; the
         others as the supervisor sees them ("restarting", or "dead" once out of restarts).
         During a weight push the engines are not asked (their cores are receiving): health
-        answers at once from the supervisor's view, with `pushing` true.
-        `workers`: the engines a weight-sync group would hold now."""
+        answers at once from the supervisor's view, with `pushing` true. `owner`: the weight-sync
+        group's (rollout.weights), reported as is."""
         sup = self.supervisor
         sup.start()
         sup.check()
         live = sup.live()
-        pushing = self._push_lock.locked() or self.receiving > 0
-        if self._push_lock.locked():  # the engines' cores are busy receiving weights: answer now from what is known
+        pushing = self.state.pushing
+        if self.state.push_lock.locked():  # the engines' cores are busy receiving weights: answer now from what is known
             results = [{"weight_version": self.version}] * len(live)
         else:
             results = await asyncio.gather(*(self.engines[i].check_health(timeout) for i in live),
@@ -300,28 +266,27 @@ class RolloutManager:
                 checked[i] = None
         states = []
         for i in range(len(self.engines)):
-            state = {"state": sup.states[i], "version": None, "restarts": sup.restarts[i], "pid": self.engines[i].proc.pid}
+            state = EngineState(sup.states[i], None, sup.restarts[i], self.engines[i].proc.pid)
             r = checked.get(i)
             if isinstance(r, BaseException):
-                state.update(state="dead", reason=f"{type(r).__name__}: {r}")
+                state.state, state.reason = "dead", f"{type(r).__name__}: {r}"
             elif r is not None:
-                state["version"] = r["weight_version"]
+                state.version = r["weight_version"]
             elif sup.reasons[i]:
-                state["reason"] = sup.reasons[i]
+                state.reason = sup.reasons[i]
             states.append(state)
-        serving = sum(s["state"] == "live" for s in states)
-        out = {"ok": serving == len(self.engines), "version": self.version, "engines": serving,
-               "workers": sum(workers_of(self.engines[i]) for i in sup.up()), "engine_states": states, "protocol": PROTOCOL_VERSION,
-               "pushing": pushing, "dtype": self.engines[0].cfg.dtype}  # the weights' dtype: pushes travel in it
-        if serving < len(self.engines):
-            out["reason"] = "; ".join(f"engine {i} {s['state']}" + (f": {s['reason']}" if s.get("reason") else "")
-                                      for i, s in enumerate(states) if s["state"] != "live")
-        return out
+        serving = sum(s.state == "live" for s in states)
+        reason = "; ".join(f"engine {i} {s.state}" + (f": {s.reason}" if s.reason else "")
+                           for i, s in enumerate(states) if s.state != "live")
+        return HealthReply(ok=serving == len(self.engines), version=self.version, engines=serving,
+                           workers=sum(workers_of(self.engines[i]) for i in sup.up()), engine_states=states,
+                           protocol=PROTOCOL_VERSION, pushing=pushing, dtype=self.engines[0].cfg.dtype,
+                           weight_sync_owner=owner, reason=reason)
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        up = time.monotonic() - self.started
-        c = self.counters
+        up = self.state.uptime_s
+        c = self.state.counters
         return {
             **c,
             "version": self.version,

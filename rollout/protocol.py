@@ -15,19 +15,24 @@ from typing import Any, Union
 import msgspec
 
 from rollout.types import Rollout
+from weight_sync.manifest import Manifest
 
 PROTOCOL_VERSION = 1
 
 
-class Generate(msgspec.Struct, tag="generate"):
+class _Call(msgspec.Struct, kw_only=True):
+    """What every call carries: its id, which its replies carry back, and the shared token."""
+
     call_id: int
-    prompts: list[Union[str, list[Union[int, dict[str, str]]]]]  # text, token ids or a conversation
-    params: Union[dict[str, Any], list[dict[str, Any]]]  # SamplingParams fields, one or per prompt
     token: str = ""
 
 
-class InitWeightSync(msgspec.Struct, tag="init_weight_sync"):
-    call_id: int
+class Generate(_Call, tag="generate"):
+    prompts: list[Union[str, list[Union[int, dict[str, str]]]]]  # text, token ids or a conversation
+    params: Union[dict[str, Any], list[dict[str, Any]]]  # SamplingParams fields, one or per prompt
+
+
+class InitWeightSync(_Call, tag="init_weight_sync"):
     host: str
     port: int
     world_size: int
@@ -36,73 +41,57 @@ class InitWeightSync(msgspec.Struct, tag="init_weight_sync"):
     timeout_s: float = 60.0
     secret: str = ""  # the group's: its store keys live under it (weight_sync.group)
     take_over: bool = False  # replace the group of a trainer that still lives (see rollout.weights)
-    token: str = ""
 
 
-class PushWeights(msgspec.Struct, tag="push_weights"):
-    call_id: int
-    manifest: dict[str, Any]  # weight_sync.Manifest in wire form
+class PushWeights(_Call, tag="push_weights"):
+    manifest: Manifest
     pause_mode: str = ""  # "" = the sidecar's default
     timeout_s: float = 300.0
     group_name: str = ""  # the trainer's group: its workers mark themselves ready there (weight_sync.push)
     shared: dict[str, Any] = {}  # instead of the group: a weight_sync.shared handle (same machine)
-    token: str = ""
 
 
-class LoadWeights(msgspec.Struct, tag="load_weights"):
+class LoadWeights(_Call, tag="load_weights"):
     """The file fallback: load a safetensors directory written by the trainer."""
 
-    call_id: int
     path: str
     version: int
     pause_mode: str = ""
-    token: str = ""
 
 
-class CloseWeightSync(msgspec.Struct, tag="close_weight_sync"):
-    call_id: int
-    token: str = ""
+class CloseWeightSync(_Call, tag="close_weight_sync"):
+    pass
 
 
-class Checksum(msgspec.Struct, tag="checksum"):
+class Checksum(_Call, tag="checksum"):
     """Every worker's weights checksum (weight_sync.checksum), for checking a push."""
 
-    call_id: int
-    token: str = ""
 
-
-class Sleep(msgspec.Struct, tag="sleep"):
+class Sleep(_Call, tag="sleep"):
     """Free every engine's KV cache (level 1) and weights too (level 2), e.g. while a colocated
     trainer needs the GPU; rollouts in flight are resubmitted and wait for `wake_up`."""
 
-    call_id: int
     level: int = 1
-    token: str = ""
 
 
-class WakeUp(msgspec.Struct, tag="wake_up"):
-    call_id: int
-    token: str = ""
+class WakeUp(_Call, tag="wake_up"):
+    pass
 
 
-class Stats(msgspec.Struct, tag="stats"):
-    call_id: int
-    token: str = ""
+class Stats(_Call, tag="stats"):
+    pass
 
 
-class Health(msgspec.Struct, tag="health"):
-    call_id: int
-    token: str = ""
+class Health(_Call, tag="health"):
+    pass
 
 
-class Cancel(msgspec.Struct, tag="cancel"):
+class Cancel(_Call, tag="cancel"):
     """The client gave up on its generate call `target` (its timeout passed, or its caller was
     cancelled): the sidecar aborts that call's requests, as vLLM aborts a request whose caller
     goes. No reply."""
 
-    call_id: int
     target: int
-    token: str = ""
 
 
 Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Sleep, WakeUp, Stats,
@@ -121,6 +110,35 @@ class Progress(msgspec.Struct, tag="progress"):
 
     call_id: int
     stage: str
+
+
+class EngineState(msgspec.Struct, omit_defaults=True):
+    """One engine as `health` reports it: its state (rollout.supervision: "live", "restarting",
+    "dead"), the weight version it holds (None when not asked: not live), and why when not live."""
+
+    state: str
+    version: int | None
+    restarts: int
+    pid: int
+    reason: str = ""
+
+
+class HealthReply(msgspec.Struct, omit_defaults=True):
+    """The value of a `health` call (and of the HTTP front's /health). `engines`: how many serve;
+    `workers`: the ranks a weight-sync group would hold now; `pushing`: a push is under way (the
+    engines were not asked); `dtype`: the weights' (pushes travel in it); `weight_sync_owner`:
+    the group that owns weight sync and whether its trainer still listens (None: no owner)."""
+
+    ok: bool
+    version: int
+    engines: int
+    workers: int
+    engine_states: list[EngineState]
+    protocol: int
+    pushing: bool
+    dtype: str
+    weight_sync_owner: dict[str, Any] | None
+    reason: str = ""  # when not ok: which engines do not serve, and why
 
 
 # How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or

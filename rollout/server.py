@@ -224,8 +224,8 @@ class RolloutServer:
     async def _on_stats(self, identity: bytes, call: P.Stats) -> dict:
         return self.manager.stats()
 
-    async def _on_health(self, identity: bytes, call: P.Health) -> dict:
-        return {**await self.manager.health(), "weight_sync_owner": await self.weights.owner_status()}
+    async def _on_health(self, identity: bytes, call: P.Health) -> P.HealthReply:
+        return await self.manager.health(owner=await self.weights.owner_status())
 
 
 def _call_id_of(body: bytes) -> int:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from engine import EngineClient
 from engine.errors import EngineDeadError
+from rollout.sidecar_state import SidecarState
 from weight_sync.engine_sync import load_on_engines
 from weight_sync.shm_names import owned_name, sweep_orphans
 
@@ -55,12 +56,15 @@ def _owned_dir(prefix: str) -> str:
 
 
 class EngineSupervisor:
-    def __init__(self, engines: list[EngineClient], factory: Callable[..., EngineClient] | None = None,
+    def __init__(self, engines: list[EngineClient], state: SidecarState, factory: Callable[..., EngineClient] | None = None,
                  max_restarts: int = 3, restart_window_s: float = 600.0, backoff_s: float = 0.5,
                  host_copy: bool = True, spawn_standby: Callable[[], subprocess.Popen] | None = None):
         """`factory(i, standby)` builds engine i afresh, from `standby` (a warm core process from
-        `spawn_standby`, kept ready while the engines serve) when given one."""
+        `spawn_standby`, kept ready while the engines serve) when given one. `state`: the
+        sidecar's (rollout.sidecar_state): its version is what a restarted engine catches up to,
+        its push lock keeps pushes out meanwhile, and deaths and restarts are counted there."""
         self.engines = engines
+        self.state = state
         for path in sweep_orphans((HOST_COPY_PREFIX, CATCH_UP_PREFIX), SHM_DIR):
             log.info("removed %s, left by a sidecar that died", path)
         self.factory = factory
@@ -82,10 +86,6 @@ class EngineSupervisor:
         self._host_version: int | None = None
         self.weights_pushed = False  # the engines hold other weights than their checkpoint
         self.last_restart: dict | None = None  # what the last restart cost, stage by stage (stats)
-        self.lock: asyncio.Lock | None = None  # the manager's push lock: no push while an engine catches up
-        self.version_of: Callable[[], int] = lambda: 0
-        self.on_restart: Callable[[int], None] = lambda i: None
-        self.on_death: Callable[[int], None] = lambda i: None
         self.closed = False
         self.spawn_standby = spawn_standby if factory is not None else None
         self._standby: subprocess.Popen | None = None
@@ -146,7 +146,7 @@ class EngineSupervisor:
         if self.states[i] != LIVE or self.closed:  # (closed: the sidecar is shutting its engines down)
             return
         log.error("engine %d died: %s", i, reason)
-        self.on_death(i)
+        self.state.count("engine_deaths")
         self.reasons[i] = reason
         self._set(i, RESTARTING)
         self._spawn(self._restart(i))
@@ -176,7 +176,7 @@ class EngineSupervisor:
                 new = await asyncio.to_thread(self.factory, i, standby)
                 self._refill_standby()  # for the next one
                 t_started = time.monotonic()
-                async with self.lock:  # no push commits while the new engine catches up
+                async with self.state.push_lock:  # no push commits while the new engine catches up
                     t_locked = time.monotonic()
                     source = await self._catch_up(i, new)
                     caught_up = source is not None
@@ -185,7 +185,7 @@ class EngineSupervisor:
                     self.engines[i] = new
                     self.restarts[i] += 1
                     self.stale[i] = not caught_up
-                    self.on_restart(i)
+                    self.state.count("engine_restarts")
                     if caught_up:
                         self.reasons[i] = ""
                         self._set(i, LIVE)
@@ -201,7 +201,7 @@ class EngineSupervisor:
     async def _catch_up(self, i: int, new: EngineClient) -> str | None:
         """Give `new` the newest committed weights and version; returns where they came from,
         None when there is nothing to take them from (it then waits for the trainer's next push)."""
-        version = self.version_of()
+        version = self.state.version
         if not self.weights_pushed:  # the checkpoint it loaded is what the others serve
             await new.set_weight_version(version)
             return "checkpoint"
@@ -244,7 +244,7 @@ class EngineSupervisor:
         if previous is not None:
             await asyncio.gather(previous, return_exceptions=True)
         live = self.live()
-        if not live or version != self.version_of():
+        if not live or version != self.state.version:
             return
         path = _owned_dir(HOST_COPY_PREFIX)
         try:

@@ -95,10 +95,10 @@ class SidecarWeights:
         log.info("joined weight-sync group %s as ranks %d..%d of %d", group_name, rank_offset, last, world_size)
         return {"ranks": list(range(rank_offset, last + 1))}
 
-    async def push(self, manifest_wire: dict, pause_mode: str | None, timeout_s: float, on_paused=None,
+    async def push(self, manifest: Manifest, pause_mode: str | None, timeout_s: float, on_paused=None,
                    group_name: str | None = None, shared: dict | None = None) -> dict:
-        """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine."""
-        manifest = Manifest.from_wire(manifest_wire)  # a malformed manifest fails here, before any pause
+        """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine.
+        (A malformed manifest never gets here: the call's decoding refuses it, rollout.protocol.)"""
         m = self.manager
         if not shared and group_name and (self.owner is None or self.owner["group_name"] != group_name):
             raise WeightSyncRefused(f"push over group {group_name}, which does not own this sidecar's weight sync "
@@ -115,13 +115,13 @@ class SidecarWeights:
 
         async def receive() -> list:
             if inplace:
-                m.counters["inplace_pushes"] += 1
+                m.state.count("inplace_pushes")
                 results = await receive_on_engines(engines, manifest, timeout_s, group_name, "receive_weights_inplace")
                 self._restart_torn(engines, results)
                 return results
             if not shared:
                 return await receive_on_engines(engines, manifest, timeout_s, group_name)
-            calls = [e.collective_rpc("receive_weights_shared", timeout=timeout_s, args=(manifest_wire, shared))
+            calls = [e.collective_rpc("receive_weights_shared", timeout=timeout_s, args=(manifest.to_wire(), shared))
                      for e in engines]
             return await asyncio.gather(*calls, return_exceptions=True)
 
@@ -151,10 +151,9 @@ class SidecarWeights:
                 raise PushWithdrawn(f"push of version {manifest.version} withdrawn by its trainer before any byte "
                                     "moved: the layout it reused no longer fits its weights, it pushes them again "
                                     "on a fresh one") from e
-            m.counters["failed_pushes"] += 1
+            m.state.count("failed_pushes")
             raise
-        m.version = manifest.version
-        m.supervisor.committed(manifest.version)
+        m.committed(manifest.version)
         return out
 
     async def _withdrawn(self, manifest: Manifest, error: Exception) -> bool:
@@ -171,9 +170,9 @@ class SidecarWeights:
     def _pushed(self, out: dict, t0: float) -> dict:
         """A committed push's counters and reply (`out` holds its transfer_seconds)."""
         m = self.manager
-        m.counters["pushes"] += 1
-        m.counters["transfer_seconds"] += out["transfer_seconds"]
-        m.counters["push_seconds"] += time.monotonic() - t0
+        m.state.count("pushes")
+        m.state.count("transfer_seconds", out["transfer_seconds"])
+        m.state.count("push_seconds", time.monotonic() - t0)
         out.pop("worker_results", None)
         return {**out, "seconds": time.monotonic() - t0}
 
@@ -187,17 +186,14 @@ class SidecarWeights:
         m = self.manager
         staging = asyncio.ensure_future(stage_on_engines(engines, manifest, timeout_s, group_name))
         watchdog = asyncio.ensure_future(self._trainer_lost(manifest.push_id)) if self.owner is not None else None
-        m.receiving += 1
-        try:
+        with m.state.receiving():
             await asyncio.wait({staging} | ({watchdog} if watchdog else set()), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            m.receiving -= 1
         if not staging.done():  # the trainer is gone, failed or stalled: nothing to wait for
             staging.cancel()
             # leaving the group gives the push up on every worker: its staging memory goes now
             await asyncio.gather(*(e.collective_rpc("close_weight_sync", timeout=5, args=(False,)) for e in engines),
                                  return_exceptions=True)
-            m.counters["failed_pushes"] += 1  # once wound down: a caller who sees it may push again
+            m.state.count("failed_pushes")  # once wound down: a caller who sees it may push again
             raise WeightSyncError(f"push of version {manifest.version} failed: {watchdog.result()}; nothing was "
                                   "committed and the engines never paused. init_weight_sync again")
         if watchdog is not None:
@@ -313,13 +309,12 @@ class SidecarWeights:
 
         async def work():
             out = await load_on_engines(m.up_engines(), path, version)
-            m.version = version
-            m.supervisor.committed(version)
+            m.committed(version)
             return out
 
         out = await m.run_paused(pause_mode, work)
         out.pop("worker_results", None)
-        m.counters["pushes"] += 1
+        m.state.count("pushes")
         return out
 
     async def close(self) -> None:

@@ -73,12 +73,12 @@ def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8
 
 def _add_info_routes(app: FastAPI, front: _Front) -> None:
     manager = front.manager
-    started = int(time.time() - (time.monotonic() - manager.started))
+    started = int(time.time() - manager.state.uptime_s)
 
     @app.get("/health")
     async def health():
         h = await manager.health(timeout=5.0)
-        return JSONResponse(h, status_code=200 if h["engines"] > 0 else 503)
+        return JSONResponse(msgspec.to_builtins(h), status_code=200 if h.engines > 0 else 503)
 
     @app.get("/metrics")
     async def prometheus():

@@ -66,7 +66,7 @@ def test_a_sample_too_stale_is_regenerated_at_most_the_cap_then_marked(manager, 
 
         async def versions_racing():  # a "push" every few ms: version up, tokens tagged with it
             while not stop.is_set():
-                manager.version += 1
+                manager.state.committed(manager.version + 1)
                 await engine.set_weight_version(manager.version)
                 await asyncio.sleep(0.005)
 

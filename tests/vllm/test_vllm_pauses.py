@@ -109,7 +109,7 @@ def test_pauses_under_load_return_every_rollout_whole(engine, loop, mode):
 
     async def bump(version):
         await engine.set_weight_version(version)
-        manager.version = version
+        manager.state.committed(version)
 
     async def run():
         base = engine.version
