@@ -7,17 +7,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 
 class LocalSidecar:
     """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
     SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0). The sidecar also
     shuts down by itself when this process exits, however it exits (SIGKILL included).
-    `log_path`: a file the sidecar's log is appended to (default: this process's stderr)."""
+    `log_path`: a file the sidecar's log is appended to (default: this process's stderr).
+    `prefix`: a command the sidecar runs under, e.g. `ip netns exec HOST` (bench.hostbed)."""
 
     def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0,
-                 log_path: str | None = None):
-        cmd = [sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", "--parent-pid", str(os.getpid()),
+                 log_path: str | None = None, prefix: Sequence[str] = ()):
+        cmd = [*prefix, sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", "--parent-pid", str(os.getpid()),
                *extra_args]
         if token:
             cmd += ["--token", token]

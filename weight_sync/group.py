@@ -37,7 +37,8 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
-from weight_sync.hosts import is_loopback
+from weight_sync.hosts import is_loopback, local_address_towards
+from weight_sync.votes import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +82,28 @@ def create_master_store(host: str, port: int, world_size: int, timeout_s: float)
                     master_listen_fd=sock.detach())
 
 
+def _gloo_device(gloo, host: str):
+    """The device this rank's gloo pairs bind to, whose address it advertises to its peers: the
+    interface GLOO_SOCKET_IFNAME names, else this machine's address on the route to `host` (the
+    trainer's). Not gloo's default device: that binds to whatever the hostname resolves to,
+    127.0.x.1 on many hosts files and containers, which no peer on another host can reach."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if ifname:
+        if ifname.startswith("lo") and not is_loopback(host):
+            raise WeightSyncError(f"GLOO_SOCKET_IFNAME={ifname} would advertise a loopback address to peers that "
+                                  f"reach the trainer at {host}, on other hosts: name the interface that reaches "
+                                  f"{host}, or unset it (each rank then binds to its address on the route to {host})")
+        return gloo.create_device(interface=ifname)
+    return gloo.create_device(hostname="127.0.0.1" if is_loopback(host) else local_address_towards(host))
+
+
 def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: float, host: str):
     if backend == "gloo":
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         opts = ProcessGroupGloo._Options()
         opts._timeout = _td(timeout_s)
-        # On one host, bind to loopback: no dependence on the hostname resolving. Across hosts the
-        # default device (hostname / GLOO_SOCKET_IFNAME) is what every rank can reach.
-        if is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
-            opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        else:
-            opts._devices = [ProcessGroupGloo.create_default_device()]
+        opts._devices = [_gloo_device(ProcessGroupGloo, host)]
         opts._threads = 2
         return ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":

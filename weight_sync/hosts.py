@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def is_loopback(host: str) -> bool:
@@ -13,3 +14,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address that packets to `host` leave from: the kernel's own route choice
+    (connecting a UDP socket picks the route and sends nothing). Raises OSError when no route
+    reaches `host`."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]

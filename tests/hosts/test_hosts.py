@@ -1,0 +1,49 @@
+"""Sidecars on three emulated hosts (bench.hostbed: network namespaces on a bridge, links shaped to
+100 Mbit/s), the trainer on the bridge: the weight-sync group forms across hosts whatever this
+machine's hostname resolves to (here 127.0.0.1), and a push lands on every host."""
+
+import copy
+
+import pytest
+
+from engine import SamplingParams
+from rollout import RolloutClient
+from tests.engine.helpers import hf_greedy, random_prompts
+from tests.hosts.conftest import HOSTS
+from tests.rollout.sidecar import TOKEN
+from tests.rollout.test_sidecar import perturb
+from weight_sync import weights_checksum
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_push_to_three_hosts_lands_on_every_host(bed, host_sidecars, hf_models):
+    client = RolloutClient([host_sidecars[h].url for h in HOSTS], token=TOKEN)
+    try:
+        info = client.init_weight_sync(host=bed.gateway)  # the trainer's address on the bed
+        assert info["world_size"] == 1 + len(HOSTS)
+        trainer = copy.deepcopy(hf_models["qwen2"])
+        perturb(trainer, 21, scale=0.05)
+        out = client.push_weights(trainer, version=1)
+        assert out["version"] == 1
+        assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * len(HOSTS)
+        prompts = random_prompts(3, 4, 12, 2000, seed=83)
+        groups = client.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [g[0].token_ids for g in groups] == [hf_greedy(trainer, p, 8, ignore_eos=True) for p in prompts]
+        assert all(g[0].weight_versions == [1] * 8 for g in groups)
+    finally:
+        client.close()
+
+
+def test_a_loopback_interface_for_peers_on_other_hosts_is_refused_with_the_fix(monkeypatch, bed):
+    """GLOO_SOCKET_IFNAME=lo would make this rank advertise 127.0.0.1 to peers on other hosts."""
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    from weight_sync.group import _gloo_device
+    from weight_sync.votes import WeightSyncError
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    with pytest.raises(WeightSyncError, match="interface that reaches"):
+        _gloo_device(ProcessGroupGloo, bed.gateway)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert _gloo_device(ProcessGroupGloo, bed.gateway) is not None  # the bridge's own address
