@@ -111,7 +111,7 @@ class BucketSender:
             else:
                 while len(inflight) >= self.max_inflight:
                     self._retire(inflight, slot_busy)
-            inflight.append((g.broadcast(payload, src=0), payload, slot, k))
+            inflight.append((g.fan_out(payload), payload, slot, k))
             if progress is not None:
                 progress(k + 1, n)
         while inflight:

@@ -6,9 +6,9 @@ CUDA tensors) built on a `TCPStore` + `PrefixStore` of its own, as vLLM's
 `torch.distributed`'s global state, so a trainer that has its own default group (DDP, FSDP,
 accelerate) keeps it untouched, and a group can be torn down and formed again at will.
 
-Collectives are called on the backend object itself with group ranks
-(`backend.broadcast(tensor, root=0, timeout=...)`), so the "broadcast needs global ranks"
-limitation of wrapping a stateless group in `dist.broadcast` does not apply.
+Collectives are called on the backend object itself with group ranks, so the "broadcast needs
+global ranks" limitation of wrapping a stateless group in `dist.broadcast` does not apply. A
+push's buckets go down a chain when the workers span hosts (weight_sync.fan_out).
 
 Who may join: the store listens on the host the trainer gave (loopback by default) and every key
 of a group lives under a prefix holding a per-group secret (128 random bits) that the trainer
@@ -37,8 +37,8 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
-from weight_sync.hosts import is_loopback, local_address_towards
-from weight_sync.votes import WeightSyncError
+from weight_sync.fan_out import ChainRelay, fan_out_mode, plan_chain
+from weight_sync.hosts import gloo_device
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +82,13 @@ def create_master_store(host: str, port: int, world_size: int, timeout_s: float)
                     master_listen_fd=sock.detach())
 
 
-def _gloo_device(gloo, host: str):
-    """The device this rank's gloo pairs bind to, whose address it advertises to its peers: the
-    interface GLOO_SOCKET_IFNAME names, else this machine's address on the route to `host` (the
-    trainer's). Not gloo's default device: that binds to whatever the hostname resolves to,
-    127.0.x.1 on many hosts files and containers, which no peer on another host can reach."""
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
-    if ifname:
-        if ifname.startswith("lo") and not is_loopback(host):
-            raise WeightSyncError(f"GLOO_SOCKET_IFNAME={ifname} would advertise a loopback address to peers that "
-                                  f"reach the trainer at {host}, on other hosts: name the interface that reaches "
-                                  f"{host}, or unset it (each rank then binds to its address on the route to {host})")
-        return gloo.create_device(interface=ifname)
-    return gloo.create_device(hostname="127.0.0.1" if is_loopback(host) else local_address_towards(host))
-
-
 def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: float, host: str):
     if backend == "gloo":
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         opts = ProcessGroupGloo._Options()
         opts._timeout = _td(timeout_s)
-        opts._devices = [_gloo_device(ProcessGroupGloo, host)]
+        opts._devices = [gloo_device(ProcessGroupGloo, host)]
         opts._threads = 2
         return ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":
@@ -145,6 +130,8 @@ class WeightSyncGroup:
         self._wait_store: TCPStore | None = None
         self.port = int(store.port) if store is not None else int(port)
         self._pg = None
+        self.chain: list[int] | None = None  # rank order of the buckets' chain (weight_sync.fan_out); None: broadcast
+        self._relay: ChainRelay | None = None
         self.closed = False
         self.aborted = False  # abort(): no collective starts any more; close() still to come
 
@@ -157,7 +144,8 @@ class WeightSyncGroup:
         g = cls(host=host, port=store.port, world_size=world_size, rank=0, group_name=group_name or new_group_name(),
                 timeout_s=timeout_s, device=device, secret=secrets.token_hex(16), store=store)
         prefix = g._prefix_store()
-        prefix.set(_META_KEY, json.dumps({"backend": g.backend_name, "world_size": g.world_size}))
+        prefix.set(_META_KEY, json.dumps({"backend": g.backend_name, "world_size": g.world_size,
+                                          "fan_out": fan_out_mode()}))
         return g
 
     @classmethod
@@ -220,9 +208,22 @@ class WeightSyncGroup:
             raise GroupError(f"weight-sync group {self.group_name!r} was closed while forming")
         if self.backend_name == "nccl":
             self._connect()
-        log.info("rank %d/%d joined weight-sync group %s (%s) in %.2fs", self.rank, self.world_size,
-                 self.group_name, self.backend_name, time.monotonic() - t0)
+        else:
+            self._form_chain(prefix, meta.get("fan_out", "auto"))
+        log.info("rank %d/%d joined weight-sync group %s (%s%s) in %.2fs", self.rank, self.world_size,
+                 self.group_name, self.backend_name, f", buckets down the chain {self.chain}" if self.chain else "",
+                 time.monotonic() - t0)
         return self
+
+    def _form_chain(self, prefix: PrefixStore, mode: str) -> None:
+        try:
+            self.chain = plan_chain(prefix, self.rank, self.world_size, self.host, self.timeout_s, mode)
+        except Exception as e:
+            self.close()
+            raise GroupError(f"weight-sync group {self.group_name!r}: not every rank said where it runs within "
+                             f"{self.timeout_s}s: {_short(e)}") from e
+        if self.chain is not None:
+            self._relay = ChainRelay(self._pg, self.chain, self.rank)
 
     def _connect(self) -> None:
         """NCCL creates its communicators at the first collective: one small broadcast here, so
@@ -300,6 +301,14 @@ class WeightSyncGroup:
         """Start a broadcast of `tensor` (contiguous, on this group's device); returns the Work."""
         return self._backend().broadcast(tensor, root=src, timeout=_td(self.timeout_s))
 
+    def fan_out(self, tensor: torch.Tensor):
+        """Start sending (rank 0) or receiving one bucket of a push: down the chain when the
+        workers span hosts (weight_sync.fan_out), else a broadcast. Returns the Work."""
+        if self._relay is not None:
+            self._backend()
+            return self._relay.submit(tensor)
+        return self.broadcast(tensor, src=0)
+
     def wait(self, work, what: str = "collective") -> None:
         try:
             work.wait(_td(self.timeout_s))
@@ -349,6 +358,8 @@ class WeightSyncGroup:
         if self.closed:
             return
         self.closed = True
+        if self._relay is not None:
+            self._relay.close()
         pg, self._pg = self._pg, None
         if pg is not None:
             for method in ("abort", "shutdown"):

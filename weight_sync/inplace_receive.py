@@ -33,7 +33,7 @@ def bucket_pairs(g: WeightSyncGroup, m: Manifest, device: torch.device, written:
         if b.nbytes == 0:
             continue
         buf = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        g.wait(g.broadcast(buf, src=0), f"receiving bucket {k}")
+        g.wait(g.fan_out(buf), f"receiving bucket {k}")
         written[0] += 1
         for t in m.tensors[b.first:b.last]:
             start = t.offset - b.start

@@ -184,7 +184,7 @@ class PushReceiver:
                     plan, plan_s = _timed(self.target.plan, m, staging)
                 while len(inflight) >= self.max_inflight:
                     received += _retire(g, inflight)
-                inflight.append((g.broadcast(staging[b.start:b.end], src=0), k, b.nbytes))
+                inflight.append((g.fan_out(staging[b.start:b.end]), k, b.nbytes))
             if early and plan is None:
                 plan, plan_s = _timed(self.target.plan, m, staging)
             while inflight:

@@ -39,11 +39,11 @@ def test_a_loopback_interface_for_peers_on_other_hosts_is_refused_with_the_fix(m
     """GLOO_SOCKET_IFNAME=lo would make this rank advertise 127.0.0.1 to peers on other hosts."""
     from torch._C._distributed_c10d import ProcessGroupGloo
 
-    from weight_sync.group import _gloo_device
+    from weight_sync.hosts import gloo_device
     from weight_sync.votes import WeightSyncError
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with pytest.raises(WeightSyncError, match="interface that reaches"):
-        _gloo_device(ProcessGroupGloo, bed.gateway)
+        gloo_device(ProcessGroupGloo, bed.gateway)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert _gloo_device(ProcessGroupGloo, bed.gateway) is not None  # the bridge's own address
+    assert gloo_device(ProcessGroupGloo, bed.gateway) is not None  # the bridge's own address

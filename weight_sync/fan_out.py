@@ -1,0 +1,140 @@
+"""How a push's buckets reach the workers when they sit on several hosts: passed down a chain.
+
+gloo's broadcast is a binomial tree of whole messages: with the trainer and 3 workers the
+trainer sends every byte twice (to rank 1, then to rank 2 while rank 1 sends to rank 3), and
+nothing is forwarded before it has arrived whole. Over links of one speed that is ~2x one host's
+time for 3 hosts. A chain sends each byte over each link once: the trainer sends a bucket in
+chunks to the first worker, which passes each chunk on to the next as soon as it has it, and so
+on, so a push takes one link's time plus a chunk's per extra host (the pipelined ring NCCL's
+broadcast already is; on NCCL nothing changes).
+
+Used when the group is gloo, has 2+ workers and some worker is on another host than the trainer
+(each rank publishes the address it reaches the trainer from); otherwise the plain broadcast.
+The trainer may choose for its group with WEIGHT_SYNC_FAN_OUT=chain|broadcast (default auto);
+its workers follow the choice it wrote in the group's metadata.
+The chain visits the trainer's own host first, then each host's ranks one after another, so
+each link is crossed once. Only the bytes move this way: the votes before and after are the
+group's collectives, as before, so a push is still all or nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from weight_sync.hosts import is_loopback, local_address_towards
+
+MODES = ("auto", "chain", "broadcast")
+TAG = 7  # the chain's point-to-point messages; nothing else in a weight-sync group uses tags
+MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024
+
+
+def advertised_address(host: str) -> str:
+    """This rank's address as its peers see it: the one it reaches the trainer (`host`) from."""
+    return "127.0.0.1" if is_loopback(host) else local_address_towards(host)
+
+
+def fan_out_mode() -> str:
+    """The trainer's choice (WEIGHT_SYNC_FAN_OUT), checked."""
+    mode = os.environ.get("WEIGHT_SYNC_FAN_OUT", "auto")
+    if mode not in MODES:
+        raise ValueError(f"WEIGHT_SYNC_FAN_OUT must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def chain_order(addresses: dict[int, str], mode: str = "auto") -> list[int] | None:
+    """The ranks in chain order (the trainer, rank 0, first; its host's workers next; then each
+    other host's ranks together), or None for the plain broadcast: asked for, or as good (one
+    worker, or every worker on the trainer's host) unless the chain is asked for."""
+    workers = [r for r in addresses if r != 0]
+    home = addresses[0]
+    if mode == "broadcast" or (mode == "auto" and (len(workers) < 2 or all(addresses[r] == home for r in workers))):
+        return None
+    return [0, *sorted(workers, key=lambda r: (addresses[r] != home, addresses[r], r))]
+
+
+def chunk_bytes(nbytes: int) -> int:
+    """Small enough that the chain fills fast (a chunk's time per extra host), large enough that
+    a chunk's fixed cost does not show: a sixteenth of the bucket, within 256 KiB..4 MiB."""
+    return min(MAX_CHUNK, max(MIN_CHUNK, nbytes // 16))
+
+
+def plan_chain(prefix_store, rank: int, world_size: int, host: str, timeout_s: float,
+               mode: str = "auto") -> list[int] | None:
+    """Every rank publishes its address in the group's store and reads everyone's (at forming)."""
+    if mode == "broadcast":
+        return None
+    prefix_store.set(f"addr/{rank}", json.dumps(advertised_address(host)))
+    keys = [f"addr/{r}" for r in range(world_size)]
+    prefix_store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return chain_order({r: json.loads(prefix_store.get(k)) for r, k in enumerate(keys)}, mode)
+
+
+class RelayWork:
+    """A bucket's relay, waited like a collective's Work."""
+
+    def __init__(self):
+        self.future: Future = Future()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self.future.result(None if timeout is None else timeout.total_seconds())
+        return True
+
+
+class ChainRelay:
+    """This rank's link of the chain: receives each bucket's chunks from the rank before it and
+    passes them to the rank after it, on a thread of its own so that forwarding never waits for
+    the caller; buckets are relayed in the order they are submitted."""
+
+    def __init__(self, pg, order: list[int], rank: int):
+        i = order.index(rank)
+        self.pg = pg
+        self.prev = order[i - 1] if i > 0 else None
+        self.next = order[i + 1] if i + 1 < len(order) else None
+        self._queue: queue.Queue = queue.Queue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="weight-sync-relay")
+        self._thread.start()
+
+    def submit(self, tensor: torch.Tensor) -> RelayWork:
+        work = RelayWork()
+        self._queue.put((tensor.reshape(-1).view(torch.uint8), work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            data, work = item
+            if self._failed is not None:  # a broken chain: later buckets cannot arrive either
+                work.future.set_exception(self._failed)
+                continue
+            try:
+                self._relay(data)
+                work.future.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                self._failed = e
+                work.future.set_exception(e)
+
+    def _relay(self, data: torch.Tensor) -> None:
+        step = chunk_bytes(data.numel())
+        chunks = [data[i:i + step] for i in range(0, data.numel(), step)]
+        recvs = [self.pg.recv([c], self.prev, TAG) for c in chunks] if self.prev is not None else None
+        sends = []
+        for k, c in enumerate(chunks):
+            if recvs is not None:
+                recvs[k].wait()
+            if self.next is not None:
+                sends.append(self.pg.send([c], self.next, TAG))
+        for s in sends:
+            s.wait()
+
+    def close(self) -> None:
+        self._queue.put(None)
