@@ -7,6 +7,7 @@ bucket buffers, packing bucket k+1 while bucket k is on the wire."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 
@@ -89,6 +90,35 @@ class BucketSender:
             dst.copy_(src)
 
     def _send_buckets(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
+        if self.group.chain is None:
+            return self._send_all(m, tensors, progress)
+        done = threading.Event()
+        watch = threading.Thread(target=self._watch_workers, args=(m.push_id, done), daemon=True)
+        watch.start()
+        try:
+            self._send_all(m, tensors, progress)
+        finally:
+            done.set()
+            watch.join()
+
+    def _watch_workers(self, push_id: str, done: threading.Event, period_s: float = 0.5) -> None:
+        """Down a chain the trainer sends only to the first worker, and gloo cannot interrupt a
+        send: when a worker gives the push up (its next rank died, say), the first one stops
+        reading and this send would wait for the group's timeout. A worker that gives up marks it
+        in the store; seen here, the link to the first worker is closed, and the send fails now."""
+        while not done.wait(period_s):
+            try:
+                failed = self.group.worker_failed(push_id)
+            except Exception as e:  # noqa: BLE001 - a store that does not answer: the push's own waits decide
+                log.warning("cannot watch push %s for workers that give up: %s", push_id, e)
+                return
+            if failed:
+                log.warning("a worker gave push %s up: closing the chain's first link so the trainer stops sending",
+                            push_id)
+                self.group._relay.cut_next()
+                return
+
+    def _send_all(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:
         g = self.group
         inflight: deque = deque()  # (work, payload kept alive, buffer slot or None)
         slot_busy = [False, False]

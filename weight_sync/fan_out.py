@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import queue
 import threading
@@ -31,6 +32,7 @@ import torch
 from weight_sync.hosts import is_loopback, local_address_towards
 
 MODES = ("auto", "chain", "broadcast")
+log = logging.getLogger(__name__)
 TAG = 7  # the chain's point-to-point messages; nothing else in a weight-sync group uses tags
 MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024
 
@@ -121,9 +123,12 @@ class ChainRelay:
                 work.future.set_result(None)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
                 self._failed = e
+                log.warning("relay of a bucket failed on this rank (%s): closing the link to the rank before it", e)
+                self._close_upstream()
                 work.future.set_exception(e)
 
     def _relay(self, data: torch.Tensor) -> None:
+        """One bucket: its chunks received (from `prev`) and passed on (to `next`)."""
         step = chunk_bytes(data.numel())
         chunks = [data[i:i + step] for i in range(0, data.numel(), step)]
         recvs = [self.pg.recv([c], self.prev, TAG) for c in chunks] if self.prev is not None else None
@@ -135,6 +140,30 @@ class ChainRelay:
                 sends.append(self.pg.send([c], self.next, TAG))
         for s in sends:
             s.wait()
+
+    def _close_upstream(self) -> None:
+        """After a failure here (the next rank gone, which breaks every pending op of this rank's
+        gloo context): the rank before this one would send its next bucket into a rank that no
+        longer reads, until the group's timeout, and so would the trainer behind it. A wait that
+        times out makes gloo close that pair: the failure then reaches each rank up the chain, and
+        the trainer, at once ("connection closed by peer")."""
+        if self.prev is None:
+            return
+        try:
+            self.pg.recv([torch.empty(1, dtype=torch.uint8)], self.prev, TAG).wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the closure is the point
+            pass
+
+    def cut_next(self) -> None:
+        """Close the link to the next rank now (a send whose wait times out makes gloo close the pair):
+        a send blocked on a rank that stopped reading fails at once instead of at the timeout."""
+        if self.next is None:
+            return
+        try:
+            # a send the next rank never receives (gloo sends once the receiver asked for it)
+            self.pg.send([torch.zeros(1, dtype=torch.uint8)], self.next, TAG + 1).wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the closure is the point
+            pass
 
     def close(self) -> None:
         self._queue.put(None)

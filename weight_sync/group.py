@@ -262,6 +262,14 @@ class WeightSyncGroup:
         """End the trainer's wait for push `push_id` without a vote (a worker will not come)."""
         self._prefix_store().set(f"mark/go/{push_id}", b"off")
 
+    def mark_worker_failed(self, push_id: str) -> None:
+        """A worker gave push `push_id` up mid-transfer: the trainer, which may wait in a send to
+        a rank that no longer reads, learns it here (BucketSender's watch)."""
+        self._prefix_store().set(f"mark/worker_failed/{push_id}", str(self.rank))
+
+    def worker_failed(self, push_id: str) -> bool:
+        return self._prefix_store().check([f"mark/worker_failed/{push_id}"])
+
     def mark_progress(self, push_id: str, buckets: int) -> None:
         """The trainer: `buckets` of push `push_id` are out; FAILED_MARK: it gave the push up;
         WITHDRAWN_MARK: it refuses the layout it reused, and pushes again on a fresh one. A

@@ -20,6 +20,7 @@ the first write leaves the weights torn (the worker reports itself unhealthy unt
 
 from __future__ import annotations
 
+
 import logging
 import os
 import time
@@ -195,6 +196,11 @@ class PushReceiver:
             if not commit_vote(g):  # other workers: commit only if every one holds every byte
                 raise GroupError("another rank did not receive every byte")
         except Exception as e:
+            if g.chain is not None:  # the trainer may be sending down the chain into a rank that stopped reading
+                try:
+                    g.mark_worker_failed(m.push_id)
+                except Exception as mark_error:  # noqa: BLE001 - the trainer then waits for its timeout
+                    log.warning("could not tell the trainer this rank gave push %s up: %s", m.push_id, mark_error)
             if inflight:  # broadcasts still posted into it: its pages go now, while closing waits for gloo
                 drop_pages(staging)
             self.close_group(g)  # once closed, nothing writes into staging any more: it may be kept

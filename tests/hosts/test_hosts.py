@@ -47,3 +47,42 @@ def test_a_loopback_interface_for_peers_on_other_hosts_is_refused_with_the_fix(m
         gloo_device(ProcessGroupGloo, bed.gateway)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     assert gloo_device(ProcessGroupGloo, bed.gateway) is not None  # the bridge's own address
+
+
+def test_a_host_killed_mid_push_costs_that_host_only(bed, host_sidecars, hf_models):
+    """h2 (the middle of the chain) SIGKILLed while a push's buckets cross the links: the push
+    ends for the others within seconds, committed on h1 and h3 (the client drops h2 and sends
+    once more without it), and the next push lands there too. Last in the module: h2 stays dead."""
+    import threading
+    import time
+
+    from tests.hosts.conftest import RATE_MBIT
+
+    client = RolloutClient([host_sidecars[h].url for h in HOSTS], token=TOKEN)
+    try:
+        client.init_weight_sync(host=bed.gateway, bucket_bytes=2 * 1024 * 1024, take_over=True)
+        version = client.stats()[0]["version"]
+        trainer = copy.deepcopy(hf_models["qwen2"])
+        perturb(trainer, 22, scale=0.05)
+        killed = threading.Event()
+
+        def progress(k, n):  # bucket 3 of 8 posted: the bytes are on the links
+            if k == 3 and not killed.is_set():
+                killed.set()
+                bed.kill_host("h2")
+
+        t0 = time.monotonic()
+        out = client.push_weights(trainer, version=version + 1, progress=progress)
+        took = time.monotonic() - t0
+        assert killed.is_set() and out["version"] == version + 1
+        bound = sum(p.numel() * 4 for p in trainer.parameters()) * 8 / (RATE_MBIT * 1e6)
+        # the broken push, then the push again: seconds (1.7 s idle, 1.2 s of it the link), never the
+        # group's timeout (120 s, what the trainer waited before the link to a worker that stops reading was closed)
+        assert took < 3 * bound + 30, took
+        want = weights_checksum(trainer.named_parameters())
+        assert client.weights_checksums() == [want] * 2  # h1 and h3
+        perturb(trainer, 23, scale=0.05)
+        client.push_weights(trainer, version=version + 2)
+        assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
+    finally:
+        client.close()
