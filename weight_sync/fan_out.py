@@ -144,13 +144,13 @@ class ChainRelay:
     def _close_upstream(self) -> None:
         """After a failure here (the next rank gone, which breaks every pending op of this rank's
         gloo context): the rank before this one would send its next bucket into a rank that no
-        longer reads, until the group's timeout, and so would the trainer behind it. A wait that
+        longer reads, until the group's timeout, and so would the trainer behind it. A send whose wait
         times out makes gloo close that pair: the failure then reaches each rank up the chain, and
         the trainer, at once ("connection closed by peer")."""
         if self.prev is None:
             return
         try:
-            self.pg.recv([torch.empty(1, dtype=torch.uint8)], self.prev, TAG).wait(datetime.timedelta(milliseconds=1))
+            self.pg.send([torch.zeros(1, dtype=torch.uint8)], self.prev, TAG + 1).wait(datetime.timedelta(milliseconds=1))
         except Exception:  # noqa: BLE001 - the closure is the point
             pass
 
