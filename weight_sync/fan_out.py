@@ -144,24 +144,22 @@ class ChainRelay:
     def _close_upstream(self) -> None:
         """After a failure here (the next rank gone, which breaks every pending op of this rank's
         gloo context): the rank before this one would send its next bucket into a rank that no
-        longer reads, until the group's timeout, and so would the trainer behind it. A send whose wait
-        times out makes gloo close that pair: the failure then reaches each rank up the chain, and
-        the trainer, at once ("connection closed by peer")."""
-        if self.prev is None:
-            return
-        try:
-            self.pg.send([torch.zeros(1, dtype=torch.uint8)], self.prev, TAG + 1).wait(datetime.timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - the closure is the point
-            pass
+        longer reads, until the group's timeout, and so would the trainer behind it. Cutting that
+        link passes the failure up the chain at once ("connection closed by peer")."""
+        self._cut(self.prev)
 
     def cut_next(self) -> None:
-        """Close the link to the next rank now (a send whose wait times out makes gloo close the pair):
-        a send blocked on a rank that stopped reading fails at once instead of at the timeout."""
-        if self.next is None:
+        """Close the link to the next rank now: a send blocked on a rank that stopped reading
+        fails at once instead of at the group's timeout."""
+        self._cut(self.next)
+
+    def _cut(self, peer: int | None) -> None:
+        """A send `peer` never receives (gloo sends once the receiver asked), whose wait times out
+        at once: gloo then closes the pair, failing every op pending on it on both sides."""
+        if peer is None:
             return
         try:
-            # a send the next rank never receives (gloo sends once the receiver asked for it)
-            self.pg.send([torch.zeros(1, dtype=torch.uint8)], self.next, TAG + 1).wait(datetime.timedelta(milliseconds=1))
+            self.pg.send([torch.zeros(1, dtype=torch.uint8)], peer, TAG + 1).wait(datetime.timedelta(milliseconds=1))
         except Exception:  # noqa: BLE001 - the closure is the point
             pass
 
