@@ -109,7 +109,9 @@ class AsyncEngine:
         got_identity, ready = False, None
         while not (got_identity and ready):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine core process exited with code {self.proc.returncode} during startup")
+                why = self._last_word()
+                raise RuntimeError(f"engine core process exited with code {self.proc.returncode} during startup"
+                                   + (f": {why}" if why else ""))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine core not ready after {timeout:.0f}s")
             for sock, _ in poller.poll(200):
@@ -120,7 +122,18 @@ class AsyncEngine:
                     msg = self._decoder.decode(self._out_sync.recv_multipart())
                     if isinstance(msg, Ready):
                         ready = msg
+                    elif isinstance(msg, Fatal):
+                        self.dead_reason = msg.error
         return ready
+
+    def _last_word(self, wait_s: float = 1.0) -> str:
+        """What a core that exited during start-up said why (core_proc's Fatal), if it did."""
+        deadline = time.monotonic() + wait_s
+        while not self.dead_reason and self._out_sync.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            msg = self._decoder.decode(self._out_sync.recv_multipart())
+            if isinstance(msg, Fatal):
+                self.dead_reason = msg.error
+        return self.dead_reason
 
     def _on_core_exit(self) -> None:
         if self._shutdown_called:

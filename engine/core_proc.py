@@ -51,6 +51,20 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def _last_word(output_addr: str, reason: str) -> None:
+    """A core that cannot start tells its frontend why (a Fatal) before it exits, so the error
+    its caller sees names the cause, not only an exit code."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)  # close() waits this long for the message to leave
+    try:
+        sock.connect(output_addr)
+        sock.send_multipart(Encoder().encode(Fatal(reason)))
+    finally:
+        sock.close()
+        ctx.term()
+
+
 class EngineCoreProc:
     def __init__(self, cfg: EngineConfig, input_addr: str, output_addr: str, identity: bytes):
         self.core = EngineCore(cfg)
@@ -329,8 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = EngineConfig(**json.loads(args.config_json))
     try:
         proc = EngineCoreProc(cfg, args.input_addr, args.output_addr, args.identity.encode())
-    except Exception:
+    except Exception as e:
         log.error("engine core failed to start:\n%s", traceback.format_exc())
+        _last_word(args.output_addr, f"{type(e).__name__}: {e}")
         sys.exit(1)
     log.info("engine core up in %.2f s (%s)", time.perf_counter() - started, how)
     proc.run()

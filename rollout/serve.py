@@ -195,6 +195,11 @@ def build_manager(args, model: str, early_cores: list = ()):
         raise
 
 
+def _first_line(e: BaseException, limit: int = 500) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else "")[:limit]
+
+
 def _start_engines(make_engine, n: int, parallel: bool, standbys: list) -> list:
     """Engines 0..n-1, engine i from standbys[i] where there is one; in parallel threads for
     vLLM, whose starts are mostly waiting on its own processes (none is left running when one
@@ -207,6 +212,10 @@ def _start_engines(make_engine, n: int, parallel: bool, standbys: list) -> list:
         except BaseException:
             for e in engines:
                 e.shutdown()
+            for core in standbys[len(engines):]:  # the later engines' early cores: none is left behind
+                if core is not None and core.poll() is None:
+                    core.kill()
+                    core.wait()
             raise
         return engines
     from concurrent.futures import ThreadPoolExecutor
@@ -260,7 +269,11 @@ async def run(args, model: str, early_cores: list = ()) -> int:
     from rollout.server import RolloutServer
     from rollout.stats_logger import StatsLogger
 
-    manager = build_manager(args, model, early_cores)
+    try:
+        manager = build_manager(args, model, early_cores)
+    except Exception as e:  # the reason in one line; the traceback for whoever asks (--log-level DEBUG)
+        log.debug("engine start failed", exc_info=True)
+        raise SystemExit(f"error: an engine could not start: {type(e).__name__}: {_first_line(e)}") from None
     try:
         server = RolloutServer(manager, f"tcp://{args.host}:{args.port}", token=args.token,
                                push_stall_s=args.push_stall_timeout, overlap_receive=args.overlap_receive == "on",

@@ -71,3 +71,35 @@ def test_the_sequence_length_defaults_to_what_the_model_holds(qwen2_dir):
     serve._check_or_exit(args, qwen2_dir)
     with open(os.path.join(qwen2_dir, "config.json")) as f:
         assert args.max_model_len == json.load(f)["max_position_embeddings"]
+
+
+def test_an_engine_that_cannot_start_ends_the_sidecar_with_its_reason(qwen2_dir, tmp_path):
+    """Weights that pass the checks (the files are there) but do not load: the sidecar exits 1,
+    its last line the engine's reason (the core tells its frontend before it exits), and leaves no
+    engine core behind."""
+    import shutil
+    import time
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen2_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = _serve("--model", str(broken), "--port", "0", "--num-engines", "2")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr[-2000:]
+    # the last line names the cause the core met (its own log above keeps the traceback)
+    assert lines[-1].startswith("error: an engine could not start: ") and "SafetensorError" in lines[-1], lines[-1]
+    time.sleep(1.5)  # an orphaned core would outlive its sidecar: its watchdog ends it within 0.5 s
+    assert not _processes_naming(str(broken))
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (the cores name their model's directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
