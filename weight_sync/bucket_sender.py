@@ -115,7 +115,7 @@ class BucketSender:
             if failed:
                 log.warning("a worker gave push %s up: closing the chain's first link so the trainer stops sending",
                             push_id)
-                self.group._relay.cut_next()
+                self.group.cut_chain()
                 return
 
     def _send_all(self, m: Manifest, tensors: list[torch.Tensor], progress) -> None:

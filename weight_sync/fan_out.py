@@ -29,17 +29,12 @@ from concurrent.futures import Future
 
 import torch
 
-from weight_sync.hosts import is_loopback, local_address_towards
+from weight_sync.hosts import advertised_address
 
 MODES = ("auto", "chain", "broadcast")
 log = logging.getLogger(__name__)
 TAG = 7  # the chain's point-to-point messages; nothing else in a weight-sync group uses tags
 MIN_CHUNK, MAX_CHUNK = 256 * 1024, 4 * 1024 * 1024
-
-
-def advertised_address(host: str) -> str:
-    """This rank's address as its peers see it: the one it reaches the trainer (`host`) from."""
-    return "127.0.0.1" if is_loopback(host) else local_address_towards(host)
 
 
 def fan_out_mode() -> str:

@@ -317,6 +317,11 @@ class WeightSyncGroup:
             return self._relay.submit(tensor)
         return self.broadcast(tensor, src=0)
 
+    def cut_chain(self) -> None:
+        """Close this rank's link to the next one down the chain now (weight_sync.fan_out)."""
+        if self._relay is not None:
+            self._relay.cut_next()
+
     def wait(self, work, what: str = "collective") -> None:
         try:
             work.wait(_td(self.timeout_s))

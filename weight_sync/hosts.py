@@ -27,6 +27,11 @@ def local_address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
+def advertised_address(host: str) -> str:
+    """This rank's address as its peers see it: the one it reaches the trainer (`host`) from."""
+    return "127.0.0.1" if is_loopback(host) else local_address_towards(host)
+
+
 def gloo_device(gloo, host: str):
     """The device this rank's gloo pairs bind to, whose address it advertises to its peers: the
     interface GLOO_SOCKET_IFNAME names, else this machine's address on the route to `host` (the
@@ -41,4 +46,4 @@ def gloo_device(gloo, host: str):
                                   f"reach the trainer at {host}, on other hosts: name the interface that reaches "
                                   f"{host}, or unset it (each rank then binds to its address on the route to {host})")
         return gloo.create_device(interface=ifname)
-    return gloo.create_device(hostname="127.0.0.1" if is_loopback(host) else local_address_towards(host))
+    return gloo.create_device(hostname=advertised_address(host))
