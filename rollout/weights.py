@@ -278,6 +278,8 @@ class SidecarWeights:
             elif now - since > self.stall_s:
                 why = f"made no progress for {self.stall_s:.0f} s"
                 break
+        if reading is not None:  # a read still waiting on a store that went: its error is expected
+            reading.add_done_callback(lambda t: t.cancelled() or t.exception())
         return f"the trainer of group {owner['group_name']} {why} mid-push"
 
     async def _stop_stuck_engines(self, engines: list, push_id: str) -> None:

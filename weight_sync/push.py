@@ -117,6 +117,7 @@ async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Delive
     try:
         trainer = (await asyncio.gather(asyncio.to_thread(sender.send, prepared, progress, gate.wait),
                                         return_exceptions=True))[0]
+        gate.sent = True
     except asyncio.CancelledError:  # the trainer's thread is told to stop at the gate; workers freed
         gate.call_off("the push was cancelled")
         sender.close_group()
@@ -152,13 +153,22 @@ class _Gate:
         self.group, self.push_id, self.version = sender.group, prepared.manifest.push_id, prepared.manifest.version
         self.timeout_s = timeout_s or self.group.timeout_s
         self.opened = False
+        self.sent = False  # the trainer's send returned
         self.reason: str | None = None
         for name, r in zip(names, receivers):
             r.add_done_callback(lambda task, name=name: self._on_done(name, task))
 
     def _on_done(self, name: str, task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is not None and not self.opened:
+        if task.cancelled() or task.exception() is None:
+            return
+        if not self.opened:
             self.call_off(f"{name}: {describe(task.exception())}")
+        elif not self.sent:
+            # a receiver lost while the bytes flow (its host's link down: no worker of it can say so,
+            # and the rank before it in a chain waits in a send it never reads): stop sending now
+            log.warning("%s failed during push %s: closing the chain's first link so the trainer stops sending",
+                        name, self.push_id)
+            self.group.cut_chain()
 
     def call_off(self, reason: str) -> None:
         if self.reason is not None:

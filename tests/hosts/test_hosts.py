@@ -49,6 +49,53 @@ def test_a_loopback_interface_for_peers_on_other_hosts_is_refused_with_the_fix(m
     assert gloo_device(ProcessGroupGloo, bed.gateway) is not None  # the bridge's own address
 
 
+def test_a_host_whose_link_goes_down_mid_push_costs_that_host_only(bed, host_sidecars, hf_models):
+    """h3's link taken down while a push's buckets cross it: no reset, no close, its packets just
+    stop. The client drops h3 when its heartbeats go unanswered, the trainer stops sending, the
+    push commits on h1 and h2 on the next try, and h3's sidecar, back on its link, still serves
+    what it served (nothing of the broken push was committed there)."""
+    import threading
+    import time
+
+    client = RolloutClient([host_sidecars[h].url for h in HOSTS], token=TOKEN)
+    h3 = None
+    try:
+        client.init_weight_sync(host=bed.gateway, bucket_bytes=2 * 1024 * 1024, take_over=True)
+        version = client.stats()[0]["version"]
+        h3_before = client.weights_checksums()[2]
+        trainer = copy.deepcopy(hf_models["qwen2"])
+        perturb(trainer, 24, scale=0.05)
+        down = threading.Event()
+
+        def progress(k, n):
+            if k == 3 and not down.is_set():
+                down.set()
+                bed.link("h3", False)
+
+        t0 = time.monotonic()
+        try:
+            out = client.push_weights(trainer, version=version + 1, progress=progress)
+        finally:
+            took = time.monotonic() - t0
+            bed.link("h3", True)
+        assert down.is_set() and out["version"] == version + 1
+        assert client.urls == [host_sidecars["h1"].url, host_sidecars["h2"].url]
+        bound = bed.link_bound_s(sum(p.numel() * 4 for p in trainer.parameters()))
+        # the client's heartbeat timeout (10 s) finds h3 gone; then the push again without it
+        assert took < 3 * bound + 10 + 30, took
+        want = weights_checksum(trainer.named_parameters())
+        assert client.weights_checksums() == [want] * 2
+        h3 = RolloutClient(host_sidecars["h3"].url, token=TOKEN)  # a client of its own: this one dropped it
+        deadline = time.monotonic() + 200  # h3's own part ends when it finds the trainer stalled
+        while h3.health()["pushing"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert h3.weights_checksums() == [h3_before] and h3.stats()["version"] == version
+    finally:
+        if h3 is not None:
+            h3.close()
+        client.close()
+
+
 def test_a_host_killed_mid_push_costs_that_host_only(bed, host_sidecars, hf_models):
     """h2 (the middle of the chain) SIGKILLed while a push's buckets cross the links: the push
     ends for the others within seconds, committed on h1 and h3 (the client drops h2 and sends
