@@ -163,12 +163,14 @@ class _Gate:
             return
         if not self.opened:
             self.call_off(f"{name}: {describe(task.exception())}")
-        elif not self.sent:
+        elif not self.sent and self.group.chain is not None:
             # a receiver lost while the bytes flow (its host's link down: no worker of it can say so,
-            # and the rank before it in a chain waits in a send it never reads): stop sending now
-            log.warning("%s failed during push %s: closing the chain's first link so the trainer stops sending",
-                        name, self.push_id)
-            self.group.cut_chain()
+            # and the rank before it waits in a send it never reads): marked as a worker giving up,
+            # which stops the trainer's send (BucketSender._watch_workers)
+            try:
+                self.group.mark_worker_failed(self.push_id)
+            except Exception as e:  # noqa: BLE001 - the push then ends at the workers' stall watch
+                log.warning("could not mark push %s given up: %s", self.push_id, e)
 
     def call_off(self, reason: str) -> None:
         if self.reason is not None:
