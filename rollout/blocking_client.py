@@ -54,8 +54,10 @@ class RolloutClient:
         finally:
             self._run(agen.aclose())
 
-    def add_sidecar(self, url: str) -> None:
-        self._run(self._client.add_sidecar(url))
+    def add_sidecar(self, url: str, wait: bool = False) -> None:
+        """As AsyncRolloutClient.add_sidecar. `wait=False`: the peer sending it the weights works on
+        its own; this client learns it serves whenever its loop runs (its next call)."""
+        self._run(self._client.add_sidecar(url, wait))
 
     def remove_sidecar(self, url: str) -> None:
         self._run(self._client.remove_sidecar(url))

@@ -25,7 +25,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from rollout import protocol as P
 from rollout.client_weights import WeightSyncCalls
-from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink
+from rollout.sidecar_link import ACTIVE, CATCHING_UP, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink
 from rollout.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -249,16 +249,38 @@ class AsyncRolloutClient(WeightSyncCalls):
         return groups
 
     # -- weights ------------------------------------------------------------------------------
-    async def add_sidecar(self, url: str) -> None:
+    async def add_sidecar(self, url: str, wait: bool = False) -> None:
         """A sidecar added mid-run. It serves only once it holds the newest weights: at once when
-        this client has pushed none yet, else after the next push, which forms a new group with
-        it (no init_weight_sync needed)."""
+        the others serve their checkpoint (version 0); else a live sidecar sends it its newest committed weights
+        (rollout.peer_send: over their links, not the trainer's) while the trainer's pushes go on
+        without it, and it serves once it holds the version this client pushed last. With no live
+        sidecar to take them from, it joins at the next push (which forms a new group with it: no
+        init_weight_sync needed). `wait=True`: returns once it serves or waits for that push."""
         if url in self.urls:
             raise ValueError(f"sidecar {url} is already in use")
         self.single = False
-        i = self._connect(url, ACTIVE if self._pushed is None else JOINING)
+        newest = await self._newest_version()
+        i = self._connect(url, ACTIVE if not newest else CATCHING_UP)
         self._start()
+        if newest:
+            asked = asyncio.Event()
+            task = asyncio.ensure_future(self._catch_up(i, asked))
+            self._links[i].tasks.append(task)  # dropped with the sidecar, cancelled at close
+            waiter = asyncio.ensure_future(asked.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)  # its peer has been asked
+            waiter.cancel()
+            if wait:
+                await asyncio.shield(task)
         log.info("sidecar %s added (%s)", url, self._links[i].state)
+
+    async def _newest_version(self) -> int:
+        """The version a sidecar must hold to serve: the one this client pushed last, else the
+        newest its active sidecars hold (another client pushed it)."""
+        if self._pushed is not None:
+            return self._pushed
+        if not self._in(ACTIVE):
+            return 0
+        return max(s["version"] for s in await self._call_all(P.Stats, "stats", 30, states=(ACTIVE,)))
 
     async def remove_sidecar(self, url: str) -> None:
         """Stops using a sidecar (its group membership ends at the next push); it keeps running."""

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rollout import protocol as P
-from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError
+from rollout.sidecar_link import ACTIVE, CATCHING_UP, DROPPED, JOINING, SidecarError
 
 if TYPE_CHECKING:
     from weight_sync.manifest import Manifest
@@ -169,12 +169,52 @@ class WeightSyncCalls:
         return again
 
     def _pushed_to(self, members, version: int) -> None:
-        """A push committed on `members`: joining ones now hold the newest weights and serve."""
+        """A push committed on `members`: joining ones now hold the newest weights and serve; an
+        active one that was not among them (caught up from a peer during the push) waits for the next."""
         self._pushed = version
         for i in members:
             if self._links[i].state == JOINING:
                 self._links[i].state = ACTIVE
                 log.info("sidecar %s holds version %d and serves", self._links[i].url, version)
+        for i in self._in(ACTIVE):
+            if i not in members:
+                self._links[i].state = JOINING
+                log.info("sidecar %s missed version %d: it serves again after the next push", self._links[i].url,
+                         version)
+
+    async def _catch_up(self, i: int, asked: asyncio.Event, rounds: int = 3) -> None:
+        """Sidecar i (catching up) is sent the newest committed weights by a live sidecar
+        (P.SendWeights); it serves once it holds the version this client pushed last. A push that
+        lands meanwhile means one more round (the peer then holds it); a peer that fails, another
+        peer; none left, or rounds spent: it joins at the next push."""
+        link = self._links[i]
+        failed: set[int] = set()
+        for _ in range(rounds):
+            peers = [j for j in self._in(ACTIVE) if j not in failed]
+            if not peers or link.state != CATCHING_UP:
+                break
+            j = peers[0]
+            try:
+                call_id, q = await self._send(j, P.SendWeights, to=link.url, timeout_s=self.timeout_s)
+                asked.set()
+                out = await self._reply(j, call_id, q, "send_weights", self.timeout_s + 60)
+            except (SidecarError, TimeoutError) as e:
+                if link.state == DROPPED:
+                    return
+                log.warning("catching %s up from %s failed: %s", link.url, self._links[j].url, e)
+                failed.add(j)
+                continue
+            if out["version"] == (self._pushed if self._pushed is not None else out["version"]) \
+                    and link.state == CATCHING_UP:  # (a client that pushed none takes the peers' newest)
+                link.state = ACTIVE
+                log.info("sidecar %s caught up from %s (version %d, %s, %.1f s) and serves", link.url,
+                         self._links[j].url, out["version"], out["from"], out["seconds"])
+                return
+            log.info("a push landed while %s caught up to version %d: once more", link.url, out["version"])
+        asked.set()
+        if link.state == CATCHING_UP:
+            link.state = JOINING
+            log.warning("sidecar %s was not caught up from a peer: it serves after the next push", link.url)
 
     async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float, on_sent) -> dict:
         from weight_sync.sender import WeightSender

@@ -59,6 +59,15 @@ class LoadWeights(_Call, tag="load_weights"):
     pause_mode: str = ""
 
 
+class SendWeights(_Call, tag="send_weights"):
+    """This sidecar pushes its newest committed weights to the sidecar at `to` (its tcp://
+    address; the same token), as a trainer would: how a client catches a sidecar that joins up
+    from a peer (rollout.peer_send)."""
+
+    to: str
+    timeout_s: float = 300.0
+
+
 class CloseWeightSync(_Call, tag="close_weight_sync"):
     pass
 
@@ -94,8 +103,8 @@ class Cancel(_Call, tag="cancel"):
     target: int
 
 
-Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, CloseWeightSync, Checksum, Sleep, WakeUp, Stats,
-             Health, Cancel]
+Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, SendWeights, CloseWeightSync, Checksum, Sleep,
+             WakeUp, Stats, Health, Cancel]
 
 
 class GroupOut(msgspec.Struct, tag="group"):

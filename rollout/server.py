@@ -25,6 +25,7 @@ import zmq.asyncio
 from engine import SamplingParams
 from rollout import protocol as P
 from rollout.manager import RolloutManager
+from rollout.peer_send import send_weights
 from rollout.weights import SidecarWeights
 from weight_sync.engine_sync import engines_checksums
 
@@ -57,6 +58,7 @@ class RolloutServer:
             P.InitWeightSync: self._on_init_weight_sync,
             P.PushWeights: self._on_push_weights,
             P.LoadWeights: self._on_load_weights,
+            P.SendWeights: self._on_send_weights,
             P.CloseWeightSync: self._on_close_weight_sync,
             P.Checksum: self._on_checksum,
             P.Sleep: self._on_sleep,
@@ -205,6 +207,9 @@ class RolloutServer:
 
     async def _on_load_weights(self, identity: bytes, call: P.LoadWeights) -> dict:
         return await self.weights.load(call.path, call.version, call.pause_mode or None)
+
+    async def _on_send_weights(self, identity: bytes, call: P.SendWeights) -> dict:
+        return await send_weights(self.manager, call.to, self.token, call.timeout_s)
 
     async def _on_close_weight_sync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
         await self.weights.close()

@@ -1,8 +1,9 @@
 """One sidecar as the client sees it: its socket, its place in the rotation, and the watch that
 notices it go.
 
-A sidecar is `active` (serves generate, is in the weight-sync group), `joining` (added mid-run
-after a push: it holds older weights, so it gets no prompts until a push reaches it) or `dropped`
+A sidecar is `active` (serves generate, is in the weight-sync group), `catching up` (added mid-run
+after a push: a live sidecar is sending it the newest weights; no prompts, no trainer pushes),
+`joining` (it holds older weights and could not be caught up: no prompts until a push reaches it) or `dropped`
 (its connection closed, or its ZMQ heartbeats went unanswered; never used again, since its calls
 died with it and a restarted one at the same address holds the checkpoint: add it anew).
 
@@ -23,7 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-ACTIVE, JOINING, DROPPED = "active", "joining", "dropped"
+ACTIVE, CATCHING_UP, JOINING, DROPPED = "active", "catching up", "joining", "dropped"
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 10000  # a peer silent this long (process stopped, host gone) is dropped
 

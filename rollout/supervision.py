@@ -19,6 +19,7 @@ or catching up), "dead" (restart budget spent, or nothing to restart it with).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -84,6 +85,7 @@ class EngineSupervisor:
         self._host_dir: str | None = None  # the newest committed weights, as a push directory
         self._host_task: asyncio.Task | None = None
         self._host_version: int | None = None
+        self._in_use: dict[str, int] = {}  # host copies being sent to another sidecar: kept until sent
         self.weights_pushed = False  # the engines hold other weights than their checkpoint
         self.last_restart: dict | None = None  # what the last restart cost, stage by stage (stats)
         self.closed = False
@@ -227,6 +229,38 @@ class EngineSupervisor:
     def host_copy_version(self) -> int | None:
         return self._host_version
 
+    @contextlib.asynccontextmanager
+    async def newest_weights(self):
+        """The newest committed weights as a push directory, kept until the caller is done (a
+        sidecar catching another up sends from it): yields (path, version, where from). The host
+        copy when it holds them (a refresh meanwhile leaves it to this caller to remove), else
+        written from a live engine now, with no commit meanwhile, and removed after."""
+        if self._host_task is not None:
+            await asyncio.gather(self._host_task, return_exceptions=True)
+        path = self._host_dir
+        if path is not None and self._host_version == self.state.version:
+            self._in_use[path] = self._in_use.get(path, 0) + 1
+            try:
+                yield path, self._host_version, "host copy"
+            finally:
+                self._in_use[path] -= 1
+                if not self._in_use[path]:
+                    del self._in_use[path]
+                    if path != self._host_dir:  # superseded while it was sent
+                        shutil.rmtree(path, ignore_errors=True)
+            return
+        live = self.live()
+        if not live:
+            raise NoEngineError("no live engine holds the weights to send")
+        path = _owned_dir(CATCH_UP_PREFIX)
+        try:
+            async with self.state.push_lock:
+                version = self.state.version
+                await self.engines[live[0]].collective_rpc("save_weights", args=(path, version))
+            yield path, version, f"engine {live[0]}"
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
     # -- after each push ----------------------------------------------------------------------
     def committed(self, version: int) -> None:
         """A push or load committed on every engine that is up: stale engines are current now,
@@ -256,7 +290,7 @@ class EngineSupervisor:
             log.warning("host copy of version %d failed: %s", version, e)
             return
         old, self._host_dir, self._host_version = self._host_dir, path, version
-        if old:
+        if old and old not in self._in_use:  # one being sent is removed by its sender
             shutil.rmtree(old, ignore_errors=True)
         log.debug("host copy of version %d: %s", version, out)
 

@@ -25,7 +25,7 @@ import logging
 import os
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -84,6 +84,17 @@ class RelayWork:
         return True
 
 
+def _settle(work: RelayWork, error: BaseException | None = None) -> None:
+    """A bucket's outcome, once: a cut may have failed it already."""
+    try:
+        if error is None:
+            work.future.set_result(None)
+        else:
+            work.future.set_exception(error)
+    except InvalidStateError:
+        pass
+
+
 class ChainRelay:
     """This rank's link of the chain: receives each bucket's chunks from the rank before it and
     passes them to the rank after it, on a thread of its own so that forwarding never waits for
@@ -96,6 +107,7 @@ class ChainRelay:
         self.next = order[i + 1] if i + 1 < len(order) else None
         self._queue: queue.Queue = queue.Queue()
         self._failed: BaseException | None = None
+        self._current: RelayWork | None = None  # the bucket being relayed
         self._thread = threading.Thread(target=self._run, daemon=True, name="weight-sync-relay")
         self._thread.start()
 
@@ -111,16 +123,18 @@ class ChainRelay:
                 return
             data, work = item
             if self._failed is not None:  # a broken chain: later buckets cannot arrive either
-                work.future.set_exception(self._failed)
+                _settle(work, self._failed)
                 continue
+            self._current = work
             try:
                 self._relay(data)
-                work.future.set_result(None)
+                _settle(work)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                self._failed = e
+                self._failed = self._failed or e
                 log.warning("relay of a bucket failed on this rank (%s): closing the link to the rank before it", e)
                 self._close_upstream()
-                work.future.set_exception(e)
+                _settle(work, e)
+            self._current = None
 
     def _relay(self, data: torch.Tensor) -> None:
         """One bucket: its chunks received (from `prev`) and passed on (to `next`)."""
@@ -144,9 +158,24 @@ class ChainRelay:
         self._cut(self.prev)
 
     def cut_next(self) -> None:
-        """Close the link to the next rank now: a send blocked on a rank that stopped reading
-        fails at once instead of at the group's timeout."""
+        """Close the link to the next rank now, and fail the buckets still relaying: their waiter
+        learns at once, not at the group's timeout. (Closing the pair wakes a send blocked on a
+        rank that stopped reading, but not always one in flight to a rank that still reads: that
+        one keeps this thread until the timeout, in a group its owner is closing anyway.)"""
         self._cut(self.next)
+        self._failed = self._failed or RuntimeError("the chain was cut: a worker gave the push up")
+        current = self._current
+        if current is not None:
+            _settle(current, self._failed)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # closed: the thread still needs it
+                self._queue.put(None)
+                return
+            _settle(item[1], self._failed)
 
     def _cut(self, peer: int | None) -> None:
         """A send `peer` never receives (gloo sends once the receiver asked), whose wait times out

@@ -90,3 +90,13 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
             return Manifest.from_wire(f.read().decode())
     except FileNotFoundError:
         raise ValueError(f"{path} holds no complete push: {MANIFEST_FILE} is missing") from None
+
+
+def read_tensors(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """A push directory's tensors as (name, tensor) pairs in its manifest's order: what a sidecar
+    sends on from its host copy (rollout.peer_send)."""
+    from safetensors import safe_open
+
+    m = read_manifest(path)
+    with safe_open(os.path.join(os.fspath(path), WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        return [(t.name, f.get_tensor(t.name)) for t in m.tensors]

@@ -39,6 +39,8 @@ from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncErro
 
 log = logging.getLogger(__name__)
 
+GIVE_UP_GRACE_S = 2.0  # a receiver failed mid-transfer: how long the workers have to end it themselves
+
 # deliver(manifest) -> one (name, outcome) per receiver; the outcome is the receiver's result or raises its error
 Deliver = Callable[[Manifest], list[tuple[str, Awaitable]]]
 
@@ -164,13 +166,21 @@ class _Gate:
         if not self.opened:
             self.call_off(f"{name}: {describe(task.exception())}")
         elif not self.sent and self.group.chain is not None:
-            # a receiver lost while the bytes flow (its host's link down: no worker of it can say so,
-            # and the rank before it waits in a send it never reads): marked as a worker giving up,
-            # which stops the trainer's send (BucketSender._watch_workers)
-            try:
-                self.group.mark_worker_failed(self.push_id)
-            except Exception as e:  # noqa: BLE001 - the push then ends at the workers' stall watch
-                log.warning("could not mark push %s given up: %s", self.push_id, e)
+            # a receiver lost while the bytes flow: when its host's link is down, no worker of it can
+            # say so, and the rank before it waits in a send it never reads. Unless the workers end the
+            # transfer themselves (a killed host's neighbours do, at once), it is marked as a worker
+            # giving up, which stops the trainer's send (BucketSender._watch_workers). Not at once: a
+            # cut while the first worker still reads leaves the trainer's send in flight hung.
+            asyncio.get_running_loop().call_later(GIVE_UP_GRACE_S, self._give_up, name)
+
+    def _give_up(self, name: str) -> None:
+        if self.sent:
+            return
+        log.warning("%s failed %.0f s ago and push %s still sends: giving it up", name, GIVE_UP_GRACE_S, self.push_id)
+        try:
+            self.group.mark_worker_failed(self.push_id)
+        except Exception as e:  # noqa: BLE001 - the push then ends at the workers' stall watch
+            log.warning("could not mark push %s given up: %s", self.push_id, e)
 
     def call_off(self, reason: str) -> None:
         if self.reason is not None:

@@ -10,6 +10,7 @@ from tests.rollout.sidecar import TOKEN
 
 HOSTS = ("h1", "h2", "h3")
 RATE_MBIT = 100  # the tiny model's 14.7 MB push: 1.2 s over one link
+SIDECAR_ARGS = ("--log-level", "WARNING", "--max-model-len", "256", "--stats-interval", "0", "--warm-standby", "off")
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,8 @@ def bed():
 @pytest.fixture(scope="module")
 def host_sidecars(bed, qwen2_dir):
     """One sidecar on each host, bound to its address, started side by side."""
-    args = ("--log-level", "WARNING", "--max-model-len", "256", "--stats-interval", "0", "--warm-standby", "off")
     with concurrent.futures.ThreadPoolExecutor(len(HOSTS)) as pool:
-        started = {h: pool.submit(bed.sidecar, h, qwen2_dir, *args, token=TOKEN) for h in HOSTS}
+        started = {h: pool.submit(bed.sidecar, h, qwen2_dir, *SIDECAR_ARGS, token=TOKEN) for h in HOSTS}
         concurrent.futures.wait(started.values())
     try:
         yield {h: f.result() for h, f in started.items()}

@@ -133,3 +133,41 @@ def test_a_host_killed_mid_push_costs_that_host_only(bed, host_sidecars, hf_mode
         assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
     finally:
         client.close()
+
+
+def test_a_returning_host_is_caught_up_from_a_peer_without_a_push(bed, host_sidecars, hf_models, qwen2_dir):
+    """h2, killed by the test before, comes back (a new sidecar on it, holding its checkpoint) and
+    is added: h1 sends it the newest committed weights over their two links, with no push and
+    nothing from the trainer; it then serves them: their version, the trainer's checksums, greedy
+    tokens equal to HF's on them. Runs after the test that killed h2."""
+    import time
+
+    from tests.hosts.conftest import SIDECAR_ARGS
+
+    trainer = copy.deepcopy(hf_models["qwen2"])  # what the test before pushed last
+    perturb(trainer, 22, scale=0.05)
+    perturb(trainer, 23, scale=0.05)
+    want = weights_checksum(trainer.named_parameters())
+    client = RolloutClient([host_sidecars[h].url for h in ("h1", "h3")], token=TOKEN)
+    back = bed.sidecar("h2", qwen2_dir, *SIDECAR_ARGS, token=TOKEN)
+    solo = RolloutClient(back.url, token=TOKEN)
+    try:
+        version = client.stats()[0]["version"]
+        assert version > 0 and solo.stats()["version"] == 0 and solo.weights_checksums() != [want]
+        t0 = time.monotonic()
+        client.add_sidecar(back.url, wait=True)
+        took = time.monotonic() - t0
+        assert client.urls == [host_sidecars["h1"].url, host_sidecars["h3"].url, back.url]
+        assert solo.stats()["version"] == version and solo.weights_checksums() == [want]
+        # one model over h1's link and h2's (14.7 MB at 100 Mbit/s: 1.2 s), plus the group's forming
+        assert took < 3 * bed.link_bound_s(sum(p.numel() * 4 for p in trainer.parameters())) + 30, took
+        prompts = random_prompts(3, 4, 12, 2000, seed=84)
+        groups = solo.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [g[0].token_ids for g in groups] == [hf_greedy(trainer, p, 8, ignore_eos=True) for p in prompts]
+        assert all(g[0].weight_versions == [version] * 8 for g in groups)
+        stats = client.stats()
+        assert len(stats) == 3 and stats[2]["version"] == version  # it serves this client's prompts too
+    finally:
+        solo.close()
+        client.close()
+        back.stop()
