@@ -171,3 +171,36 @@ def test_a_returning_host_is_caught_up_from_a_peer_without_a_push(bed, host_side
         solo.close()
         client.close()
         back.stop()
+
+
+def test_a_peer_lost_while_it_catches_a_sidecar_up_is_replaced_by_another(bed, host_sidecars, qwen2_dir):
+    """A newcomer on h2 (a second sidecar there) is being sent the weights by h1 when h1 loses
+    power: the client drops h1, the newcomer's half-received push changes nothing, and h3 sends
+    the weights instead; the newcomer serves them (version, checksums). Last: h1 stays dead."""
+    import time
+
+    from tests.hosts.conftest import SIDECAR_ARGS
+
+    client = RolloutClient([host_sidecars[h].url for h in ("h1", "h3")], token=TOKEN)
+    newcomer = bed.sidecar("h2", qwen2_dir, *SIDECAR_ARGS, token=TOKEN)
+    solo = RolloutClient(newcomer.url, token=TOKEN)
+    try:
+        version = client.stats()[0]["version"]
+        want = client.weights_checksums()[1]  # h3's
+        client.add_sidecar(newcomer.url)  # h1, the first active sidecar, is asked to send
+        deadline = time.monotonic() + 60
+        while not solo.health()["pushing"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bed.kill_host("h1")  # h1's push to the newcomer has begun
+        deadline = time.monotonic() + 120
+        while solo.stats()["version"] != version and time.monotonic() < deadline:
+            client.health()  # this client's loop runs in its calls: there it asks h3 once h1 is gone
+            time.sleep(0.2)
+        assert client.urls == [host_sidecars["h3"].url, newcomer.url]
+        assert solo.stats()["version"] == version and solo.weights_checksums() == [want]
+        stats = solo.stats()
+        assert stats["pushes"] == 1 and stats["failed_pushes"] == 1  # h3's committed; h1's did not
+    finally:
+        solo.close()
+        client.close()
+        newcomer.stop()
