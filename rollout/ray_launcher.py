@@ -13,8 +13,8 @@ same processes, same ZMQ protocol, a token because it binds off loopback. Its pe
 - the actor's process dies (SIGKILL, OOM): the sidecar sees its parent gone within 0.5 s and
   shuts down; the client drops it and sends its unfinished prompts to the others (the client's
   rule). Ray restarts the actor (`max_restarts`), which starts a fresh sidecar; the client
-  (`RayRolloutClient`) notices the new incarnation at its next call and takes it back as a
-  joining sidecar: no prompt until a push gives it the newest weights (as `add_sidecar`).
+  (`RayRolloutClient`) notices the new incarnation at its next call and adds it back: a live
+  sidecar sends it the newest weights, and it gets no prompt until it holds them (`add_sidecar`).
 - a node is lost: its sidecars go as above; Ray restarts them where the placement group can.
 - an actor that hangs: its sidecar still answers or not on its own socket (the client's
   heartbeats judge that); the launcher only asks the actor where its sidecar is, without blocking.
@@ -182,7 +182,7 @@ class RaySidecars:
 
 class RayRolloutClient(RolloutClient):
     """A RolloutClient of Ray-launched sidecars: before each call it takes back the sidecars Ray
-    restarted (the old address out, the new one in as joining), and its weight-sync group
+    restarted (the old address out, the new one in, caught up from a peer), and its weight-sync group
     listens on this node's IP, so sidecars on other nodes reach it."""
 
     def __init__(self, sidecars: RaySidecars, timeout_s: float = 600.0):

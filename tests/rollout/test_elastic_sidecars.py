@@ -84,8 +84,10 @@ def test_a_sidecar_killed_during_a_push_leaves_the_push_to_the_other(qwen2_dir, 
         b.stop()
 
 
-@pytest.mark.slow  # in CI through tests/ray_cluster's kill test: the restarted sidecar joins this way
-def test_a_sidecar_added_mid_run_serves_once_a_push_reached_it(qwen2_dir, hf_models):
+@pytest.mark.slow  # in CI through tests/hosts' returning host and tests/ray_cluster's restarted actor
+def test_a_sidecar_added_mid_run_is_caught_up_from_a_peer_and_the_next_push_reaches_it(qwen2_dir, hf_models):
+    """After a push, b is added: a sends it version 1 (no push, nothing from the trainer); b then
+    takes prompts, greedy as HF on version 1, and the next push forms a group with it by itself."""
     a, b = Sidecar(qwen2_dir), Sidecar(qwen2_dir)
     client = RolloutClient(a.url, token=TOKEN)
     b_only = RolloutClient(b.url, token=TOKEN)
@@ -93,19 +95,21 @@ def test_a_sidecar_added_mid_run_serves_once_a_push_reached_it(qwen2_dir, hf_mod
         client.init_weight_sync()
         trainer = _perturbed(hf_models["qwen2"], 5)
         client.push_weights(trainer, version=1)
-        client.add_sidecar(b.url)
-        assert client.urls == [a.url, b.url]
+        client.add_sidecar(b.url, wait=True)
+        assert client.states == {a.url: "active", b.url: "active"}
+        assert b_only.stats()["version"] == 1 and b_only.stats()["pushes"] == 1  # a's push into it
+        want = weights_checksum(trainer.named_parameters())
+        assert client.weights_checksums() == [want, want]
         prompts = random_prompts(8, 5, 20, 2000, seed=4)
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        client.generate(prompts, params)  # b holds the checkpoint, not version 1: it gets no prompt
-        assert b_only.stats()["rollouts"] == 0
-        assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())]  # b not yet counted
+        groups = client.generate(prompts, params)
+        assert b_only.stats()["rollouts"] > 0
+        assert [g[0].token_ids for g in groups] == [hf_greedy(trainer, p, 8, ignore_eos=True) for p in prompts]
         trainer2 = _perturbed(trainer, 6)
         client.push_weights(trainer2, version=2)  # b joins the group here, with no init_weight_sync by the user
         want = weights_checksum(trainer2.named_parameters())
         assert client.weights_checksums() == [want, want]
         groups = client.generate(prompts, params)
-        assert b_only.stats()["rollouts"] > 0
         assert [g[0].token_ids for g in groups] == [hf_greedy(trainer2, p, 8, ignore_eos=True) for p in prompts]
         assert all(g[0].weight_versions == [2] * 8 for g in groups)
     finally:
