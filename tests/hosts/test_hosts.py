@@ -135,29 +135,43 @@ def test_a_host_killed_mid_push_costs_that_host_only(bed, host_sidecars, hf_mode
         client.close()
 
 
-def test_a_returning_host_is_caught_up_from_a_peer_without_a_push(bed, host_sidecars, hf_models, qwen2_dir):
+def _pushed_last(hf_models):
+    """The weights the kill test pushed last (its perturbations, replayed)."""
+    trainer = copy.deepcopy(hf_models["qwen2"])
+    perturb(trainer, 22, scale=0.05)
+    perturb(trainer, 23, scale=0.05)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def returned(bed, qwen2_dir):
+    """A sidecar on h2 again, once the kill test took h2 down: it holds its checkpoint."""
+    from tests.hosts.conftest import SIDECAR_ARGS
+
+    side = bed.sidecar("h2", qwen2_dir, *SIDECAR_ARGS, token=TOKEN)
+    yield side
+    side.stop()
+
+
+def test_a_returning_host_is_caught_up_from_a_peer_without_a_push(bed, host_sidecars, returned, hf_models):
     """h2, killed by the test before, comes back (a new sidecar on it, holding its checkpoint) and
     is added: h1 sends it the newest committed weights over their two links, with no push and
     nothing from the trainer; it then serves them: their version, the trainer's checksums, greedy
-    tokens equal to HF's on them. Runs after the test that killed h2."""
+    tokens equal to HF's on them."""
     import time
 
-    from tests.hosts.conftest import SIDECAR_ARGS
-
-    trainer = copy.deepcopy(hf_models["qwen2"])  # what the test before pushed last
-    perturb(trainer, 22, scale=0.05)
-    perturb(trainer, 23, scale=0.05)
+    trainer = _pushed_last(hf_models)
     want = weights_checksum(trainer.named_parameters())
     client = RolloutClient([host_sidecars[h].url for h in ("h1", "h3")], token=TOKEN)
-    back = bed.sidecar("h2", qwen2_dir, *SIDECAR_ARGS, token=TOKEN)
-    solo = RolloutClient(back.url, token=TOKEN)
+    solo = RolloutClient(returned.url, token=TOKEN)
     try:
         version = client.stats()[0]["version"]
         assert version > 0 and solo.stats()["version"] == 0 and solo.weights_checksums() != [want]
         t0 = time.monotonic()
-        client.add_sidecar(back.url, wait=True)
+        client.add_sidecar(returned.url, wait=True)
         took = time.monotonic() - t0
-        assert client.urls == [host_sidecars["h1"].url, host_sidecars["h3"].url, back.url]
+        assert client.states == {host_sidecars["h1"].url: "active", host_sidecars["h3"].url: "active",
+                                 returned.url: "active"}
         assert solo.stats()["version"] == version and solo.weights_checksums() == [want]
         # one model over h1's link and h2's (14.7 MB at 100 Mbit/s: 1.2 s), plus the group's forming
         assert took < 3 * bed.link_bound_s(sum(p.numel() * 4 for p in trainer.parameters())) + 30, took
@@ -165,12 +179,43 @@ def test_a_returning_host_is_caught_up_from_a_peer_without_a_push(bed, host_side
         groups = solo.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [g[0].token_ids for g in groups] == [hf_greedy(trainer, p, 8, ignore_eos=True) for p in prompts]
         assert all(g[0].weight_versions == [version] * 8 for g in groups)
-        stats = client.stats()
-        assert len(stats) == 3 and stats[2]["version"] == version  # it serves this client's prompts too
     finally:
         solo.close()
         client.close()
-        back.stop()
+
+
+def test_a_host_lost_mid_generate_costs_no_rollout(bed, host_sidecars, returned, hf_models):
+    """h2 (back and caught up) loses power while it generates its share of a call spread over
+    three hosts: its unfinished samples go on, from their tokens so far, on h1 and h3, and every
+    rollout comes back whole, greedy as HF's."""
+    import concurrent.futures
+    import time
+
+    trainer = _pushed_last(hf_models)
+    urls = [host_sidecars["h1"].url, host_sidecars["h3"].url, returned.url]
+    client = RolloutClient(urls, token=TOKEN)
+    solo = RolloutClient(returned.url, token=TOKEN)
+    try:
+        prompts = random_prompts(12, 5, 20, 2000, seed=85)
+        params = SamplingParams(n=2, temperature=0, max_tokens=64, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, prompts, params)
+            deadline = time.monotonic() + 60
+            while sum(solo.stats()["requests_per_engine"]) == 0:  # its share has arrived
+                assert time.monotonic() < deadline, "h2 never got its share"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            finished = solo.stats()["rollouts"]
+            bed.kill_host("h2")
+            groups = pending.result(timeout=240)
+        assert finished < 8, "h2 finished its share (4 prompts, n=2) before it was lost"
+        assert all(len(g) == 2 and all(len(r.token_ids) == 64 for r in g) for g in groups)
+        for p, g in zip(prompts[8:], groups[8:]):  # h2's share: the last third
+            assert [r.token_ids for r in g] == [hf_greedy(trainer, p, 64, ignore_eos=True)] * 2
+        assert client.urls == urls[:2]
+    finally:
+        solo.close()
+        client.close()
 
 
 def test_a_peer_lost_while_it_catches_a_sidecar_up_is_replaced_by_another(bed, host_sidecars, qwen2_dir):
