@@ -147,11 +147,25 @@ class WeightSyncCalls:
                     continue
                 if not self._leave_out_failed_sidecars(outcome):
                     break
+                if self._committed_on_the_rest(outcome):  # one went after the commit vote: the others hold it
+                    break
+        members, results = self._members, outcome.results
         if outcome.errors:
-            raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
-                               "refused" if outcome.refused else "")
-        self._pushed_to(self._members, version)
-        return {"version": version, "trainer": outcome.trainer, "sidecars": outcome.results}
+            if not self._committed_on_the_rest(outcome):
+                raise SidecarError(f"push of version {version} failed: " + " | ".join(outcome.errors),
+                                   "refused" if outcome.refused else "")
+            members, results = zip(*[(i, r) for i, r in zip(members, results) if self._links[i].state != DROPPED])
+            log.warning("push of version %d committed on every sidecar left (%s went during it)", version,
+                        self._gone_reasons())
+        self._pushed_to(members, version)
+        return {"version": version, "trainer": outcome.trainer, "sidecars": list(results)}
+
+    def _committed_on_the_rest(self, outcome) -> bool:
+        """Every sidecar of the push that is still in use committed it (the ones that failed it
+        went): pushing again would only be refused by them ("version does not go up")."""
+        left = [r for i, r in zip(self._members, outcome.results) if self._links[i].state != DROPPED]
+        return bool(left) and not isinstance(outcome.trainer, BaseException) and \
+            not any(isinstance(r, BaseException) for r in left)
 
     def _leave_out_failed_sidecars(self, outcome) -> bool:
         """After a failed push: True when trying again without some sidecar can help: one went

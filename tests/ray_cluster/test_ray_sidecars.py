@@ -2,7 +2,7 @@
 logical CPUs and a custom resource the sidecars' bundles ask for; logical resources are counts):
 started in one call, SPREAD one per node and PACK both on one, pushed to and generating as
 hand-launched ones do; a SIGKILLed actor is restarted by Ray and taken back by the client, which
-sends it nothing before a push; the recipe with --ray learns."""
+gives it no prompt before it holds the newest weights (a peer sends them); the recipe with --ray learns."""
 
 import concurrent.futures
 import os
