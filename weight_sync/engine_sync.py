@@ -128,7 +128,7 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     exception): reset the prefix cache and set the version on the engines that committed, then
     raise WeightSyncError with every reason if any engine (or the trainer) failed. It is
     `refused` (nothing changed, the group still usable) when every engine refused the push
-    (ValueError: an "invalid" call) and the trainer, if it failed, was refused too."""
+    (error kind "refused": engine.errors.RefusedError) and the trainer, if it failed, was refused too."""
     committed = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
     # Their weights did change: the cache and the version tag must follow. Both calls go out at
     # once (the core answers them in order), one round trip instead of two.
@@ -139,7 +139,7 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     if trainer_error is not None:
         reasons.insert(0, f"trainer: {describe(trainer_error)}")
     if reasons:
-        refused = (not committed and all(isinstance(r, ValueError) for _, r in failed)
+        refused = (not committed and all(getattr(r, "refused", False) for _, r in failed)
                    and (trainer_error is None or getattr(trainer_error, "refused", False)))
         raise WeightSyncError(f"{what} of version {version} failed ({len(committed)}/{len(engines)} engines "
                               f"committed): " + " | ".join(reasons), refused=refused, reasons=reasons)

@@ -281,13 +281,13 @@ class PushReceiver:
         t0 = time.perf_counter()
         m, problems = self._check(manifest if manifest is not None else read_manifest(path))
         if problems:
-            raise ValueError("weight load refused, nothing changed: " + "; ".join(problems))
+            raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
         staging = self.pool.take(m.layout_bytes)
         try:
             fill_from_file(m, staging, path)
         except Exception as e:
             self.pool.give_back(staging)
-            raise ValueError(f"weight load from {path} failed, nothing changed: {e}") from None
+            raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
         t1 = time.perf_counter()
         return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0), "safetensors", buckets=0)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import RefusedError
+
 # Statuses, ordered: the worst (largest) one wins the MAX.
 VOTE_OK, VOTE_REFUSED, VOTE_STALE, VOTE_UNREADABLE = 0, 1, 2, 3
 VOTE_NEEDS_BASE = 4  # a LoRA adapter push to a worker without its base (weight_sync.lora): push it with the base
@@ -49,9 +51,9 @@ class NeedsBaseError(WeightSyncError):
         super().__init__(message, refused=True)
 
 
-class PushRefused(ValueError):
-    """A worker refused a push before any byte moved; nothing changed and its group is still
-    usable. A ValueError, so it crosses the engine's process boundary as an "invalid" call."""
+class PushRefused(RefusedError):
+    """A worker refused a push (or a load) before any byte moved; nothing changed and its group is
+    still usable. Error kind "refused" across the engine's process boundary (engine/messages.py)."""
 
 
 @dataclass(frozen=True)
