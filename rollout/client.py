@@ -4,7 +4,8 @@ status here; its weight-sync calls in rollout/client_weights.py; its blocking tw
 
 One client can drive several sidecars: prompts are spread over them, and one weight-sync group
 spans them all (the trainer is rank 0; each sidecar's workers take the next ranks). The set is
-elastic: `add_sidecar` mid-run joins at the next push; a sidecar that dies is dropped with a
+elastic: `add_sidecar` mid-run is caught up from a live sidecar (rollout.peer_send) and joins the
+group at the next push; a sidecar that dies is dropped with a
 warning, its prompts re-sent to the others and the next push formed without it
 (rollout.sidecar_link says how a death is noticed).
 """

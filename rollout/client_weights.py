@@ -1,7 +1,7 @@
 """The weight-sync half of `AsyncRolloutClient` (rollout/client.py), a mixin on the client's
 sidecar links and calls: forming the group with every sidecar's workers, pushes (over the group,
-from shared memory, or from files) and their checks. The group follows the sidecars: one added
-joins at the next push, one that went is left out of it."""
+from shared memory, or from files) and their checks, and an added sidecar caught up from a peer.
+The group follows the sidecars: one added joins at the next push, one that went is left out of it."""
 
 from __future__ import annotations
 
