@@ -258,11 +258,12 @@ class AsyncRolloutClient(WeightSyncCalls):
     # -- weights ------------------------------------------------------------------------------
     async def add_sidecar(self, url: str, wait: bool = False) -> None:
         """A sidecar added mid-run. It serves only once it holds the newest weights: at once when
-        the others serve their checkpoint (version 0); else a live sidecar sends it its newest committed weights
-        (rollout.peer_send: over their links, not the trainer's) while the trainer's pushes go on
-        without it, and it serves once it holds the version this client pushed last. With no live
-        sidecar to take them from, it joins at the next push (which forms a new group with it: no
-        init_weight_sync needed). `wait=True`: returns once it serves or waits for that push."""
+        the others serve their checkpoint (version 0); else a live sidecar sends it its newest
+        committed weights (rollout.peer_send: over their links, not the trainer's) while the
+        trainer's pushes go on without it, and it serves once it holds the version this client
+        pushed last. With no live sidecar to take them from, it joins at the next push (which forms
+        a new group with it: no init_weight_sync needed). `wait=True`: returns once it serves or
+        waits for that push."""
         if url in self.urls:
             raise ValueError(f"sidecar {url} is already in use")
         self.single = False

@@ -206,7 +206,7 @@ class WeightSyncCalls:
         link = self._links[i]
         failed: set[int] = set()
         try:
-            for _ in range(rounds):
+            for sent in range(rounds + 1):  # the last round only checks what the one before sent
                 version = await self._settled_version(i)
                 if link.state != CATCHING_UP:
                     return
@@ -215,7 +215,7 @@ class WeightSyncCalls:
                     log.info("sidecar %s holds version %d and serves", link.url, version)
                     return
                 peers = [j for j in self._in(ACTIVE) if j not in failed]
-                if not peers:
+                if not peers or sent == rounds:
                     break
                 j = peers[0]
                 try:
