@@ -316,12 +316,15 @@ async def run(args, model: str, early_cores: list = ()) -> int:
         server.close()
         await manager.supervisor.close()
         for e in manager.engines:
-            e.shutdown(timeout=2.0)
+            e.shutdown(timeout=STOP_GRACE_S)
     log.info("sidecar stopped")
     return 0
 
 
 SHUTDOWN_GRACE_S = 3.0
+# how long each engine's processes get to exit on their own: vLLM's CPU core takes about 7 s (its
+# workers 3 of them); force-killed sooner, it leaves its shared memory to Python's resource tracker
+STOP_GRACE_S = 10.0
 
 
 async def _start_http(args, manager):
