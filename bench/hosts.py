@@ -48,7 +48,7 @@ for k in range(pushes):
     with torch.no_grad():
         next(m.parameters()).add_(1e-3)  # a step changed the weights
     t0 = time.perf_counter()
-    client.push_weights(m, version=version + k + 1, pause_mode="keep")
+    client.push_weights(m, version=version + k + 1, pause_mode="keep", delta=False)
     times.append(time.perf_counter() - t0)
 client.close_weight_sync()
 client.close()

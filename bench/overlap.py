@@ -40,7 +40,7 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     await client.init_weight_sync()
     version = 1
-    await client.push_weights(trainer, version=version)  # warm-up: the staging memory's first touch
+    await client.push_weights(trainer, version=version, delta=False)  # warm-up: the staging memory's first touch
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     prompts = [[5 + i, 6, 7, 8, 9] for i in range(16)]
     tokens, running = [0], [True]
@@ -58,7 +58,7 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
             before = (await client.stats())[0]["pause_seconds"]
             t0 = time.perf_counter()
             version += 1
-            out = await client.push_weights(trainer, version=version)
+            out = await client.push_weights(trainer, version=version, delta=False)
             seconds = time.perf_counter() - t0
             pause = (await client.stats())[0]["pause_seconds"] - before
             rows.append({"push_s": seconds, "transfer_s": out["sidecars"][0]["transfer_seconds"], "pause_s": pause})
@@ -75,7 +75,7 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
                 await asyncio.sleep(max(0.0, next_push - time.perf_counter()))  # one push starts every interval
                 next_push += push_every
                 version += 1
-                await client.push_weights(trainer, version=version)
+                await client.push_weights(trainer, version=version, delta=False)
             return (tokens[0] - start) / (time.perf_counter() - t0)
 
         quiet = await window_rate(None)
@@ -87,7 +87,7 @@ async def measure(url: str, model_dir: str, pushes: int, interval: float, window
             await asyncio.sleep(0.3)
             version += 1
             t0 = time.perf_counter()
-            out = await client.push_weights(trainer, version=version, pause_mode="wait", wait=wait)
+            out = await client.push_weights(trainer, version=version, pause_mode="wait", wait=wait, delta=False)
             held[wait] = time.perf_counter() - t0
             if not wait:
                 await out

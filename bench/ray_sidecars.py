@@ -38,14 +38,14 @@ def _nudge(model, step: int) -> None:
 
 def _push_seconds(client, trainer, version: int) -> float:
     t = time.perf_counter()
-    client.push_weights(trainer, version=version)
+    client.push_weights(trainer, version=version, delta=False)
     return time.perf_counter() - t
 
 
 def push_times(ray_client, hand_client, trainer, pushes: int) -> dict:
     for c in (ray_client, hand_client):  # warm-up: the layout is built and the groups formed
         c.init_weight_sync()
-        c.push_weights(trainer, version=1)
+        c.push_weights(trainer, version=1, delta=False)
     times = {"ray": [], "hand": []}
     for k in range(pushes):
         _nudge(trainer, k)
@@ -85,7 +85,7 @@ def back_in_rotation_ray(sidecars, client, trainer, version: int) -> dict:
     while victim["url"] in client.urls or len(client.urls) < 2:  # the client's next call takes it back
         client.health()
         time.sleep(0.05)
-    client.push_weights(trainer, version=version)
+    client.push_weights(trainer, version=version, delta=False)
     _serving(client, weights_checksum(trainer.named_parameters()))
     return {"restarted_s": restarted, "serving_s": time.monotonic() - t0}
 
@@ -103,7 +103,7 @@ def back_in_rotation_by_hand(model_dir: str, hand: list, client, trainer, versio
     hand.append(new)
     started = time.monotonic() - t0
     client.add_sidecar(new.url)
-    client.push_weights(trainer, version=version)
+    client.push_weights(trainer, version=version, delta=False)
     _serving(client, weights_checksum(trainer.named_parameters()))
     return {"restarted_s": started, "serving_s": time.monotonic() - t0}
 

@@ -30,6 +30,8 @@ from weight_sync.trainer_ranks import follow_push
 
 log = logging.getLogger("recipes")
 
+DELTA = {"auto": None, "on": True, "off": False}  # --delta -> push_weights(delta=...)
+
 
 def build_parser(algo: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -64,6 +66,9 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--async", dest="async_", action="store_true",
                    help="generate step k+1's rollouts while step k trains (staleness 1)")
     p.add_argument("--pause-mode", default=None, choices=["abort", "wait", "keep"], help="pause mode of each push")
+    p.add_argument("--delta", default="auto", choices=list(DELTA),
+                   help="push only the weights' elements that changed since the last push: auto (when the push "
+                        "travels in bf16/fp16 and that is fewer bytes; a full push every 20), on, off")
     p.add_argument("--save-steps", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--check-sync", action="store_true",
                    help="after each push, check the sidecar's weights checksum equals the trainer's")
@@ -79,6 +84,9 @@ def build_parser(algo: str) -> argparse.ArgumentParser:
     p.add_argument("--sidecar-device", default=None,
                    help="device of the sidecar this run starts (default: cpu beside a CPU trainer, else the GPU "
                         "after the trainer's); passed to rollout.serve --device")
+    p.add_argument("--sidecar-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype the sidecar this run starts serves in (rollout.serve --dtype; auto: float32 on CPU, "
+                        "the checkpoint's on a GPU); pushes travel in it, and deltas pay in bf16/fp16")
     add_ray_args(p.add_argument_group("on a Ray cluster (the 'ray' extra; README: On a Ray cluster)"))
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="what the trainer logs (the sidecar it starts logs WARNING and up)")
@@ -129,7 +137,7 @@ def sidecar_command(args, model_dir: str, trainer_device: torch.device, device: 
     """The flags of the sidecar this run starts (after `--model`); `device` overrides where it runs."""
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
             "--device", device or sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
-            "--engine", args.engine]
+            "--engine", args.engine, "--dtype", getattr(args, "sidecar_dtype", "auto")]
 
 
 def seeds_requests(args, trainer_device: torch.device) -> bool:
@@ -188,6 +196,7 @@ class Run:
     generate_calls: int = 0
     version: int = 0
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
+    pushed: dict | None = None  # the last push's reply (rank 0): its bytes go in the step's metrics
 
     def policy(self) -> torch.nn.Module:
         return self.algo.policy_of(self.accelerator.unwrap_model(self.module))
@@ -262,14 +271,23 @@ def push(run: Run) -> float:
         if run.args.check_sync:
             follow_push(run.policy())
         return time.perf_counter() - t
-    run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode,
-                            mode=run.args.lora_push)
+    run.pushed = run.client.push_weights(run.policy(), version=run.version, pause_mode=run.args.pause_mode,
+                                         mode=run.args.lora_push, delta=DELTA[run.args.delta])
     if run.args.check_sync:
         want = run.client.checksum_of(run.policy())
         got = run.client.weights_checksums()
         if any(c != want for c in got):
             raise RuntimeError(f"weights checksum mismatch after push {run.version}: {got} != {want}")
     return time.perf_counter() - t
+
+
+def push_metrics(pushed: dict | None) -> dict:
+    """The bytes a push put on the wire beside the full weights' (a delta push: weight_sync/delta_push.py)."""
+    trainer = (pushed or {}).get("trainer")
+    if not isinstance(trainer, dict):
+        return {}
+    return {"weight_sync/bytes": trainer["bytes"], "weight_sync/full_bytes": trainer.get("full_bytes", trainer["bytes"]),
+            "weight_sync/delta": int(bool(trainer.get("delta")))}
 
 
 def _generate(run: Run, client) -> tuple[list, list, float]:
@@ -319,6 +337,7 @@ def train_step(run: Run, step: int) -> dict:
         "timing/step": time.perf_counter() - t_step,
         "staleness": run.version - 1 - min(r.weight_versions[0] for r in rollouts if r.weight_versions),
         "weight_version": run.version,
+        **push_metrics(run.pushed),
     })
     metrics.update(reward_metrics(run.task, items, groups))  # reward/correct, reward/format: {} for a-game
     run.tracker.log(step + 1, metrics)

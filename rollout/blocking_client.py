@@ -73,10 +73,10 @@ class RolloutClient:
 
     def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                      timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
-                     mode: str = "adapter"):
+                     mode: str = "adapter", delta: bool | None = None):
         """As AsyncRolloutClient.push_weights; `wait=False` returns a `BlockingPushHandle`."""
         out = self._run(self._client.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                  transport, wait, mode))
+                                                  transport, wait, mode, delta))
         return out if wait else BlockingPushHandle(self, out)
 
     def load_weights(self, path: str, version: int, pause_mode: str | None = None,

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
 from rollout import protocol as P
-from rollout.client_weights import WeightSyncCalls
+from rollout.client_weights import DELTA_ANCHOR_EVERY, WeightSyncCalls
 from rollout.sidecar_link import ACTIVE, CATCHING_UP, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink
 from rollout.types import Rollout
 
@@ -81,6 +81,10 @@ class AsyncRolloutClient(WeightSyncCalls):
         self._members: tuple[int, ...] = ()  # the links in the current weight-sync group
         self._pushed: int | None = None  # the newest version this client pushed
         self._pending_push = None  # a push_weights(wait=False) still swapping (its asyncio.Task)
+        # Delta pushes (weight_sync/delta_push.py): the full weights go every this many pushes, and
+        # whenever the group is new (a sidecar joined, went, was healed, or a push failed)
+        self.delta_anchor_every = DELTA_ANCHOR_EVERY
+        self._since_anchor: int | None = None  # deltas since the last full push (None: the next is full)
 
     @property
     def urls(self) -> list[str]:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rollout.client")
 
+# A full push every this many (verl and Fireworks send a full "anchor" every 20-30 deltas): a delta
+# is exact by construction (every push's digest is checked), the anchor bounds what a bug could cost.
+DELTA_ANCHOR_EVERY = 20
+
 
 class WeightSyncCalls:
     async def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
@@ -49,6 +53,7 @@ class WeightSyncCalls:
         if self.sender is None:
             kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
             self.sender = WeightSender(device=device, timeout_s=timeout_s, dtype=wire_dtype(health), **kw)
+        self._since_anchor = None  # a new group: the next push sends the full weights
         info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
         offsets = list(itertools.accumulate([1] + workers[:-1]))
         sent = [(i, *await self._send(i, P.InitWeightSync, host=info["host"], port=info["port"], world_size=world,
@@ -68,7 +73,7 @@ class WeightSyncCalls:
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
-                           mode: str = "adapter"):
+                           mode: str = "adapter", delta: bool | None = None):
         """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
@@ -85,14 +90,21 @@ class WeightSyncCalls:
         Awaiting the handle gives this call's result or raises its error; a push that fails after
         that point is not tried again (the bytes it sent are gone). The next push waits for it.
         A PEFT (LoRA) model goes as its adapter (`mode="adapter"`, a few MB; the base once to an
-        engine that lacks it; weight_sync.lora) or as its merged weights (`mode="merged"`)."""
+        engine that lacks it; weight_sync.lora) or as its merged weights (`mode="merged"`).
+        `delta` (weight_sync/delta_push.py): None sends only the elements that changed since the
+        last push when every sidecar holds that push and it is fewer bytes, the full weights
+        otherwise (and every `delta_anchor_every` pushes, and after a sidecar joined, went, was
+        healed or a push failed); True a delta whenever there is a base; False always the full
+        weights, keeping no copy of them (a delta's base costs the trainer one copy of the weights
+        in the wire dtype, on their device). The reply's "delta" says which went, and its trainer
+        part the bytes on the wire ("bytes") beside the full size ("full_bytes")."""
         await self._settle_pending_push()
         if wait:
             return await self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress, transport,
-                                    mode)
+                                    mode, delta=delta)
         sent = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(self._push(model_or_named_tensors, version, pause_mode, timeout_s, progress,
-                                                transport, mode, sent))
+                                                transport, mode, sent, delta))
         await asyncio.wait({sent, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None:
             raise task.exception()
@@ -108,7 +120,7 @@ class WeightSyncCalls:
                 log.warning("the previous push (wait=False) failed: %s", outcome)  # its handle raises it too
 
     async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
-                    transport: str, mode: str, sent: asyncio.Future | None = None) -> dict:
+                    transport: str, mode: str, sent: asyncio.Future | None = None, delta: bool | None = None) -> dict:
         from weight_sync.lora import is_peft_model
         from weight_sync.push import run_push
         from weight_sync.trainer_ranks import PeersFollowing
@@ -137,8 +149,10 @@ class WeightSyncCalls:
                 if self.sender.group is None or self._members != tuple(self._in(ACTIVE, JOINING)):
                     # a new group: the last one failed and closed, or a sidecar joined or went since
                     await self.init_weight_sync(**self._init_args, take_over=True)
+                anchor = self._since_anchor is None or self._since_anchor + 1 >= self.delta_anchor_every
                 outcome = await run_push(self.sender, weights, version, deliver, timeout_s + 60, progress,
-                                         on_sent if sent is not None else None, mode, peers)
+                                         on_sent if sent is not None else None, mode, peers, delta, anchor)
+                self._count_anchor(outcome.trainer)
                 if not outcome.errors or (sent is not None and sent.done()):
                     break  # done; or failed after the trainer's bytes went out early (wait=False): none to resend
                 if outcome.regroup:  # a sidecar's engines changed (one was restarted): a new group, and once more
@@ -158,7 +172,17 @@ class WeightSyncCalls:
             log.warning("push of version %d committed on every sidecar left (%s went during it)", version,
                         self._gone_reasons())
         self._pushed_to(members, version)
-        return {"version": version, "trainer": outcome.trainer, "sidecars": list(results)}
+        return {"version": version, "delta": bool(outcome.trainer.get("delta")), "trainer": outcome.trainer,
+                "sidecars": list(results)}
+
+    def _count_anchor(self, trainer) -> None:
+        """Deltas since the last full push; a failed push makes the next one full."""
+        if isinstance(trainer, BaseException):
+            self._since_anchor = None
+        elif trainer.get("delta"):
+            self._since_anchor = (self._since_anchor or 0) + 1
+        else:
+            self._since_anchor = 0
 
     def _committed_on_the_rest(self, outcome) -> bool:
         """Every sidecar of the push that is still in use committed it (the ones that failed it
@@ -193,6 +217,7 @@ class WeightSyncCalls:
         for i in self._in(ACTIVE):
             if i not in members:
                 self._links[i].state = JOINING
+                self._since_anchor = None  # it missed this push: the next goes in full
                 log.info("sidecar %s missed version %d: it serves again after the next push", self._links[i].url,
                          version)
 
@@ -267,6 +292,7 @@ class WeightSyncCalls:
         replies = await asyncio.gather(*(self._reply(i, cid, q, "push_weights", timeout_s + 60) for i, cid, q in sent),
                                        return_exceptions=True)
         on_sent(None)  # only now: the engines read the trainer's own buffer, which its next step changes
+        self._since_anchor = None  # weights that did not go over the group: the next push there is full
         errors = [str(r) for r in replies if isinstance(r, BaseException)]
         if errors:
             raise SidecarError(f"push of version {version} failed: " + " | ".join(errors))
@@ -286,6 +312,7 @@ class WeightSyncCalls:
         `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
         every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
         members = self._in(ACTIVE, JOINING)
+        self._since_anchor = None  # weights that did not go over the group: the next push there is full
         out = await self._call_all(P.LoadWeights, "load_weights", timeout_s, path=str(path), version=int(version),
                                    pause_mode=pause_mode or "")
         self._pushed_to([i for i in members if self._links[i].state != DROPPED], version)

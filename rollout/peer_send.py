@@ -37,7 +37,7 @@ async def send_weights(manager, to: str, token: str, timeout_s: float) -> dict:
         client = AsyncRolloutClient(to, token=token, timeout_s=timeout_s)
         try:
             await client.init_weight_sync(host=local_address_towards(host), timeout_s=timeout_s)
-            out = await client.push_weights(named, version, timeout_s=timeout_s)
+            out = await client.push_weights(named, version, timeout_s=timeout_s, delta=False)  # a newcomer has no base
         finally:
             try:
                 await asyncio.wait_for(client.close_weight_sync(), 30)

@@ -219,11 +219,13 @@ class SidecarWeights:
         place (weight_sync.inplace_receive), paused for the transfer, and the log says why. A yes
         holds for later pushes of the same size to the same engines (their memory is laid out at
         start: weights, KV cache, then the staging buffer a push keeps), so it is asked once."""
-        key = (manifest.layout_bytes, tuple(id(e) for e in engines))
+        # a delta stages the weights it makes and, apart, what it carries (weight_sync/delta_push.py)
+        need = manifest.layout_bytes if manifest.delta is None else manifest.delta.full_bytes + manifest.layout_bytes
+        key = (need, tuple(id(e) for e in engines))
         if self._room_for == key:
             return True
         rooms = await asyncio.gather(*(e.collective_rpc("staging_room", timeout=30,
-                                                        args=(manifest.layout_bytes, self.staging_limit))
+                                                        args=(need, self.staging_limit))
                                        for e in engines), return_exceptions=True)
         short = [(i, r[0]["why"] if not isinstance(r, BaseException) else str(r)) for i, r in enumerate(rooms)
                  if isinstance(r, BaseException) or not r[0]["fits"]]

@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from weight_sync.digest import Digest
 from weight_sync.manifest import DTYPES, Manifest
 from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK
 from weight_sync.trainer_ranks import GATHER, has_peers, tell_peers
@@ -29,6 +30,7 @@ class BucketSender:
         self.group = None  # the group and marks of the push being sent
         self.marks: ProgressMarks | None = None
         self.gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
+        self.digest = Digest()  # of the bytes the push being sent put on the wire (the commit vote's)
 
     def reset(self) -> None:
         self.buffers = [None, None]
@@ -67,7 +69,7 @@ class BucketSender:
     def send(self, group, m: Manifest, tensors: list[torch.Tensor], progress, marks: "ProgressMarks") -> None:
         """Every bucket of `m` out (tensors in manifest order); a trainer's other ranks (weight_sync.trainer_ranks) take part in its
         gathers, and if it breaks off, this rank finishes the gathers so none is left waiting."""
-        self.group, self.marks, self.gathered = group, marks, 0
+        self.group, self.marks, self.gathered, self.digest = group, marks, 0, Digest()
         if not has_peers():
             return self._send_buckets(m, tensors, progress)
         tell_peers(GATHER)
@@ -142,6 +144,9 @@ class BucketSender:
                 while len(inflight) >= self.max_inflight:
                     self._retire(inflight, slot_busy)
             inflight.append((g.fan_out(payload), payload, slot, k))
+            for spec in m.tensors[b.first:b.last]:  # while the bucket is on the wire
+                if spec.nbytes:
+                    self.digest.add(payload[spec.offset - b.start:spec.offset - b.start + spec.nbytes])
             if progress is not None:
                 progress(k + 1, n)
         while inflight:

@@ -149,8 +149,9 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
 
 
 async def push_to_engines(engines: Sequence, sender: WeightSender, weights, version: int,
-                          timeout: float | None = None, pause_mode: str | None = None, mode: str = "adapter") -> dict:
-    """One push (weight_sync.push.run_push) delivered as every engine's `receive_weights`; then,
+                          timeout: float | None = None, pause_mode: str | None = None, mode: str = "adapter",
+                          delta: bool | None = False, anchor: bool = False) -> dict:
+    """One push (weight_sync.push.run_push; `delta` and `anchor` as there) delivered as every engine's `receive_weights`; then,
     on the engines that committed, prefix cache reset and version tag. Raises WeightSyncError
     with the trainer's and the workers' reasons on any failure (`.refused` is True when it was
     refused before any byte moved: nothing changed anywhere).
@@ -174,7 +175,7 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
             await asyncio.gather(*(e.pause_generation(mode=pause_mode) for e in engines))
         t0 = asyncio.get_running_loop().time()
         outcome = await run_push(sender, weights, version, lambda m: _deliveries(engines, m, timeout, group_name),
-                                 timeout, mode=mode)
+                                 timeout, mode=mode, delta=delta, anchor=anchor)
         trainer_error = outcome.trainer if isinstance(outcome.trainer, BaseException) else None
         out = await commit_results(engines, outcome.results, version, "push", trainer_error)
         out["seconds"] = asyncio.get_running_loop().time() - t0

@@ -333,6 +333,10 @@ class WeightSyncGroup:
 
         Done as an all-gather and a local max: gloo's all-reduce of a few integers takes ~1 ms on
         loopback, its all-gather ~0.25 ms (measured, bench/RESULTS.md), and every push votes."""
+        return self.allgather(tensor, what).amax(0).reshape(tensor.shape)
+
+    def allgather(self, tensor: torch.Tensor, what: str = "allgather") -> torch.Tensor:
+        """Blocking: every rank's small int64 tensor, one row per rank (on the CPU)."""
         t = tensor.to(self.device).reshape(-1)
         gathered = [torch.empty_like(t) for _ in range(self.world_size)]
         try:
@@ -340,7 +344,7 @@ class WeightSyncGroup:
         except Exception as e:
             raise GroupError(f"{what} failed on rank {self.rank}: {_short(e)}") from e
         self.wait(work, what)
-        return torch.stack(gathered).amax(0).reshape(tensor.shape).cpu()
+        return torch.stack(gathered).cpu()
 
     def synchronize(self) -> None:
         """Wait for the device work this thread's collectives ordered: NCCL's waits make the

@@ -16,19 +16,21 @@ from collections.abc import Iterator
 
 import torch
 
+from weight_sync.digest import Digest
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.manifest import DTYPES, Manifest
-from weight_sync.votes import commit_vote
+from weight_sync.votes import commit_vote, mismatch_error
 
 TORN = "weights torn"  # in the error of a push that failed after writing: the sidecar restarts that engine
 
 
-def bucket_pairs(g: WeightSyncGroup, m: Manifest, device: torch.device, written: list[int]
+def bucket_pairs(g: WeightSyncGroup, m: Manifest, device: torch.device, written: list[int], digest: Digest
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of `m` as it arrives over `g`, a bucket at a time (`written[0]` counts the
-    buckets handed on), then the commit vote: the iteration ends only once every rank holds every
-    byte, and raises GroupError otherwise. A fresh buffer per bucket: a loader may hold a layer's
-    tensors until the layer is whole (vLLM's do)."""
+    buckets handed on; `digest` takes their bytes), then the commit vote: the iteration ends only
+    once every rank holds the bytes the trainer sent, and raises GroupError otherwise (too late
+    to keep the old weights: they are torn). A fresh buffer per bucket: a loader may hold a
+    layer's tensors until the layer is whole (vLLM's do)."""
     for k, b in enumerate(m.buckets):
         if b.nbytes == 0:
             continue
@@ -37,7 +39,8 @@ def bucket_pairs(g: WeightSyncGroup, m: Manifest, device: torch.device, written:
         written[0] += 1
         for t in m.tensors[b.first:b.last]:
             start = t.offset - b.start
+            digest.add(buf[start:start + t.nbytes])
             yield t.name, buf[start:start + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
     g.synchronize()
-    if not commit_vote(g):
-        raise GroupError("another rank did not receive every byte")
+    if bad := commit_vote(g, digest.value()):
+        raise GroupError(mismatch_error(m.version, bad))

@@ -91,6 +91,27 @@ class AdapterSpec(msgspec.Struct, frozen=True):
     with_base: bool = False  # the manifest carries the base's weights too (the engine keeps them as W0)
 
 
+class DeltaPart(msgspec.Struct, array_like=True, frozen=True):
+    """One changed tensor of a delta push (weight_sync/delta_push.py)."""
+
+    tensor: int  # its index in DeltaSpec.full
+    kind: str  # how its positions go: "indices", "bitmap" or "full" (weight_sync/delta.py)
+    count: int  # values sent: its changed elements (every element for "full")
+
+
+class DeltaSpec(msgspec.Struct, frozen=True):
+    """A delta push: the manifest's tensors carry only what changed since the weights the
+    receiver must hold (`base_version`, whose content digest is `base_digest`); applied, they
+    make the weights `full` lays out, whose digest is `digest` (weight_sync/digest.py)."""
+
+    base_version: int
+    base_digest: int
+    digest: int
+    full: list[TensorSpec]  # the weights a full push of this version would carry, laid out as it would
+    full_bytes: int  # that layout's size
+    parts: list[DeltaPart]  # the tensors that changed, in `full`'s order; the others stay as they are
+
+
 class Manifest(msgspec.Struct, frozen=True):
     version: int
     tensors: list[TensorSpec]
@@ -101,6 +122,7 @@ class Manifest(msgspec.Struct, frozen=True):
     alignment: int = ALIGNMENT
     push_id: str = ""
     adapter: AdapterSpec | None = None  # set for a LoRA adapter push
+    delta: DeltaSpec | None = None  # set for a delta push (weight_sync/delta_push.py)
 
     # -- wire -------------------------------------------------------------------------------
     def to_wire(self) -> dict:

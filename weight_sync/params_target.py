@@ -103,6 +103,10 @@ class ParamsTarget:
             return named
         return [(n, bank.merged(n.removesuffix(".weight"), p)) for n, p in named]
 
+    def base(self, m: Manifest) -> list[torch.Tensor]:
+        params, aliases = model_params(self.host.model)
+        return [params[t.name if t.name in params else aliases[t.name]].detach() for t in m.tensors]
+
     def forget(self) -> None:
         self.current = None
         self.adapter.forget()

@@ -35,7 +35,7 @@ from weight_sync.lora import push_source
 from weight_sync.manifest import Manifest
 from weight_sync.sender import PreparedPush, WeightSender
 from weight_sync.trainer_ranks import PeersFollowing
-from weight_sync.votes import NeedsBaseError, StaleManifestError, WeightSyncError, describe
+from weight_sync.votes import DeltaBaseError, NeedsBaseError, StaleManifestError, WeightSyncError, describe
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class PushOutcome:
 
 async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver, timeout_s: float | None = None,
                    progress=None, on_sent: Callable[[dict], None] | None = None, mode: str = "adapter",
-                   peers: PeersFollowing | None = None) -> PushOutcome:
+                   peers: PeersFollowing | None = None, delta: bool | None = False, anchor: bool = False
+                   ) -> PushOutcome:
     """One push, steps 1-6 of the module doc. `timeout_s` bounds the wait for the workers'
     readiness (default: the group's timeout); every network step is bounded by the group's.
     `on_sent(trainer_result)` is called once the trainer's send succeeded, before the receivers'
@@ -81,7 +82,11 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
     weights are its own again (push_weights(wait=False) returns there).
     `mode`: how a PEFT model goes, "adapter" (its LoRA factors; the base too, once, to a worker
     that lacks it) or "merged" (weight_sync.lora). `peers`: a caller that pushes again on failure
-    passes its own PeersFollowing and finishes it when done (by default this call finishes its own)."""
+    passes its own PeersFollowing and finishes it when done (by default this call finishes its own).
+    `delta` (weight_sync/delta_push.py): None sends only what changed when the sender keeps the last
+    push's weights and that is fewer bytes (it keeps them when they travel in 2-byte floats); True
+    whenever it keeps them (and keeps them); False (the default) the full weights, keeping no copy. `anchor`: the full weights this time, kept as the next delta's base. A delta
+    that some worker has no base for is refused before any byte (DeltaBaseError): once more, in full."""
     own = peers is None
     peers = peers or PeersFollowing()
 
@@ -93,8 +98,14 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
         if sender.group is None or not sender.group.ready:
             raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
         weights = push_source(weights, mode)
-        prepared = sender.prepare(weights, version, reuse_layout=True)
+        _keep_for_deltas(sender, delta)
+        prepared = None if anchor or delta is False else _delta(sender, weights, version, delta)
+        prepared = prepared or sender.prepare(weights, version, reuse_layout=True)
         outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
+        if isinstance(outcome.trainer, DeltaBaseError):
+            log.info("a worker does not hold the delta's base: pushing version %d in full", version)
+            prepared = sender.prepare(prepared.weights, version, reuse_layout=True)
+            outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
         if isinstance(outcome.trainer, StaleManifestError):
             prepared = sender.prepare(prepared.weights, version)
             outcome = await _attempt(sender, prepared, deliver, timeout_s, progress, on_sent and sent)
@@ -106,6 +117,24 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
     finally:
         if own:
             peers.finish()  # a trainer's other ranks (trainer_ranks.follow_push) stop following
+
+
+def _keep_for_deltas(sender: WeightSender, delta: bool | None) -> None:
+    """Whether the sender keeps what it sends as the next delta's base (see run_push's `delta`)."""
+    if delta is False:
+        sender.keep_sent, sender.kept = False, None
+    elif delta:
+        sender.keep_sent = True
+    elif sender.keep_sent is False:
+        sender.keep_sent = None  # auto: kept when the push travels in 2-byte floats
+
+
+def _delta(sender: WeightSender, weights, version: int, delta: bool | None) -> PreparedPush | None:
+    """The delta push to make, if any: forced, or (auto) when it is fewer bytes than the full push."""
+    prepared = sender.prepare_delta(weights, version)
+    if prepared is not None and delta is None and prepared.manifest.total_bytes >= prepared.delta.full_bytes:
+        return None
+    return prepared
 
 
 async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Deliver, timeout_s: float | None,

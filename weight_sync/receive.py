@@ -29,14 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_sync.delta_push import NEEDS_FULL, apply_payload, check_delta, fill_base, full_manifest
+from weight_sync.digest import NONE, Digest, staged_digest
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.inplace_receive import TORN, bucket_pairs
 from weight_sync.lora_target import NEEDS_BASE
 from weight_sync.manifest import Manifest
-from weight_sync.staging_memory import StagingPool, drop_pages
+from weight_sync.staging_memory import StagingPool, alloc, drop_pages
 from weight_sync.staging_sources import SharedSource, fill_from_file
 from weight_sync.targets import CommitPlan, TornWeights, WeightTarget, sync_device
-from weight_sync.votes import VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote
+from weight_sync.votes import (
+    VOTE_DELTA_BASE, VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote, mismatch_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +49,14 @@ log = logging.getLogger(__name__)
 class Arrived:
     """A push whose every byte is staged and whose commit vote passed: only its commit is left."""
 
-    m: Manifest
+    m: Manifest  # what is committed (a delta push's: the full weights it made)
     plan: CommitPlan
     t0: float  # began
     t1: float  # the manifest vote passed
     t2: float  # every byte in, commit vote passed
     plan_seconds: float
+    digest: int = NONE  # of the committed bytes (weight_sync/digest.py)
+    wire_bytes: int | None = None  # the bytes that moved, when not the committed manifest's (a delta)
 
 
 class PushReceiver:
@@ -61,6 +67,7 @@ class PushReceiver:
         self.local_rank = local_rank  # this worker's rank in its engine (vLLM's tensor parallel)
         self.group: WeightSyncGroup | None = None
         self.version: int | None = None  # last version committed by a push (None: the checkpoint's)
+        self.digest = NONE  # the digest of those weights as pushed (a delta's base must have it)
         self.last: dict | None = None
         self.max_inflight = 4  # broadcasts posted at once
         self.torn = False  # a commit failed half way: restart this engine
@@ -118,8 +125,36 @@ class PushReceiver:
             _mark_ready(g, m.push_id)
         self._vote(g, m, staging, problems)
         t1 = time.perf_counter()
-        plan, plan_seconds = self._receive_buckets(g, m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds)
+        if m.delta is not None:
+            return self._receive_delta(g, m, staging, t0, t1)
+        plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
+        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest)
+
+    def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
+        """A delta push (weight_sync/delta_push.py): its payload into a buffer of its own while the
+        served weights are copied into `result`, then applied there; the commit vote is on the
+        result's digest."""
+        full = full_manifest(m)
+        base = self.target.base(full)
+
+        def result_digest(payload: torch.Tensor) -> int:
+            try:
+                apply_payload(m, full, payload, result)
+            except ValueError as e:  # votes a digest nobody holds: every rank stops at the commit vote
+                log.error("delta push of version %d does not apply, nothing will be committed: %s", m.version, e)
+                return NONE
+            return staged_digest(full, result)
+
+        try:
+            payload = alloc(m.layout_bytes, self.device)
+        except Exception:
+            self.close_group(g)
+            self.pool.give_back(result)
+            raise
+        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, lambda: fill_base(full, result, base),
+                                                           result_digest, lambda: self.target.plan(full, result),
+                                                           keep=result)
+        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes)
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
@@ -131,30 +166,54 @@ class PushReceiver:
                               f"restarted ({e})") from None
         self.pool.give_back(freed)
         buckets = len(a.m.buckets) if buckets is None else buckets
-        return self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
+        # an adapter merged into the weights: they are no pushed layout's any more
+        self.digest = a.digest if a.m.adapter is None else NONE
+        out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
+        if a.wire_bytes is not None:
+            out["bytes"] = self.last["bytes"] = a.wire_bytes
+            out["delta"] = self.last["delta"] = True
+        return out
 
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:
         try:
             m = Manifest.from_wire(manifest)
         except Exception as e:
             return None, [f"malformed manifest: {e}"]
+        if m.delta is not None:
+            return m, self._check_delta(m)
         return m, self.target.check(m)
+
+    def _check_delta(self, m: Manifest) -> list[str]:
+        """A delta: consistent, its result a push this engine takes, and its base what it serves."""
+        problems = check_delta(m) or self.target.check(full_manifest(m))
+        if problems:
+            return problems
+        d = m.delta
+        if (d.base_version, d.base_digest) != (self.version, self.digest):
+            return [NEEDS_FULL, f"the delta applies on version {d.base_version}; this worker holds {self._serving()}"]
+        try:
+            self.target.base(full_manifest(m))
+        except Exception as e:  # weights it keeps no copy of (an in-place push into vLLM)
+            return [NEEDS_FULL, f"its weights cannot be read as a delta's base: {e}"]
+        return []
 
     def _check_and_stage(self, manifest) -> tuple[Manifest | None, torch.Tensor | None, list[str]]:
         """The manifest checked, and staging memory for it (a worker that cannot hold the push
-        refuses it too)."""
+        refuses it too); a delta's staging holds the weights it makes."""
         m, problems = self._check(manifest)
         staging = None
         if not problems:
+            need = m.layout_bytes if m.delta is None else m.delta.full_bytes
             try:
-                staging = self.pool.take(m.layout_bytes)
+                staging = self.pool.take(need)
             except Exception as e:
-                problems = [f"cannot allocate {m.layout_bytes} bytes of staging memory: {e}"]
+                problems = [f"cannot allocate {need} bytes of staging memory: {e}"]
         return m, staging, problems
 
     def _vote(self, g: WeightSyncGroup, m: Manifest | None, staging, problems: list[str]) -> None:
         """Cast this worker's manifest vote; raises unless every rank accepted the same manifest."""
-        status = VOTE_OK if not problems else VOTE_NEEDS_BASE if problems[0] is NEEDS_BASE else VOTE_REFUSED
+        status = (VOTE_OK if not problems else VOTE_NEEDS_BASE if problems[0] is NEEDS_BASE
+                  else VOTE_DELTA_BASE if problems[0] is NEEDS_FULL else VOTE_REFUSED)
         try:
             verdict = manifest_vote(g, status, m.digest() if m is not None else 0)
         except GroupError as e:
@@ -171,30 +230,37 @@ class PushReceiver:
         if not verdict.same_manifest:
             raise PushRefused(f"weight push of version {m.version} refused: the ranks hold different manifests")
 
-    def _receive_buckets(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor) -> tuple[CommitPlan, float]:
+    def _receive_buckets(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor, meanwhile=None,
+                         digest_of=None, planner=None, keep: torch.Tensor | None = None
+                         ) -> tuple[CommitPlan, float, int]:
         """Every bucket into staging (`max_inflight` broadcasts in flight; the commit is planned
-        while the first ones arrive, unless it needs the bytes), then the commit vote. On any
-        failure: nothing committed, the group closed, RuntimeError."""
-        early = not self.target.plan_needs_bytes(m)
+        while the first ones arrive, unless it needs the bytes), then the commit vote on the
+        digest of what arrived. On any failure: nothing committed, the group closed, RuntimeError.
+        A delta push passes what it does `meanwhile` (copy its base), how its result's digest is
+        taken once every byte is in, its `planner`, and `keep`, its result buffer (the pool's)."""
+        planner = planner or (lambda: self.target.plan(m, staging))
+        early = digest_of is None and not self.target.plan_needs_bytes(m)
+        pending = [f for f in (meanwhile, early and planner) if f]  # done while the first buckets arrive
         received, plan, plan_s, inflight = 0, None, 0.0, deque()
+        staging_kept = staging if keep is None else keep
         try:
             for k, b in enumerate(m.buckets):
                 if b.nbytes == 0:
                     continue
-                if early and plan is None and len(inflight) >= self.max_inflight:
-                    plan, plan_s = _timed(self.target.plan, m, staging)
+                if pending and len(inflight) >= self.max_inflight:
+                    plan, plan_s = _run_pending(pending, planner, plan, plan_s)
                 while len(inflight) >= self.max_inflight:
                     received += _retire(g, inflight)
                 inflight.append((g.fan_out(staging[b.start:b.end]), k, b.nbytes))
-            if early and plan is None:
-                plan, plan_s = _timed(self.target.plan, m, staging)
+            plan, plan_s = _run_pending(pending, planner, plan, plan_s)
             while inflight:
                 received += _retire(g, inflight)
             g.synchronize()
+            digest = staged_digest(m, staging) if digest_of is None else digest_of(staging)
             if plan is None:  # an adapter is merged once every byte is in, before the commit vote
-                plan, plan_s = _timed(self.target.plan, m, staging)
-            if not commit_vote(g):  # other workers: commit only if every one holds every byte
-                raise GroupError("another rank did not receive every byte")
+                plan, plan_s = _timed(planner)
+            if bad := commit_vote(g, digest):  # commit only if every rank holds the bytes the trainer sent
+                raise GroupError(mismatch_error(m.version, bad))
         except Exception as e:
             if g.chain is not None:  # the trainer may be sending down the chain into a rank that stopped reading
                 try:
@@ -204,13 +270,13 @@ class PushReceiver:
             if inflight:  # broadcasts still posted into it: its pages go now, while closing waits for gloo
                 drop_pages(staging)
             self.close_group(g)  # once closed, nothing writes into staging any more: it may be kept
-            self.pool.give_back(staging)
+            self.pool.give_back(staging_kept)
             raise RuntimeError(
                 f"weight push of version {m.version} failed after {received} of "
                 f"{sum(b.nbytes for b in m.buckets)} bytes: {e}. "
                 f"Nothing was committed: {self._serving()} still serving. The group is closed; init_weight_sync again."
             ) from None
-        return plan, plan_s
+        return plan, plan_s, digest
 
     def _serving(self) -> str:
         return "the checkpoint's weights" if self.version is None else f"version {self.version}"
@@ -235,13 +301,15 @@ class PushReceiver:
         if m is not None and m.adapter is not None:
             problems = ["an in-place receive takes full pushes only (an adapter push needs little memory: send it "
                         "as usual)"]
+        if m is not None and m.delta is not None:  # the trainer sends the full weights instead
+            problems = [NEEDS_FULL, "an in-place receive takes full pushes only (a delta needs a copy of the weights)"]
         if group_name is not None and m is not None:
             _mark_ready(g, m.push_id)
         self._vote(g, m, None, problems)
         t1 = time.perf_counter()
-        written = [0]
+        written, digest = [0], Digest()
         try:
-            self.target.commit_stream(m, bucket_pairs(g, m, self.device, written))
+            self.target.commit_stream(m, bucket_pairs(g, m, self.device, written, digest))
         except Exception as e:
             self.close_group(g)
             if written[0] or isinstance(e, TornWeights):
@@ -252,6 +320,7 @@ class PushReceiver:
             raise RuntimeError(f"in-place push of version {m.version} failed before any byte was written, nothing "
                                f"changed: {e}. The group is closed; init_weight_sync again") from None
         self.torn = False
+        self.digest = digest.value()
         return self._done(m, t0, t1, time.perf_counter(), "broadcast, in place", written[0])
 
     # -- no group: a trainer's shared buffer, a push directory ------------------------------
@@ -262,6 +331,8 @@ class PushReceiver:
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         source = None
+        if not problems and m.delta is not None:
+            problems = ["a shared-memory push takes full pushes only (the trainer's buffer holds the full weights)"]
         if not problems:
             source, problems = self.shared.open(handle, m)
         if problems:
@@ -270,8 +341,8 @@ class PushReceiver:
         t1 = time.perf_counter()
         staging.copy_(source)  # every byte is here before anything is committed
         sync_device(self.device)
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0),
-                           f"shared ({handle.get('kind')})", buckets=0)
+        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0,
+                                   staged_digest(m, staging)), f"shared ({handle.get('kind')})", buckets=0)
 
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.files): every tensor read into staging before anything is
@@ -280,6 +351,8 @@ class PushReceiver:
 
         t0 = time.perf_counter()
         m, problems = self._check(manifest if manifest is not None else read_manifest(path))
+        if not problems and m.delta is not None:
+            problems = ["a push directory holds full weights, not a delta"]
         if problems:
             raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
         staging = self.pool.take(m.layout_bytes)
@@ -289,7 +362,19 @@ class PushReceiver:
             self.pool.give_back(staging)
             raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
         t1 = time.perf_counter()
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0), "safetensors", buckets=0)
+        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0, staged_digest(m, staging)),
+                           "safetensors", buckets=0)
+
+
+def _run_pending(pending: list, planner, plan, plan_s):
+    """Runs (once) what a receive does while its first buckets arrive; returns the plan if made."""
+    while pending:
+        f = pending.pop(0)
+        if f is planner:
+            plan, plan_s = _timed(planner)
+        else:
+            f()
+    return plan, plan_s
 
 
 def _timed(fn, *args):

@@ -20,6 +20,7 @@ are slower than the network, see weight_sync/README.md. `close_weight_sync()` dr
 from __future__ import annotations
 
 from weight_sync.checksum import weights_checksum as _checksum
+from weight_sync.digest import NONE
 from weight_sync.host_copy import HostCopies
 from weight_sync.overlapped_receive import OverlappedReceive
 from weight_sync.params_target import COMMIT_MODES, ParamsTarget
@@ -97,10 +98,11 @@ class WeightSyncExtension:
         r = self._receiver()
         r.pool.drop()
         r.target.forget()
+        r.digest = NONE
 
     def _weights_reloaded(self) -> None:
         r = self._receiver()
-        r.version = None  # the checkpoint's weights again, in storage of their own
+        r.version, r.digest = None, NONE  # the checkpoint's weights again, in storage of their own
         r.target.forget()
 
     # -- RPC: checks ------------------------------------------------------------------------

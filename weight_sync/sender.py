@@ -29,10 +29,11 @@ import torch
 
 from weight_sync.bucket_sender import BucketSender, ProgressMarks
 from weight_sync.checksum import weights_checksum
+from weight_sync.delta_push import EncodedDelta, KeptWeights, advance, encode_delta
 from weight_sync.devices import normalize_device
 from weight_sync.group import GroupError, WeightSyncGroup
 from weight_sync.lora import A_SUFFIX, B_SUFFIX, AdapterPush, push_source
-from weight_sync.manifest import Manifest, build_manifest, dtype_name
+from weight_sync.manifest import DeltaSpec, Manifest, build_manifest, dtype_name
 from weight_sync.trainer_ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer_weights import (
     full,
@@ -41,15 +42,18 @@ from weight_sync.trainer_weights import (
     named_weights,
 )
 from weight_sync.votes import (
+    VOTE_DELTA_BASE,
     VOTE_NEEDS_BASE,
     VOTE_OK,
     VOTE_STALE,
     VOTE_UNREADABLE,
+    DeltaBaseError,
     NeedsBaseError,
     StaleManifestError,
     WeightSyncError,
     commit_vote,
     manifest_vote,
+    mismatch_error,
 )
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,7 @@ class PreparedPush:
     # push is refused (a refused layout is never started on again: the next push would meet the
     # same refusal first)
     layout_slot: str = "_last_layout"
+    delta: EncodedDelta | None = None  # a delta push (weight_sync/delta_push.py): what it encodes
 
 
 class WeightSender:
@@ -88,7 +93,8 @@ class WeightSender:
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 4):
+                 dtype: torch.dtype | None = None, timeout_s: float = 120.0, max_inflight: int = 4,
+                 keep_sent: bool | None = False):
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if dtype is not None and not dtype.is_floating_point:
@@ -103,6 +109,10 @@ class WeightSender:
         self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last push not refused
         self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.lora)
+        # What the last committed push sent, kept as the next delta's base (weight_sync/delta_push.py):
+        # True keeps it, False never, None when the push travels in 2-byte floats (where deltas pay)
+        self.keep_sent = keep_sent
+        self.kept: KeptWeights | None = None
 
     # -- group ------------------------------------------------------------------------------
     def open_group(self, world_size: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float | None = None,
@@ -174,6 +184,47 @@ class WeightSender:
             named = list_weights(weights)
             specs = self._specs(named)
         return PreparedPush(self._manifest(specs, version), weights, named if ctx is None else None)
+
+    def prepare_delta(self, weights, version: int) -> PreparedPush | None:
+        """A delta push of `weights` against what the last committed push sent (weight_sync/delta_push.py),
+        or None when there is none to make: nothing kept, the weights changed names, dtypes or
+        shapes, an adapter, or a trainer of several ranks (its gathers follow a full push's order).
+        Reads every weight now (a delta is made of values); the manifest's `delta` names its base."""
+        kept = self.kept
+        weights = push_source(weights)
+        if kept is None or has_peers() or isinstance(weights, AdapterPush) or gather_context(weights) is not None:
+            return None
+        if not isinstance(weights, (torch.nn.Module, dict, list, tuple)):
+            weights = list(weights)
+        named = list_weights(weights)
+        specs = self._specs(named)
+        if specs != kept.specs:
+            return None
+        enc = encode_delta(((n, full(t)) for n, t in named), self._on_wire, kept)
+        whole = self._manifest(specs, version)
+        payload = build_manifest(self._specs(enc.pairs), version, self.bucket_bytes)
+        spec = DeltaSpec(kept.version, kept.digest, enc.digest, whole.tensors, whole.layout_bytes, enc.parts)
+        return PreparedPush(msgspec.structs.replace(payload, delta=spec), weights, enc.pairs, delta=enc)
+
+    def _keeps(self, specs: list) -> bool:
+        if self.keep_sent is not None:
+            return self.keep_sent
+        return all(d not in ("float32", "float64") for _, d, _ in specs)
+
+    def _after_commit_vote(self, prepared: PreparedPush, named, digest: int) -> None:
+        """Every rank holds the push's bytes: what it sent becomes the next delta's base."""
+        m = prepared.manifest
+        if prepared.delta is not None:
+            advance(self.kept, prepared.delta, m.version)
+            return
+        self.kept = None  # an adapter merged, or weights this sender does not keep: no base
+        specs = [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]
+        if m.adapter is not None or has_peers() or gather_context(prepared.weights) is not None or \
+                not self._keeps(specs):
+            return
+        with torch.no_grad():
+            tensors = {n: full(t).to(self._wire_dtype(t), copy=True) for n, t in named}
+        self.kept = KeptWeights(m.version, digest, specs, tensors)
 
     def walk(self, prepared: PreparedPush) -> None:
         """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
@@ -286,16 +337,21 @@ class WeightSender:
                 raise
             try:
                 self._buckets.send(g, m, [t for _, t in named], progress, marks)
-                if not commit_vote(g):
-                    raise GroupError("a worker did not receive every byte")
+                meant = self._buckets.digest.value() if m.delta is None else m.delta.digest
+                if bad := commit_vote(g, meant):
+                    raise GroupError(mismatch_error(m.version, bad))
             except Exception as e:
                 marks.failed()
                 self.close_group()
                 raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
                                       "form a new one (open_group / init_weight_sync)") from e
+            self._after_commit_vote(prepared, named, meant)
         seconds = time.perf_counter() - t0
-        log.info("pushed %s in %.3fs (%.2f GB/s)", m.summary(), seconds, m.total_bytes / seconds / 1e9)
-        return {"version": m.version, "bytes": m.total_bytes, "seconds": seconds, "buckets": len(m.buckets)}
+        log.info("pushed %s%s in %.3fs (%.2f GB/s)", "a delta: " if m.delta else "", m.summary(), seconds,
+                 m.total_bytes / seconds / 1e9)
+        full_bytes = m.total_bytes if m.delta is None else prepared.delta.full_bytes
+        return {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
+                "seconds": seconds, "buckets": len(m.buckets)}
 
     def _on_device(self, device: torch.device):
         """Run a push on `device` whatever thread sends it (CUDA's current device and stream are
@@ -332,6 +388,9 @@ class WeightSender:
         if status != VOTE_OK:
             raise WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}",
                                   refused=True)
+        if verdict.worst == VOTE_DELTA_BASE:
+            raise DeltaBaseError(f"delta push of version {m.version}: a worker does not hold its base "
+                                 f"(version {m.delta and m.delta.base_version}); nothing moved")
         if verdict.worst == VOTE_NEEDS_BASE:
             raise NeedsBaseError(f"adapter push of version {m.version}: a worker lacks its base; nothing moved")
         if verdict.worst != VOTE_OK:

@@ -62,6 +62,10 @@ class WeightTarget(Protocol):
     def served(self) -> Pairs:
         """The weights as served, under the pushed names: for checksums and copies to other engines."""
 
+    def base(self, m: Manifest) -> list[torch.Tensor]:
+        """The weights last committed, one per tensor of `m` (names checked), without copying: the
+        base a delta push applies to (weight_sync/delta_push.py). Raises if they are not kept."""
+
     def forget(self) -> None:
         """The weights were replaced outside a push (a reload) or released: nothing about them is known."""
 

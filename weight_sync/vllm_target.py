@@ -122,6 +122,14 @@ class VllmLoaderTarget:
             return [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in self.committed]
         return list(load_checkpoint(self.worker.vllm_config.model_config.model, dtype))
 
+    def base(self, m: Manifest) -> list[torch.Tensor]:
+        """The committed staging itself (vLLM's own tensors are fused, sharded and repacked)."""
+        if not isinstance(self.committed, list):
+            raise RuntimeError("no copy of the weights as pushed is kept (the checkpoint's, or an in-place push)")
+        _, aliases = self.checkpoint()
+        kept = dict(self.committed)
+        return [kept[aliases.get(t.name, t.name)] for t in m.tensors]
+
     def forget(self) -> None:
         self.committed = None
 

@@ -56,6 +56,18 @@ def test_grpo_short_run_keeps_engine_and_trainer_in_sync(qwen2_dir, tmp_path):
     assert all(r["staleness"] == 0 for r in rows)
 
 
+def test_grpo_with_delta_pushes_into_a_bf16_sidecar_matches_every_step(qwen2_dir, tmp_path):
+    """--delta on: after the first (full) push every step's push carries only what changed, and the
+    sidecar's weights equal the trainer's (in bf16) after each one (--check-sync raises if not)."""
+    out = tmp_path / "delta"
+    grpo.main(["--model", qwen2_dir, "--max-steps", "3", "--check-sync", "--output-dir", str(out),
+               "--sidecar-dtype", "bfloat16", "--delta", "on"])
+    rows = _rows(out)
+    assert [r["weight_version"] for r in rows] == [1, 2, 3]
+    assert all(r["weight_sync/delta"] == 1 and 0 < r["weight_sync/bytes"] < r["weight_sync/full_bytes"]
+               for r in rows), [(r["weight_sync/bytes"], r["weight_sync/full_bytes"]) for r in rows]
+
+
 def test_ppo_short_run_logs_every_step_to_wandb(qwen2_dir, tmp_path, monkeypatch):
     """With --report-to wandb (offline) the run file holds every logged step, as metrics.jsonl."""
     monkeypatch.setenv("WANDB_MODE", "offline")

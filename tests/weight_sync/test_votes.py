@@ -36,11 +36,18 @@ def test_ranks_holding_different_manifests_all_see_it(ranks):
     assert not any(v.same_manifest or v.ok for v in verdicts)
 
 
-def test_commit_vote(ranks):
-    assert _run([lambda g=g: commit_vote(g) for g in ranks]) == [True] * 3
+def test_the_commit_vote_passes_only_when_every_digest_is_the_trainers(ranks):
+    assert _run([lambda g=g: commit_vote(g, 42) for g in ranks]) == [[]] * 3
+    # rank 2 staged other bytes: every rank learns which one, so none commits
+    assert _run([lambda g=g, d=d: commit_vote(g, d) for g, d in zip(ranks, [42, 42, 43])]) == [[2]] * 3
+    # the trainer's digest is the reference: when it differs, every worker is named
+    assert _run([lambda g=g, d=d: commit_vote(g, d) for g, d in zip(ranks, [1, 42, 42])]) == [[1, 2]] * 3
+
+
+def test_one_worker_votes_too(ranks):
     master, res = _form(2, timeout_s=5.0)
-    try:  # one worker: no collective at all (a lone rank would otherwise block)
-        assert commit_vote(master) is True and commit_vote(res[1]) is True
+    try:  # a lone worker has no peer to agree with, but the trainer's digest to match
+        assert _run([lambda: commit_vote(master, 5), lambda: commit_vote(res[1], 6)]) == [[1], [1]]
     finally:
         master.close()
         res[1].close()
