@@ -286,8 +286,14 @@ def push_metrics(pushed: dict | None) -> dict:
     trainer = (pushed or {}).get("trainer")
     if not isinstance(trainer, dict):
         return {}
-    return {"weight_sync/bytes": trainer["bytes"], "weight_sync/full_bytes": trainer.get("full_bytes", trainer["bytes"]),
-            "weight_sync/delta": int(bool(trainer.get("delta")))}
+    out = {"weight_sync/bytes": trainer["bytes"], "weight_sync/full_bytes": trainer.get("full_bytes", trainer["bytes"]),
+           "weight_sync/delta": int(bool(trainer.get("delta")))}
+    if "encode_seconds" in trainer:  # a delta: the trainer's encode, the slowest engine's apply
+        out["weight_sync/encode_seconds"] = trainer["encode_seconds"]
+        applied = [s["apply_seconds"] for s in pushed.get("sidecars", []) if isinstance(s, dict) and "apply_seconds" in s]
+        if applied:
+            out["weight_sync/apply_seconds"] = max(applied)
+    return out
 
 
 def _generate(run: Run, client) -> tuple[list, list, float]:

@@ -67,7 +67,7 @@ class RolloutClient:
     def remove_sidecar(self, url: str) -> None:
         self._run(self._client.remove_sidecar(url))
 
-    def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+    def init_weight_sync(self, host: str | None = None, port: int = 0, timeout_s: float = 120.0,
                          bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
         return self._run(self._client.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over))
 

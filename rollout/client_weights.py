@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from urllib.parse import urlsplit
 from typing import TYPE_CHECKING
 
 from rollout import protocol as P
@@ -24,9 +25,11 @@ DELTA_ANCHOR_EVERY = 20
 
 
 class WeightSyncCalls:
-    async def init_weight_sync(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+    async def init_weight_sync(self, host: str | None = None, port: int = 0, timeout_s: float = 120.0,
                                bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
         """Form one weight-sync group with every sidecar's workers; this trainer is rank 0.
+        `host`: the address the sidecars reach this trainer at (default: 127.0.0.1 when every
+        sidecar is on this machine, else this machine's address on the route to the first one).
         One trainer owns a sidecar's weight sync at a time: while another one's group is open and
         its trainer alive, this raises SidecarError (kind "refused") unless `take_over=True`.
         A joining sidecar (add_sidecar) that cannot join is dropped with a warning instead."""
@@ -46,6 +49,7 @@ class WeightSyncCalls:
                 raise SidecarError(f"init_weight_sync refused by {self._links[i].url}: {why}", "refused")
             members.append(i)
             health.append(h)
+        host = host or self._trainer_address()
         self._init_args = {"host": host, "port": port, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes,
                            "device": device}  # a regroup forms the next group the same way
         workers = [h["workers"] for h in health]
@@ -70,6 +74,14 @@ class WeightSyncCalls:
             raise SidecarError("init_weight_sync failed: " + "; ".join(str(e) for e in errors or [joined]))
         self._members = tuple(members)
         return {"world_size": world, "rank_offsets": offsets, **{k: v for k, v in info.items() if k != "secret"}}
+
+    def _trainer_address(self) -> str:
+        """Where the sidecars reach this trainer: loopback when they are all on this machine."""
+        from weight_sync.hosts import is_loopback, local_address_towards
+
+        hosts = [urlsplit(link.url).hostname for link in self._links if link.state != DROPPED]
+        away = [h for h in hosts if h and not is_loopback(h)]
+        return local_address_towards(away[0]) if away else "127.0.0.1"
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,

@@ -173,7 +173,10 @@ class SidecarWeights:
         m.state.count("pushes")
         m.state.count("transfer_seconds", out["transfer_seconds"])
         m.state.count("push_seconds", time.monotonic() - t0)
-        out.pop("worker_results", None)
+        workers = out.pop("worker_results", None) or []
+        applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
+        if applied:  # a delta push: its slowest worker's apply (weight_sync/delta_push.py)
+            out["apply_seconds"] = max(applied)
         return {**out, "seconds": time.monotonic() - t0}
 
     async def _push_overlapped(self, engines: list, manifest: Manifest, pause_mode: str | None, timeout_s: float,

@@ -20,6 +20,7 @@ weights it last sent, in the wire dtype (`KeptWeights`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -129,6 +130,7 @@ class EncodedDelta:
     digest: int  # of the weights once applied
     deltas: dict[str, D.Delta]  # what to apply to the kept weights once the push committed
     full_bytes: int  # what the full push would carry
+    seconds: float = 0.0  # encoding it (casting, comparing, gathering the changes, the digest)
 
 
 def encode_delta(named: Iterable[tuple[str, torch.Tensor]], to_wire: Callable[[torch.Tensor], torch.Tensor],
@@ -136,6 +138,7 @@ def encode_delta(named: Iterable[tuple[str, torch.Tensor]], to_wire: Callable[[t
     """The changes from `kept` to the new weights (`named`, in push order; `to_wire` casts one to
     the wire dtype, a tensor at a time so no second copy of the model is made)."""
     pairs, parts, deltas, digest, full_bytes = [], [], {}, Digest(), 0
+    t0 = time.perf_counter()
     with torch.no_grad():
         for i, (name, t) in enumerate(named):
             new = to_wire(t)
@@ -151,7 +154,7 @@ def encode_delta(named: Iterable[tuple[str, torch.Tensor]], to_wire: Callable[[t
             elif d.kind == "bitmap":
                 pairs.append((name + BITMAP, d.positions))
             pairs.append((name + VALUES, d.values))
-    return EncodedDelta(pairs, parts, digest.value(), deltas, full_bytes)
+    return EncodedDelta(pairs, parts, digest.value(), deltas, full_bytes, time.perf_counter() - t0)
 
 
 def advance(kept: KeptWeights, enc: EncodedDelta, version: int) -> None:

@@ -57,6 +57,7 @@ class Arrived:
     plan_seconds: float
     digest: int = NONE  # of the committed bytes (weight_sync/digest.py)
     wire_bytes: int | None = None  # the bytes that moved, when not the committed manifest's (a delta)
+    delta_seconds: dict | None = None  # a delta's: copying the base in, applying it and taking its digest
 
 
 class PushReceiver:
@@ -137,13 +138,23 @@ class PushReceiver:
         full = full_manifest(m)
         base = self.target.base(full)
 
+        took = {}
+
         def result_digest(payload: torch.Tensor) -> int:
+            t = time.perf_counter()
             try:
                 apply_payload(m, full, payload, result)
             except ValueError as e:  # votes a digest nobody holds: every rank stops at the commit vote
                 log.error("delta push of version %d does not apply, nothing will be committed: %s", m.version, e)
                 return NONE
-            return staged_digest(full, result)
+            digest = staged_digest(full, result)
+            took["apply_seconds"] = time.perf_counter() - t
+            return digest
+
+        def copy_base() -> None:
+            t = time.perf_counter()
+            fill_base(full, result, base)
+            took["base_seconds"] = time.perf_counter() - t
 
         try:
             payload = alloc(m.layout_bytes, self.device)
@@ -151,10 +162,9 @@ class PushReceiver:
             self.close_group(g)
             self.pool.give_back(result)
             raise
-        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, lambda: fill_base(full, result, base),
-                                                           result_digest, lambda: self.target.plan(full, result),
-                                                           keep=result)
-        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes)
+        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, copy_base, result_digest,
+                                                           lambda: self.target.plan(full, result), keep=result)
+        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, took)
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
@@ -170,8 +180,8 @@ class PushReceiver:
         self.digest = a.digest if a.m.adapter is None else NONE
         out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
         if a.wire_bytes is not None:
-            out["bytes"] = self.last["bytes"] = a.wire_bytes
-            out["delta"] = self.last["delta"] = True
+            self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))
+            out = dict(self.last)
         return out
 
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:

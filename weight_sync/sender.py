@@ -350,8 +350,11 @@ class WeightSender:
         log.info("pushed %s%s in %.3fs (%.2f GB/s)", "a delta: " if m.delta else "", m.summary(), seconds,
                  m.total_bytes / seconds / 1e9)
         full_bytes = m.total_bytes if m.delta is None else prepared.delta.full_bytes
-        return {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
-                "seconds": seconds, "buckets": len(m.buckets)}
+        out = {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
+               "seconds": seconds, "buckets": len(m.buckets)}
+        if prepared.delta is not None:
+            out["encode_seconds"] = prepared.delta.seconds  # before the send, in prepare_delta
+        return out
 
     def _on_device(self, device: torch.device):
         """Run a push on `device` whatever thread sends it (CUDA's current device and stream are

@@ -5,6 +5,7 @@ machine's hostname resolves to (here 127.0.0.1), and a push lands on every host.
 import copy
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from rollout import RolloutClient
@@ -24,13 +25,21 @@ def test_a_push_to_three_hosts_lands_on_every_host(bed, host_sidecars, hf_models
         assert info["world_size"] == 1 + len(HOSTS)
         trainer = copy.deepcopy(hf_models["qwen2"])
         perturb(trainer, 21, scale=0.05)
-        out = client.push_weights(trainer, version=1)
-        assert out["version"] == 1
+        out = client.push_weights(trainer, version=1, delta=True)  # full (no base yet), kept as the next one's base
+        assert out["version"] == 1 and not out["delta"]
         assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * len(HOSTS)
         prompts = random_prompts(3, 4, 12, 2000, seed=83)
         groups = client.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [g[0].token_ids for g in groups] == [hf_greedy(trainer, p, 8, ignore_eos=True) for p in prompts]
         assert all(g[0].weight_versions == [1] * 8 for g in groups)
+        # a delta (forced: these engines are fp32) rides the same chain across the hosts
+        g = torch.Generator().manual_seed(22)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02 * (torch.rand(p.shape, generator=g) < 0.03))
+        out = client.push_weights(trainer, version=2, delta=True)
+        assert out["delta"] and out["trainer"]["bytes"] < 0.25 * out["trainer"]["full_bytes"]
+        assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * len(HOSTS)
     finally:
         client.close()
 

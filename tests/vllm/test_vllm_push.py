@@ -138,3 +138,22 @@ def test_an_overlapped_push_pauses_for_the_commit_only(sidecar, client, qwen2_di
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_delta_into_vllm_gives_what_the_full_push_gives(client, trainer):
+    """A delta (forced: in fp32 it pays only when few elements move) goes through vLLM's loaders
+    from the copy of the weights its receiver keeps, bit for bit the full push's."""
+    client.init_weight_sync(take_over=True)
+    version = client.stats()["version"]
+    assert not client.push_weights(trainer, version=version + 1, delta=True)["delta"]  # the base, in full
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in trainer.parameters():  # a step that moves 3% of the elements
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * (torch.rand(p.shape, generator=g) < 0.03))
+    out = client.push_weights(trainer, version=version + 2, delta=True)
+    assert out["delta"] and out["trainer"]["bytes"] < 0.25 * out["trainer"]["full_bytes"]
+    want = client._client.sender.checksum(trainer)
+    assert client.weights_checksums() == [want]
+    by_delta = greedy(client, PROMPTS)
+    assert not client.push_weights(trainer, version=version + 3, delta=False)["delta"]
+    assert client.weights_checksums() == [want] and greedy(client, PROMPTS) == by_delta
