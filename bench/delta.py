@@ -1,5 +1,5 @@
-"""Delta pushes against full pushes (issue 38): a real GRPO run (recipes.grpo, at its learning rate
-for real models) into a sidecar serving bf16, once with `--delta on` and once with `--delta off`
+"""Delta pushes against full pushes (issue 38): a real GRPO run (recipes.grpo on arithmetic, at its
+learning rate for real models, 1e-5; the tiny model on its toy task) into a sidecar serving bf16, once with `--delta on` and once with `--delta off`
 from the same seed, on loopback and over a shaped link (the hosts test bed: the sidecar on a host
 whose link runs at --rate-mbit). Read from each run's metrics, per step: the bytes on the wire and
 the push time (timing/weight_sync: the trainer's whole push_weights, encode included).
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine.model_names import resolve_model_arg
 
     model = resolve_model_arg(args.model)
+    if args.model != "tiny":  # a pretrained model: the task (and learning rate, 1e-5) the recipes fine-tune it on
+        RUN.extend(["--task", "arithmetic"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-delta-") as tmp:
         if args.loopback:

@@ -253,6 +253,17 @@ class PushReceiver:
         pending = [f for f in (meanwhile, early and planner) if f]  # done while the first buckets arrive
         received, plan, plan_s, inflight = 0, None, 0.0, deque()
         staging_kept = staging if keep is None else keep
+        # a full push's digest, taken bucket by bucket as each lands, while the next ones arrive
+        landed = Digest() if digest_of is None else None
+
+        def retire() -> int:
+            work, k, nbytes = inflight.popleft()
+            g.wait(work, f"receiving bucket {k}")
+            if landed is not None:
+                b = m.buckets[k]
+                for t in m.tensors[b.first:b.last]:
+                    landed.add(staging[t.offset:t.offset + t.nbytes])
+            return nbytes
         try:
             for k, b in enumerate(m.buckets):
                 if b.nbytes == 0:
@@ -260,13 +271,13 @@ class PushReceiver:
                 if pending and len(inflight) >= self.max_inflight:
                     plan, plan_s = _run_pending(pending, planner, plan, plan_s)
                 while len(inflight) >= self.max_inflight:
-                    received += _retire(g, inflight)
+                    received += retire()
                 inflight.append((g.fan_out(staging[b.start:b.end]), k, b.nbytes))
             plan, plan_s = _run_pending(pending, planner, plan, plan_s)
             while inflight:
-                received += _retire(g, inflight)
+                received += retire()
             g.synchronize()
-            digest = staged_digest(m, staging) if digest_of is None else digest_of(staging)
+            digest = landed.value() if digest_of is None else digest_of(staging)
             if plan is None:  # an adapter is merged once every byte is in, before the commit vote
                 plan, plan_s = _timed(planner)
             if bad := commit_vote(g, digest):  # commit only if every rank holds the bytes the trainer sent
@@ -400,7 +411,3 @@ def _mark_ready(g: WeightSyncGroup, push_id: str) -> None:
         log.warning("could not mark this worker ready for push %s: %s", push_id, e)
 
 
-def _retire(g: WeightSyncGroup, inflight: deque) -> int:
-    work, k, nbytes = inflight.popleft()
-    g.wait(work, f"receiving bucket {k}")
-    return nbytes
