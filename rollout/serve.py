@@ -127,6 +127,11 @@ def _add_http_flags(p) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name HTTP clients must send (default: --model's last path part, or 'tiny')")
     p.add_argument("--http-max-body-mb", type=float, default=8.0, help="HTTP request bodies larger than this get 413")
+    p.add_argument("--weight-transfer-routes", action="store_true",
+                   help="also serve vLLM's RL weight-transfer routes on --http-port (/init_weight_transfer_engine, "
+                        "/update_weights, /finish_weight_update, /pause, /resume, /weight_info, ...), so trainers "
+                        "written for `vllm serve` (HTTPVLLMWeightSyncClient) push weights here; they change the "
+                        "model, so they are off by default (vLLM: VLLM_SERVER_DEV_MODE=1)")
 
 
 VLLM_ENV_HELP = """\
@@ -285,7 +290,7 @@ async def run(args, model: str, early_cores: list = ()) -> int:
         raise
     front = None
     if args.http_port is not None:
-        front = await _start_http(args, manager)
+        front = await _start_http(args, manager, server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -327,14 +332,19 @@ SHUTDOWN_GRACE_S = 3.0
 STOP_GRACE_S = 10.0
 
 
-async def _start_http(args, manager):
+async def _start_http(args, manager, server=None):
     from pathlib import Path
 
     from rollout.openai_front.server import HttpFront
 
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "tiny")
+    transfer = None
+    if args.weight_transfer_routes:
+        from rollout.vllm_transfer import VllmTransfer
+
+        transfer = VllmTransfer(manager, server.weights)
     front = HttpFront(manager, args.http_host or args.host, args.http_port, name, token=args.token,
-                      max_body_bytes=int(args.http_max_body_mb * 2**20))
+                      max_body_bytes=int(args.http_max_body_mb * 2**20), rl_transfer=transfer)
     try:
         print(f"HTTP {await front.start()}", flush=True)  # before READY: scripts read both
     except BaseException:

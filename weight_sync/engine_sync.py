@@ -89,13 +89,14 @@ async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeo
 
 
 async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float,
-                           group_name: str | None = None) -> list:
-    """The overlapped receive: each engine's `begin_receive_weights(manifest)`, answered once its
-    push is in. One result per engine: "staged", "failed" (finish_on_engines raises why), or the
-    exception of a call that failed. The engines keep generating throughout."""
+                           group_name: str | None = None, method: str = "begin_receive_weights") -> list:
+    """The overlapped receive: each engine's `begin_receive_weights(manifest)` (or `method`: from a
+    vLLM trainer, `begin_receive_vllm`), answered once its push is in. One result per engine:
+    "staged", "failed" (finish_on_engines raises why), or the exception of a call that failed.
+    The engines keep generating throughout."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
     kwargs = {"group_name": group_name} if group_name is not None else None
-    out = await asyncio.gather(*(e.collective_rpc("begin_receive_weights", timeout=timeout, args=(wire,),
+    out = await asyncio.gather(*(e.collective_rpc(method, timeout=timeout, args=(wire,),
                                                   kwargs=kwargs) for e in engines), return_exceptions=True)
     return [r if isinstance(r, BaseException) else r[0] for r in out]
 

@@ -73,6 +73,7 @@ class PushReceiver:
         self.max_inflight = 4  # broadcasts posted at once
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
+        self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm_group.py)
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -130,6 +131,28 @@ class PushReceiver:
             return self._receive_delta(g, m, staging, t0, t1)
         plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
         return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest)
+
+    def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
+        """A push from a trainer written for vLLM's RL routes (weight_sync/vllm_group.py): checked
+        and staged as ours, then every packed chunk received; no vote (that trainer casts none)."""
+        t0 = time.perf_counter()
+        m, staging, problems = self._check_and_stage(manifest)
+        if on_staging is not None:
+            on_staging(staging)
+        if problems:
+            raise PushRefused("weight update refused, nothing changed: " + "; ".join(problems))
+        t1 = time.perf_counter()
+        try:
+            for k, b in enumerate(m.buckets):  # an empty chunk is broadcast too
+                g.receive(staging[b.start:b.end], f"receiving chunk {k} of {len(m.buckets)}")
+            sync_device(self.device)
+        except Exception as e:
+            g.close()
+            self.pool.give_back(staging)
+            raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
+                               f"{self._serving()} still serving; init_weight_transfer_engine again") from None
+        plan, plan_s = _timed(self.target.plan, m, staging)
+        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
         """A delta push (weight_sync/delta_push.py): its payload into a buffer of its own while the

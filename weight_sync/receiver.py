@@ -105,6 +105,33 @@ class WeightSyncExtension:
         r.version, r.digest = None, NONE  # the checkpoint's weights again, in storage of their own
         r.target.forget()
 
+    # -- RPC: a trainer written for vLLM's RL routes (weight_sync/vllm_group.py) -----------------
+    def join_vllm_group(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 120.0) -> dict:
+        """Join the group a vLLM trainer formed (its stateless gloo group) as rank `rank + i` for
+        worker i; any previous such group is left."""
+        from weight_sync.vllm_group import VllmTrainerGroup
+
+        r = self._receiver()
+        self.close_vllm_group()
+        my_rank = int(rank) + r.local_rank
+        r.vllm_group = VllmTrainerGroup(host, int(port), int(world_size), my_rank, float(timeout_s))
+        return {"rank": my_rank, "world_size": int(world_size)}
+
+    def begin_receive_vllm(self, manifest):
+        """As begin_receive_weights, over the vLLM trainer's group: answered once every chunk is
+        staged (or failed); finish_staged_weights commits it."""
+        return self._overlapped().begin(manifest, vllm=True)
+
+    def close_vllm_group(self) -> bool:
+        r = self._receiver()
+        g, r.vllm_group = r.vllm_group, None
+        staged = self._overlapped().staged
+        if g is not None and staged is not None and staged.group is g and staged.thread.is_alive():
+            self._overlapped()._give_up(staged)  # a transfer still arriving over it: its memory goes now
+        elif g is not None:
+            g.close()
+        return True
+
     # -- RPC: checks ------------------------------------------------------------------------
     def weights_checksum(self) -> str:
         """See weight_sync.checksum: SHA-256 over every served weight (tied ones once) in name order."""

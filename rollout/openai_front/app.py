@@ -58,7 +58,7 @@ class _Front:
 
 
 def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8 << 20,
-              state: FrontState | None = None) -> FastAPI:
+              state: FrontState | None = None, rl_transfer=None) -> FastAPI:
     state = state or FrontState()
     front = _Front(manager, model_name, FrontMetrics(manager))
     app = FastAPI(title="rollout sidecar", docs_url=None, redoc_url=None, openapi_url=None)
@@ -68,6 +68,10 @@ def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8
     _answer_errors_as_openai(app)
     _add_info_routes(app, front)
     _add_generation_routes(app, front)
+    if rl_transfer is not None:  # vLLM's RL routes (rollout/openai_front/rl_routes.py)
+        from rollout.openai_front.rl_routes import add_rl_routes
+
+        add_rl_routes(app, rl_transfer)
     return app
 
 

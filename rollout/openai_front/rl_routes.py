@@ -1,0 +1,68 @@
+"""vLLM's RL routes on the sidecar's HTTP front (`rollout.serve --http-port P --weight-transfer-routes`):
+the paths, bodies and answers of vLLM's `vllm/entrypoints/rl/online/api_router.py`, so that
+`HTTPVLLMWeightSyncClient` and trainers built on it drive the sidecar unchanged. What each does is
+rollout/vllm_transfer.py's. Off unless asked for (they change the model, as vLLM keeps them behind
+VLLM_SERVER_DEV_MODE); the front's token rule holds for them: a sidecar with --token needs
+`Authorization: Bearer <token>` on these routes too."""
+
+from __future__ import annotations
+
+from fastapi import Body, FastAPI, HTTPException, Query
+
+from rollout.vllm_transfer import TransferError, VllmTransfer
+
+
+def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
+    manager = transfer.manager
+
+    async def run(coro):
+        try:
+            return await coro
+        except TransferError as e:
+            raise HTTPException(e.status, detail={"message": str(e)}) from None
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(init_info: dict = Body(embed=True)):
+        await run(transfer.init(init_info))
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        await run(transfer.shutdown())
+        return {"message": "Weight transfer shut down"}
+
+    @app.post("/start_weight_update")
+    async def start_weight_update():
+        return {"message": "Weight update started"}
+
+    @app.post("/update_weights")
+    async def update_weights(update_info: dict = Body(embed=True)):
+        out = await run(transfer.update(update_info))
+        return {"message": "Weights updated", **out}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
+        version = await run(transfer.finish(weight_version))
+        return {"message": "Weight update finished", "weight_version": str(version)}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": str(manager.version)}
+
+    @app.get("/get_world_size")
+    async def get_world_size():
+        return {"world_size": transfer.world_size()}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort")):
+        await run(transfer.pause(mode))
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await run(transfer.resume())
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": transfer.paused_mode is not None}

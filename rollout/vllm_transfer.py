@@ -1,0 +1,174 @@
+"""vLLM's RL weight-transfer protocol, spoken by the sidecar (issue 40), so a trainer written for
+`vllm serve`'s routes (`HTTPVLLMWeightSyncClient`, TRL's `vllm-serve` mode) drives it unchanged.
+The HTTP routes are rollout/openai_front/rl_routes.py; this is what they do, on our guarantees:
+
+- `init`: every engine's workers join the trainer's group (weight_sync/vllm_group.py) at the rank
+  offsets vLLM's workers take (`rank_offset` + the workers before them). One trainer owns the
+  sidecar's weight sync at a time, as with our own client.
+- `update`: the update's names, dtypes and shapes are checked against the model before any byte is
+  read (a tied `lm_head.weight` may be left out, as `ModuleSource` does); the chunks land in
+  staging while the engines keep generating. A refused or failed update changes nothing, and the
+  sidecar leaves the group so that the trainer's broadcast fails instead of waiting.
+- `finish`: only when every engine staged every chunk are the weights swapped in, all engines at
+  one step; `weight_version` (digits: ours are integers; none: the current + 1) tags every token
+  generated after it.
+- `pause` / `resume`: the engines' own, with our modes; a token keeps the version it was made with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from weight_sync.engine_sync import commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of
+from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class TransferError(Exception):
+    """A call refused or failed, with the HTTP status it answers (4xx: nothing changed)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _init_fields(info: dict) -> dict:
+    """init_info, checked: each problem names its field."""
+    if "nccl_unique_id_b64" in info:
+        raise TransferError(400, "init_info.nccl_unique_id_b64: the NCCL unique-id rendezvous is CUDA's; this "
+                                 "sidecar's group is gloo: give master_address and master_port")
+    out = {}
+    for key, kind, default in (("master_address", str, None), ("master_port", int, None),
+                               ("world_size", int, None), ("rank_offset", int, 1),
+                               ("packed", bool, True), ("packed_buffer_size_bytes", int, DEFAULT_BUFFER_BYTES),
+                               ("packed_num_buffers", int, 2)):
+        value = info.get(key, default)
+        if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TransferError(400, f"init_info.{key}: expected {kind.__name__}, got {value!r}")
+        out[key] = value
+    if not out["packed"]:
+        raise TransferError(400, "init_info.packed: only packed transfers are taken (vLLM's default)")
+    if out["packed_buffer_size_bytes"] < 1 or out["world_size"] < 2 or out["rank_offset"] < 1:
+        raise TransferError(400, "init_info: packed_buffer_size_bytes >= 1, world_size >= 2, rank_offset >= 1")
+    return out
+
+
+class VllmTransfer:
+    def __init__(self, manager, weights, timeout_s: float = 300.0):
+        self.manager, self.weights, self.timeout_s = manager, weights, timeout_s
+        self.info: dict | None = None  # the owning trainer's init_info
+        self.staged: tuple | None = None  # (manifest, engines, their staged states) of an update not yet finished
+        self.paused_mode: str | None = None  # the engines were paused by /pause
+
+    def world_size(self) -> int:
+        """The ranks a trainer's group needs for this sidecar's workers (vLLM's /get_world_size)."""
+        return sum(workers_of(e) for e in self.manager.up_engines())
+
+    async def init(self, init_info: dict) -> None:
+        info = _init_fields(init_info)
+        owner = self.weights.owner
+        if owner is not None and not owner["group_name"].startswith("vllm:"):
+            if (await self.weights.owner_status())["alive"]:
+                raise TransferError(409, f"the weight sync of this sidecar is owned by trainer group "
+                                         f"{owner['group_name']}, which still lives")
+        engines = self.manager.up_engines()
+        last = info["rank_offset"] + self.world_size()
+        if last > info["world_size"]:
+            raise TransferError(400, f"init_info.world_size: {info['world_size']} ranks cannot hold rank_offset "
+                                     f"{info['rank_offset']} + this sidecar's {self.world_size()} workers")
+        await self._leave(engines)
+        offsets = rank_offsets(engines, info["rank_offset"])
+        joined = await asyncio.gather(*(e.collective_rpc(
+            "join_vllm_group", timeout=self.timeout_s,
+            args=(info["master_address"], info["master_port"], info["world_size"], off, self.timeout_s))
+            for e, off in zip(engines, offsets)), return_exceptions=True)
+        errors = [str(r) for r in joined if isinstance(r, BaseException)]
+        if errors:
+            await self._leave(engines)
+            raise TransferError(502, "could not join the trainer's group: " + "; ".join(errors))
+        self.info = info
+        self.weights.owner = {"host": info["master_address"], "port": info["master_port"],
+                              "group_name": f"vllm:{info['master_address']}:{info['master_port']}"}
+        self.weights.members = [id(e) for e in engines]
+        log.info("joined a vLLM trainer's group at %s:%d as ranks %d..%d of %d", info["master_address"],
+                 info["master_port"], info["rank_offset"], last - 1, info["world_size"])
+
+    async def update(self, update_info: dict) -> dict:
+        if self.info is None:
+            raise TransferError(409, "no weight-transfer group: /init_weight_transfer_engine first")
+        if self.staged is not None:
+            raise TransferError(409, "an update is staged already: /finish_weight_update it first")
+        try:
+            m = update_manifest(update_info, self.info["packed_buffer_size_bytes"], self.manager.version + 1)
+        except ValueError as e:
+            await self._leave(self.manager.up_engines())  # the trainer broadcasts meanwhile: it must not wait
+            raise TransferError(400, str(e)) from None
+        engines = self.manager.up_engines()
+        with self.manager.state.receiving():
+            staged = await stage_on_engines(engines, m, self.timeout_s, method="begin_receive_vllm")
+        if any(r != "staged" for r in staged):
+            results = await finish_on_engines(engines, staged, commit=False, timeout=self.timeout_s)
+            reasons = [str(r) for r in results if isinstance(r, BaseException)]
+            refused = all(getattr(r, "refused", False) or getattr(r, "kind", "") == "refused"
+                          for r in results if isinstance(r, BaseException))
+            await self._leave(engines)
+            self.manager.state.count("failed_pushes")
+            raise TransferError(400 if refused else 500, "weight update " + ("refused" if refused else "failed") +
+                                ", nothing changed: " + " | ".join(reasons or ["another engine failed"]))
+        self.staged = (m, engines, staged)
+        return {"bytes": m.total_bytes, "chunks": len(m.buckets)}
+
+    async def finish(self, weight_version: str | None) -> int:
+        if self.staged is None:
+            raise TransferError(409, "no update staged: /update_weights first")
+        if weight_version is None:
+            version = self.manager.version + 1
+        elif isinstance(weight_version, str) and weight_version.isdigit():
+            version = int(weight_version)
+        else:
+            raise TransferError(400, f"weight_version: {weight_version!r} is not digits (this sidecar's weight "
+                                     "versions are integers that go up; leave it out for the current + 1)")
+        if version <= self.manager.version:
+            raise TransferError(409, f"weight_version {version} does not go up: this sidecar serves version "
+                                     f"{self.manager.version}")
+        m, engines, staged = self.staged
+        self.staged = None
+
+        async def swap() -> None:
+            results = await finish_on_engines(engines, staged, commit=True, timeout=self.timeout_s)
+            await commit_results(engines, results, version, "update")
+            self.manager.committed(version)
+
+        if self.paused_mode is not None:  # the trainer paused the engines itself
+            async with self.manager.state.push_lock:
+                await swap()
+        else:
+            await self.manager.run_paused("keep", swap)
+        self.manager.state.count("pushes")
+        return version
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise TransferError(400, f"mode: {mode!r} is not one of {PAUSE_MODES}")
+        await asyncio.gather(*(e.pause_generation(mode=mode, clear_cache=False) for e in self.manager.up_engines()))
+        self.paused_mode = mode
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume_generation() for e in self.manager.up_engines()))
+        self.paused_mode = None
+
+    async def shutdown(self) -> None:
+        await self._leave(self.manager.up_engines())
+
+    async def _leave(self, engines: list) -> None:
+        """Every engine leaves the trainer's group (a transfer still arriving is given up)."""
+        self.staged = None
+        if self.info is not None and self.weights.owner and self.weights.owner["group_name"].startswith("vllm:"):
+            self.weights.owner = None
+        self.info = None
+        await asyncio.gather(*(e.collective_rpc("close_vllm_group", timeout=10) for e in engines),
+                             return_exceptions=True)

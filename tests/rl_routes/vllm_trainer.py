@@ -1,0 +1,72 @@
+"""A trainer written for vLLM's RL routes, run as its own process: vLLM's own control-plane client
+(HTTPVLLMWeightSyncClient), vLLM's own group (stateless_init_torch_distributed_process_group, gloo)
+and vLLM's own packing (pack_tensors), with the CPU path of vLLM PR #57374 (a broadcast, then a
+barrier, per chunk). Pushes `--model`'s weights, perturbed by `--seed`, to the sidecar at `--url`.
+
+    python -m tests.rl_routes.vllm_trainer --url http://127.0.0.1:8000 --model DIR --seed 1
+"""
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import sys
+
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perturbed(model_dir: str, seed: int):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--buffer-bytes", type=int, default=1 << 20)
+    p.add_argument("--version", default=None, help="finish_weight_update's weight_version (default: none sent)")
+    args = p.parse_args(argv)
+    model = perturbed(args.model, args.seed)
+    client = HTTPVLLMWeightSyncClient(args.url, timeout=120)
+    world = 1 + requests.get(f"{args.url}/get_world_size", timeout=30).json()["world_size"]
+    port = free_port()
+    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
+                 "packed": True, "packed_buffer_size_bytes": args.buffer_bytes, "packed_num_buffers": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weight_transfer_engine, init_info)  # the trainer joins meanwhile
+        group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, world, backend="gloo")
+        joined.result()
+        client.start_weight_update()
+        named = [(n, t.detach()) for n, t in model.named_parameters()]  # ModuleSource: no tied lm_head
+        info = {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named]}
+        updated = pool.submit(client.update_weights, info)  # vLLM's trainer asks on a thread while it sends
+        chunks, it = 0, iter(named)
+        while (chunk := pack_tensors(it, lambda item: item[1], args.buffer_bytes)) is not None:
+            group.broadcast(chunk.packed_tensor, 0).wait()
+            group.barrier().wait()
+            chunks += 1
+        updated.result()
+    client.finish_weight_update(args.version)
+    print(json.dumps({"chunks": chunks, "world_size": world}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
