@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from rollout.weights import trainer_reachable
 from weight_sync.engine_sync import commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of
 from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
 
@@ -64,6 +65,10 @@ class VllmTransfer:
         self.staged: tuple | None = None  # (manifest, engines, their staged states) of an update not yet finished
         self.paused_mode: str | None = None  # the engines were paused by /pause
 
+    @property
+    def info_address(self) -> str:
+        return f"{self.info['master_address']}:{self.info['master_port']}" if self.info else "?"
+
     def world_size(self) -> int:
         """The ranks a trainer's group needs for this sidecar's workers (vLLM's /get_world_size)."""
         return sum(workers_of(e) for e in self.manager.up_engines())
@@ -71,10 +76,11 @@ class VllmTransfer:
     async def init(self, init_info: dict) -> None:
         info = _init_fields(init_info)
         owner = self.weights.owner
-        if owner is not None and not owner["group_name"].startswith("vllm:"):
-            if (await self.weights.owner_status())["alive"]:
-                raise TransferError(409, f"the weight sync of this sidecar is owned by trainer group "
-                                         f"{owner['group_name']}, which still lives")
+        mine = owner is not None and (owner["host"], owner["port"]) == (info["master_address"], info["master_port"])
+        if owner is not None and not mine and (await self.weights.owner_status())["alive"]:
+            raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
+                                     f"{owner['group_name']}), which still lives: it must "
+                                     "/shutdown_weight_transfer_engine (or close_weight_sync) first")
         engines = self.manager.up_engines()
         last = info["rank_offset"] + self.world_size()
         if last > info["world_size"]:
@@ -109,7 +115,18 @@ class VllmTransfer:
             raise TransferError(400, str(e)) from None
         engines = self.manager.up_engines()
         with self.manager.state.receiving():
-            staged = await stage_on_engines(engines, m, self.timeout_s, method="begin_receive_vllm")
+            staging = asyncio.ensure_future(stage_on_engines(engines, m, self.timeout_s, method="begin_receive_vllm"))
+            watch = asyncio.ensure_future(self._trainer_gone())
+            await asyncio.wait({staging, watch}, return_when=asyncio.FIRST_COMPLETED)
+            watch.cancel()
+            if not staging.done():  # the trainer died mid-update: its transfer is given up on every engine
+                where = self.info_address
+                await self._leave(engines)
+                await asyncio.gather(staging, return_exceptions=True)
+                self.manager.state.count("failed_pushes")
+                raise TransferError(502, f"the trainer at {where} is gone mid-update; nothing changed, "
+                                         "the engines serve on")
+            staged = staging.result()
         if any(r != "staged" for r in staged):
             results = await finish_on_engines(engines, staged, commit=False, timeout=self.timeout_s)
             reasons = [str(r) for r in results if isinstance(r, BaseException)]
@@ -121,6 +138,15 @@ class VllmTransfer:
                                 ", nothing changed: " + " | ".join(reasons or ["another engine failed"]))
         self.staged = (m, engines, staged)
         return {"bytes": m.total_bytes, "chunks": len(m.buckets)}
+
+    async def _trainer_gone(self, period_s: float = 0.5, misses: int = 2) -> None:
+        """Returns once the trainer's rendezvous port (its group's store, which lives as long as the
+        trainer) refuses `misses` times in a row: a dead trainer's broadcast never comes."""
+        host, port = self.info["master_address"], self.info["master_port"]
+        missed = 0
+        while missed < misses:
+            await asyncio.sleep(period_s)
+            missed = 0 if await asyncio.to_thread(trainer_reachable, host, port, period_s) else missed + 1
 
     async def finish(self, weight_version: str | None) -> int:
         if self.staged is None:

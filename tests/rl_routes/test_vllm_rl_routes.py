@@ -50,3 +50,66 @@ def test_vllms_own_trainer_code_pushes_into_our_engine(sidecar, qwen2_dir):
         assert all(g[0].weight_versions == [version + 1] * 8 for g in groups)
     finally:
         client.close()
+
+
+def _serving(client, checksum):
+    assert client.weights_checksums() == [checksum]
+    [[r]] = client.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(r.token_ids) == 3
+
+
+def test_a_wrong_shape_is_refused_by_name_and_the_trainer_does_not_hang(sidecar, qwen2_dir):
+    client = RolloutClient(sidecar.url)
+    try:
+        before, version = client.weights_checksums()[0], client.stats()["version"]
+        out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
+                              "--model", qwen2_dir, "--wrong-shape"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-2000:]
+        said = json.loads(out.stdout.strip().splitlines()[-1])
+        assert "400" in said["error"] and "wrong shapes" in said["body"] and "model.norm.weight" in said["body"]
+        assert client.stats()["version"] == version
+        _serving(client, before)
+        _train(sidecar, qwen2_dir, "--seed", "4")  # the next trainer's push lands
+        assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 4).named_parameters())]
+    finally:
+        client.close()
+
+
+def test_a_trainer_killed_mid_update_changes_nothing(sidecar, qwen2_dir):
+    import time
+
+    client = RolloutClient(sidecar.url)
+    try:
+        before, version = client.weights_checksums()[0], client.stats()["version"]
+        proc = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
+                               "--model", qwen2_dir, "--die-after", "1"], capture_output=True, timeout=120)
+        assert proc.returncode == -9
+        t0 = time.monotonic()
+        [[r]] = client.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert time.monotonic() - t0 < 2.0 and r.weight_versions == [version] * 3  # never paused
+        deadline = time.monotonic() + 30
+        while client.health()["pushing"]:  # the sidecar sees the trainer gone and gives its update up
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        _serving(client, before)
+        _train(sidecar, qwen2_dir, "--seed", "5")
+        assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 5).named_parameters())]
+    finally:
+        client.close()
+
+
+def test_bad_bodies_get_a_400_naming_the_field(sidecar):
+    def post(path, body):
+        return httpx.post(sidecar.http_url + path, json=body, timeout=30)
+
+    r = post("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": "x",
+                                                            "world_size": 2}})
+    assert r.status_code == 400 and "init_info.master_port" in r.text
+    r = post("/init_weight_transfer_engine", {"init_info": {"nccl_unique_id_b64": "AAAA"}})
+    assert r.status_code == 400 and "nccl_unique_id_b64" in r.text
+    assert post("/init_weight_transfer_engine", {}).status_code == 400  # no init_info at all: pydantic names it
+    assert post("/update_weights", {"update_info": {"names": "x"}}).status_code in (400, 409)
+    r = post("/finish_weight_update", {"weight_version": "v2"})
+    assert r.status_code == 409 and "update" in r.text  # nothing staged
+    assert httpx.post(sidecar.http_url + "/pause?mode=sideways", timeout=30).status_code == 400
+    assert httpx.get(sidecar.http_url + "/is_paused", timeout=30).json() == {"is_paused": False}

@@ -9,6 +9,8 @@ barrier, per chunk). Pushes `--model`'s weights, perturbed by `--seed`, to the s
 import argparse
 import concurrent.futures
 import json
+import os
+import signal
 import socket
 import sys
 
@@ -42,7 +44,18 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--buffer-bytes", type=int, default=1 << 20)
     p.add_argument("--version", default=None, help="finish_weight_update's weight_version (default: none sent)")
+    p.add_argument("--wrong-shape", action="store_true", help="send the last norm weight one element short")
+    p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many chunks")
     args = p.parse_args(argv)
+    try:
+        print(json.dumps(push(args)), flush=True)
+    except Exception as e:  # what the sidecar answered, for the test to read
+        body = getattr(getattr(e, "response", None), "text", "")
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "body": body}), flush=True)
+        return 1
+
+
+def push(args) -> dict:
     model = perturbed(args.model, args.seed)
     client = HTTPVLLMWeightSyncClient(args.url, timeout=120)
     world = 1 + requests.get(f"{args.url}/get_world_size", timeout=30).json()["world_size"]
@@ -55,17 +68,23 @@ def main(argv=None) -> None:
         joined.result()
         client.start_weight_update()
         named = [(n, t.detach()) for n, t in model.named_parameters()]  # ModuleSource: no tied lm_head
+        if args.wrong_shape:
+            named[-1] = (named[-1][0], named[-1][1][:-1])
         info = {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
                 "shapes": [list(t.shape) for _, t in named]}
         updated = pool.submit(client.update_weights, info)  # vLLM's trainer asks on a thread while it sends
         chunks, it = 0, iter(named)
-        while (chunk := pack_tensors(it, lambda item: item[1], args.buffer_bytes)) is not None:
-            group.broadcast(chunk.packed_tensor, 0).wait()
-            group.barrier().wait()
-            chunks += 1
-        updated.result()
+        try:
+            while (chunk := pack_tensors(it, lambda item: item[1], args.buffer_bytes)) is not None:
+                group.broadcast(chunk.packed_tensor, 0).wait()
+                group.barrier().wait()
+                chunks += 1
+                if chunks == args.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            updated.result()  # the sidecar's answer first: it says why a broadcast broke
     client.finish_weight_update(args.version)
-    print(json.dumps({"chunks": chunks, "world_size": world}), flush=True)
+    return {"chunks": chunks, "world_size": world}
 
 
 if __name__ == "__main__":
