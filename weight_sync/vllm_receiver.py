@@ -39,6 +39,10 @@ class _VllmSyncExtension(WeightSyncExtension):
         self._overlapped().begin(manifest, group_name)
         return {"deferred": "staged_weights", "args": [], "pending": "receiving"}
 
+    def begin_receive_vllm(self, manifest) -> dict:
+        self._overlapped().begin(manifest, vllm=True)
+        return {"deferred": "staged_weights", "args": [], "pending": "receiving"}
+
     def save_weights(self, path: str, version: int, background: bool = False) -> dict:
         """Rank 0 writes the engine's weights (every rank holds them whole); other ranks write nothing."""
         if self.rank != 0:

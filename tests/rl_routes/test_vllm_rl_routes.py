@@ -113,3 +113,28 @@ def test_bad_bodies_get_a_400_naming_the_field(sidecar):
     assert r.status_code == 409 and "update" in r.text  # nothing staged
     assert httpx.post(sidecar.http_url + "/pause?mode=sideways", timeout=30).status_code == 400
     assert httpx.get(sidecar.http_url + "/is_paused", timeout=30).json() == {"is_paused": False}
+
+
+def test_a_keep_mode_push_through_the_routes_tags_each_token_with_its_version(sidecar, qwen2_dir):
+    """/pause?mode=keep while a completion streams, the update, /finish_weight_update with a version,
+    /resume: the completion finishes, its first tokens from the old version and the rest from the new."""
+    version = httpx.get(sidecar.http_url + "/weight_info").json()["weight_version"]
+    body = {"model": "qwen2", "prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    tokens, versions = [], []
+    with httpx.stream("POST", sidecar.http_url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            tokens += c.get("token_ids") or []
+            versions += c.get("weight_versions") or []
+            if len(tokens) >= 5 and not httpx.get(sidecar.http_url + "/is_paused").json()["is_paused"] \
+                    and str(int(version) + 5) != httpx.get(sidecar.http_url + "/weight_info").json()["weight_version"]:
+                assert httpx.post(sidecar.http_url + "/pause?mode=keep", timeout=60).json() == {"status": "paused"}
+                _train(sidecar, qwen2_dir, "--seed", "6", "--version", str(int(version) + 5))
+                assert httpx.post(sidecar.http_url + "/resume", timeout=60).json() == {"status": "resumed"}
+    assert len(tokens) == len(versions) == 200
+    old, new = int(version), int(version) + 5
+    assert set(versions) == {old, new} and versions[0] == old and versions == sorted(versions)
+    assert httpx.get(sidecar.http_url + "/weight_info").json() == {"weight_version": str(new)}

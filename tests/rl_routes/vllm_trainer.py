@@ -46,6 +46,7 @@ def main(argv=None) -> None:
     p.add_argument("--version", default=None, help="finish_weight_update's weight_version (default: none sent)")
     p.add_argument("--wrong-shape", action="store_true", help="send the last norm weight one element short")
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many chunks")
+    p.add_argument("--pause", default=None, help="POST /pause?mode=... before the update, /resume after it")
     args = p.parse_args(argv)
     try:
         print(json.dumps(push(args)), flush=True)
@@ -62,6 +63,8 @@ def push(args) -> dict:
     port = free_port()
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
                  "packed": True, "packed_buffer_size_bytes": args.buffer_bytes, "packed_num_buffers": 2}
+    if args.pause:
+        requests.post(f"{args.url}/pause", params={"mode": args.pause}, timeout=120).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weight_transfer_engine, init_info)  # the trainer joins meanwhile
         group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, world, backend="gloo")
@@ -84,6 +87,8 @@ def push(args) -> dict:
         finally:
             updated.result()  # the sidecar's answer first: it says why a broadcast broke
     client.finish_weight_update(args.version)
+    if args.pause:
+        requests.post(f"{args.url}/resume", timeout=120).raise_for_status()
     return {"chunks": chunks, "world_size": world}
 
 
