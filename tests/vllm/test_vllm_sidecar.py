@@ -176,7 +176,7 @@ def test_a_stopped_vllm_sidecar_exits_cleanly_and_leaks_no_shared_memory(sidecar
 
     deaths = client.stats()["engine_deaths"]
     start = os.path.getsize(sidecar.log_path)  # what the tests before logged (a killed core's restart) aside
-    assert sidecar.stop() == 0
+    assert sidecar.stop(timeout_s=90) == 0  # a clean exit, not a fast one: on loaded cores vLLM's exit took > 20 s
     with open(sidecar.log_path) as f:
         f.seek(start)
         text = f.read()
