@@ -128,6 +128,8 @@ class VllmEngine:
         elif loop is not self._loop:
             raise RuntimeError("VllmEngine is bound to the event loop it was first used in")
 
+    stop_grace_s = 30.0  # a sidecar's stop waits this long for vLLM's processes (vllm_start.WORKER_EXIT_S within)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop vLLM's core and workers; whoever still waits on this engine hears it is gone."""
         if self._shutdown_called:

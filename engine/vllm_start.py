@@ -25,10 +25,16 @@ def cpu_env_defaults(tensor_parallel_size: int = 1, cpus: list[int] | None = Non
     return env
 
 
+WORKER_EXIT_S = 15
+
+
 def apply_env_defaults(device: str, tensor_parallel_size: int, log_level: str) -> dict[str, str]:
     """Set the vLLM variables the user did not set; returns those it set. vLLM logs to stderr
     (a sidecar's stdout carries its READY line to whoever started it)."""
-    wanted = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": log_level.upper()}
+    wanted = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": log_level.upper(),
+              # its workers' time to exit before their core terminates them: 5 s by default, which loaded
+              # CPU cores overran (a terminated worker leaves its shared memory to the resource tracker)
+              "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(WORKER_EXIT_S)}
     if device == "cpu":
         wanted.update(cpu_env_defaults(tensor_parallel_size))
     applied = {k: v for k, v in wanted.items() if k not in os.environ}

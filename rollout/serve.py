@@ -321,14 +321,15 @@ async def run(args, model: str, early_cores: list = ()) -> int:
         server.close()
         await manager.supervisor.close()
         for e in manager.engines:
-            e.shutdown(timeout=STOP_GRACE_S)
+            e.shutdown(timeout=getattr(e, "stop_grace_s", STOP_GRACE_S))
     log.info("sidecar stopped")
     return 0
 
 
 SHUTDOWN_GRACE_S = 3.0
-# how long each engine's processes get to exit on their own: vLLM's CPU core takes about 7 s (its
-# workers 3 of them); force-killed sooner, it leaves its shared memory to Python's resource tracker
+# how long each engine's processes get to exit on their own (an engine may ask for more: vLLM's, whose
+# CPU core takes about 7 s idle and past 15 s on loaded cores; force-killed sooner, it leaves its
+# shared memory to Python's resource tracker)
 STOP_GRACE_S = 10.0
 
 

@@ -66,3 +66,16 @@ def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     @app.get("/is_paused")
     async def is_paused():
         return {"is_paused": transfer.paused_mode is not None}
+
+    @app.get("/server_info")
+    async def server_info(config_format: str = Query("text")):
+        """What TRL reads of vLLM's: the weight-transfer backend and the model's dtype (the weights'
+        wire dtype); the rest of vLLM's config does not exist here."""
+        if config_format not in ("text", "json"):
+            raise HTTPException(400, detail={"message": f"config_format: {config_format!r} is not 'text' or 'json'",
+                                             "param": "config_format"})
+        engines = manager.up_engines() or manager.engines
+        config = {"weight_transfer_config": {"backend": "nccl"},  # vLLM's name for the packed broadcast
+                  "model_config": {"dtype": engines[0].cfg.dtype, "max_model_len": manager.max_model_len},
+                  "parallel_config": {"world_size": transfer.world_size()}}
+        return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}

@@ -113,6 +113,9 @@ def test_bad_bodies_get_a_400_naming_the_field(sidecar):
     assert r.status_code == 409 and "update" in r.text  # nothing staged
     assert httpx.post(sidecar.http_url + "/pause?mode=sideways", timeout=30).status_code == 400
     assert httpx.get(sidecar.http_url + "/is_paused", timeout=30).json() == {"is_paused": False}
+    info = httpx.get(sidecar.http_url + "/server_info?config_format=json", timeout=30).json()["vllm_config"]
+    assert info["model_config"]["dtype"] == "float32" and info["weight_transfer_config"]["backend"] == "nccl"
+    assert httpx.get(sidecar.http_url + "/server_info?config_format=yaml", timeout=30).status_code == 400
 
 
 def test_a_keep_mode_push_through_the_routes_tags_each_token_with_its_version(sidecar, qwen2_dir):
@@ -138,3 +141,39 @@ def test_a_keep_mode_push_through_the_routes_tags_each_token_with_its_version(si
     old, new = int(version), int(version) + 5
     assert set(versions) == {old, new} and versions[0] == old and versions == sorted(versions)
     assert httpx.get(sidecar.http_url + "/weight_info").json() == {"weight_version": str(new)}
+
+
+def test_one_trainer_owns_the_routes_until_it_is_gone(sidecar, qwen2_dir):
+    first = subprocess.Popen([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
+                              "--model", qwen2_dir, "--hold"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "joined"
+        out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
+                              "--model", qwen2_dir, "--seed", "8"], capture_output=True, text=True, timeout=120)
+        said = json.loads(out.stdout.strip().splitlines()[-1])
+        assert out.returncode == 1 and "409" in said["error"] and "another trainer" in said["body"]
+    finally:
+        first.kill()
+        first.wait()
+    _train(sidecar, qwen2_dir, "--seed", "8")  # the owner is gone: the next trainer takes the routes
+    client = RolloutClient(sidecar.url)
+    try:
+        assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 8).named_parameters())]
+    finally:
+        client.close()
+
+
+def test_a_sidecar_with_a_token_wants_it_on_these_routes(qwen2_dir):
+    side = Sidecar(qwen2_dir, "--http-port", "0", "--weight-transfer-routes", token="route-secret")
+    try:
+        out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", side.http_url,
+                              "--model", qwen2_dir], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and "401" in json.loads(out.stdout.strip().splitlines()[-1])["error"]
+        _train(side, qwen2_dir, "--seed", "9", "--token", "route-secret")  # the README's few lines
+        client = RolloutClient(side.url, token="route-secret")
+        try:
+            assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 9).named_parameters())]
+        finally:
+            client.close()
+    finally:
+        side.stop()

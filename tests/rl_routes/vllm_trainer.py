@@ -47,6 +47,8 @@ def main(argv=None) -> None:
     p.add_argument("--wrong-shape", action="store_true", help="send the last norm weight one element short")
     p.add_argument("--die-after", type=int, default=None, help="SIGKILL itself after this many chunks")
     p.add_argument("--pause", default=None, help="POST /pause?mode=... before the update, /resume after it")
+    p.add_argument("--hold", action="store_true", help="once the group formed, print 'joined' and wait to be killed")
+    p.add_argument("--token", default="", help="the sidecar's token, sent as the README shows")
     args = p.parse_args(argv)
     try:
         print(json.dumps(push(args)), flush=True)
@@ -56,10 +58,31 @@ def main(argv=None) -> None:
         return 1
 
 
+def token_client(token: str):
+    """vLLM's client with the sidecar's token on every call (README, "Drive it from a vLLM or TRL trainer")."""
+    class TokenClient(HTTPVLLMWeightSyncClient):
+        def _post(self, path, json=None):
+            requests.post(f"{self.base_url}/{path}", json=json, timeout=self.timeout,
+                          headers={"Authorization": f"Bearer {token}"}).raise_for_status()
+
+    return TokenClient
+
+
+def _exit_if_refused(init) -> None:
+    e = init.exception()
+    if e is not None:
+        body = getattr(getattr(e, "response", None), "text", "")
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "body": body}), flush=True)
+        os._exit(1)
+
+
 def push(args) -> dict:
     model = perturbed(args.model, args.seed)
-    client = HTTPVLLMWeightSyncClient(args.url, timeout=120)
-    world = 1 + requests.get(f"{args.url}/get_world_size", timeout=30).json()["world_size"]
+    client = (token_client(args.token) if args.token else HTTPVLLMWeightSyncClient)(args.url, timeout=120)
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    got = requests.get(f"{args.url}/get_world_size", timeout=30, headers=headers)
+    got.raise_for_status()
+    world = 1 + got.json()["world_size"]
     port = free_port()
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world,
                  "packed": True, "packed_buffer_size_bytes": args.buffer_bytes, "packed_num_buffers": 2}
@@ -67,8 +90,12 @@ def push(args) -> dict:
         requests.post(f"{args.url}/pause", params={"mode": args.pause}, timeout=120).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weight_transfer_engine, init_info)  # the trainer joins meanwhile
+        joined.add_done_callback(_exit_if_refused)  # else it would wait for the group's timeout
         group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, world, backend="gloo")
         joined.result()
+        if args.hold:
+            print("joined", flush=True)
+            signal.pause()
         client.start_weight_update()
         named = [(n, t.detach()) for n, t in model.named_parameters()]  # ModuleSource: no tied lm_head
         if args.wrong_shape:

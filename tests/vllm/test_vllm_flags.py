@@ -59,12 +59,13 @@ def test_vllm_settings_start_on_every_cpu_one_group_per_rank():
 def test_the_users_vllm_settings_win(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_LOGGING_STREAM",
-                 "VLLM_LOGGING_LEVEL"):
+                 "VLLM_LOGGING_LEVEL", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
         monkeypatch.setenv(name, "")  # recorded, so that what the defaults set is undone after the test
         monkeypatch.delenv(name)
     applied = apply_env_defaults("cpu", 1, "warning")
     assert "VLLM_CPU_KVCACHE_SPACE" not in applied
     assert applied["VLLM_LOGGING_STREAM"] == "ext://sys.stderr" and applied["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert applied["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] == "15"  # loaded cores overran vLLM's 5 s
     assert "VLLM_CPU_OMP_THREADS_BIND" not in apply_env_defaults("cuda", 1, "INFO")  # set once, kept
 
 
