@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 from engine import SamplingParams  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
 from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
-from tests.rl_routes.vllm_trainer import perturbed  # noqa: E402
+from tests.rl_routes.vllm_trainer import perturbed, push_here  # noqa: E402
 from tests.rollout.sidecar import Sidecar  # noqa: E402
 from weight_sync import weights_checksum  # noqa: E402
 
@@ -28,18 +28,17 @@ def sidecar(qwen2_dir):
     side.stop()
 
 
-def _train(sidecar, model_dir, *extra) -> dict:
-    out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
-                          "--model", model_dir, *extra], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _train(sidecar, model_dir, **options) -> dict:
+    """vLLM's trainer code, in this process (tests/rl_routes/vllm_trainer.py); the fault tests run it
+    as a process of its own."""
+    return push_here(sidecar.http_url, model_dir, **options)
 
 
 def test_vllms_own_trainer_code_pushes_into_our_engine(sidecar, qwen2_dir):
     client = RolloutClient(sidecar.url)
     try:
         version = client.stats()["version"]
-        sent = _train(sidecar, qwen2_dir, "--seed", "3")
+        sent = _train(sidecar, qwen2_dir, seed=3)
         assert sent["chunks"] > 1 and sent["world_size"] == 2
         want = perturbed(qwen2_dir, 3)
         assert client.weights_checksums() == [weights_checksum(want.named_parameters())]
@@ -69,7 +68,7 @@ def test_a_wrong_shape_is_refused_by_name_and_the_trainer_does_not_hang(sidecar,
         assert "400" in said["error"] and "wrong shapes" in said["body"] and "model.norm.weight" in said["body"]
         assert client.stats()["version"] == version
         _serving(client, before)
-        _train(sidecar, qwen2_dir, "--seed", "4")  # the next trainer's push lands
+        _train(sidecar, qwen2_dir, seed=4)  # the next trainer's push lands
         assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 4).named_parameters())]
     finally:
         client.close()
@@ -92,7 +91,7 @@ def test_a_trainer_killed_mid_update_changes_nothing(sidecar, qwen2_dir):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         _serving(client, before)
-        _train(sidecar, qwen2_dir, "--seed", "5")
+        _train(sidecar, qwen2_dir, seed=5)
         assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 5).named_parameters())]
     finally:
         client.close()
@@ -135,7 +134,7 @@ def test_a_keep_mode_push_through_the_routes_tags_each_token_with_its_version(si
             if len(tokens) >= 5 and not httpx.get(sidecar.http_url + "/is_paused").json()["is_paused"] \
                     and str(int(version) + 5) != httpx.get(sidecar.http_url + "/weight_info").json()["weight_version"]:
                 assert httpx.post(sidecar.http_url + "/pause?mode=keep", timeout=60).json() == {"status": "paused"}
-                _train(sidecar, qwen2_dir, "--seed", "6", "--version", str(int(version) + 5))
+                _train(sidecar, qwen2_dir, seed=6, version=str(int(version) + 5))
                 assert httpx.post(sidecar.http_url + "/resume", timeout=60).json() == {"status": "resumed"}
     assert len(tokens) == len(versions) == 200
     old, new = int(version), int(version) + 5
@@ -155,7 +154,7 @@ def test_one_trainer_owns_the_routes_until_it_is_gone(sidecar, qwen2_dir):
     finally:
         first.kill()
         first.wait()
-    _train(sidecar, qwen2_dir, "--seed", "8")  # the owner is gone: the next trainer takes the routes
+    _train(sidecar, qwen2_dir, seed=8)  # the owner is gone: the next trainer takes the routes
     client = RolloutClient(sidecar.url)
     try:
         assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 8).named_parameters())]
@@ -169,7 +168,7 @@ def test_a_sidecar_with_a_token_wants_it_on_these_routes(qwen2_dir):
         out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", side.http_url,
                               "--model", qwen2_dir], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1 and "401" in json.loads(out.stdout.strip().splitlines()[-1])["error"]
-        _train(side, qwen2_dir, "--seed", "9", "--token", "route-secret")  # the README's few lines
+        _train(side, qwen2_dir, seed=9, token="route-secret")  # the README's few lines
         client = RolloutClient(side.url, token="route-secret")
         try:
             assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 9).named_parameters())]

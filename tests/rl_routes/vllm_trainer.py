@@ -50,6 +50,7 @@ def main(argv=None) -> None:
     p.add_argument("--hold", action="store_true", help="once the group formed, print 'joined' and wait to be killed")
     p.add_argument("--token", default="", help="the sidecar's token, sent as the README shows")
     args = p.parse_args(argv)
+    args.exit_on_refusal = True  # a process of its own: a refused init must not leave it in the group's wait
     try:
         print(json.dumps(push(args)), flush=True)
     except Exception as e:  # what the sidecar answered, for the test to read
@@ -76,6 +77,14 @@ def _exit_if_refused(init) -> None:
         os._exit(1)
 
 
+def push_here(url: str, model: str, **options) -> dict:
+    """The same trainer, in this process (tests: vLLM is imported once); options as the flags."""
+    args = argparse.Namespace(url=url, model=model, seed=1, buffer_bytes=1 << 20, version=None, wrong_shape=False,
+                              die_after=None, pause=None, hold=False, token="")
+    vars(args).update(options)
+    return push(args)
+
+
 def push(args) -> dict:
     model = perturbed(args.model, args.seed)
     client = (token_client(args.token) if args.token else HTTPVLLMWeightSyncClient)(args.url, timeout=120)
@@ -90,7 +99,8 @@ def push(args) -> dict:
         requests.post(f"{args.url}/pause", params={"mode": args.pause}, timeout=120).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weight_transfer_engine, init_info)  # the trainer joins meanwhile
-        joined.add_done_callback(_exit_if_refused)  # else it would wait for the group's timeout
+        if getattr(args, "exit_on_refusal", False):
+            joined.add_done_callback(_exit_if_refused)  # else it would wait for the group's timeout
         group = stateless_init_torch_distributed_process_group("127.0.0.1", port, 0, world, backend="gloo")
         joined.result()
         if args.hold:

@@ -46,7 +46,8 @@ def sidecars(qwen2_dir, hf_models, tmp_path_factory):
         if f.startswith("tokenizer") or f.endswith(".jinja"):
             shutil.copy(os.path.join(qwen2_dir, f), ckpt / f)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(Sidecar, qwen2_dir, "--engine", "vllm", "--host-copy", "off"),
+        started = [pool.submit(Sidecar, qwen2_dir, "--engine", "vllm", "--host-copy", "off", "--http-port", "0",
+                               "--weight-transfer-routes"),  # vLLM's RL routes too (the last test)
                    pool.submit(Sidecar, str(ckpt), "--engine", "vllm", "--host-copy", "off")]
         concurrent.futures.wait(started)
     try:
@@ -157,3 +158,29 @@ def test_a_delta_into_vllm_gives_what_the_full_push_gives(client, trainer):
     by_delta = greedy(client, PROMPTS)
     assert not client.push_weights(trainer, version=version + 3, delta=False)["delta"]
     assert client.weights_checksums() == [want] and greedy(client, PROMPTS) == by_delta
+
+
+def test_vllms_trainer_code_pushes_into_vllms_engine_through_the_rl_routes(sidecar, client, qwen2_dir):
+    """vLLM's RL routes (rollout/vllm_transfer.py) on `--engine vllm`: vLLM's own trainer code
+    (tests/rl_routes/vllm_trainer.py) pushes into vLLM's loaders; a wrong shape changes nothing."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.rl_routes.vllm_trainer import perturbed as trained, push_here
+
+    client.close_weight_sync()  # this module's client owns the weight sync until it lets go (else a 409)
+    before, version = client.weights_checksums(), client.stats()["version"]
+    out = subprocess.run([sys.executable, "-m", "tests.rl_routes.vllm_trainer", "--url", sidecar.http_url,
+                          "--model", qwen2_dir, "--wrong-shape", "--token", TOKEN], capture_output=True, text=True,
+                         timeout=200)
+    assert out.returncode == 1 and "wrong shapes" in out.stdout, out.stderr[-2000:]
+    assert client.weights_checksums() == before and client.stats()["version"] == version
+    first = greedy(client, PROMPTS[:1])
+    push_here(sidecar.http_url, qwen2_dir, seed=7, version=str(version + 3), token=TOKEN)
+    assert client.weights_checksums() == [weights_checksum(trained(qwen2_dir, 7).named_parameters())]
+    info = httpx.get(sidecar.http_url + "/weight_info", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert info == {"weight_version": str(version + 3)}
+    [[r]] = client.generate(PROMPTS[:1], GREEDY)
+    assert r.weight_versions == [version + 3] * len(r.token_ids) and [r.token_ids] != first
