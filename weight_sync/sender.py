@@ -346,15 +346,7 @@ class WeightSender:
                 raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
                                       "form a new one (open_group / init_weight_sync)") from e
             self._after_commit_vote(prepared, named, meant)
-        seconds = time.perf_counter() - t0
-        log.info("pushed %s%s in %.3fs (%.2f GB/s)", "a delta: " if m.delta else "", m.summary(), seconds,
-                 m.total_bytes / seconds / 1e9)
-        full_bytes = m.total_bytes if m.delta is None else prepared.delta.full_bytes
-        out = {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
-               "seconds": seconds, "buckets": len(m.buckets)}
-        if prepared.delta is not None:
-            out["encode_seconds"] = prepared.delta.seconds  # before the send, in prepare_delta
-        return out
+        return _sent(prepared, time.perf_counter() - t0)
 
     def _on_device(self, device: torch.device):
         """Run a push on `device` whatever thread sends it (CUDA's current device and stream are
@@ -402,3 +394,16 @@ class WeightSender:
         if not verdict.same_manifest:
             raise WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
                                   refused=True)
+
+
+def _sent(prepared: PreparedPush, seconds: float) -> dict:
+    """A push's trainer result: its bytes on the wire beside the full weights' (a delta's are fewer)."""
+    m = prepared.manifest
+    log.info("pushed %s%s in %.3fs (%.2f GB/s)", "a delta: " if m.delta else "", m.summary(), seconds,
+             m.total_bytes / seconds / 1e9)
+    full_bytes = m.total_bytes if m.delta is None else prepared.delta.full_bytes
+    out = {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
+           "seconds": seconds, "buckets": len(m.buckets)}
+    if prepared.delta is not None:
+        out["encode_seconds"] = prepared.delta.seconds  # before the send, in prepare_delta
+    return out

@@ -12,14 +12,21 @@ from fastapi import Body, FastAPI, HTTPException, Query
 from rollout.vllm_transfer import TransferError, VllmTransfer
 
 
-def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
-    manager = transfer.manager
+async def run(coro):
+    """A transfer call; its refusal as the HTTP status it names."""
+    try:
+        return await coro
+    except TransferError as e:
+        raise HTTPException(e.status, detail={"message": str(e)}) from None
 
-    async def run(coro):
-        try:
-            return await coro
-        except TransferError as e:
-            raise HTTPException(e.status, detail={"message": str(e)}) from None
+
+def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
+    _add_update_routes(app, transfer)
+    _add_state_routes(app, transfer)
+
+
+def _add_update_routes(app: FastAPI, transfer: VllmTransfer) -> None:
+    """The weight update: the group, then start, update and finish."""
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(init_info: dict = Body(embed=True)):
@@ -44,6 +51,10 @@ def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
         version = await run(transfer.finish(weight_version))
         return {"message": "Weight update finished", "weight_version": str(version)}
+
+def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
+    """What the trainer asks of the sidecar's state, and the pause around an update."""
+    manager = transfer.manager
 
     @app.get("/weight_info")
     async def weight_info():
