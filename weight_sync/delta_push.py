@@ -29,6 +29,7 @@ import torch
 from weight_sync import delta as D
 from weight_sync.digest import Digest
 from weight_sync.manifest import DTYPES, DeltaPart, Manifest, TensorSpec, plan_layout
+from weight_sync.targets import views
 
 POSITIONS, BITMAP, VALUES = "#positions", "#bitmap", "#values"
 KINDS = ("indices", "bitmap", "full")
@@ -90,9 +91,8 @@ def fill_base(full: Manifest, result: torch.Tensor, base: Sequence[torch.Tensor]
     """The weights the receiver serves, laid into `result` as the full push would lay them (cast
     to the wire dtype: exact when they came in it)."""
     with torch.no_grad():
-        for spec, t in zip(full.tensors, base):
-            if spec.nbytes:
-                result[spec.offset:spec.offset + spec.nbytes].view(DTYPES[spec.dtype]).view(spec.shape).copy_(t)
+        for (_, view), t in zip(views(full, result), base):
+            view.copy_(t)
 
 
 def apply_payload(m: Manifest, full: Manifest, payload: torch.Tensor, result: torch.Tensor) -> None:

@@ -218,14 +218,18 @@ class PushReceiver:
 
     def _check_delta(self, m: Manifest) -> list[str]:
         """A delta: consistent, its result a push this engine takes, and its base what it serves."""
-        problems = check_delta(m) or self.target.check(full_manifest(m))
+        problems = check_delta(m)
+        if problems:
+            return problems
+        full = full_manifest(m)
+        problems = self.target.check(full)
         if problems:
             return problems
         d = m.delta
         if (d.base_version, d.base_digest) != (self.version, self.digest):
             return [NEEDS_FULL, f"the delta applies on version {d.base_version}; this worker holds {self._serving()}"]
         try:
-            self.target.base(full_manifest(m))
+            self.target.base(full)
         except Exception as e:  # weights it keeps no copy of (an in-place push into vLLM)
             return [NEEDS_FULL, f"its weights cannot be read as a delta's base: {e}"]
         return []
