@@ -5,9 +5,10 @@ to health "ok" again).
     python -m bench.startup                  # tiny model, 3 starts
     python -m bench.startup --vllm           # also vLLM's engine (--engine vllm) beside ours
 
-The anchor is the floor of any engine core written this way: one bare interpreter importing torch
-and the model's transformers class, nothing else (`floor`). Ours/floor says how much of a start is
-ours and not the imports every such core pays. The import profile (seconds per top-level package,
+The anchor is the floor of any engine core on torch: one bare interpreter importing torch and
+nothing else (`floor`); ours/floor says how much of a start is ours. Beside it, the floor of a core
+that loads its model with transformers (torch + the model's transformers class), which ours paid
+until it built Llama-shaped models itself (engine/llama_model.py). The import profile (seconds per top-level package,
 summed over each module's own import time) comes from one extra start of each process under
 `python -X importtime`: the front end run as a whole, the engine core as a warm standby (the
 imports it makes before its arguments arrive).
@@ -87,11 +88,11 @@ def heal_seconds(address: str, warm_s: float) -> float:
         client.close()
 
 
-def floor_seconds(model_dir: str) -> float:
-    """One interpreter importing torch and the model's transformers class, and nothing else."""
-    code = ("import os, torch\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
-            f"AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained({model_dir!r}))]\n"
-            "os._exit(0)")  # as a core ends: no interpreter teardown counted
+def floor_seconds(model_dir: str, transformers: bool = False) -> float:
+    """One interpreter importing torch (and the model's transformers class), nothing else."""
+    code = "import os, torch\n" + ("from transformers import AutoConfig, AutoModelForCausalLM\n"
+                                   f"AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained({model_dir!r}))]\n"
+                                   if transformers else "") + "os._exit(0)"  # as a core ends: no teardown counted
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, env=_env())
     return time.perf_counter() - t0
@@ -154,11 +155,13 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = resolve_model_arg(args.model)  # built once here, not inside a timed start
     floor = statistics.median(floor_seconds(model_dir) for _ in range(args.runs))
+    hf_floor = statistics.median(floor_seconds(model_dir, transformers=True) for _ in range(args.runs))
     ours = measure(model_dir, args.runs, heal_after_s=2 * floor)
     proc, _, _, front_text = start(model_dir, importtime=True)
     stop(proc)
     front, core = import_profile(front_text), core_import_profile(model_dir)
-    print(f"floor (torch + the model's transformers class in one interpreter): {floor:.2f} s")
+    print(f"floor (torch alone in one interpreter): {floor:.2f} s; with the model's transformers class: "
+          f"{hf_floor:.2f} s")
     print(f"ours: READY {ours['ready']:.2f} s (goal <= {GOAL_READY_S}), ready/floor {ours['ready'] / floor:.2f}; "
           f"heal {ours['heal']:.2f} s (goal <= {GOAL_HEAL_S}); per process: {ours['phases']}")
     print(f"imports, front end: {_top(front)}")

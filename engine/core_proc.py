@@ -298,14 +298,17 @@ def _one_per_worker(result: Future) -> Future:
 def _warm_up(model_dir: str) -> None:
     """What a standby core does before it is needed: import the model's modelling code (most of
     an engine's start on CPU is importing torch and transformers, not loading the weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine import attention
+    from engine import llama_model, model_runner  # noqa: F401 - torch, and the engine's own modules
     from engine.tokenizer import load_tokenizer
 
     load_tokenizer(model_dir)  # imports what this model's tokenizer needs (transformers', or tokenizers alone)
-    attention.register()
-    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]  # imports the model class
+    if llama_model.unsupported(model_dir) is not None:  # transformers' modelling code will load it
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from engine import attention
+
+        attention.register()
+        AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]  # imports the model class
 
 
 def _read_standby_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine import packed_linears
 from engine.lora_bank import LoraBank
 from engine.model_runner import ModelRunner, load_model
 
@@ -91,6 +92,7 @@ class Worker:
             # Drop the weights' storage but keep the module tree: a push or a reload refills it.
             for p in list(self.model.parameters()) + list(self.model.buffers()):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            packed_linears.drop(self.model)
             self.weights_released = True
             if self.lora_bank is not None:
                 self.lora_bank.clear()

@@ -1,0 +1,88 @@
+"""The model's linear layers on the CPU through oneDNN with prepacked weights, as vLLM's CPU build
+runs them (issue 39 item 2).
+
+torch's `F.linear` on the CPU is MKL's sgemm, which re-lays the weight out at every call and, on
+AMD at a decode step's 32-256 rows, ran 1.3-3.8x slower than oneDNN's matmul on a weight reordered
+once into its blocked layout (measured by bench.engines' micro-probe in bench/RESULTS.md). The
+packed copy is a cache beside the parameter, never the parameter itself: checksums, digests, host
+copies, catch-ups, LoRA and the trainer's names keep reading the plain weight.
+
+The cache follows the weight by itself: a push swaps a parameter's storage (its data pointer
+moves) or copies into it (its version counter moves), so each forward compares that key with the
+one it packed and repacks on a change; no weight path has to remember to call anything. The first
+forward after a commit pays the repack (one copy of the weights, ~0.1-0.3 s for SmolLM2);
+`repack` does it at the commit instead, so it lands in the push and not in a decode step.
+
+bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN: `supported` probes it once per dtype, and
+a CPU without it keeps `F.linear` (so do CUDA devices)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def supported(dtype: torch.dtype) -> bool:
+    """Whether this CPU and torch build can run a prepacked linear in `dtype`."""
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+        return bool((out == 8).all())
+    except (RuntimeError, AttributeError) as e:  # no mkldnn in this build, or no kernel for dtype here
+        log.info("prepacked linears unavailable for %s: %s", dtype, str(e).splitlines()[0])
+        return False
+
+
+def pack(model: torch.nn.Module) -> int:
+    """Route every `nn.Linear` of `model` through a prepacked weight; returns how many. The
+    weights are packed at their first forward (or `repack`)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module._packed, module._packed_key = None, None
+            module.forward = types.MethodType(_packed_forward, module)
+            count += 1
+    return count
+
+
+def repack(model: torch.nn.Module) -> None:
+    """Pack every changed weight now (after a commit), not at the next decode step."""
+    for module in model.modules():
+        if getattr(module, "_packed_key", False) is not False and module.weight.numel():
+            _packed_weight(module)
+
+
+def drop(model: torch.nn.Module) -> None:
+    """Free the packed copies (sleep level 2 releases the weights: their copies go too)."""
+    for module in model.modules():
+        if getattr(module, "_packed_key", False) is not False:
+            module._packed, module._packed_key = None, None
+
+
+def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+    w = module.weight
+    key = (w.data_ptr(), _version(w), tuple(w.shape))
+    if module._packed_key != key:
+        module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+        module._packed_key = key
+    return module._packed
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor counts no versions (and takes no writes outside it)
+        return -1
+
+
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # oneDNN's op has no backward
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(self), self.bias, "none", [], "")

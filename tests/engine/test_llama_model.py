@@ -1,0 +1,73 @@
+"""engine/llama_model.py: the engine's own Llama-shaped models hold HF's parameters under HF's
+names, a core loads them without importing transformers, and what they do not cover is loaded by
+transformers as before."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, llama_model
+from engine.model_runner import load_model
+from tests.engine.helpers import hf_greedy, random_prompts
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_parameters_are_hfs_under_hfs_names(arch, model_dirs, hf_models):
+    ours = llama_model.load(model_dirs[arch], torch.float32)
+    theirs = hf_models[arch]
+    mine, hf = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert list(mine) == list(hf)
+    for name, p in hf.items():
+        assert torch.equal(mine[name], p), name
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied, as HF ties it
+    assert ours.generation_config.eos_token_id == theirs.generation_config.eos_token_id
+
+
+def test_a_core_loads_its_model_without_transformers(qwen2_dir):
+    code = ("import sys, torch\nfrom engine.config import EngineConfig\nfrom engine.model_runner import load_model\n"
+            f"m = load_model(EngineConfig(model={qwen2_dir!r}), torch.device('cpu'))\n"
+            "print(type(m).__module__, sorted(k for k in ('transformers', 'sympy', 'torch._dynamo') if k in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["engine.llama_model", "[]"]
+
+
+def _variant(src: str, dst, **config) -> str:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwen2_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    scaled = _variant(qwen2_dir, tmp_path / "scaled",
+                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    assert llama_model.unsupported(scaled) == "rope type 'linear'"
+    assert llama_model.unsupported(_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
+    llm = LLM(EngineConfig(model=scaled, max_model_len=128))
+    assert type(llm.core.worker.model).__module__.startswith("transformers.")
+    hf = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
+    prompts = random_prompts(3, 4, 20, 2000, seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True)
+
+
+def test_a_checkpoint_whose_names_do_not_fit_is_left_to_transformers(qwen2_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(qwen2_dir, renamed)
+    state = load_file(renamed / "model.safetensors")
+    state["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+    save_file(state, renamed / "model.safetensors", metadata={"format": "pt"})
+    assert llama_model.unsupported(str(renamed)) is None
+    assert llama_model.load(str(renamed), torch.float32) is None
+    model = load_model(EngineConfig(model=str(renamed)), torch.device("cpu"))
+    assert type(model).__module__.startswith("transformers.")

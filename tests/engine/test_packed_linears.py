@@ -1,0 +1,84 @@
+"""Prepacked linears (engine/packed_linears.py): the packed copy follows every way a push changes a
+weight, frees with the weights, and the engine on it still gives HF's greedy tokens."""
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, packed_linears
+from tests.engine.helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(not packed_linears.supported(torch.float32),
+                                reason="this torch build has no oneDNN fp32 linear")
+
+U32 = 2.0**-24
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> float:
+    """Two fp32 sums of K products, each off by at most K·u·Σ|products| <= K·u·K·max|x|·max|w|
+    in any order of summation, differ by twice that: a wrong weight misses it by orders."""
+    k = x.shape[-1]
+    return 2 * k * U32 * k * x.abs().max().item() * w.abs().max().item()
+
+
+def _layer(out_features=48, in_features=64, bias=True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    assert packed_linears.pack(torch.nn.Sequential(layer)) == 1
+    return layer
+
+
+def _close(layer: torch.nn.Linear, x: torch.Tensor) -> None:
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert (layer(x) - want).abs().max().item() <= _bound(x, layer.weight) + 1e-6
+
+
+def test_the_packed_weight_follows_a_swap_and_a_copy():
+    layer, x = _layer(), torch.randn(1, 5, 64)
+    _close(layer, x)
+    packed = layer._packed
+    layer.weight.data = torch.randn(48, 64)  # a swap commit: the storage moves
+    _close(layer, x)
+    assert layer._packed is not packed
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64))  # a copy commit: the version counter moves
+    _close(layer, x)
+    with torch.no_grad():
+        layer.weight[3].mul_(-2.0)  # a write through a view moves the same counter
+    _close(layer, x)
+
+
+def test_repack_packs_at_once_and_drop_frees():
+    layer = _layer(bias=False)
+    assert layer._packed is None
+    packed_linears.repack(layer)
+    assert layer._packed is not None
+    packed_linears.drop(layer)
+    assert layer._packed is None and layer._packed_key is None
+    _close(layer, torch.randn(7, 64))  # a forward after a drop packs again
+
+
+def test_a_forward_with_grad_takes_the_plain_path():
+    layer = _layer().requires_grad_(True)
+    x = torch.randn(3, 64)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer._packed is None
+
+
+def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf_models):
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=16, max_model_len=256))
+    model = llm.core.worker.model
+    packed = [m for m in model.modules() if getattr(m, "_packed_key", False) is not False]
+    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
+    prompts = random_prompts(6, 3, 40, 2000, seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert all(m._packed is not None for m in packed)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 16)
+    assert math.isfinite(llm.core.worker.runner.forward_seconds)
+
+
+def test_prepack_off_keeps_torchs_linear(model_dirs):
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128, prepack_linears=False))
+    assert not any(hasattr(m, "_packed_key") for m in llm.core.worker.model.modules())
