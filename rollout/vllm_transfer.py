@@ -177,6 +177,25 @@ class VllmTransfer:
         self.manager.state.count("pushes")
         return version
 
+    async def checksums(self) -> dict[str, str]:
+        """SHA-256 of each served weight, keyed as vLLM's /weight_checker keys them
+        ("dp<engine>:pp0:pcp0:tp<rank>:<name>")."""
+        out = {}
+        for i, e in enumerate(self.manager.up_engines()):
+            per_rank = await e.collective_rpc("weight_digests", timeout=self.timeout_s)
+            for rank, digests in enumerate(per_rank):
+                out.update({f"dp{i}:pp0:pcp0:tp{rank}:{name}": d for name, d in digests.items()})
+        return out
+
+    async def zero(self) -> None:
+        """Every engine's weights zeroed until the next push (vLLM's /weight_checker "reset")."""
+        async with self.manager.state.push_lock:  # never between a push's commit and its version
+            try:
+                await asyncio.gather(*(e.collective_rpc("zero_weights", timeout=self.timeout_s)
+                                       for e in self.manager.up_engines()))
+            except ValueError as e:
+                raise TransferError(400, f"action 'reset': {e}") from None
+
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise TransferError(400, f"mode: {mode!r} is not one of {PAUSE_MODES}")

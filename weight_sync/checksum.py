@@ -59,3 +59,9 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         h.update(f"{name}\0{dtype}\0{list(t.shape)}\0".encode())
         h.update(tensor_bytes(t))
     return h.hexdigest()
+
+
+def tensor_digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Hex SHA-256 of each distinct tensor's bytes, by name: vLLM's `compute_tensor_digests`
+    (its /weight_checker), so two snapshots say which weights differ, not only that some do."""
+    return {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in dedup_tied(named)}

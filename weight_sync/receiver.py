@@ -19,7 +19,9 @@ are slower than the network, see weight_sync/README.md. `close_weight_sync()` dr
 
 from __future__ import annotations
 
-from weight_sync.checksum import weights_checksum as _checksum
+import torch
+
+from weight_sync.checksum import tensor_digests, weights_checksum as _checksum
 from weight_sync.digest import NONE
 from weight_sync.host_copy import HostCopies
 from weight_sync.overlapped_receive import OverlappedReceive
@@ -136,6 +138,19 @@ class WeightSyncExtension:
     def weights_checksum(self) -> str:
         """See weight_sync.checksum: SHA-256 over every served weight (tied ones once) in name order."""
         return _checksum(self._receiver().target.served())
+
+    def weight_digests(self) -> dict:
+        """SHA-256 of each served weight, by name (weight_sync.checksum.tensor_digests)."""
+        return tensor_digests(self._receiver().target.served())
+
+    def zero_weights(self) -> bool:
+        """Zero every weight (vLLM's /weight_checker "reset": a test that the next push writes them
+        all). The weights are of no push now: a delta must not build on them."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+        self._receiver().digest = NONE
+        return True
 
     def staging_room(self, nbytes: int, limit: int | None = None) -> dict:
         """Whether a staging copy of `nbytes` fits (weight_sync.staging_memory.StagingPool.room)."""

@@ -32,6 +32,10 @@ class _VllmSyncExtension(WeightSyncExtension):
     def _local_rank(self) -> int:
         return int(self.rank)  # this worker's rank in its engine (tensor parallel)
 
+    def zero_weights(self) -> bool:
+        raise ValueError("zeroing the weights is our engine's (a vLLM engine serves its own fused copies, which "
+                         "the kept copy of the pushed weights would no longer describe)")
+
     # NOTE: vLLM sends a worker's answer as soon as its method returns: a Future cannot wait for
     # it. A call that must wait answers instead with where to ask (engine/vllm_engine.py's
     # `deferred`): the method to call between steps, its arguments, and the answer meaning "not yet".

@@ -47,6 +47,29 @@ def _add_update_routes(app: FastAPI, transfer: VllmTransfer) -> None:
         out = await run(transfer.update(update_info))
         return {"message": "Weights updated", **out}
 
+    @app.post("/start_draft_weight_update")
+    async def start_draft_weight_update():
+        raise HTTPException(400, detail={"message": "this sidecar serves no draft model (speculative decoding)"})
+
+    @app.post("/weight_checker")
+    async def weight_checker(action: str = Body(embed=True), baseline: dict | None = Body(None, embed=True)):
+        """vLLM's: "checksum" (SHA-256 per weight), "compare" (against a baseline of those), or
+        "reset" (zero the weights, so that a later compare shows the next push wrote them all)."""
+        if action not in ("checksum", "reset", "compare"):
+            raise HTTPException(400, detail={"message": f"action: {action!r} is not checksum, reset or compare",
+                                             "param": "action"})
+        if action == "compare" and not isinstance(baseline, dict):
+            raise HTTPException(400, detail={"message": "action 'compare' needs a 'baseline' object",
+                                             "param": "baseline"})
+        if action == "reset":
+            await run(transfer.zero())
+            return {"status": "reset"}
+        checksums = await run(transfer.checksums())
+        if action == "checksum":
+            return {"checksums": checksums}
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
+        return {"match": not mismatches, "mismatches": mismatches}
+
     @app.post("/finish_weight_update")
     async def finish_weight_update(weight_version: str | None = Body(None, embed=True)):
         version = await run(transfer.finish(weight_version))

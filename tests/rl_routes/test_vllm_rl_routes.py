@@ -117,6 +117,33 @@ def test_bad_bodies_get_a_400_naming_the_field(sidecar):
     assert httpx.get(sidecar.http_url + "/server_info?config_format=yaml", timeout=30).status_code == 400
 
 
+def test_the_weight_checker_shows_a_push_wrote_every_weight(sidecar, qwen2_dir):
+    """vLLM's /weight_checker use: checksum, reset (zeros), push, compare with the checksum."""
+    import hashlib
+
+    def check(action, **body):
+        r = httpx.post(sidecar.http_url + "/weight_checker", json={"action": action, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    _train(sidecar, qwen2_dir, seed=5)
+    pushed = check("checksum")["checksums"]
+    want = perturbed(qwen2_dir, 5)
+    names = [n for n, _ in want.named_parameters()]
+    assert sorted(pushed) == sorted(f"dp0:pp0:pcp0:tp0:{n}" for n in names)
+    norm = want.model.norm.weight.detach().numpy().tobytes()
+    assert pushed["dp0:pp0:pcp0:tp0:model.norm.weight"] == hashlib.sha256(norm).hexdigest()
+    assert check("compare", baseline=pushed) == {"match": True, "mismatches": []}
+    assert check("reset") == {"status": "reset"}
+    assert check("compare", baseline=pushed)["mismatches"] == sorted(pushed)  # every weight is zero now
+    _train(sidecar, qwen2_dir, seed=5)  # the same weights again, over zeros
+    assert check("compare", baseline=pushed) == {"match": True, "mismatches": []}
+    for body in ({"action": "shred"}, {"action": "compare"}):
+        r = httpx.post(sidecar.http_url + "/weight_checker", json=body, timeout=30)
+        assert r.status_code == 400 and ("action" in r.text or "baseline" in r.text)
+    assert httpx.post(sidecar.http_url + "/start_draft_weight_update", timeout=30).status_code == 400
+
+
 def test_a_keep_mode_push_through_the_routes_tags_each_token_with_its_version(sidecar, qwen2_dir):
     """/pause?mode=keep while a completion streams, the update, /finish_weight_update with a version,
     /resume: the completion finishes, its first tokens from the old version and the rest from the new."""
