@@ -7,11 +7,13 @@ once into its blocked layout (measured by bench.engines' micro-probe in bench/RE
 packed copy is a cache beside the parameter, never the parameter itself: checksums, digests, host
 copies, catch-ups, LoRA and the trainer's names keep reading the plain weight.
 
-The cache follows the weight by itself: a push swaps a parameter's storage (its data pointer
-moves) or copies into it (its version counter moves), so each forward compares that key with the
-one it packed and repacks on a change; no weight path has to remember to call anything. The first
-forward after a commit pays the repack (one copy of the weights, ~0.1-0.3 s for SmolLM2);
-`repack` does it at the commit instead, so it lands in the push and not in a decode step.
+The cache follows the weight: a push's commit calls the worker's `weights_written`, which
+`drop`s every packed copy; and each forward compares the weight's data pointer and version counter
+with those it packed, which catches a write anywhere else (a test's `copy_`, a reload). The
+pointer alone is not enough for a push: on the CPU a commit swaps a weight onto the staging buffer
+it held two pushes ago, which a LoRA merge or a bucket wrote meanwhile through a view of its own
+(whose version counter is not the parameter's). The first forward after a commit pays the repack
+(one copy of the weights, ~0.5 s for SmolLM2's 538 MB); `repack` does it at once instead.
 
 bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN: `supported` probes it once per dtype, and
 a CPU without it keeps `F.linear` (so do CUDA devices)."""

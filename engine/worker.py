@@ -80,6 +80,12 @@ class Worker:
             reloaded()
         return True
 
+    def weights_written(self) -> None:
+        """Called by whatever wrote the weights (a push's commit): the prepacked copies are dropped
+        and made again at the next forward. Their own check (data pointer, version counter) misses a
+        weight swapped back onto a buffer it used before and written meanwhile through another view."""
+        packed_linears.drop(self.model)
+
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""
         self.lora_bank = LoraBank(self.model, self.cfg.lora_versions) if self.cfg.lora_versions else None

@@ -66,6 +66,7 @@ class ParamsTarget:
         """Cannot fail half way: names, shapes and dtypes were validated, and assignment or
         same-size copies do not raise."""
         replaced = assign(plan, self.host.device)
+        self._written()
         if m.adapter is not None:
             self.adapter.committed(m, plan)
             if not m.adapter.with_base:
@@ -91,6 +92,7 @@ class ParamsTarget:
             for name, t in pairs:
                 params[name if name in params else aliases[name]].copy_(t)
         sync_device(self.host.device)
+        self._written()
         self.current = None
         self._new_weights()
 
@@ -110,6 +112,13 @@ class ParamsTarget:
     def forget(self) -> None:
         self.current = None
         self.adapter.forget()
+
+    def _written(self) -> None:
+        """Tell the worker its weights changed (what it derives from them, the prepacked linears,
+        goes stale: a swap may point a weight back at memory it held two pushes ago)."""
+        written = getattr(self.host, "weights_written", None)
+        if written is not None:
+            written()
 
     def _new_weights(self) -> None:
         """A full push: the weights are what it said, of no known LoRA base."""

@@ -149,6 +149,7 @@ class WeightSyncExtension:
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()
+        self.weights_written()
         self._receiver().digest = NONE
         return True
 

@@ -49,6 +49,23 @@ def test_the_packed_weight_follows_a_swap_and_a_copy():
     _close(layer, x)
 
 
+def test_a_weight_swapped_back_onto_a_rewritten_buffer_needs_the_drop_a_commit_makes():
+    """The CPU staging pool's two buffers: a commit points a weight back at the one it held two pushes
+    ago, written meanwhile through a view of its own. Pointer and version look unchanged: only the
+    commit's `drop` (Worker.weights_written) tells the cache."""
+    layer, x = _layer(), torch.randn(4, 64)
+    a, b = torch.randn(48, 64), torch.randn(48, 64)
+    layer.weight.data = a
+    _close(layer, x)
+    layer.weight.data = b
+    a.copy_(torch.randn(48, 64))  # the next push lands in the free buffer, through its own view
+    layer.weight.data = a
+    stale = layer(x)
+    packed_linears.drop(layer)
+    _close(layer, x)
+    assert not torch.equal(stale, layer(x))  # what the drop is for
+
+
 def test_repack_packs_at_once_and_drop_frees():
     layer = _layer(bias=False)
     assert layer._packed is None
