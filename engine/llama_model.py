@@ -184,8 +184,10 @@ class CausalLM(nn.Module):
 
 
 def _generation_config(model_dir: str, cfg: SimpleNamespace) -> SimpleNamespace:
-    path = os.path.join(model_dir, "generation_config.json")
-    raw = json.load(open(path)) if os.path.isfile(path) else {}
+    path, raw = os.path.join(model_dir, "generation_config.json"), {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
     return SimpleNamespace(eos_token_id=raw.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
 
 

@@ -1,8 +1,11 @@
 """The one place where our request types meet vLLM's (for engine/vllm_engine.py).
 
-- `to_vllm_params`: our SamplingParams as vLLM's. vLLM always streams deltas to the adapter
-  (RequestOutputKind.DELTA) and always returns the sampled token's logprob (logprobs=0 at
-  least): our `output_kind` is applied by the adapter, and `.logprobs` is one float per token.
+- `to_vllm_params`: our SamplingParams as vLLM's. vLLM streams deltas to the adapter
+  (RequestOutputKind.DELTA), except for a request that wants its output only when it finishes
+  (ours "final": the rollout manager's every request), which vLLM then gathers itself and sends
+  once (FINAL_ONLY, as its own `LLM.generate` asks): a RequestOutput per token per sample less
+  on the sidecar's cores. It always returns the sampled token's logprob (logprobs=0 at least):
+  `.logprobs` is one float per token.
   A parameter vLLM lacks, or cannot honour where it runs, is a ValueError naming it.
 - `completion_deltas`: one vLLM CompletionOutput delta as our SeqDeltas (engine.messages), which
   engine.output_processor.RequestState gathers exactly as it does our own core's: one delta per
@@ -56,7 +59,7 @@ def to_vllm_params(params: SamplingParams, on_cpu: bool):
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
         logprobs=0 if params.logprobs is None else params.logprobs,  # the sampled token's, always
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.FINAL_ONLY if params.output_kind == "final" else RequestOutputKind.DELTA,
         detokenize=params.detokenize or bool(params.stop),  # vLLM finds stop strings in its own text
     )
 

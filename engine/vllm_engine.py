@@ -10,8 +10,9 @@ distribution (logprobs_mode "processed_logprobs"), finish reason "abort" for cut
 the weight version of every token, as vLLM's core stamped it.
 
 Death, as engine.AsyncEngine: once vLLM's core or a worker dies, `errored` is true, every
-request raises our EngineDeadError with `.partial` (its output so far) and every control call
-in flight raises it too (vLLM leaves those waiting).
+request raises our EngineDeadError with `.partial` (its output so far: none for a "final"
+request, whose tokens vLLM holds until it finishes, so it is resubmitted from its prompt) and
+every control call in flight raises it too (vLLM leaves those waiting).
 """
 
 from __future__ import annotations
