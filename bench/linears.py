@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench.gpu import matmul_peak
+from engine import packed_linears
 
 log = logging.getLogger("bench.linears")
 
@@ -65,17 +66,20 @@ def main() -> None:
     shapes: dict[tuple, int] = {}
     for w in weights:
         shapes[tuple(w.shape)] = shapes.get(tuple(w.shape), 0) + 1
-    peak = max(matmul_peak(torch.device("cpu"), dtype), onednn_peak(dtype))
+    peak = max(matmul_peak(torch.device("cpu"), dtype), onednn_peak(packed_linears.compute_dtype(dtype)))
     log.info("%s %s: %d linears, shapes %s; peak (the better of MKL and oneDNN on a square matmul) %.1f GFLOP/s, %d threads", args.model, args.dtype,
              len(weights), shapes, peak / 1e9, torch.get_num_threads())
     plain = {s: torch.randn(s, dtype=dtype) for s in shapes}
-    packed = {s: torch.ops.mkldnn._reorder_linear_weight(w) for s, w in plain.items()}
+    wide = packed_linears.compute_dtype(dtype)  # bf16 on a CPU without its kernels: an fp32 copy
+    packed = {s: torch.ops.mkldnn._reorder_linear_weight(w.to(wide)) for s, w in plain.items()}
     linear = torch.ops.mkldnn._linear_pointwise
+    log.info("packed weights in %s", wide)
     for rows in map(int, args.rows.split(",")):
         flops = sum(2 * rows * s[0] * s[1] * k for s, k in shapes.items())
         ways = {"F.linear": lambda x, s: torch.nn.functional.linear(x, plain[s]),
-                "oneDNN plain": lambda x, s: linear(x, plain[s], None, "none", [], ""),
-                "oneDNN packed": lambda x, s: linear(x, packed[s], None, "none", [], "")}
+                "oneDNN packed": lambda x, s: linear(x.to(wide), packed[s], None, "none", [], "").to(dtype)}
+        if packed_linears.supported(dtype):
+            ways["oneDNN plain"] = lambda x, s: linear(x, plain[s], None, "none", [], "")
         seconds = {}
         for way, fn in ways.items():
             xs = {s: torch.randn(rows, s[1], dtype=dtype) for s in shapes}
@@ -85,7 +89,7 @@ def main() -> None:
                                                   f"peak, {base / t:.2f}x)" for w, t in seconds.items()))
     start = time.perf_counter()
     for w in weights:
-        torch.ops.mkldnn._reorder_linear_weight(w)
+        torch.ops.mkldnn._reorder_linear_weight(w.to(wide))
     repack = time.perf_counter() - start
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     log.info("repack of every linear (a push's cost): %.3f s for %.0f MB (%.2f GB/s)", repack, nbytes / 1e6,

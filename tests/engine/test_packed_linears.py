@@ -25,7 +25,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> float:
 def _layer(out_features=48, in_features=64, bias=True) -> torch.nn.Linear:
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
-    assert packed_linears.pack(torch.nn.Sequential(layer)) == 1
+    assert packed_linears.pack(torch.nn.Sequential(layer), torch.float32) == 1
     return layer
 
 
@@ -64,6 +64,23 @@ def test_a_weight_swapped_back_onto_a_rewritten_buffer_needs_the_drop_a_commit_m
     packed_linears.drop(layer)
     _close(layer, x)
     assert not torch.equal(stale, layer(x))  # what the drop is for
+
+
+def test_a_bf16_layer_keeps_a_bf16_gemms_arithmetic():
+    """bf16 runs on bf16 kernels, or (on a CPU without them) on an fp32 copy with the output rounded
+    once: either way within one bf16 rounding of the output (2^-8 relative, twice: both sides
+    round) plus the fp32 sums' reordering of bf16 F.linear."""
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 48, dtype=torch.bfloat16).requires_grad_(False)
+    wide = packed_linears.compute_dtype(torch.bfloat16)
+    assert wide in (torch.bfloat16, torch.float32)
+    packed_linears.pack(torch.nn.Sequential(layer), wide)
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias).float()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    bound = 2 * 2.0**-8 * ref.abs() + _bound(x.float(), layer.weight.float())
+    assert ((got.float() - ref).abs() <= bound).all()
 
 
 def test_repack_packs_at_once_and_drop_frees():
