@@ -101,7 +101,7 @@ def test_a_forward_with_grad_takes_the_plain_path():
 
 
 def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf_models):
-    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=16, max_model_len=256))
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=16, max_model_len=256, prepack_linears=True))
     model = llm.core.worker.model
     packed = [m for m in model.modules() if getattr(m, "_packed_key", False) is not False]
     assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
@@ -114,5 +114,5 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
 
 
 def test_prepack_off_keeps_torchs_linear(model_dirs):
-    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128, prepack_linears=False))
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128))  # off by default
     assert not any(hasattr(m, "_packed_key") for m in llm.core.worker.model.modules())
