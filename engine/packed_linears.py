@@ -15,6 +15,9 @@ it held two pushes ago, which a LoRA merge or a bucket wrote meanwhile through a
 (whose version counter is not the parameter's). The first forward after a commit pays the repack
 (one copy of the weights, ~0.5 s for SmolLM2's 538 MB); `repack` does it at once instead.
 
+Off by default (`EngineConfig.prepack_linears`): oneDNN and torch's ideep cache a primitive per
+distinct row count, ~0.36 MB each, and varied prefill sizes grow those caches toward a GB.
+
 bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN (`supported` probes it once per dtype). A
 CPU without them runs a bf16 (or fp16) model's linears on an fp32 packed copy instead
 (`compute_dtype`): the input is widened, the output rounded back once. That is a bf16 GEMM's own
@@ -67,18 +70,21 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
+def _packed_modules(model: torch.nn.Module):
+    return (m for m in model.modules() if hasattr(m, "_packed_dtype"))
+
+
 def repack(model: torch.nn.Module) -> None:
     """Pack every changed weight now (after a commit), not at the next decode step."""
-    for module in model.modules():
-        if getattr(module, "_packed_key", False) is not False and module.weight.numel():
+    for module in _packed_modules(model):
+        if module.weight.numel():
             _packed_weight(module)
 
 
 def drop(model: torch.nn.Module) -> None:
-    """Free the packed copies (sleep level 2 releases the weights: their copies go too)."""
-    for module in model.modules():
-        if getattr(module, "_packed_key", False) is not False:
-            module._packed, module._packed_key = None, None
+    """Free the packed copies (a commit wrote the weights, or sleep level 2 released them)."""
+    for module in _packed_modules(model):
+        module._packed, module._packed_key = None, None
 
 
 def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
