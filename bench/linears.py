@@ -36,7 +36,7 @@ def _layers(model_name: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """Every linear weight of the model, loaded as the engine loads it."""
     from engine.config import EngineConfig
     from engine.model_names import resolve_model_arg
-    from engine.model_runner import load_model
+    from engine.model_loader import load_model
 
     cfg = EngineConfig(model=resolve_model_arg(model_name), dtype=str(dtype).removeprefix("torch."),
                        prepack_linears=False)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import attention, fused_layers, gpu_memory, llama_model, packed_linears, step_inputs
+from engine import attention, gpu_memory, step_inputs
+from engine.model_loader import load_model
 from engine.config import EngineConfig
 from engine.logits_processors import build_edits, sequence_bans
 from engine.sampler import (
@@ -65,35 +66,6 @@ def resolve_device(spec: str, current_cuda_index=None) -> torch.device:
         index = current_cuda_index() if current_cuda_index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
     return device
-
-
-def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
-    """The model of `cfg.model`: our Llama-shaped modules where they cover it (no transformers
-    import: engine/llama_model.py), else transformers' with the paged attention plugged in."""
-    why_not = llama_model.unsupported(cfg.model) if cfg.fuse_layers else "fused layers off"
-    model = llama_model.load(cfg.model, cfg.torch_dtype) if why_not is None else None
-    if model is None:
-        log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")
-        model = _load_hf(cfg)
-    packed_dtype = packed_linears.compute_dtype(model.dtype) if device.type == "cpu" else None
-    if cfg.prepack_linears and packed_dtype is not None:
-        packed_linears.pack(model, packed_dtype)
-    return model.to(device).eval()
-
-
-def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
-    )
-    if cfg.fuse_layers:
-        why_not = fused_layers.unsupported(model)
-        if why_not is None:
-            fused_layers.fuse(model)
-        else:
-            log.info("HF's decoder layers run as they are (fused layers do not support %s)", why_not)
-    return model
 
 
 def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: int) -> int:

@@ -13,7 +13,8 @@ import torch
 from engine.config import EngineConfig
 from engine import packed_linears
 from engine.lora_bank import LoraBank
-from engine.model_runner import ModelRunner, load_model
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, llama_model
-from engine.model_runner import load_model
+from engine.model_loader import load_model
 from tests.engine.helpers import hf_greedy, random_prompts
 
 
@@ -28,7 +28,7 @@ def test_the_parameters_are_hfs_under_hfs_names(arch, model_dirs, hf_models):
 
 
 def test_a_core_loads_its_model_without_transformers(qwen2_dir):
-    code = ("import sys, torch\nfrom engine.config import EngineConfig\nfrom engine.model_runner import load_model\n"
+    code = ("import sys, torch\nfrom engine.config import EngineConfig\nfrom engine.model_loader import load_model\n"
             f"m = load_model(EngineConfig(model={qwen2_dir!r}), torch.device('cpu'))\n"
             "print(type(m).__module__, sorted(k for k in ('transformers', 'sympy', 'torch._dynamo') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -1,0 +1,43 @@
+"""A model directory as the engine's model: ours (engine/llama_model.py) where it covers the
+architecture, else transformers' with the paged attention plugged in; on the CPU, optionally, its
+linear layers on prepacked oneDNN weights (engine/packed_linears.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine import attention, fused_layers, llama_model, packed_linears
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
+    """The model of `cfg.model`: our Llama-shaped modules where they cover it (no transformers
+    import: engine/llama_model.py), else transformers' with the paged attention plugged in."""
+    why_not = llama_model.unsupported(cfg.model) if cfg.fuse_layers else "fused layers off"
+    model = llama_model.load(cfg.model, cfg.torch_dtype) if why_not is None else None
+    if model is None:
+        log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")
+        model = _load_hf(cfg)
+    packed_dtype = packed_linears.compute_dtype(model.dtype) if device.type == "cpu" else None
+    if cfg.prepack_linears and packed_dtype is not None:
+        packed_linears.pack(model, packed_dtype)
+    return model.to(device).eval()
+
+
+def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model, dtype=cfg.torch_dtype, attn_implementation=attention.register()
+    )
+    if cfg.fuse_layers:
+        why_not = fused_layers.unsupported(model)
+        if why_not is None:
+            fused_layers.fuse(model)
+        else:
+            log.info("HF's decoder layers run as they are (fused layers do not support %s)", why_not)
+    return model
