@@ -22,7 +22,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if model is None:
         log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")
         model = _load_hf(cfg)
-    if cfg.prepack_linears and device.type == "cpu":  # off by default: no oneDNN probe at start-up then
+    if cfg.prepack_linears and device.type == "cpu":
         packed_dtype = packed_linears.compute_dtype(model.dtype)
         if packed_dtype is not None:
             packed_linears.pack(model, packed_dtype)

@@ -113,6 +113,24 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
     assert math.isfinite(llm.core.worker.runner.forward_seconds)
 
 
+def test_any_row_count_runs_at_a_bucketed_one_and_keeps_each_rows_sum(monkeypatch):
+    """oneDNN caches a primitive per row count: every batch, however many rows, reaches it at the
+    ROW_BUCKETS counts only, and the zero rows padded in change no real row's result."""
+    seen = []
+    real = packed_linears._onednn_linear
+    monkeypatch.setattr(packed_linears, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
+    layer = _layer()
+    for rows in [*range(1, 70), 129, 383, 511, 512, 513, 1100, 1536]:
+        x = torch.randn(rows, 64)
+        _close(layer, x)
+        if rows <= 512:  # a row's sum does not depend on the rows beside it
+            one = layer(x[-1:])
+            assert (layer(x)[-1:] - one).abs().max().item() <= _bound(x, layer.weight) + 1e-6
+    assert set(seen) <= set(packed_linears.ROW_BUCKETS) and max(seen) == packed_linears.BLOCK_ROWS
+    assert _close(layer, torch.randn(2, 3, 7, 64)) is None  # leading dims are rows too
+    assert packed_linears.bucket(513 - 512) == 1 and packed_linears.bucket(33) == 40
+
+
 def test_prepack_off_keeps_torchs_linear(model_dirs):
-    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128))  # off by default
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128, prepack_linears=False))
     assert not any(hasattr(m, "_packed_key") for m in llm.core.worker.model.modules())
