@@ -3,7 +3,7 @@ decode step, ours against HF's processors on the same batch, in one run:
 
   plain:      our sampler with no processor asked (the common case: must cost nothing more);
   processors: our sampler with all four on every row, the host's part included (each row's bans
-              from its output tokens, the batch's edit tensors: `ModelRunner.logits_edits`' work);
+              from its output tokens, the batch's edit tensors: `step_sampling.logits_edits`' work);
   hf:         HF's `LogitsProcessorList` of the same four (PrefixConstrained, NoBadWords,
               MinNewTokensLength, SequenceBias) on the same logits and histories, then softmax
               and multinomial, as `generate` samples.

@@ -6,24 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine import attention, gpu_memory, step_inputs
-from engine.model_loader import load_model
+from engine import attention, gpu_memory, step_inputs, step_sampling
 from engine.config import EngineConfig
-from engine.logits_processors import build_edits, sequence_bans
-from engine.sampler import (
-    Penalties,
-    SamplingTensors,
-    TopLogprobs,
-    counter_uniforms,
-    sample,
-    token_ranks,
-    uniform_noise,
-)
+from engine.model_loader import load_model
+from engine.sampler import SamplingTensors, sample, token_ranks, uniform_noise
+from engine.step_sampling import SampleResult, entries
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -33,25 +24,6 @@ log = logging.getLogger(__name__)
 # Prompt positions turned into logprobs at once: bounds the [chunk, V] float32 temporaries (a
 # 4k-token prompt at a 152k vocabulary would be ~2.5 GB per [T, V] tensor)
 PROMPT_LOGPROBS_CHUNK = 512
-
-
-@dataclass
-class SampleResult:
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, tuple[float, int]]] | None = None  # per row {id: (logprob, rank)}: see entries
-
-
-def entries(tokens: list[int], values: list[float], ranks: list[int], top_ids: list[list[int]],
-            top_values: list[list[float]], ks: list[int]) -> list[dict[int, tuple[float, int]]]:
-    """Per position {token id: (logprob, rank)}: the sampled (or prompt) token first, then its k
-    most likely (vLLM's shape; a token among the top k takes its place's rank)."""
-    out = []
-    for tok, lp, rank, ids, vals, k in zip(tokens, values, ranks, top_ids, top_values, ks):
-        entry = {tok: (lp, rank)}
-        entry.update((i, (v, j + 1)) for j, (i, v) in enumerate(zip(ids[:k], vals[:k])))
-        out.append(entry)
-    return out
 
 
 def available_cpus() -> int:
@@ -408,100 +380,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
-        t = self.sampling_tensors(seqs, logits.shape[-1])
+        t = step_sampling.sampling_tensors(seqs, logits.shape[-1], self.device, self.shared_generator,
+                                           raw_logprobs=self.cfg.logprobs_mode == "raw")
         tokens, logprobs, top = sample(logits, t)
         # one trip to the host for both (a sync on a GPU): token ids are exact in float64
         tokens, logprobs = torch.stack([tokens.double(), logprobs.double()]).tolist()
         tokens = [int(x) for x in tokens]
-        return SampleResult(tokens, logprobs, None if top is None else self._top_entries(seqs, tokens, logprobs, top))
-
-    @staticmethod
-    def _top_entries(seqs: list[Sequence], tokens: list[int], logprobs: list[float], top: TopLogprobs):
-        """Each row's own k of the batch's widest K (None for a row that asked for none)."""
-        ks = [s.params.logprobs or 0 for s in seqs]
-        rows = entries(tokens, logprobs, top.sampled_ranks.tolist(), top.ids.tolist(), top.values.tolist(), ks)
-        return [row if s.params.logprobs is not None else None for s, row in zip(seqs, rows)]
-
-    def sampling_tensors(self, seqs: list[Sequence], vocab: int) -> SamplingTensors:
-        """The rows' sampling parameters, packed into one host array and sent in one copy."""
-        params = [s.params for s in seqs]
-        cols = SamplingColumns(seqs, self.device)
-        t = SamplingTensors(cols["temperature"].float(), raw_logprobs=self.cfg.logprobs_mode == "raw")
-        t.any_greedy = any(p.greedy for p in params)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        t.num_top_logprobs = max(asked) if asked else None
-        t.edits = self.logits_edits(seqs, vocab)
-        if cols.any_top_k:
-            t.top_k = cols["top_k"].long()
-        if cols.any_top_p:
-            t.top_p = cols["top_p"].float()
-        if cols.any_min_p:
-            t.min_p = cols["min_p"].float()
-        if any(p.penalised for p in params):
-            t.penalties = self.penalties(seqs, vocab, cols)
-        if not all(p.greedy for p in params):
-            t.uniforms = uniform_noise(self.shared_generator, len(seqs), self.device)
-            if cols.any_seed:  # a seeded row's draw, made on the host: a function of its seed and position alone
-                t.uniforms = torch.where(cols["seeded"] > 0, cols["seeded_uniform"], t.uniforms)
-        return t
-
-    def logits_edits(self, seqs: list[Sequence], vocab: int):
-        """allowed_token_ids, bans (bad words, min_tokens) and logit_bias of this step's rows."""
-        rows = []
-        for s in seqs:
-            p = s.params
-            if p.allowed_token_ids is None and not p.logit_bias and not s.min_tokens_bans and not s.bad_words:
-                rows.append((None, (), None))
-                continue
-            bans = sequence_bans(s.num_output_tokens, p.min_tokens, s.min_tokens_bans, s.output_token_ids, s.bad_words)
-            rows.append((p.allowed_token_ids, bans, p.logit_bias))
-        return build_edits(rows, vocab, self.device)
-
-    def penalties(self, seqs: list[Sequence], vocab: int, cols: SamplingColumns) -> Penalties:
-        """Each row's output-token counts and prompt-token mask, built on the device from the
-        token ids (only in steps where some row has a penalty): every penalised row's (row,
-        token) pairs go in one copy, and two scatters build both, whatever the batch."""
-        dev, rows = self.device, len(seqs)
-        out_pairs, prompt_pairs = [], []
-        for i, s in enumerate(seqs):
-            if s.params.penalised:
-                out_pairs.append(np.stack([np.full(s.num_output_tokens, i), s.output_token_ids]))
-                prompt_pairs.append(np.stack([np.full(s.num_prompt_tokens, i), s.token_ids[: s.num_prompt_tokens]]))
-        n_out = sum(p.shape[1] for p in out_pairs)
-        pairs = step_inputs.upload(np.concatenate(out_pairs + prompt_pairs, axis=1).astype(np.int64), dev)
-        counts = torch.zeros(rows, vocab, device=dev)
-        counts.index_put_((pairs[0, :n_out], pairs[1, :n_out]), torch.ones(n_out, device=dev), accumulate=True)
-        prompt = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
-        prompt[pairs[0, n_out:], pairs[1, n_out:]] = True
-        return Penalties(cols["repetition_penalty"].float(), cols["presence_penalty"].float(),
-                         cols["frequency_penalty"].float(), counts, prompt)
-
-
-class SamplingColumns:
-    """Every row's sampling parameters in one float64 host array, sent to the device in one
-    copy; `cols[name]` is that column on the device. A seeded row's uniform is drawn here, on
-    the host (sampler.counter_uniforms of its stream's key and position), and travels along."""
-
-    NAMES = ("temperature", "top_k", "top_p", "min_p", "seeded", "seeded_uniform",
-             "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-    def __init__(self, seqs: list[Sequence], device: torch.device):
-        host = np.empty((len(self.NAMES), len(seqs)), dtype=np.float64)
-        keys, positions = np.empty(len(seqs), dtype=np.int64), np.empty(len(seqs), dtype=np.int64)
-        self.any_top_k = self.any_top_p = self.any_min_p = self.any_seed = False
-        for i, s in enumerate(seqs):
-            p = s.params
-            key = s.seed_key
-            keys[i], positions[i] = key or 0, s.num_output_tokens
-            host[:, i] = (p.temperature, p.top_k, p.top_p, p.min_p, key is not None, 0.0,
-                          p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-            self.any_top_k |= bool(p.top_k)
-            self.any_top_p |= p.top_p < 1
-            self.any_min_p |= p.min_p > 0
-            self.any_seed |= key is not None
-        if self.any_seed:  # every row's counter draw at once (unseeded rows' go unused)
-            host[self.NAMES.index("seeded_uniform")] = counter_uniforms(keys, positions)
-        self._device = step_inputs.upload(host, device)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._device[self.NAMES.index(name)]
+        top_rows = None if top is None else step_sampling.top_entries(seqs, tokens, logprobs, top)
+        return SampleResult(tokens, logprobs, top_rows)

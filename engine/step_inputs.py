@@ -4,7 +4,7 @@ Every tensor built from Python data is a host-to-device copy on a GPU, and a ste
 one per sequence (a block table each, a seed each) is bound by the host. So the runner writes a
 decode step's token ids, positions, cache slots, lengths and block tables into one int64 numpy
 array (`pack_decode`), and the sampler's per-row parameters into one float64 array
-(`SamplingColumns`); each goes to the device as a single tensor whose slices are the inputs.
+(`step_sampling.SamplingColumns`); each goes to the device as a single tensor whose slices are the inputs.
 """
 
 from __future__ import annotations
