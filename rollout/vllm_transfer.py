@@ -21,6 +21,7 @@ import asyncio
 import logging
 
 from rollout.weights import trainer_reachable
+from weight_sync import nccl_unique_id
 from weight_sync.engine_sync import commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of
 from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
 
@@ -38,15 +39,24 @@ class TransferError(Exception):
 
 
 def _init_fields(info: dict) -> dict:
-    """init_info, checked: each problem names its field."""
-    if "nccl_unique_id_b64" in info:
-        raise TransferError(400, "init_info.nccl_unique_id_b64: the NCCL unique-id rendezvous is CUDA's; this "
-                                 "sidecar's group is gloo: give master_address and master_port")
-    out = {}
-    for key, kind, default in (("master_address", str, None), ("master_port", int, None),
-                               ("world_size", int, None), ("rank_offset", int, 1),
-                               ("packed", bool, True), ("packed_buffer_size_bytes", int, DEFAULT_BUFFER_BYTES),
-                               ("packed_num_buffers", int, 2)):
+    """init_info, checked: each problem names its field. The rendezvous is vLLM's either way:
+    master_address + master_port (the trainer's TCPStore), or nccl_unique_id_b64 (CUDA workers)."""
+    uid = info.get("nccl_unique_id_b64")
+    has_address = info.get("master_address") is not None or info.get("master_port") is not None
+    if uid is not None and has_address:
+        raise TransferError(400, "init_info: pass nccl_unique_id_b64 or master_address/master_port, not both")
+    out = {"nccl_unique_id_b64": None, "master_address": None, "master_port": None}
+    if uid is not None:
+        try:
+            nccl_unique_id.from_b64(uid)
+        except ValueError as e:
+            raise TransferError(400, f"init_info.{e}") from None
+        out["nccl_unique_id_b64"] = uid
+    fields = [("world_size", int, None), ("rank_offset", int, 1), ("packed", bool, True),
+              ("packed_buffer_size_bytes", int, DEFAULT_BUFFER_BYTES), ("packed_num_buffers", int, 2)]
+    if uid is None:
+        fields = [("master_address", str, None), ("master_port", int, None), *fields]
+    for key, kind, default in fields:
         value = info.get(key, default)
         if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise TransferError(400, f"init_info.{key}: expected {kind.__name__}, got {value!r}")
@@ -67,7 +77,11 @@ class VllmTransfer:
 
     @property
     def info_address(self) -> str:
-        return f"{self.info['master_address']}:{self.info['master_port']}" if self.info else "?"
+        if not self.info:
+            return "?"
+        if self.info["nccl_unique_id_b64"]:
+            return "an NCCL unique id"
+        return f"{self.info['master_address']}:{self.info['master_port']}"
 
     def world_size(self) -> int:
         """The ranks a trainer's group needs for this sidecar's workers (vLLM's /get_world_size)."""
@@ -77,11 +91,16 @@ class VllmTransfer:
         info = _init_fields(init_info)
         owner = self.weights.owner
         mine = owner is not None and (owner["host"], owner["port"]) == (info["master_address"], info["master_port"])
-        if owner is not None and not mine and (await self.weights.owner_status())["alive"]:
+        # an owner that sent an NCCL id has no port to watch: a new init takes over, as vLLM's would
+        if owner is not None and not mine and owner["host"] is not None and (await self.weights.owner_status())["alive"]:
             raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
                                      f"{owner['group_name']}), which still lives: it must "
                                      "/shutdown_weight_transfer_engine (or close_weight_sync) first")
         engines = self.manager.up_engines()
+        on_cpu = [str(e.cfg.device) for e in engines if not str(e.cfg.device).startswith("cuda")]
+        if info["nccl_unique_id_b64"] and on_cpu:
+            raise TransferError(400, f"init_info.nccl_unique_id_b64: an NCCL group needs engines on CUDA; this "
+                                     f"sidecar's are on {on_cpu[0]}: give master_address and master_port (gloo)")
         last = info["rank_offset"] + self.world_size()
         if last > info["world_size"]:
             raise TransferError(400, f"init_info.world_size: {info['world_size']} ranks cannot hold rank_offset "
@@ -90,7 +109,8 @@ class VllmTransfer:
         offsets = rank_offsets(engines, info["rank_offset"])
         joined = await asyncio.gather(*(e.collective_rpc(
             "join_vllm_group", timeout=self.timeout_s,
-            args=(info["master_address"], info["master_port"], info["world_size"], off, self.timeout_s))
+            args=(info["master_address"], info["master_port"], info["world_size"], off, self.timeout_s,
+                  info["nccl_unique_id_b64"]))
             for e, off in zip(engines, offsets)), return_exceptions=True)
         errors = [str(r) for r in joined if isinstance(r, BaseException)]
         if errors:
@@ -98,10 +118,10 @@ class VllmTransfer:
             raise TransferError(502, "could not join the trainer's group: " + "; ".join(errors))
         self.info = info
         self.weights.owner = {"host": info["master_address"], "port": info["master_port"],
-                              "group_name": f"vllm:{info['master_address']}:{info['master_port']}"}
+                              "group_name": f"vllm:{self.info_address}"}
         self.weights.members = [id(e) for e in engines]
-        log.info("joined a vLLM trainer's group at %s:%d as ranks %d..%d of %d", info["master_address"],
-                 info["master_port"], info["rank_offset"], last - 1, info["world_size"])
+        log.info("joined a vLLM trainer's group at %s as ranks %d..%d of %d", self.info_address,
+                 info["rank_offset"], last - 1, info["world_size"])
 
     async def update(self, update_info: dict) -> dict:
         if self.info is None:
@@ -141,8 +161,12 @@ class VllmTransfer:
 
     async def _trainer_gone(self, period_s: float = 0.5, misses: int = 2) -> None:
         """Returns once the trainer's rendezvous port (its group's store, which lives as long as the
-        trainer) refuses `misses` times in a row: a dead trainer's broadcast never comes."""
+        trainer) refuses `misses` times in a row: a dead trainer's broadcast never comes. A trainer
+        that sent an NCCL id has no port: NCCL's own error (its sockets close) or the group's
+        timeout ends the workers' wait instead (weight_sync/nccl_comm.py)."""
         host, port = self.info["master_address"], self.info["master_port"]
+        if host is None:
+            await asyncio.Event().wait()
         missed = 0
         while missed < misses:
             await asyncio.sleep(period_s)
@@ -176,6 +200,15 @@ class VllmTransfer:
             await self.manager.run_paused("keep", swap)
         self.manager.state.count("pushes")
         return version
+
+    async def relabel(self, new_version: str) -> None:
+        """vLLM's /update_weight_version names the weights served now anew. Here a version names a
+        push's weights (every token carries the one that made it, and peers catch up by it), so it
+        changes only with new weights: the current one is accepted as is, any other refused."""
+        if new_version != str(self.manager.version):
+            raise TransferError(409, f"new_version {new_version!r}: this sidecar's weight versions name the "
+                                     f"pushes' weights (version {self.manager.version} is served), so a version "
+                                     "changes only with new weights: pass weight_version to /finish_weight_update")
 
     async def checksums(self) -> dict[str, str]:
         """SHA-256 of each served weight, keyed as vLLM's /weight_checker keys them

@@ -108,15 +108,17 @@ class WeightSyncExtension:
         r.target.forget()
 
     # -- RPC: a trainer written for vLLM's RL routes (weight_sync/vllm_group.py) -----------------
-    def join_vllm_group(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 120.0) -> dict:
-        """Join the group a vLLM trainer formed (its stateless gloo group) as rank `rank + i` for
-        worker i; any previous such group is left."""
+    def join_vllm_group(self, host: str | None, port: int | None, world_size: int, rank: int,
+                        timeout_s: float = 120.0, unique_id_b64: str | None = None) -> dict:
+        """Join the group a vLLM trainer formed (gloo on the CPU, NCCL on CUDA) as rank `rank + i`
+        for worker i; any previous such group is left."""
         from weight_sync.vllm_group import VllmTrainerGroup
 
         r = self._receiver()
         self.close_vllm_group()
         my_rank = int(rank) + r.local_rank
-        r.vllm_group = VllmTrainerGroup(host, int(port), int(world_size), my_rank, float(timeout_s))
+        r.vllm_group = VllmTrainerGroup(host, None if port is None else int(port), int(world_size), my_rank,
+                                        float(timeout_s), r.device, unique_id_b64)
         return {"rank": my_rank, "world_size": int(world_size)}
 
     def begin_receive_vllm(self, manifest):

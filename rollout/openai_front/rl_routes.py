@@ -7,6 +7,8 @@ VLLM_SERVER_DEV_MODE); the front's token rule holds for them: a sidecar with --t
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Body, FastAPI, HTTPException, Query
 
 from rollout.vllm_transfer import TransferError, VllmTransfer
@@ -75,6 +77,12 @@ def _add_update_routes(app: FastAPI, transfer: VllmTransfer) -> None:
         version = await run(transfer.finish(weight_version))
         return {"message": "Weight update finished", "weight_version": str(version)}
 
+    @app.post("/update_weight_version")
+    async def update_weight_version(new_version: str = Body(embed=True)):
+        await run(transfer.relabel(new_version))
+        return {"success": True, "new_version": new_version}
+
+
 def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     """What the trainer asks of the sidecar's state, and the pause around an update."""
     manager = transfer.manager
@@ -100,6 +108,14 @@ def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     @app.get("/is_paused")
     async def is_paused():
         return {"is_paused": transfer.paused_mode is not None}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
+        """vLLM's answer: whether every engine dropped its cached prefixes (false while blocks are
+        held by running requests: retry). A push's commit resets them itself."""
+        del reset_running_requests, reset_external  # no connector-managed cache here
+        done = await asyncio.gather(*(e.reset_prefix_cache() for e in manager.up_engines()))
+        return {"success": all(done)}
 
     @app.get("/server_info")
     async def server_info(config_format: str = Query("text")):

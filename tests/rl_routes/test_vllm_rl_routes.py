@@ -2,6 +2,7 @@
 driven by a trainer process made of vLLM's own client, group and packing code
 (tests/rl_routes/vllm_trainer.py): the sidecar then serves exactly the trainer's weights."""
 
+import base64
 import json
 import subprocess
 import sys
@@ -47,6 +48,12 @@ def test_vllms_own_trainer_code_pushes_into_our_engine(sidecar, qwen2_dir):
         groups = client.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [g[0].token_ids for g in groups] == [hf_greedy(want, p, 8, ignore_eos=True) for p in prompts]
         assert all(g[0].weight_versions == [version + 1] * 8 for g in groups)
+        same = httpx.post(sidecar.http_url + "/update_weight_version", json={"new_version": str(version + 1)})
+        assert same.json() == {"success": True, "new_version": str(version + 1)}
+        other = httpx.post(sidecar.http_url + "/update_weight_version", json={"new_version": "step-9"})
+        assert other.status_code == 409 and "finish_weight_update" in other.text
+        assert httpx.get(sidecar.http_url + "/weight_info").json() == {"weight_version": str(version + 1)}
+        assert httpx.post(sidecar.http_url + "/reset_prefix_cache").json() == {"success": True}
     finally:
         client.close()
 
@@ -104,8 +111,14 @@ def test_bad_bodies_get_a_400_naming_the_field(sidecar):
     r = post("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": "x",
                                                             "world_size": 2}})
     assert r.status_code == 400 and "init_info.master_port" in r.text
-    r = post("/init_weight_transfer_engine", {"init_info": {"nccl_unique_id_b64": "AAAA"}})
-    assert r.status_code == 400 and "nccl_unique_id_b64" in r.text
+    r = post("/init_weight_transfer_engine", {"init_info": {"nccl_unique_id_b64": "AAAA", "world_size": 2}})
+    assert r.status_code == 400 and "nccl_unique_id_b64" in r.text and "128 bytes" in r.text
+    uid = base64.b64encode(bytes(range(128))).decode()  # a well-formed id: NCCL's, so CUDA's
+    r = post("/init_weight_transfer_engine", {"init_info": {"nccl_unique_id_b64": uid, "world_size": 2}})
+    assert r.status_code == 400 and "CUDA" in r.text and "master_address" in r.text
+    r = post("/init_weight_transfer_engine", {"init_info": {"nccl_unique_id_b64": uid, "master_address": "127.0.0.1",
+                                                            "master_port": 1, "world_size": 2}})
+    assert r.status_code == 400 and "not both" in r.text
     assert post("/init_weight_transfer_engine", {}).status_code == 400  # no init_info at all: pydantic names it
     assert post("/update_weights", {"update_info": {"names": "x"}}).status_code in (400, 409)
     r = post("/finish_weight_update", {"weight_version": "v2"})
