@@ -1,7 +1,8 @@
 """One model's linear layers three ways on this CPU, side by side in one run (issue 39 item 2):
 torch's `F.linear` (MKL's sgemm: what the engine ran before), oneDNN on the plain weight, and
 oneDNN on a weight prepacked once (engine/packed_linears.py: what the engine runs now), at the
-row counts of a decode step (32, 256) and a prefill (1024). Each figure is the layers' FLOP/s
+row counts of a decode step (32, 256) and a prefill (1024), and at counts the engine pads to its
+row buckets (33 -> 40, 300 -> 320, 1100 -> 2 x 512 + 96: what the primitive cache's bound costs). Each figure is the layers' FLOP/s
 and its share of the `a @ b` peak probed in the same run; the ratios are ours / F.linear. It also
 times the repack a push costs (once per commit, every linear of the model).
 
@@ -55,7 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--rows", default="32,256,1024", help="rows per call (tokens of a step), comma-separated")
+    ap.add_argument("--rows", default="32,33,256,300,1024,1100",
+                    help="rows per call (tokens of a step), comma-separated; 33, 300 and 1100 are padded to a bucket")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -77,7 +79,9 @@ def main() -> None:
     for rows in map(int, args.rows.split(",")):
         flops = sum(2 * rows * s[0] * s[1] * k for s, k in shapes.items())
         ways = {"F.linear": lambda x, s: torch.nn.functional.linear(x, plain[s]),
-                "oneDNN packed": lambda x, s: linear(x.to(wide), packed[s], None, "none", [], "").to(dtype)}
+                "oneDNN packed": lambda x, s: linear(x.to(wide), packed[s], None, "none", [], "").to(dtype),
+                # what the engine runs: 512-row blocks, the last padded to a bucketed row count
+                "engine (bucketed)": lambda x, s: packed_linears._blocked_linear(x.to(wide), packed[s], None).to(dtype)}
         if packed_linears.supported(dtype):
             ways["oneDNN plain"] = lambda x, s: linear(x, plain[s], None, "none", [], "")
         seconds = {}
