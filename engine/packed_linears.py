@@ -16,10 +16,10 @@ it held two pushes ago, which a LoRA merge or a bucket wrote meanwhile through a
 (one copy of the weights, ~0.5 s for SmolLM2's 538 MB); `repack` does it at once instead.
 
 oneDNN and torch's ideep cache a primitive per distinct row count (~0.36 MB each), so varied
-prefill sizes would grow those caches toward a GB: the rows are run in blocks of `BLOCK_ROWS`, and
-the last block is padded with zero rows up to one of `ROW_BUCKETS` (a linear's rows are
-independent: padding changes no real row's sum). That bounds the cache at len(ROW_BUCKETS)
-primitives per weight shape whatever the batches are, for at most a third more rows at a step.
+prefill sizes would grow those caches toward a GB: the rows are padded up to one of `ROW_BUCKETS`
+(a linear's rows are independent: padding changes no real row's sum), beyond 1024 run in blocks of
+that. That bounds the caches at len(ROW_BUCKETS) primitives per weight shape whatever the batches
+are, for at most a third more rows at a step.
 
 bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN (`supported` probes it once per dtype). A
 CPU without them runs a bf16 (or fp16) model's linears on an fp32 packed copy instead
@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import threading
 import types
 
 import torch
@@ -40,9 +41,13 @@ import torch
 log = logging.getLogger(__name__)
 
 # The row counts a packed linear runs at: about three per octave (each at most 1/3 above the one
-# before), so a batch of M rows costs at most ceil-to-bucket(M) rows of work. Bigger batches run
-# in BLOCK_ROWS blocks, a size at which the GEMM is as fast per row as at 1024 (bench.linears).
-ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+# before; below 8 rows, where a GEMM's time hardly moves, every power of two and its 1.5x; from 16
+# to 64, a decode step's usual batch, four), so a batch of M rows costs at most ceil-to-bucket(M)
+# rows of work. A primitive's memory grows with its
+# rows (its scratchpad: ~0.5 MB at 100 rows, 1.5 MB at 1000, 4.5 MB at 3000 on SmolLM2's shapes),
+# so bigger batches run in BLOCK_ROWS blocks, which costs one copy of the output.
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 56, 64, 80, 96, 128, 160, 192, 256,
+               320, 384, 512, 640, 768, 1024)
 BLOCK_ROWS = ROW_BUCKETS[-1]
 
 
@@ -132,16 +137,37 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _blocked_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`rows` @ packed.T (+ bias), run only at the bucketed row counts."""
     m = rows.shape[0]
-    if m == 0 or (m <= BLOCK_ROWS and bucket(m) == m):
-        return _onednn_linear(rows, packed, bias)
+    if m <= BLOCK_ROWS:  # a decode step's batch: one call
+        size = bucket(m) if m else 0
+        return _onednn_linear(rows, packed, bias) if size == m else _onednn_linear(_padded(rows, size), packed, bias)[:m]
     parts = []
     for start in range(0, m, BLOCK_ROWS):
         block = rows[start:start + BLOCK_ROWS]
         n = block.shape[0]
         if bucket(n) != n:
-            block = torch.cat([block, block.new_zeros(bucket(n) - n, block.shape[1])])
+            block = _padded(block, bucket(n))
         parts.append(_onednn_linear(block, packed, bias)[:n])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+_pads = threading.local()
+PAD_BUFFER_BYTES = 16 << 20  # the most a kept padding buffer holds
+
+
+def _padded(block: torch.Tensor, rows: int) -> torch.Tensor:
+    """`block` in the first rows of a `rows`-row buffer kept per (width, dtype) and thread: a fresh
+    buffer a call would cost its page faults, more than the copy. The rows below are left as they
+    are: each output row is a function of its own input row, and the padding's are dropped."""
+    if rows * block.shape[1] * block.element_size() > PAD_BUFFER_BYTES:  # a wide layer: its GEMM dwarfs the faults
+        return torch.nn.functional.pad(block, (0, 0, 0, rows - block.shape[0]))
+    key = (block.shape[1], block.dtype)
+    buf = getattr(_pads, "buffers", {}).get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.zeros(max(rows, 64), block.shape[1], dtype=block.dtype)
+        _pads.buffers = {**getattr(_pads, "buffers", {}), key: buf}
+    out = buf[:rows]
+    out[:block.shape[0]].copy_(block)
+    return out
 
 
 def _onednn_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
