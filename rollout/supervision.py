@@ -207,34 +207,25 @@ class EngineSupervisor:
         if not self.weights_pushed:  # the checkpoint it loaded is what the others serve
             await new.set_weight_version(version)
             return "checkpoint"
-        if self._host_task is not None:
-            await asyncio.gather(self._host_task, return_exceptions=True)
-        if self._host_dir is not None and self._host_version == version:  # written already: the cheapest
-            await load_on_engines([new], self._host_dir, version)
-            log.info("engine %d caught up from the host copy (version %d)", i, version)
-            return "host copy"
-        sibling = next((j for j in self.live() if j != i), None)
-        if sibling is not None:
-            path = _owned_dir(CATCH_UP_PREFIX)
-            try:
-                await self.engines[sibling].collective_rpc("save_weights", args=(path, version))
+        try:
+            async with self.newest_weights(exclude=i, locked=True) as (path, version, source):
                 await load_on_engines([new], path, version)
-            finally:
-                shutil.rmtree(path, ignore_errors=True)
-            log.info("engine %d caught up from engine %d (version %d)", i, sibling, version)
-            return f"engine {sibling}"
-        return None
+        except NoEngineError:
+            return None
+        log.info("engine %d caught up from %s (version %d)", i, source, version)
+        return source
 
     @property
     def host_copy_version(self) -> int | None:
         return self._host_version
 
     @contextlib.asynccontextmanager
-    async def newest_weights(self):
-        """The newest committed weights as a push directory, kept until the caller is done (a
-        sidecar catching another up sends from it): yields (path, version, where from). The host
-        copy when it holds them (a refresh meanwhile leaves it to this caller to remove), else
-        written from a live engine now, with no commit meanwhile, and removed after."""
+    async def newest_weights(self, exclude: int | None = None, locked: bool = False):
+        """The newest committed weights as a push directory, kept until the caller is done (an
+        engine or a sidecar catching up reads from it): yields (path, version, where from). The
+        host copy when it holds them (a refresh meanwhile leaves it to this caller to remove), else
+        written now from a live engine other than `exclude`, with no commit meanwhile (`locked`:
+        the caller holds the push lock already), and removed after."""
         if self._host_task is not None:
             await asyncio.gather(self._host_task, return_exceptions=True)
         path = self._host_dir
@@ -249,12 +240,12 @@ class EngineSupervisor:
                     if path != self._host_dir:  # superseded while it was sent
                         shutil.rmtree(path, ignore_errors=True)
             return
-        live = self.live()
+        live = [j for j in self.live() if j != exclude]
         if not live:
             raise NoEngineError("no live engine holds the weights to send")
         path = _owned_dir(CATCH_UP_PREFIX)
         try:
-            async with self.state.push_lock:
+            async with contextlib.nullcontext() if locked else self.state.push_lock:
                 version = self.state.version
                 await self.engines[live[0]].collective_rpc("save_weights", args=(path, version))
             yield path, version, f"engine {live[0]}"
