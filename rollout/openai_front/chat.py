@@ -28,7 +28,8 @@ class Chat:
         front.check(self.params)
 
     def _logprobs(self, token_ids, logprobs, top) -> dict | None:
-        return self.front.fmt.chat(token_ids, logprobs, top, self.params.logprobs) if self.req.logprobs else None
+        fmt = self.front.fmt.with_ids() if self.req.return_tokens_as_token_ids else self.front.fmt
+        return fmt.chat(token_ids, logprobs, top, self.params.logprobs) if self.req.logprobs else None
 
     def whole(self, rid: str, choices: list[Choice]) -> dict:
         body = [{"index": c.index, "message": {"role": "assistant", "content": c.text.sent},

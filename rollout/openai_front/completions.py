@@ -68,7 +68,8 @@ class Completions:
                 out["text"] = self.prompt_texts[c.index // self.params.n] + text
                 scored, lps, top = p_ids + ids, p_lps + lps, p_top + (top or [])
         if self.req.logprobs is not None:
-            out["logprobs"] = self.front.fmt.completion(scored, lps, top, shown.offset)
+            fmt = self.front.fmt.with_ids() if self.req.return_tokens_as_token_ids else self.front.fmt
+            out["logprobs"] = fmt.completion(scored, lps, top, shown.offset)
         shown.tokens, shown.chars, shown.opened = len(c.token_ids), len(c.text.sent), True
         shown.offset += self.front.fmt.text_length(scored)
         return out

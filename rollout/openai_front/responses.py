@@ -32,15 +32,24 @@ class LogprobFormat:
     position's alternatives come from the engine as `{token id: Logprob}`: the sampled (or prompt)
     token and the k most likely."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False, cache: dict[int, str] | None = None):
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids: each token written "token_id:<id>"
+        self._cache: dict[int, str] = {} if cache is None else cache
 
-    def token(self, token_id: int) -> str:
+    def with_ids(self) -> LogprobFormat:
+        """The same, tokens written as vLLM's `"token_id:<id>"` (what TRL asks for: two ids that
+        decode alike stay apart)."""
+        return LogprobFormat(self.tokenizer, as_ids=True, cache=self._cache)
+
+    def text(self, token_id: int) -> str:
         s = self._cache.get(token_id)
         if s is None:
             s = self._cache[token_id] = self.tokenizer.decode([token_id])
         return s
+
+    def token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
 
     def chat(self, token_ids: list[int], logprobs: list[float], top: list[dict] | None, k: int) -> dict:
         """`top_logprobs` holds the k most likely (OpenAI's meaning), the sampled token only if among them."""
@@ -48,9 +57,10 @@ class LogprobFormat:
         for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
             s = self.token(t)
             best = sorted(top[i].items(), key=lambda e: e[1].rank or 0)[:k] if top else ()
-            alts = [{"token": self.token(a), "logprob": finite(e.logprob), "bytes": list(self.token(a).encode())}
+            alts = [{"token": self.token(a), "logprob": finite(e.logprob), "bytes": list(self.text(a).encode())}
                     for a, e in best]
-            content.append({"token": s, "logprob": finite(lp), "bytes": list(s.encode()), "top_logprobs": alts})
+            content.append({"token": s, "logprob": finite(lp), "bytes": list(self.text(t).encode()),
+                            "top_logprobs": alts})
         return {"content": content}
 
     def completion(self, token_ids: list[int], logprobs: list[float | None], top: list[dict | None] | None,
@@ -60,9 +70,9 @@ class LogprobFormat:
         counts each token's text from `offset`."""
         tokens = [self.token(t) for t in token_ids]
         offsets, at = [], offset
-        for s in tokens:
+        for t in token_ids:
             offsets.append(at)
-            at += len(s)
+            at += len(self.text(t))
         return {"tokens": tokens, "token_logprobs": [None if v is None else finite(v) for v in logprobs],
                 "top_logprobs": [None if d is None else {self.token(a): finite(e.logprob) for a, e in d.items()}
                                  for d in top] if top is not None else None,
@@ -70,7 +80,7 @@ class LogprobFormat:
 
     def text_length(self, token_ids: list[int]) -> int:
         """How far `text_offset` moves over these tokens."""
-        return sum(len(self.token(t)) for t in token_ids)
+        return sum(len(self.text(t)) for t in token_ids)
 
 
 def envelope(kind: str, request_id: str, model: str, choices: list[dict], **extra) -> dict:

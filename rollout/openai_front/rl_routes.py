@@ -119,13 +119,14 @@ def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
 
     @app.get("/server_info")
     async def server_info(config_format: str = Query("text")):
-        """What TRL reads of vLLM's: the weight-transfer backend and the model's dtype (the weights'
-        wire dtype); the rest of vLLM's config does not exist here."""
+        """What TRL reads of vLLM's: the weight-transfer backend, the model's dtype (the weights'
+        wire dtype) and logprobs mode; the rest of vLLM's config does not exist here."""
         if config_format not in ("text", "json"):
             raise HTTPException(400, detail={"message": f"config_format: {config_format!r} is not 'text' or 'json'",
                                              "param": "config_format"})
         engines = manager.up_engines() or manager.engines
         config = {"weight_transfer_config": {"backend": "nccl"},  # vLLM's name for the packed broadcast
-                  "model_config": {"dtype": engines[0].cfg.dtype, "max_model_len": manager.max_model_len},
+                  "model_config": {"dtype": engines[0].cfg.dtype, "max_model_len": manager.max_model_len,
+                                   "logprobs_mode": f"{engines[0].cfg.logprobs_mode}_logprobs"},
                   "parallel_config": {"world_size": transfer.world_size()}}
         return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}

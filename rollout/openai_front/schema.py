@@ -63,6 +63,7 @@ class _Request(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     bad_words: list[str] | None = None
     return_token_ids: bool = True  # vLLM's flag; our responses always carry them
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>" (TRL asks for it)
     user: str | None = None
 
     @field_validator("stream_options")
