@@ -58,8 +58,8 @@ class EngineConfig:
     # each (engine/fused_layers.py: ~50 aten ops a layer instead of ~80); False keeps HF's layers
     fuse_layers: bool = True
     # CPU: linear layers through oneDNN's prepacked weights (engine/packed_linears.py): 1.2-1.7x
-    # F.linear in fp32, 5-7x in bf16 on AVX2; rows run at 22 bucketed counts, which bounds
-    # oneDNN's primitive cache (one per row count) at tens of MB. False keeps F.linear
+    # F.linear in fp32, 5-7x in bf16 on AVX2; rows run at 30 bucketed counts, which bounds
+    # oneDNN's primitive cache (one per row count) at ~80 MiB. False keeps F.linear
     prepack_linears: bool = True
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)
