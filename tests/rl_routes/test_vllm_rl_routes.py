@@ -216,3 +216,20 @@ def test_a_sidecar_with_a_token_wants_it_on_these_routes(qwen2_dir):
             client.close()
     finally:
         side.stop()
+
+
+def test_two_engines_take_their_rank_offsets_and_commit_together(qwen2_dir):
+    """Two engines behind one sidecar: vLLM's trainer sees a world of 1 + 2, each engine joins at
+    its own offset, and the finish commits on both at one version."""
+    side = Sidecar(qwen2_dir, "--http-port", "0", "--weight-transfer-routes", "--num-engines", "2", token="")
+    client = RolloutClient(side.url)
+    try:
+        assert httpx.get(side.http_url + "/get_world_size", timeout=30).json() == {"world_size": 2}
+        version = client.stats()["version"]
+        sent = push_here(side.http_url, qwen2_dir, seed=13)
+        assert sent["world_size"] == 3
+        assert client.weights_checksums() == [weights_checksum(perturbed(qwen2_dir, 13).named_parameters())] * 2
+        assert [e["version"] for e in client.health()["engine_states"]] == [version + 1] * 2
+    finally:
+        client.close()
+        side.stop()

@@ -1,7 +1,7 @@
 """Tensor parallelism through vLLM (`rollout.serve --engine vllm --tensor-parallel-size 2`, one core
 per rank): the weight-sync group holds both workers (world = 1 + engines x 2), a push lands on
 both ranks, and a SIGKILLed worker takes its engine down, which comes back with the newest
-weights. One sidecar for the module (a TP=2 vLLM start costs 20-50 s on 2 cores)."""
+weights; vLLM's own trainer code reaches both ranks through vLLM's RL routes. One sidecar for the module (a TP=2 vLLM start costs 20-50 s on 2 cores)."""
 
 import concurrent.futures
 import os
@@ -28,7 +28,8 @@ PROMPTS = random_prompts(4, 4, 20, 2000, seed=78)
 
 @pytest.fixture(scope="module")
 def sidecar(qwen2_dir):
-    s = Sidecar(qwen2_dir, "--engine", "vllm", "--tensor-parallel-size", "2", "--host-copy", "on")
+    s = Sidecar(qwen2_dir, "--engine", "vllm", "--tensor-parallel-size", "2", "--host-copy", "on",
+                "--http-port", "0", "--weight-transfer-routes")  # vLLM's RL routes too (the last test)
     yield s
     s.stop()
 
@@ -91,3 +92,25 @@ def test_a_killed_worker_takes_its_engine_down_and_it_comes_back_with_the_newest
     assert client.stats()["last_restart"]["source"] == "host copy"
     assert client.weights_checksums() == [want, want]
     assert greedy(client, PROMPTS) == hf_greedy_all(trainer, PROMPTS)
+
+
+def test_vllms_trainer_code_reaches_both_ranks_through_the_rl_routes(sidecar, client, qwen2_dir):
+    """vLLM's RL routes on a TP=2 engine: the trainer's group is 1 + both ranks (rank offsets 1
+    and 2), every chunk reaches each rank, and the push commits on both."""
+    import httpx
+
+    from tests.rl_routes.vllm_trainer import perturbed, push_here
+
+    client.close_weight_sync()  # the first test's trainer (ours) owned the weight sync
+    assert httpx.get(sidecar.http_url + "/get_world_size", headers=_auth(), timeout=30).json() == {"world_size": 2}
+    version = client.stats()["version"]
+    sent = push_here(sidecar.http_url, qwen2_dir, seed=12, token=TOKEN)
+    assert sent["world_size"] == 3 and sent["chunks"] > 1
+    want = perturbed(qwen2_dir, 12)
+    assert client.weights_checksums() == [weights_checksum(want.named_parameters())] * 2
+    assert client.stats()["version"] == version + 1
+    assert greedy(client, PROMPTS) == hf_greedy_all(want, PROMPTS)
+
+
+def _auth() -> dict:
+    return {"Authorization": f"Bearer {TOKEN}"}
