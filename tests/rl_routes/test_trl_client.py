@@ -14,16 +14,8 @@ trl_client = pytest.importorskip("trl.generation.vllm_client")
 from engine import SamplingParams  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
 from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
-from tests.rollout.sidecar import Sidecar  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def sidecar(qwen2_dir):
-    side = Sidecar(qwen2_dir, "--http-port", "0", "--weight-transfer-routes", token="")
-    yield side
-    side.stop()
 
 
 def test_trls_client_generates_and_parses_our_answers(sidecar, qwen2_dir, hf_models):

@@ -22,13 +22,6 @@ from weight_sync import weights_checksum  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def sidecar(qwen2_dir):
-    side = Sidecar(qwen2_dir, "--http-port", "0", "--weight-transfer-routes", token="")
-    yield side
-    side.stop()
-
-
 def _train(sidecar, model_dir, **options) -> dict:
     """vLLM's trainer code, in this process (tests/rl_routes/vllm_trainer.py); the fault tests run it
     as a process of its own."""
