@@ -15,11 +15,11 @@ it held two pushes ago, which a LoRA merge or a bucket wrote meanwhile through a
 (whose version counter is not the parameter's). The first forward after a commit pays the repack
 (one copy of the weights, ~0.5 s for SmolLM2's 538 MB); `repack` does it at once instead.
 
-oneDNN and torch's ideep cache a primitive per distinct row count (~0.36 MB each), so varied
-prefill sizes would grow those caches toward a GB: the rows are padded up to one of `ROW_BUCKETS`
-(a linear's rows are independent: padding changes no real row's sum), beyond 1024 run in blocks of
-that. That bounds the caches at len(ROW_BUCKETS) primitives per weight shape whatever the batches
-are, for at most a third more rows at a step.
+oneDNN and torch's ideep cache a primitive per distinct row count (0.5-5 MB each), so varied
+batch sizes would grow those caches toward 1-2 GB: the rows are padded up to one of `ROW_BUCKETS`
+(a linear's rows are independent: padding changes no real row's sum), and more than 1024 rows run
+in blocks of 1024. That bounds the caches at len(ROW_BUCKETS) primitives per weight shape (~80 MiB
+on SmolLM2, bench.packed_memory) whatever the batches are, for at most a third more rows a step.
 
 bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN (`supported` probes it once per dtype). A
 CPU without them runs a bf16 (or fp16) model's linears on an fp32 packed copy instead
@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 # The row counts a packed linear runs at: about three per octave (each at most 1/3 above the one
 # before; below 8 rows, where a GEMM's time hardly moves, every power of two and its 1.5x; from 16
 # to 64, a decode step's usual batch, four), so a batch of M rows costs at most ceil-to-bucket(M)
-# rows of work. A primitive's memory grows with its
-# rows (its scratchpad: ~0.5 MB at 100 rows, 1.5 MB at 1000, 4.5 MB at 3000 on SmolLM2's shapes),
-# so bigger batches run in BLOCK_ROWS blocks, which costs one copy of the output.
+# rows of work. A primitive's memory grows with its rows (~0.5 MB at 100 rows, 1.5 MB at 1000,
+# 4.5 MB at 3000 on SmolLM2's shapes), so bigger batches run in BLOCK_ROWS blocks, which costs one
+# copy of the output.
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 56, 64, 80, 96, 128, 160, 192, 256,
                320, 384, 512, 640, 768, 1024)
 BLOCK_ROWS = ROW_BUCKETS[-1]

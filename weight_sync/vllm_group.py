@@ -10,9 +10,10 @@ nothing else), or the trainer sends the id itself (`nccl_unique_id_b64`, no stor
 then join NCCL on it (weight_sync/nccl_comm.py) and answer vLLM's one-element warm-up all-reduce.
 
 The data plane is vLLM's (weight_sync/vllm_packing.py): one uint8 broadcast from rank 0 per
-packed chunk, then on gloo a barrier (vLLM PR #57374, the CPU path); on NCCL nothing more. vLLM's trainer takes part in
-no vote of ours, so the all or nothing across a sidecar's engines is the sidecar's: each engine
-stages every chunk, and only when every one has does `/finish_weight_update` commit them.
+packed chunk, then on gloo a barrier (vLLM PR #57374, the CPU path); on NCCL nothing more. vLLM's
+trainer takes part in no vote of ours, so the all or nothing across a sidecar's engines is the
+sidecar's: each engine stages every chunk, and only when every one has does
+`/finish_weight_update` commit them.
 """
 
 from __future__ import annotations
