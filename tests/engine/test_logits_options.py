@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, Logprob, SamplingParams
-from tests.engine.helpers import hf_greedy, random_prompts
+from tests.engine.helpers import random_prompts
 
 
 @pytest.fixture(scope="module")
