@@ -97,6 +97,10 @@ def _add_engine_flags(p) -> None:
                         "own versions only on native (--lora-versions)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
+    p.add_argument("--prepack-linears", default="on", choices=["on", "off"],
+                   help="native on CPU: run the linear layers on oneDNN weights reordered once (on, default: "
+                        "1.2-1.7x faster in fp32, 5-7x in bf16 on CPUs without bf16 kernels), or on torch's "
+                        "F.linear (off: no packed copy of the linear weights in memory)")
 
 
 def _add_weight_update_flags(p) -> None:
@@ -242,7 +246,8 @@ def engine_config(args, model: str, device: str, i: int, **extra):
 
     memory = args.gpu_memory_utilization or (0.3 if args.engine == "vllm" and device == "cpu" else 0.9)
     return EngineConfig(model=model, device=device, dtype=args.dtype, gpu_memory_utilization=memory,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i, **extra)
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
+                        prepack_linears=args.prepack_linears == "on", **extra)
 
 
 def _engine_factory(args, model: str, devices: list[str]):

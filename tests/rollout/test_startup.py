@@ -29,6 +29,14 @@ def test_the_engine_cores_start_before_the_front_end_imports_torch(qwen2_dir):
     assert out.stdout.strip() == "ok"
 
 
+def test_prepacked_linears_follow_the_flag(qwen2_dir):
+    from rollout import serve
+
+    on, off = (serve.engine_config(serve.build_parser().parse_args(flags), qwen2_dir, "cpu", 0)
+               for flags in (["--max-model-len", "128"], ["--max-model-len", "128", "--prepack-linears", "off"]))
+    assert on.prepack_linears and not off.prepack_linears
+
+
 def test_vllm_engines_start_no_cores_of_ours():
     from rollout import serve
 
