@@ -115,7 +115,8 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
 
 def test_any_row_count_runs_at_a_bucketed_one_and_keeps_each_rows_sum(monkeypatch):
     """oneDNN caches a primitive per row count: every batch, however many rows, reaches it at the
-    ROW_BUCKETS counts only, and the zero rows padded in change no real row's result."""
+    ROW_BUCKETS counts only, and the rows padded in (whatever the kept buffer held) change no real
+    row's result."""
     seen = []
     real = packed_linears._onednn_linear
     monkeypatch.setattr(packed_linears, "_onednn_linear", lambda x, w, b: seen.append(x.shape[0]) or real(x, w, b))
