@@ -36,6 +36,7 @@ import uuid
 import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from weight_sync import store_gates as gates
 from weight_sync.devices import device_identity, duplicate_gpus, normalize_device
 from weight_sync.fan_out import ChainRelay, fan_out_mode, plan_chain
 from weight_sync.hosts import gloo_device
@@ -195,6 +196,7 @@ class WeightSyncGroup:
         if claims != 1:
             raise GroupError(f"rank {self.rank} was claimed twice in group {self.group_name!r}: check the rank "
                              "offsets of the engines / sidecars")
+        self._pass_forming_gate(prefix)
         if self.backend_name == "nccl":
             self._check_placement(prefix)
         try:
@@ -214,6 +216,18 @@ class WeightSyncGroup:
                  self.group_name, self.backend_name, f", buckets down the chain {self.chain}" if self.chain else "",
                  time.monotonic() - t0)
         return self
+
+    def _pass_forming_gate(self, prefix: PrefixStore) -> None:
+        """Every rank arrives before the rendezvous, which cannot be interrupted: a rank that goes
+        first has the trainer call the forming off (call_off_forming), and nobody waits for it."""
+        try:
+            gates.arrive(prefix, gates.FORMING, self.world_size)
+            formed = gates.wait_go(self._waits(), gates.FORMING, self.timeout_s)
+        except Exception as e:
+            raise GroupError(f"weight-sync group {self.group_name!r}: not every rank came within {self.timeout_s}s: "
+                             f"{_short(e)}") from e
+        if not formed:
+            raise GroupError(f"weight-sync group {self.group_name!r} was called off while forming: a rank of it went")
 
     def _form_chain(self, prefix: PrefixStore, mode: str) -> None:
         try:
@@ -250,17 +264,20 @@ class WeightSyncGroup:
         if problems:
             raise GroupError(f"weight-sync group {self.group_name!r} cannot form: " + "; ".join(problems))
 
-    # -- readiness marks: small facts in the store, beside the collectives ---------------------
-    # The trainer enters a push's vote only once every worker is about to vote, so it never
-    # waits in a collective that some rank will not join, and it can be called off meanwhile.
+    # -- gates and marks: small facts in the store, beside the collectives (weight_sync.store_gates) --
+    # A push's vote: the workers arrive at its gate, the trainer waits for them all, then opens the
+    # vote or calls it off; nobody waits in a collective that some rank will not join.
     def mark_ready(self, push_id: str) -> None:
         """A worker about to vote on push `push_id`: count it in; the last one says go."""
-        if int(self._prefix_store().add(f"mark/ready/{push_id}", 1)) == self.world_size - 1:
-            self._prefix_store().set(f"mark/go/{push_id}", b"ok")
+        gates.arrive(self._prefix_store(), gates.push_gate(push_id), self.world_size - 1)
 
     def call_off(self, push_id: str) -> None:
-        """End the trainer's wait for push `push_id` without a vote (a worker will not come)."""
-        self._prefix_store().set(f"mark/go/{push_id}", b"off")
+        """End every rank's wait at push `push_id`'s gate without a vote (a worker will not come)."""
+        gates.call_off(self._prefix_store(), gates.push_gate(push_id))
+
+    def call_off_forming(self) -> None:
+        """End every rank's wait to form this group (a rank will not come): each join raises GroupError."""
+        gates.call_off(self._prefix_store(), gates.FORMING)
 
     def mark_worker_failed(self, push_id: str) -> None:
         """A worker gave push `push_id` up mid-transfer: the trainer, which may wait in a send to
@@ -278,22 +295,40 @@ class WeightSyncGroup:
         self._prefix_store().set(f"mark/progress/{push_id}", str(int(buckets)))
 
     def wait_ready(self, push_id: str, timeout_s: float) -> bool:
-        """The trainer: True once every worker marked itself ready for push `push_id`, False if it
-        was called off; raises GroupError after `timeout_s`. Forgets the push's marks."""
-        # A store connection of its own: a client serves one request at a time, and this wait
-        # must not hold up the call_off (from another thread) that ends it.
-        if self._wait_store is None:
-            self._wait_store = TCPStore(self.host, self.port, None, False, _td(self.timeout_s))
-        store = self._prefix_store(self._wait_store)
-        go = f"mark/go/{push_id}"
+        """The trainer: True once every worker marked itself ready for push `push_id` (their vote
+        is then open), False if it was called off; raises GroupError after `timeout_s`. Forgets
+        the push's count."""
+        gate = gates.push_gate(push_id)
         try:
-            store.wait([go], _td(timeout_s))
-            value = store.get(go)
-            for key in (go, f"mark/ready/{push_id}"):
-                store.delete_key(key)
+            store = self._waits()
+            go = gates.wait_go(store, gate, timeout_s)
+            gates.forget(store, gate, "go", "arrived")
+            return gates.open_vote(store, gate, go)
         except Exception as e:
             raise GroupError(f"waiting for the workers of push {push_id} on rank {self.rank}: {_short(e)}") from e
-        return value == b"ok"
+
+    def wait_vote(self, push_id: str) -> bool:
+        """A worker that marked itself ready: True once the trainer opened push `push_id`'s vote,
+        False if it was called off; raises GroupError after the group's timeout or if the
+        trainer's store is gone."""
+        try:
+            return gates.wait_vote(self._waits(), gates.push_gate(push_id), self.timeout_s)
+        except Exception as e:
+            raise GroupError(f"waiting for the vote of push {push_id} on rank {self.rank}: {_short(e)}") from e
+
+    def vote_passed(self, push_id: str) -> None:
+        """The trainer, past push `push_id`'s vote: every worker read the gate; its last key goes."""
+        try:
+            gates.forget(self._prefix_store(), gates.push_gate(push_id), "vote")
+        except Exception as e:  # noqa: BLE001 - a key left behind costs a few bytes; the push goes on
+            log.debug("could not forget the vote key of push %s: %s", push_id, e)
+
+    def _waits(self) -> PrefixStore:
+        """This rank's own store connection for blocking waits: a client serves one request at a
+        time, and a wait must not hold up the call-off (from another thread) that ends it."""
+        if self._wait_store is None:
+            self._wait_store = TCPStore(self.host, self.port, None, False, _td(self.timeout_s))
+        return self._prefix_store(self._wait_store)
 
     @property
     def ready(self) -> bool:
@@ -375,8 +410,9 @@ class WeightSyncGroup:
         if self.closed:
             return
         self.closed = True
-        if self._relay is not None:
-            self._relay.close()
+        relay, self._relay = self._relay, None  # it holds the backend too: dropped, the backend's pairs close
+        if relay is not None:
+            relay.close()
         pg, self._pg = self._pg, None
         if pg is not None:
             for method in ("abort", "shutdown"):

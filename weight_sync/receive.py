@@ -39,7 +39,8 @@ from weight_sync.staging_memory import StagingPool, alloc, drop_pages
 from weight_sync.staging_sources import SharedSource, fill_from_file
 from weight_sync.targets import CommitPlan, TornWeights, WeightTarget, sync_device
 from weight_sync.votes import (
-    VOTE_DELTA_BASE, VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, manifest_vote, mismatch_error,
+    VOTE_DELTA_BASE, VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, describe, manifest_vote,
+    mismatch_error,
 )
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class PushReceiver:
         if on_staging is not None:
             on_staging(staging)
         if group_name is not None and m is not None:
-            _mark_ready(g, m.push_id)
+            self._wait_for_vote(g, m, staging)
         self._vote(g, m, staging, problems)
         t1 = time.perf_counter()
         if m.delta is not None:
@@ -247,6 +248,22 @@ class PushReceiver:
                 problems = [f"cannot allocate {need} bytes of staging memory: {e}"]
         return m, staging, problems
 
+    def _wait_for_vote(self, g: WeightSyncGroup, m: Manifest, staging) -> None:
+        """Mark this worker ready for the push's vote and wait until the trainer opens it (every
+        rank is there); a push called off meanwhile (a rank of the group went) or a trainer gone
+        ends here, nothing changed, instead of in a vote that would wait out the group's timeout."""
+        try:
+            g.mark_ready(m.push_id)
+            if g.wait_vote(m.push_id):
+                return
+            why = "the trainer called it off (a rank of the group went or failed before voting)"
+        except Exception as e:  # the trainer's store is gone, or nobody came within the group's timeout
+            why = describe(e)
+        self.close_group(g)
+        self.pool.give_back(staging)
+        raise RuntimeError(f"weight push of version {m.version} called off before any byte moved, nothing "
+                           f"changed; the group is closed: {why}")
+
     def _vote(self, g: WeightSyncGroup, m: Manifest | None, staging, problems: list[str]) -> None:
         """Cast this worker's manifest vote; raises unless every rank accepted the same manifest."""
         status = (VOTE_OK if not problems else VOTE_NEEDS_BASE if problems[0] is NEEDS_BASE
@@ -352,7 +369,7 @@ class PushReceiver:
         if m is not None and m.delta is not None:  # the trainer sends the full weights instead
             problems = [NEEDS_FULL, "an in-place receive takes full pushes only (a delta needs a copy of the weights)"]
         if group_name is not None and m is not None:
-            _mark_ready(g, m.push_id)
+            self._wait_for_vote(g, m, None)
         self._vote(g, m, None, problems)
         t1 = time.perf_counter()
         written, digest = [0], Digest()
@@ -429,12 +446,3 @@ def _timed(fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
     return out, time.perf_counter() - t0
-
-
-def _mark_ready(g: WeightSyncGroup, push_id: str) -> None:
-    try:
-        g.mark_ready(push_id)
-    except Exception as e:  # the trainer then times out of its wait, and this rank out of the vote
-        log.warning("could not mark this worker ready for push %s: %s", push_id, e)
-
-

@@ -136,6 +136,15 @@ class WeightSender:
             self.close_group()
             raise
 
+    def call_off_group(self) -> None:
+        """A worker will not join the group that is forming (its host went): every rank's join,
+        this trainer's `join_group()` too, ends now with GroupError instead of at the timeout."""
+        if self.group is not None and not self.group.ready:
+            try:
+                self.group.call_off_forming()
+            except Exception as e:  # noqa: BLE001 - the joins then end at the group's timeout
+                log.warning("could not call the forming of group %s off: %s", self.group.group_name, e)
+
     def close_group(self) -> None:
         if self.group is not None:
             self.group.close()
@@ -374,6 +383,7 @@ class WeightSender:
     def _vote(self, status: int, m: Manifest, problem: str) -> None:
         try:
             verdict = manifest_vote(self.group, status, m.digest())
+            self.group.vote_passed(m.push_id)
         except GroupError as e:
             self.close_group()
             raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "

@@ -200,3 +200,40 @@ def test_joining_needs_the_groups_secret():
     assert all(isinstance(r, WeightSyncGroup) and r.ready for r in res), res
     for g in [master, *res[1:]]:
         g.close()
+
+
+def test_a_forming_called_off_frees_every_rank_at_once():
+    """Rank 3 never comes (its host went): the trainer calls the forming off, and the trainer's
+    own join and every worker's end at once, not at the group's timeout."""
+    master = WeightSyncGroup.master(world_size=4, timeout_s=60.0)
+    info = master.connection_info()
+    joins = [master.join] + [
+        lambda r=r: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=4, rank=r,
+                                            group_name=info["group_name"], secret=info["secret"], timeout_s=60.0)
+        for r in (1, 2)]
+    threading.Timer(1.0, master.call_off_forming).start()
+    t0 = time.monotonic()
+    res = _run(joins)
+    assert all(isinstance(r, GroupError) and "called off" in str(r) for r in res), res
+    assert time.monotonic() - t0 < 10
+    master.close()
+
+
+def test_a_vote_called_off_frees_the_workers_that_wait_for_it():
+    """Both workers arrived at the vote's gate; the trainer calls the push off (a third rank went)
+    before its own wait: the workers are told at once, and they never vote."""
+    master, res = _form(3)
+    workers = res[1:]
+    for w in workers:
+        w.mark_ready("p1")
+    threading.Timer(0.5, master.call_off, args=("p1",)).start()
+    t0 = time.monotonic()
+    assert _run([lambda w=w: w.wait_vote("p1") for w in workers]) == [False, False]
+    assert time.monotonic() - t0 < 5
+    assert master.wait_ready("p1", timeout_s=5) is False  # the call-off wins over the last arrival
+    for w in workers:
+        w.mark_ready("p2")
+    assert master.wait_ready("p2", timeout_s=5) is True
+    assert _run([lambda w=w: w.wait_vote("p2") for w in workers]) == [True, True]
+    for g in [master, *workers]:
+        g.close()
