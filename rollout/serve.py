@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 
-from rollout.serve_args import build_parser, model_dir_or_exit
+from rollout.serve_args import build_parser, model_dir_or_exit, vllm_dev_mode
 from rollout.serve_engines import build_manager, engine_config, start_cores_early
 from rollout.serve_engines import host_copy_wanted  # noqa: F401 - importable from here, as before
 
@@ -50,7 +50,7 @@ def prepare(args) -> tuple[str, list]:
 
 
 def _check_flags_or_exit(args) -> None:
-    """The flags that need no model: access, placement, the engine's options."""
+    """The flags that need no model: access, placement, the engine's options, the environment."""
     from weight_sync.devices import engine_devices
     from weight_sync.hosts import is_loopback
 
@@ -69,6 +69,10 @@ def _check_flags_or_exit(args) -> None:
                  "on one device")
     if args.engine == "vllm" and args.lora_versions:
         sys.exit("--lora-versions needs --engine native: vLLM takes adapter pushes merged into its weights, one version at a time")
+    try:  # vLLM users turn the RL routes on as for `vllm serve`
+        args.weight_transfer_routes = args.weight_transfer_routes or vllm_dev_mode()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def _check_or_exit(args, model: str) -> None:

@@ -1,11 +1,12 @@
 """What `python -m rollout.serve` accepts: its flags (`build_parser`, with vLLM's environment
-variables in its epilog), and `--model` resolved to a model directory or refused in one line
-(`model_dir_or_exit`).
+variables in its epilog), VLLM_SERVER_DEV_MODE read as vLLM reads it, and `--model` resolved to a
+model directory or refused in one line (`model_dir_or_exit`, which the recipes' --model shares).
 Imports no torch: the sidecar parses its flags while its engine cores import it."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -145,7 +146,8 @@ def _add_http_flags(p) -> None:
                    help="also serve vLLM's RL weight-transfer routes on --http-port (/init_weight_transfer_engine, "
                         "/update_weights, /finish_weight_update, /pause, /resume, /weight_info, ...), so trainers "
                         "written for `vllm serve` (HTTPVLLMWeightSyncClient) push weights here; they change the "
-                        "model, so they are off by default (vLLM: VLLM_SERVER_DEV_MODE=1)")
+                        "model, so they are off by default. VLLM_SERVER_DEV_MODE=1 in the environment turns them "
+                        "on too, as it does for `vllm serve`")
 
 
 VLLM_ENV_HELP = """\
@@ -173,6 +175,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         if "default" in text or action.default is None:
             return text
         return super()._get_help_string(action)
+
+
+def vllm_dev_mode(environ=os.environ) -> bool:
+    """Whether VLLM_SERVER_DEV_MODE asks for vLLM's development routes (the RL routes among them),
+    read as vLLM reads it: an integer, on when not 0 (unset: off). Raises ValueError otherwise."""
+    value = environ.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"VLLM_SERVER_DEV_MODE={value!r}: vLLM reads it as an integer (1: on, 0: off)") from None
 
 
 def model_dir_or_exit(arg: str | None) -> str:
