@@ -54,16 +54,17 @@ def setup(algo, args) -> Run:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model_names import resolve_model_arg
     from engine.sampling_params import SamplingParams
     from recipes.tasks import make_task
     from recipes.tracking import Tracker
     from rollout import RolloutClient
+    from rollout.serve_args import model_dir_or_exit
     from weight_sync import flatten_parameters
 
+    # a name (smollm2, tiny, ...): its cached directory; no model there: one line, as rollout.serve says it
+    model_dir = model_dir_or_exit(args.model)
     torch.manual_seed(args.seed)
     accelerator = Accelerator(cpu=args.device == "cpu")
-    model_dir = resolve_model_arg(args.model or "tiny")  # a name (smollm2, tiny, ...): its cached directory
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
