@@ -1,53 +1,40 @@
 """AsyncEngine: the asyncio frontend (after vLLM v1's AsyncLLM). The engine core runs in a
-background process; requests go in over ZMQ ROUTER -> DEALER, outputs come back PUSH -> PULL,
-all msgpack. Per-request collectors merge outputs when the consumer is slow; a dead core fails
-every waiter with EngineDeadError. Nothing but the event loop's own references keeps an engine
-alive: one that is garbage-collected shuts its core down (a finalizer, as vLLM's AsyncLLM)."""
+background process reached through a `CoreConnection` (engine/core_connection.py: ZMQ, msgpack);
+per-request collectors (engine/output_collector.py) merge outputs when the consumer is slow; a
+dead core fails every waiter with EngineDeadError. Nothing but the event loop's own references
+keeps an engine alive: one that is garbage-collected shuts its core down (a finalizer, as vLLM's
+AsyncLLM)."""
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
-import json
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
-import threading
-import time
 import uuid
 import weakref
-from dataclasses import asdict
+from contextlib import aclosing
 from typing import Any, AsyncGenerator
 
 import zmq
 
 from engine.config import EngineConfig
-from engine.tokenizer import load_tokenizer
+from engine.core_connection import CoreConnection
 from engine.errors import EngineDeadError, EngineGenerateError, EngineUnhealthyError
-from engine.inputs import is_single_prompt, tokenize_prompt, validate_params, validate_prompt_ids
-from engine.messages import (
-    INVALID, AbortRequests, AddRequest, CallResult, EngineOutput, Fatal, Ready, RequestError, Shutdown,
-    PauseMode, StepOutputs, UtilityCall, error_for,
+from engine.inputs import (
+    check_one_request, is_prompt_list, request_lists, tokenize_prompt, validate_params, validate_prompt_ids,
 )
+from engine.messages import (
+    INVALID, AbortRequests, AddRequest, CallResult, Fatal, RequestError, PauseMode, StepOutputs, UtilityCall,
+    error_for,
+)
+from engine.output_collector import RequestCollector, interleave
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.serial import Decoder, Encoder
-from engine.standby import hand_over, start_core
+from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class _Collector:
-    """One request's accumulated state; `event` wakes its consumer, who reads everything new."""
-
-    def __init__(self, state: RequestState):
-        self.state = state
-        self.event = asyncio.Event()
-        self.error: RequestError | None = None
 
 
 class AsyncEngine:
@@ -58,83 +45,30 @@ class AsyncEngine:
         """Starts the core process, or hands `standby` (from `engine.standby.spawn_standby`, still
         alive) its arguments instead."""
         self.cfg = cfg
-        self._dir = tempfile.mkdtemp(prefix="engine-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._zctx = zmq.Context()
-        self._in = self._zctx.socket(zmq.ROUTER)
-        self._in.setsockopt(zmq.SNDHWM, 0)  # a ROUTER drops at its high-water mark: never drop
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._in.bind(in_addr)
-        self._out_sync = self._zctx.socket(zmq.PULL)
-        self._out_sync.setsockopt(zmq.LINGER, 0)
-        self._out_sync.bind(out_addr)
-        self._identity = uuid.uuid4().hex.encode()
-        self._encoder, self._decoder = Encoder(), Decoder(EngineOutput)
-        core_args = ["--config-json", json.dumps(asdict(cfg)), "--input-addr", in_addr, "--output-addr", out_addr,
-                     "--identity", self._identity.decode(), "--parent-pid", str(os.getpid()), "--log-level", log_level]
-        self.proc = standby if standby is not None and hand_over(standby, core_args) else start_core(core_args)
+        self._core = CoreConnection(cfg, log_level, standby)
+        self.proc = self._core.proc
         self._shutdown_called = False
-        self._threads: list[threading.Thread] = []  # the output reader, once started
-        self._stop_reading = threading.Event()
-        # Everything the finalizer needs, and nothing that refers back to the engine, so that an
-        # engine dropped without shutdown() is still collected and its core stopped.
-        self._finalizer = weakref.finalize(
-            self, _release, self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir,
-            self._stop_reading, self._threads)
-        atexit.register(_kill_quietly, weakref.ref(self))
+        # The finalizer holds the connection, which never refers back to the engine: an engine
+        # dropped without shutdown() is still collected and its core stopped.
+        self._finalizer = weakref.finalize(self, self._core.close)
         try:
             self.tokenizer = load_tokenizer(cfg.tokenizer)  # while the core starts, not before
-            ready = self._handshake(start_timeout)
+            ready = self._core.handshake(start_timeout)
         except BaseException:
+            self.dead_reason = self._core.fatal
             self.shutdown()
             raise
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_kv_blocks
-        self.requests: dict[str, _Collector] = {}
+        self.requests: dict[str, RequestCollector] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead = False
         self.dead_reason = ""  # what the core said before it died (a Fatal), if anything
-        threading.Thread(target=_watch_process, args=(self.proc, weakref.ref(self)), daemon=True,
-                         name="engine-watch").start()
+        self._core.watch(weakref.WeakMethod(self._on_core_exit))
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _handshake(self, timeout: float) -> Ready:
-        deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._in, zmq.POLLIN)
-        poller.register(self._out_sync, zmq.POLLIN)
-        got_identity, ready = False, None
-        while not (got_identity and ready):
-            if self.proc.poll() is not None:
-                why = self._last_word()
-                raise RuntimeError(f"engine core process exited with code {self.proc.returncode} during startup"
-                                   + (f": {why}" if why else ""))
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine core not ready after {timeout:.0f}s")
-            for sock, _ in poller.poll(200):
-                if sock is self._in:
-                    identity, *_ = self._in.recv_multipart()
-                    got_identity = identity == self._identity
-                else:
-                    msg = self._decoder.decode(self._out_sync.recv_multipart())
-                    if isinstance(msg, Ready):
-                        ready = msg
-                    elif isinstance(msg, Fatal):
-                        self.dead_reason = msg.error
-        return ready
-
-    def _last_word(self, wait_s: float = 1.0) -> str:
-        """What a core that exited during start-up said why (core_proc's Fatal), if it did."""
-        deadline = time.monotonic() + wait_s
-        while not self.dead_reason and self._out_sync.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            msg = self._decoder.decode(self._out_sync.recv_multipart())
-            if isinstance(msg, Fatal):
-                self.dead_reason = msg.error
-        return self.dead_reason
-
     def _on_core_exit(self) -> None:
         if self._shutdown_called:
             return
@@ -169,10 +103,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
-            reader = threading.Thread(target=_read_outputs, daemon=True, name="engine-outputs",
-                                      args=(weakref.ref(self), self._out_sync, self._decoder, loop, self._stop_reading))
-            self._threads.append(reader)
-            reader.start()
+            self._core.start_reader(weakref.WeakMethod(self._dispatch), loop)
         elif loop is not self._loop:
             raise RuntimeError("AsyncEngine is bound to the event loop it was first used in")
 
@@ -201,7 +132,7 @@ class AsyncEngine:
 
     def _send(self, msg) -> None:
         try:
-            self._in.send_multipart([self._identity, *self._encoder.encode(msg)], copy=False)
+            self._core.send(msg)
         except zmq.ZMQError as e:
             self.dead = True
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
@@ -216,8 +147,7 @@ class AsyncEngine:
             return
         self._shutdown_called = True
         self._finalizer.detach()
-        _release(self.proc, self._in, self._out_sync, self._zctx, self._identity, self._dir, self._stop_reading,
-                 self._threads, timeout)
+        self._core.close(timeout)
         # whoever still waits on this engine (a call stuck behind a stalled push) hears it is gone
         # (getattr: a core that failed its start-up is shut down before these exist)
         self.dead, self.dead_reason = True, getattr(self, "dead_reason", "") or "engine was shut down"
@@ -244,57 +174,18 @@ class AsyncEngine:
         prompts (with a list of request ids, or none), their outputs interleaved as they come.
         Closing or cancelling the generator aborts its requests. Bad input raises ValueError; a
         dead core raises EngineDeadError."""
-        if not _is_prompt_list(prompt):
-            if isinstance(request_id, (list, tuple)):
-                raise ValueError(f"{len(request_id)} request ids for one prompt: a list of request ids goes with "
-                                 "a list of prompts")
-            if isinstance(sampling_params, (list, tuple)):
-                raise ValueError("a list of sampling params goes with a list of prompts")
+        if not is_prompt_list(prompt):
+            check_one_request(sampling_params, request_id)
             return self._generate_one(prompt, sampling_params, request_id)
-        prompts = list(prompt)
-        ids = list(request_id) if isinstance(request_id, (list, tuple)) else None
-        if request_id is not None and ids is None:
-            raise ValueError(f"{len(prompts)} prompts but one request id: give a list of {len(prompts)}")
-        if ids is not None and len(ids) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(ids)} request ids")
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = ids or [uuid.uuid4().hex for _ in prompts]
-        if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be distinct")
-        return self._generate_many(prompts, params, ids)
+        return self._generate_many(*request_lists(list(prompt), sampling_params, request_id))
 
     async def _generate_many(self, prompts: list, params: list, ids: list[str]) -> AsyncGenerator[RequestOutput, None]:
-        """Several requests as one stream: each runs in its own task feeding one queue."""
+        """Several requests as one stream (output_collector.interleave); leaving it aborts them all."""
         self._ensure_started()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def feed(gen):
-            try:
-                async for out in gen:
-                    queue.put_nowait(out)
-                queue.put_nowait(done)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, who re-raises it
-                queue.put_nowait(e)
-
-        gens = [self._generate_one(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
-        tasks = [asyncio.ensure_future(feed(g)) for g in gens]
-        try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is done:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()  # cancelling a feeder closes its generator, which aborts its request
-            await asyncio.gather(*tasks, return_exceptions=True)
+        streams = [self._generate_one(p, sp, rid) for p, sp, rid in zip(prompts, params, ids)]
+        async with aclosing(interleave(streams)) as outs:
+            async for out in outs:
+                yield out
 
     async def _generate_one(self, prompt, sampling_params: SamplingParams | None,
                             request_id: str | None) -> AsyncGenerator[RequestOutput, None]:
@@ -306,7 +197,7 @@ class AsyncEngine:
         validate_params(params, self.vocab_size, self.cfg.max_logprobs)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        collector = _Collector(RequestState(request_id, text, ids, params, self.tokenizer))
+        collector = RequestCollector(RequestState(request_id, text, ids, params, self.tokenizer))
         self.requests[request_id] = collector
         finished = False
         try:
@@ -412,77 +303,3 @@ class AsyncEngine:
     async def get_stats(self) -> dict:
         return await self._call("stats")
 
-
-def _is_prompt_list(prompt) -> bool:
-    """Several prompts (strs, token-id lists, conversations, dicts), not one prompt of token ids
-    or one conversation; an empty or malformed list counts as one prompt, to fail as one."""
-    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not is_single_prompt(prompt)
-            and all(isinstance(p, (str, dict, list, tuple)) for p in prompt))
-
-
-def _watch_process(proc: subprocess.Popen, ref) -> None:
-    """Thread: waits for the core to exit and tells the engine, if anyone still holds it."""
-    proc.wait()
-    engine = ref()
-    if engine is not None:
-        engine._on_core_exit()
-
-
-def _read_outputs(ref, sock, decoder: Decoder, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
-    """Output thread: receives and decodes the core's messages and hands them to the event loop.
-    A thread rather than a zmq.asyncio socket so that nothing of ours stays registered with the
-    loop after shutdown (a later engine's socket may reuse the file descriptor). It holds the
-    engine only by a weak reference, so that a dropped engine is collected."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
-        try:
-            if not poller.poll(100):
-                continue
-            frames = sock.recv_multipart(copy=False)
-        except zmq.ZMQError:  # closed under us by the finalizer
-            return
-        try:
-            msg = decoder.decode([f.buffer for f in frames])
-        except Exception as e:
-            log.error("undecodable output from the engine core: %s", e)
-            continue
-        engine = ref()
-        if engine is None:
-            return
-        try:
-            loop.call_soon_threadsafe(engine._dispatch, msg)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            return
-        finally:
-            del engine
-
-
-def _release(proc: subprocess.Popen, in_sock, out_sock, zctx, identity: bytes, tmpdir: str, stop: threading.Event,
-             threads: list, timeout: float = 2.0) -> None:
-    """Stop the core (Shutdown, then SIGKILL after `timeout`) and free the sockets. Called by
-    shutdown(), or by the finalizer of an engine nobody holds any more."""
-    if proc.poll() is None:
-        try:
-            in_sock.send_multipart([identity, *Encoder().encode(Shutdown())], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    stop.set()
-    for t in threads:
-        if t is not threading.current_thread():
-            t.join(timeout=2.0)
-    in_sock.close(0)
-    out_sock.close(0)
-    zctx.term()
-    shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-def _kill_quietly(ref) -> None:
-    engine = ref()
-    if engine is not None and engine.proc.poll() is None:
-        engine.proc.kill()

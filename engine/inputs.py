@@ -1,8 +1,11 @@
 """Prompt forms the engine accepts: str, list[int], {"prompt_token_ids": [...]} / {"prompt": str},
 or a conversation: a list of {"role", "content"} messages, rendered by the tokenizer's chat
-template with the generation prompt appended (as vLLM's `LLM.chat`)."""
+template with the generation prompt appended (as vLLM's `LLM.chat`); and a list of such prompts,
+each with its own request id and sampling params."""
 
 from __future__ import annotations
+
+import uuid
 
 
 def is_conversation(prompt) -> bool:
@@ -70,3 +73,36 @@ def validate_params(params, vocab_size: int, max_logprobs: int) -> None:
         k = getattr(params, name)
         if k is not None and k > max_logprobs:
             raise ValueError(f"{name}={k} is above this engine's max_logprobs ({max_logprobs})")
+
+
+def is_prompt_list(prompt) -> bool:
+    """Several prompts (strs, token-id lists, conversations, dicts), not one prompt of token ids
+    or one conversation; an empty or malformed list counts as one prompt, to fail as one."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and not is_single_prompt(prompt)
+            and all(isinstance(p, (str, dict, list, tuple)) for p in prompt))
+
+
+def check_one_request(sampling_params, request_id) -> None:
+    """A single prompt's request id and sampling params are single too."""
+    if isinstance(request_id, (list, tuple)):
+        raise ValueError(f"{len(request_id)} request ids for one prompt: a list of request ids goes with "
+                         "a list of prompts")
+    if isinstance(sampling_params, (list, tuple)):
+        raise ValueError("a list of sampling params goes with a list of prompts")
+
+
+def request_lists(prompts: list, sampling_params, request_id) -> tuple[list, list, list[str]]:
+    """A list of prompts' (prompts, one sampling params each, distinct request ids): one params
+    object is shared, no request ids get fresh ones; lists of the wrong length raise ValueError."""
+    ids = list(request_id) if isinstance(request_id, (list, tuple)) else None
+    if request_id is not None and ids is None:
+        raise ValueError(f"{len(prompts)} prompts but one request id: give a list of {len(prompts)}")
+    if ids is not None and len(ids) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(ids)} request ids")
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    ids = ids or [uuid.uuid4().hex for _ in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids must be distinct")
+    return prompts, params, ids

@@ -17,6 +17,8 @@ from collections import OrderedDict
 
 import torch
 
+from engine.lora_merge import merge
+
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module name -> (A [r, in], B [out, r], scale)
 
 
@@ -83,8 +85,6 @@ class LoraBank:
     def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """`weight` with the newest adapter merged, if it targets module `name` (for a copy of
         the weights a restarted engine loads: weight_sync's save_weights)."""
-        from weight_sync.lora import merge
-
         f = self.versions[self.newest].get(name) if self.versions else None
         return weight if f is None else merge(weight, f[0], f[1], f[2])
 

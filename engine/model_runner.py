@@ -1,5 +1,6 @@
 """Runs a HF causal LM on the engine's paged KV cache: packs a step's sequences into one batch,
-runs the forward, samples."""
+runs the forward, samples. Beside it: how many cache blocks it gets (kv_cache_size.py), how a
+step's inputs are packed (step_inputs.py), prompt logprobs (prompt_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,15 @@ import torch
 
 from engine import attention, gpu_memory, step_inputs, step_sampling
 from engine.config import EngineConfig
+from engine.kv_cache_size import bytes_per_block, num_kv_blocks
 from engine.model_loader import load_model
-from engine.sampler import SamplingTensors, sample, token_ranks, uniform_noise
-from engine.step_sampling import SampleResult, entries
+from engine.prompt_logprobs import take_prompt_logprobs
+from engine.sampler import SamplingTensors, sample, uniform_noise
+from engine.step_sampling import SampleResult
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-# Prompt positions turned into logprobs at once: bounds the [chunk, V] float32 temporaries (a
-# 4k-token prompt at a 152k vocabulary would be ~2.5 GB per [T, V] tensor)
-PROMPT_LOGPROBS_CHUNK = 512
 
 
 def available_cpus() -> int:
@@ -38,18 +36,6 @@ def resolve_device(spec: str, current_cuda_index=None) -> torch.device:
         index = current_cuda_index() if current_cuda_index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
     return device
-
-
-def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: int) -> int:
-    """KV blocks to allocate: enough for every running sequence at full length (`want`) if the
-    budget holds them, else what it holds; never fewer than one full-length sequence needs
-    (raises when even that does not fit)."""
-    fits = max(0, budget_bytes) // per_block
-    if fits < min_blocks:
-        raise ValueError(f"the KV cache budget ({budget_bytes / 2**30:.2f} GiB) holds {fits} blocks, fewer than "
-                         f"one sequence of max_model_len needs ({min_blocks}): lower max_model_len or raise "
-                         "gpu_memory_utilization / kv_cache_memory_gb")
-    return min(want, fits)
 
 
 class ModelRunner:
@@ -82,23 +68,11 @@ class ModelRunner:
         self.padded_prefill = self.device.type == "cuda"
         self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
         self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
-        self.num_blocks = self._num_blocks()  # on CUDA after a profile run, which needs all of the above
+        per_block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                    torch.finfo(cfg.torch_dtype).bits // 8)
+        # on CUDA after a profile run, which needs all of the above
+        self.num_blocks = num_kv_blocks(cfg, per_block, self._kv_budget_bytes)
         self.allocate_kv_cache()
-
-    def _num_blocks(self) -> int:
-        cfg = self.cfg
-        per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        per_block *= torch.finfo(cfg.torch_dtype).bits // 8
-        min_blocks = -(-cfg.max_model_len // self.block_size)
-        if cfg.num_kv_blocks is not None:
-            if cfg.num_kv_blocks < min_blocks:
-                raise ValueError(
-                    f"num_kv_blocks={cfg.num_kv_blocks} cannot hold one sequence of max_model_len="
-                    f"{cfg.max_model_len} tokens (needs {min_blocks} blocks of {self.block_size})"
-                )
-            return cfg.num_kv_blocks
-        return kv_cache_blocks(self._kv_budget_bytes(per_block * min_blocks), per_block, cfg.max_num_seqs * min_blocks,
-                               min_blocks)
 
     def _kv_budget_bytes(self, one_sequence: int) -> int:
         """What the KV cache may take: on CUDA, gpu_memory_utilization of the GPU's total less
@@ -198,7 +172,7 @@ class ModelRunner:
             offset += end - start
             last.append(np.array([offset - 1]))
         t, n_last = offset, sum(len(x) for x in last)
-        padded = self._padded_layout(seqs, spans, t) if self.padded_prefill else None
+        padded = step_inputs.padded_layout(seqs, spans, t, bs) if self.padded_prefill else None
         extra = [] if padded is None else list(padded[:4])
         buf = step_inputs.upload(np.concatenate([*ids, *pos, *slots, *last, *tables, *extra]), self.device)
         ids_d, pos_d, slots_d = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t]
@@ -208,38 +182,8 @@ class ModelRunner:
         ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots_d,
                                     prefill_spans=spans, **self._cache_views)
         if padded is not None:
-            ctx.padded_prefill = self._padded_on_device(rest[n_tables:], *padded[4:])
+            ctx.padded_prefill = step_inputs.padded_on_device(rest[n_tables:], *padded[4:], bs)
         return ids_d, pos_d, ctx, last_d
-
-    def _padded_layout(self, seqs: list[Sequence], spans: list, total: int):
-        """Host arrays of the padded prefill (attention.PaddedPrefill): blocks, query rows, back
-        index, each padded row's position; then (spans, q_len, num_blocks). None when padding
-        would multiply the queries or keys by more than 4 (one long prompt among many short
-        ones): the per-span path then does far less arithmetic."""
-        bs, n = self.block_size, len(spans)
-        q_len = max(b - a for a, b, _, _ in spans)
-        need = [-(-(c + b - a) // bs) for a, b, c, _ in spans]
-        nb = max(need)
-        if n * q_len > 4 * total + 64 or n * nb > 4 * sum(need) + 4:
-            return None
-        blocks = np.zeros((n, nb), dtype=np.int64)
-        i = np.arange(q_len)
-        rows, qpos = np.empty((n, q_len), dtype=np.int64), np.empty((n, q_len), dtype=np.int64)
-        back = np.empty(total, dtype=np.int64)
-        for k, ((a, b, c, _), seq) in enumerate(zip(spans, seqs)):
-            blocks[k, : need[k]] = seq.block_table[: need[k]]
-            clipped = np.minimum(i, b - a - 1)  # a pad row repeats the span's last token: no empty softmax
-            rows[k], qpos[k] = a + clipped, c + clipped
-            back[a:b] = k * q_len + np.arange(b - a)
-        return blocks.ravel(), rows.ravel(), back, qpos.ravel(), n, q_len, nb
-
-    def _padded_on_device(self, buf: torch.Tensor, n: int, q_len: int, nb: int) -> attention.PaddedPrefill:
-        total = buf.numel() - n * nb - 2 * n * q_len
-        blocks, rows = buf[: n * nb], buf[n * nb : n * nb + n * q_len]
-        back, qpos = buf[n * nb + n * q_len : n * nb + n * q_len + total], buf[n * nb + n * q_len + total :]
-        keys = torch.arange(nb * self.block_size, device=buf.device)
-        mask = (keys <= qpos.view(n, q_len, 1)).unsqueeze(1)  # [S, 1, Lq, Lk]: causal at each row's position
-        return attention.PaddedPrefill(blocks, rows, back, mask, n, q_len, nb)
 
     def decode_order(self, seqs: list[Sequence]) -> list[Sequence]:
         """A decode batch in the order the step wants its rows: by block count (see chunk_cuts)."""
@@ -321,7 +265,7 @@ class ModelRunner:
             )
             logits = out.logits[0].float()
             if self.prompt_rows:
-                logits = self._take_prompt_logprobs(seqs, logits)
+                logits = take_prompt_logprobs(seqs, logits, self.prompt_rows, self.prompt_logprobs)
             # NOTE: no device sync here: the sampled tokens' trip to the host is the step's one
             # sync point. On CUDA, forward_seconds is thus the host's side of the forward only.
         finally:
@@ -330,33 +274,6 @@ class ModelRunner:
                 self.lora_bank.end_step()
         self.forward_seconds += time.perf_counter() - t0
         return logits
-
-    def _take_prompt_logprobs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """For the sequences that asked for prompt logprobs, turn their prompt rows into
-        `self.prompt_logprobs[seq_id]` (vLLM's shape: None for the first token, then {token:
-        (logprob, rank)} plus the top k, from the model's raw distribution); return one row per sequence."""
-        keep = torch.ones(logits.shape[0], dtype=torch.bool)
-        for seq in seqs:
-            if seq.seq_id not in self.prompt_rows:
-                continue
-            first, length = self.prompt_rows.pop(seq.seq_id)
-            keep[first : first + length - 1] = False
-            entries_ = []
-            for start in range(1, length, PROMPT_LOGPROBS_CHUNK):
-                end = min(length, start + PROMPT_LOGPROBS_CHUNK)
-                entries_ += self._prompt_entries(logits[first + start - 1 : first + end - 1], seq.token_ids[start:end],
-                                                 seq.params.prompt_logprobs)
-            self.prompt_logprobs[seq.seq_id] = [None, *entries_]
-        return logits[keep.to(logits.device)]
-
-    @staticmethod
-    def _prompt_entries(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, tuple[float, int]]]:
-        """Entries of a chunk of prompt positions: the next token's logprob and rank, the top k."""
-        rows = torch.log_softmax(logits, dim=-1)
-        chosen = rows.gather(-1, torch.tensor(targets, device=rows.device).unsqueeze(-1)).squeeze(-1)
-        top = rows.topk(k, dim=-1)
-        return entries(targets, chosen.tolist(), token_ranks(rows, chosen).tolist(), top.indices.tolist(),
-                       top.values.tolist(), [k] * len(targets))
 
     @torch.inference_mode()
     def probe(self, num_tokens: int = 4) -> bool:

@@ -5,6 +5,7 @@ one per sequence (a block table each, a seed each) is bound by the host. So the 
 decode step's token ids, positions, cache slots, lengths and block tables into one int64 numpy
 array (`pack_decode`), and the sampler's per-row parameters into one float64 array
 (`step_sampling.SamplingColumns`); each goes to the device as a single tensor whose slices are the inputs.
+A GPU's prefill also packs its padded layout (`padded_layout`: one attention call per layer).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from engine.attention import PaddedPrefill
 
 # what one more decode chunk costs per layer, in bytes of KV gathered: on the CPU a handful of
 # ops (~50-100 us of host time, about 1 MB of memory traffic); on a GPU the same ops are kernel
@@ -79,3 +82,38 @@ def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded_layout(seqs: list, spans: list, total: int, block_size: int):
+    """Host arrays of a padded prefill (attention.PaddedPrefill), the GPU's one attention call per
+    layer: blocks, query rows, back index, each padded row's position; then (spans, q_len,
+    num_blocks). `spans`: (first row, end row, cached prefix length, table) per sequence of the
+    `total` rows. None when padding would multiply the queries or keys by more than 4 (one long
+    prompt among many short ones): the per-span path then does far less arithmetic."""
+    bs, n = block_size, len(spans)
+    q_len = max(b - a for a, b, _, _ in spans)
+    need = [-(-(c + b - a) // bs) for a, b, c, _ in spans]
+    nb = max(need)
+    if n * q_len > 4 * total + 64 or n * nb > 4 * sum(need) + 4:
+        return None
+    blocks = np.zeros((n, nb), dtype=np.int64)
+    i = np.arange(q_len)
+    rows, qpos = np.empty((n, q_len), dtype=np.int64), np.empty((n, q_len), dtype=np.int64)
+    back = np.empty(total, dtype=np.int64)
+    for k, ((a, b, c, _), seq) in enumerate(zip(spans, seqs)):
+        blocks[k, : need[k]] = seq.block_table[: need[k]]
+        clipped = np.minimum(i, b - a - 1)  # a pad row repeats the span's last token: no empty softmax
+        rows[k], qpos[k] = a + clipped, c + clipped
+        back[a:b] = k * q_len + np.arange(b - a)
+    return blocks.ravel(), rows.ravel(), back, qpos.ravel(), n, q_len, nb
+
+
+def padded_on_device(buf: torch.Tensor, n: int, q_len: int, nb: int, block_size: int) -> PaddedPrefill:
+    """`padded_layout`'s arrays, uploaded in the step's one buffer, as an attention.PaddedPrefill
+    (with its causal mask at each row's position)."""
+    total = buf.numel() - n * nb - 2 * n * q_len
+    blocks, rows = buf[: n * nb], buf[n * nb : n * nb + n * q_len]
+    back, qpos = buf[n * nb + n * q_len : n * nb + n * q_len + total], buf[n * nb + n * q_len + total :]
+    keys = torch.arange(nb * block_size, device=buf.device)
+    mask = (keys <= qpos.view(n, q_len, 1)).unsqueeze(1)  # [S, 1, Lq, Lk]: causal at each row's position
+    return PaddedPrefill(blocks, rows, back, mask, n, q_len, nb)

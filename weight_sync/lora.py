@@ -8,8 +8,8 @@ name, with `Manifest.adapter` saying which base they apply to (`base_id`, a chec
 trainer's base weights) and each module's scale. An engine whose base is not that one votes
 "needs base" before any byte moves; the trainer then pushes once more with the base weights in
 the same manifest (`with_base`), which the engine keeps as `W0`. The merge is PEFT's own
-arithmetic (`LoraLayer.get_delta_weight`, then `weight += delta`), so the engine's weights are
-bit for bit the trainer's `merge_and_unload()` on the same kind of device.
+arithmetic (`LoraLayer.get_delta_weight`, then `weight += delta`; engine/lora_merge.py), so the
+engine's weights are bit for bit the trainer's `merge_and_unload()` on the same kind of device.
 
 Supported: LoRA and rsLoRA on linear layers (any `target_modules`, ranks and alphas, per-module
 patterns), one active adapter, `bias="none"`. DoRA, trained biases, `modules_to_save` and LoRA on
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.lora_merge import merge  # the arithmetic is the engine's: lora_target and merged_weights use it
 from weight_sync.checksum import dedup_tied, weights_checksum
 from weight_sync.manifest import DTYPES, FLOAT_DTYPES, AdapterSpec, Manifest, ParamInfo, check_layout, check_names
 
@@ -153,34 +154,6 @@ def push_source(weights, mode: str = "adapter"):
         return merged_weights(weights)
     lora_layers(weights)  # refuse what an adapter push cannot carry before anything moves
     return AdapterPush(weights)
-
-
-# -- the arithmetic (both sides) ----------------------------------------------------------------
-def _through_fp32(b: torch.Tensor) -> bool:
-    """PEFT computes a 16-bit adapter's delta on a CPU in fp32 (slow 16-bit CPU matmuls)."""
-    return b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-
-
-def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """`scale * B @ A` exactly as PEFT's LoraLayer.get_delta_weight computes it."""
-    cast = _through_fp32(b)
-    out = (b.float() @ a.float() if cast else b @ a) * scale
-    return out.to(b.dtype) if cast else out
-
-
-def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-          out: torch.Tensor | None = None) -> torch.Tensor:
-    """`W0 + delta` with PEFT's in-place add (`weight.data += delta`: rounded once, to W0's
-    dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, two passes
-    over it instead of four); W0 is left as it is."""
-    same = a.dtype == b.dtype == w0.dtype and not _through_fp32(b)
-    if out is not None and same and out.shape == w0.shape and out.dtype == w0.dtype:
-        torch.mm(b, a, out=out)  # the same kernel as b @ a, then the same rounding steps:
-        out.mul_(scale)          # (B @ A) * scale,
-        return out.add_(w0)      # + W0 (IEEE addition commutes: the bits of W0 + delta)
-    merged = w0.clone()
-    merged += delta(a, b, scale)
-    return merged
 
 
 # -- engine side: validation (pure) -------------------------------------------------------------

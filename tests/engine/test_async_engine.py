@@ -265,7 +265,7 @@ def test_malformed_frames_do_not_kill_the_core(engine, loop):
     for i in range(1000):
         frames = junk[i % len(junk)]()
         if frames:
-            engine._in.send_multipart([engine._identity, *frames])
+            engine._core.input.send_multipart([engine._core.identity, *frames])
 
     out = loop.run_until_complete(_collect(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=5)))
     assert len(out.outputs[0].token_ids) == 5 and not engine.errored

@@ -41,7 +41,7 @@ def test_abort_waiting_and_running(qwen2_dir):
 
 
 def test_kv_cache_size_from_a_memory_budget():
-    from engine.model_runner import kv_cache_blocks
+    from engine.kv_cache_size import kv_cache_blocks
 
     assert kv_cache_blocks(100 * 10, 10, want=64, min_blocks=8) == 64  # room for every sequence
     assert kv_cache_blocks(20 * 10 + 9, 10, want=64, min_blocks=8) == 20  # what the budget holds

@@ -66,10 +66,11 @@ def test_eos_ends_like_hf(eos_model_dir):
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["fresh", "cached-prefixes"])
-def test_padded_prefill_matches_hf(prefix_caching, model_dirs, hf_models):
+def test_padded_prefill_matches_hf(prefix_caching, model_dirs, hf_models, monkeypatch):
     """The GPU's prefill path (the step's spans padded into one attention call per layer),
     forced on the CPU, with fresh prompts and with prompts that extend a cached prefix (a GRPO
     group): greedy equal to HF, and the per-span path's logprobs within rounding."""
+    from engine import step_inputs
     from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
 
     prompts = random_prompts(6, 3, 40, 2000, seed=77)
@@ -77,13 +78,14 @@ def test_padded_prefill_matches_hf(prefix_caching, model_dirs, hf_models):
         prompts += [p[: len(p) // 2] + [5, 6, 7] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
+    monkeypatch.setattr(step_inputs, "padded_layout",  # records into the current iteration's `layouts`
+                        lambda *a, f=step_inputs.padded_layout: layouts.append(f(*a)) or layouts[-1])
     for padded in (True, False):
         llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=8, max_model_len=128, block_size=4,
                                enable_prefix_caching=prefix_caching))
         runner = llm.core.runner
         runner.padded_prefill = padded
         layouts = []  # the padded layouts the steps took (None: that step fell back to per-span calls)
-        runner._padded_layout = lambda *a, f=runner._padded_layout: layouts.append(f(*a)) or layouts[-1]
         if prefix_caching:  # the first prompts fill the cache; the rest reuse their prefixes
             llm.generate(prompts[:6], params, use_tqdm=False)
         results.append(llm.generate(prompts, params, use_tqdm=False))

@@ -121,11 +121,11 @@ def test_prompt_logprobs_match_hf_even_for_a_cached_prompt(llm, hf_models):
 def test_prompt_logprobs_are_the_same_whatever_the_chunk(llm, monkeypatch):
     """Long prompts are turned into logprobs a chunk of positions at a time (bounded memory):
     each position's entry is computed from its own row alone, so chunks change nothing."""
-    import engine.model_runner
+    import engine.prompt_logprobs
 
     p = random_prompts(1, 40, 40, 2000, seed=35)[0]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
     whole = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
-    monkeypatch.setattr(engine.model_runner, "PROMPT_LOGPROBS_CHUNK", 7)
+    monkeypatch.setattr(engine.prompt_logprobs, "PROMPT_LOGPROBS_CHUNK", 7)
     chunked = llm.generate([p], params, use_tqdm=False)[0].prompt_logprobs
     assert len(chunked) == len(p) and chunked == whole
