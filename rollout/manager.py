@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from engine import EngineClient, SamplingParams
@@ -116,7 +117,7 @@ class RolloutManager:
     def serving_engines(self) -> list[EngineClient]:
         return [self.engines[i] for i in self.supervisor.live()]
 
-    def stop_engines(self, engines: list[EngineClient], why: str) -> None:
+    def stop_engines(self, engines: Sequence[EngineClient], why: str) -> None:
         """These engines' processes stopped by the supervisor, which restarts them (rollout.supervision)."""
         self.supervisor.stop(engines, why)
 

@@ -1,9 +1,10 @@
 """vLLM's RL routes on the sidecar's HTTP front (`rollout.serve --http-port P --weight-transfer-routes`):
 the paths, bodies and answers of vLLM's `vllm/entrypoints/rl/online/api_router.py`, so that
 `HTTPVLLMWeightSyncClient` and trainers built on it drive the sidecar unchanged. What each does is
-rollout/vllm_transfer.py's (over the sidecar's one staged push, rollout/push_coordinator.py). Off unless asked for (they change the model, as vLLM keeps them behind
-VLLM_SERVER_DEV_MODE); the front's token rule holds for them: a sidecar with --token needs
-`Authorization: Bearer <token>` on these routes too."""
+rollout/vllm_transfer.py's (over the sidecar's one staged push, rollout/push_coordinator.py). Off
+unless asked for (they change the model, as vLLM keeps them behind VLLM_SERVER_DEV_MODE); the
+front's token rule holds for them: a sidecar with --token needs `Authorization: Bearer <token>` on
+these routes too."""
 
 from __future__ import annotations
 
