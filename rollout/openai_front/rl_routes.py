@@ -28,6 +28,7 @@ def add_rl_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     _add_update_routes(app, transfer)
     _add_checker_route(app, transfer)
     _add_state_routes(app, transfer)
+    _add_pause_routes(app, transfer)
 
 
 def _add_group_routes(app: FastAPI, transfer: VllmTransfer) -> None:
@@ -93,7 +94,7 @@ def _add_checker_route(app: FastAPI, transfer: VllmTransfer) -> None:
 
 
 def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
-    """What the trainer asks of the sidecar's state, and the pause around an update."""
+    """What the trainer asks of the sidecar's state."""
     manager = transfer.manager
 
     @app.get("/weight_info")
@@ -104,27 +105,9 @@ def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
     async def get_world_size():
         return {"world_size": transfer.world_size()}
 
-    @app.post("/pause")
-    async def pause(mode: str = Query("abort")):
-        await run(transfer.pause(mode))
-        return {"status": "paused"}
-
-    @app.post("/resume")
-    async def resume():
-        await run(transfer.resume())
-        return {"status": "resumed"}
-
     @app.get("/is_paused")
     async def is_paused():
         return {"is_paused": transfer.paused_mode is not None}
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
-        """vLLM's answer: whether every engine dropped its cached prefixes (false while blocks are
-        held by running requests: retry). A push's commit resets them itself."""
-        del reset_running_requests, reset_external  # no connector-managed cache here
-        done = await asyncio.gather(*(e.reset_prefix_cache() for e in manager.up_engines()))
-        return {"success": all(done)}
 
     @app.get("/server_info")
     async def server_info(config_format: str = Query("text")):
@@ -139,3 +122,25 @@ def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
                                    "logprobs_mode": f"{engines[0].cfg.logprobs_mode}_logprobs"},
                   "parallel_config": {"world_size": transfer.world_size()}}
         return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
+
+
+def _add_pause_routes(app: FastAPI, transfer: VllmTransfer) -> None:
+    """The pause a trainer puts around an update, and the prefix cache it may drop."""
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort")):
+        await run(transfer.pause(mode))
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await run(transfer.resume())
+        return {"status": "resumed"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False), reset_external: bool = Query(False)):
+        """vLLM's answer: whether every engine dropped its cached prefixes (false while blocks are
+        held by running requests: retry). A push's commit resets them itself."""
+        del reset_running_requests, reset_external  # no connector-managed cache here
+        done = await asyncio.gather(*(e.reset_prefix_cache() for e in transfer.manager.up_engines()))
+        return {"success": all(done)}
