@@ -106,17 +106,19 @@ class VllmTransfer:
         """Whether the trainer this front end joined still owns the weight sync (none took over)."""
         return self._owner is not None and self.pushes.owner is self._owner
 
-    async def init(self, init_info: dict) -> None:
-        info = _init_fields(init_info)
-        engines = self.manager.up_engines()
-        on_cpu = [str(e.cfg.device) for e in engines if not str(e.cfg.device).startswith("cuda")]
+    def _check_engines(self, info: dict) -> None:
+        """Whether this sidecar's engines fit the group `info` describes (400 if not)."""
+        on_cpu = [str(e.cfg.device) for e in self.manager.up_engines() if not str(e.cfg.device).startswith("cuda")]
         if info["nccl_unique_id_b64"] and on_cpu:
             raise TransferError(400, f"init_info.nccl_unique_id_b64: an NCCL group needs engines on CUDA; this "
                                      f"sidecar's are on {on_cpu[0]}: give master_address and master_port (gloo)")
-        last = info["rank_offset"] + self.world_size()
-        if last > info["world_size"]:
+        if info["rank_offset"] + self.world_size() > info["world_size"]:
             raise TransferError(400, f"init_info.world_size: {info['world_size']} ranks cannot hold rank_offset "
                                      f"{info['rank_offset']} + this sidecar's {self.world_size()} workers")
+
+    async def init(self, init_info: dict) -> None:
+        info = _init_fields(init_info)
+        self._check_engines(info)
         # an owner that sent an NCCL id has no port to watch: a new init takes over, as vLLM's would
         owner = Owner(f"vllm:{_address(info)}", info["master_address"], info["master_port"], leave_vllm_group)
         try:
@@ -130,7 +132,7 @@ class VllmTransfer:
             raise
         self.info, self._owner = info, owner
         log.info("joined a vLLM trainer's group at %s as ranks %d..%d of %d", self.info_address,
-                 info["rank_offset"], last - 1, info["world_size"])
+                 info["rank_offset"], info["rank_offset"] + self.world_size() - 1, info["world_size"])
 
     async def _join(self, info: dict, engines: list) -> None:
         """Every engine's workers join the trainer's group at vLLM's rank offsets (any previous one
