@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from engine import EngineClient, SamplingParams
@@ -115,6 +116,10 @@ class RolloutManager:
 
     def serving_engines(self) -> list[EngineClient]:
         return [self.engines[i] for i in self.supervisor.live()]
+
+    def stop_engines(self, engines: Sequence[EngineClient], why: str) -> None:
+        """These engines' processes stopped by the supervisor, which restarts them (rollout.supervision)."""
+        self.supervisor.stop(engines, why)
 
     # -- generation ---------------------------------------------------------------------------
     def prepare_prompt(self, prompt) -> list[int]:
@@ -248,7 +253,7 @@ class RolloutManager:
         others as the supervisor sees them ("restarting", or "dead" once out of restarts).
         During a weight push the engines are not asked (their cores are receiving): health
         answers at once from the supervisor's view, with `pushing` true. `owner`: the weight-sync
-        group's (rollout.weights), reported as is."""
+        group's (rollout.push_coordinator), reported as is."""
         sup = self.supervisor
         sup.start()
         sup.check()

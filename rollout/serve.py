@@ -173,7 +173,7 @@ async def _start_http(args, manager, server=None):
     if args.weight_transfer_routes:
         from rollout.vllm_transfer import VllmTransfer
 
-        transfer = VllmTransfer(manager, server.weights)
+        transfer = VllmTransfer(manager, server.pushes)
     front = HttpFront(manager, args.http_host or args.host, args.http_port, name, token=args.token,
                       max_body_bytes=int(args.http_max_body_mb * 2**20), rl_transfer=transfer)
     try:

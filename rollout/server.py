@@ -26,6 +26,7 @@ from engine import SamplingParams
 from rollout import protocol as P
 from rollout.manager import RolloutManager
 from rollout.peer_send import send_weights
+from rollout.push_coordinator import PushCoordinator
 from rollout.weights import SidecarWeights
 from weight_sync.engine_sync import engines_checksums
 
@@ -39,7 +40,9 @@ class RolloutServer:
     def __init__(self, manager: RolloutManager, address: str, token: str = "", push_stall_s: float = 10.0,
                  overlap_receive: bool = True, staging_limit_bytes: int | None = None):
         self.manager = manager
-        self.weights = SidecarWeights(manager, push_stall_s, overlap_receive, staging_limit_bytes)
+        # the sidecar's one staged push, under every front end: the ZMQ calls here, the HTTP routes
+        self.pushes = PushCoordinator(manager, manager.state, push_stall_s)
+        self.weights = SidecarWeights(self.pushes, overlap_receive, staging_limit_bytes)
         self.token = token
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -230,7 +233,7 @@ class RolloutServer:
         return self.manager.stats()
 
     async def _on_health(self, identity: bytes, call: P.Health) -> P.HealthReply:
-        return await self.manager.health(owner=await self.weights.owner_status())
+        return await self.manager.health(owner=await self.pushes.owner_status())
 
 
 def _call_id_of(body: bytes) -> int:

@@ -1,7 +1,7 @@
 """What a sidecar knows about itself, in one object: the weight version it serves, its counters,
 the push lock and what is in flight. One `SidecarState` is made with the `RolloutManager` and
-handed whole to what shares it (the weight-push coordinator rollout.weights, the streamed groups
-rollout.group_stream, the supervisor rollout.supervision), as nano-vllm hands its Config whole.
+handed whole to what shares it (the weight-push coordinator rollout.push_coordinator, the streamed
+groups rollout.group_stream, the supervisor rollout.supervision), as nano-vllm hands its Config whole.
 They change it only through its methods, so each change has one spelling and one place to find."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ newest committed weights and version:
    the background (one model's bytes of RAM; `host_copy=False` saves them);
 2. else from a live sibling engine, which writes its weights to /dev/shm for the new one then;
 3. else it waits, out of the rotation, for the trainer's next push (the client re-forms the
-   weight-sync group by itself, see rollout/weights.py).
+   weight-sync group by itself, see rollout/push_coordinator.py).
 
 States per engine (health's `engine_states`): "live" (serving), "restarting" (being restarted
 or catching up), "dead" (restart budget spent, or nothing to restart it with).
@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine import EngineClient
 from engine.errors import EngineDeadError
@@ -152,6 +152,14 @@ class EngineSupervisor:
         self.reasons[i] = reason
         self._set(i, RESTARTING)
         self._spawn(self._restart(i))
+
+    def stop(self, engines: Sequence[EngineClient], why: str) -> None:
+        """Stop these engines' processes (their weights are torn, or they wait in a transfer that
+        will not end): each is seen dead and restarted with the newest committed weights."""
+        for i, e in enumerate(self.engines):
+            if any(e is s for s in engines) and e.proc.poll() is None:
+                log.error("engine %d: %s; restarting it", i, why)
+                e.proc.kill()
 
     def _within_budget(self, i: int) -> bool:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """vLLM's RL weight-transfer protocol, spoken by the sidecar (issue 40), so a trainer written for
 `vllm serve`'s routes (`HTTPVLLMWeightSyncClient`, TRL's `vllm-serve` mode) drives it unchanged.
-The HTTP routes are rollout/openai_front/rl_routes.py; this is what they do, on our guarantees:
+The HTTP routes are rollout/openai_front/rl_routes.py; this is what they do, a front end over the
+sidecar's one staged push (rollout/push_coordinator.py), with its guarantees:
 
 - `init`: every engine's workers join the trainer's group (weight_sync/vllm_group.py) at the rank
   offsets vLLM's workers take (`rank_offset` + the workers before them). One trainer owns the
@@ -19,11 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rollout.weights import trainer_reachable
+from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, Staged, TrainerLost, WeightSyncRefused
 from weight_sync import nccl_unique_id
-from weight_sync.engine_sync import commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of
+from weight_sync.engine_sync import rank_offsets, workers_of
 from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
+from weight_sync.votes import WeightSyncError
+
+if TYPE_CHECKING:
+    from rollout.manager import RolloutManager
 
 log = logging.getLogger(__name__)
 
@@ -68,44 +75,70 @@ def _init_fields(info: dict) -> dict:
     return out
 
 
+def _address(info: dict) -> str:
+    """Where the trainer of `init_info` meets its workers, for people and the group's name."""
+    if info["nccl_unique_id_b64"]:
+        return "an NCCL unique id"
+    return f"{info['master_address']}:{info['master_port']}"
+
+
 class VllmTransfer:
-    def __init__(self, manager, weights, timeout_s: float = 300.0):
-        self.manager, self.weights, self.timeout_s = manager, weights, timeout_s
+    """vLLM's weight-transfer calls. What is its own: the trainer's init_info, vLLM's group on the
+    engines (join_vllm_group), the update staged between /update_weights and /finish_weight_update,
+    and the pause a trainer asks for with /pause."""
+
+    def __init__(self, manager: RolloutManager, pushes: PushCoordinator, timeout_s: float = 300.0):
+        self.manager, self.pushes, self.timeout_s = manager, pushes, timeout_s
         self.info: dict | None = None  # the owning trainer's init_info
-        self.staged: tuple | None = None  # (manifest, engines, their staged states) of an update not yet finished
+        self._owner: Owner | None = None  # the ownership that init took for it
+        self.staged: Staged | None = None  # an update staged and not yet finished
         self.paused_mode: str | None = None  # the engines were paused by /pause
 
     @property
     def info_address(self) -> str:
-        if not self.info:
-            return "?"
-        if self.info["nccl_unique_id_b64"]:
-            return "an NCCL unique id"
-        return f"{self.info['master_address']}:{self.info['master_port']}"
+        return _address(self.info) if self.info else "?"
 
     def world_size(self) -> int:
         """The ranks a trainer's group needs for this sidecar's workers (vLLM's /get_world_size)."""
         return sum(workers_of(e) for e in self.manager.up_engines())
 
-    async def init(self, init_info: dict) -> None:
-        info = _init_fields(init_info)
-        owner = self.weights.owner
-        mine = owner is not None and (owner["host"], owner["port"]) == (info["master_address"], info["master_port"])
-        # an owner that sent an NCCL id has no port to watch: a new init takes over, as vLLM's would
-        if owner is not None and not mine and owner["host"] is not None and (await self.weights.owner_status())["alive"]:
-            raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
-                                     f"{owner['group_name']}), which still lives: it must "
-                                     "/shutdown_weight_transfer_engine (or close_weight_sync) first")
-        engines = self.manager.up_engines()
-        on_cpu = [str(e.cfg.device) for e in engines if not str(e.cfg.device).startswith("cuda")]
+    def _owns(self) -> bool:
+        """Whether the trainer this front end joined still owns the weight sync (none took over)."""
+        return self._owner is not None and self.pushes.owner is self._owner
+
+    def _check_engines(self, info: dict) -> None:
+        """Whether this sidecar's engines fit the group `info` describes (400 if not)."""
+        on_cpu = [str(e.cfg.device) for e in self.manager.up_engines() if not str(e.cfg.device).startswith("cuda")]
         if info["nccl_unique_id_b64"] and on_cpu:
             raise TransferError(400, f"init_info.nccl_unique_id_b64: an NCCL group needs engines on CUDA; this "
                                      f"sidecar's are on {on_cpu[0]}: give master_address and master_port (gloo)")
-        last = info["rank_offset"] + self.world_size()
-        if last > info["world_size"]:
+        if info["rank_offset"] + self.world_size() > info["world_size"]:
             raise TransferError(400, f"init_info.world_size: {info['world_size']} ranks cannot hold rank_offset "
                                      f"{info['rank_offset']} + this sidecar's {self.world_size()} workers")
-        await self._leave(engines)
+
+    async def init(self, init_info: dict) -> None:
+        info = _init_fields(init_info)
+        self._check_engines(info)
+        # an owner that sent an NCCL id has no port to watch: a new init takes over, as vLLM's would
+        owner = Owner(f"vllm:{_address(info)}", info["master_address"], info["master_port"], leave_vllm_group)
+        try:
+            await self.pushes.take(owner, lambda engines: self._join(info, engines))
+        except OwnedElsewhere as e:  # nothing changed
+            raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
+                                     f"{e.owner.group_name}), which still lives: it must "
+                                     "/shutdown_weight_transfer_engine (or close_weight_sync) first") from None
+        except BaseException:
+            self._forget()
+            raise
+        self.info, self._owner = info, owner
+        log.info("joined a vLLM trainer's group at %s as ranks %d..%d of %d", self.info_address,
+                 info["rank_offset"], info["rank_offset"] + self.world_size() - 1, info["world_size"])
+
+    async def _join(self, info: dict, engines: list) -> None:
+        """Every engine's workers join the trainer's group at vLLM's rank offsets (any previous one
+        left, with the update it staged)."""
+        self.staged = None
+        await leave_vllm_group(engines)
         offsets = rank_offsets(engines, info["rank_offset"])
         joined = await asyncio.gather(*(e.collective_rpc(
             "join_vllm_group", timeout=self.timeout_s,
@@ -114,100 +147,65 @@ class VllmTransfer:
             for e, off in zip(engines, offsets)), return_exceptions=True)
         errors = [str(r) for r in joined if isinstance(r, BaseException)]
         if errors:
-            await self._leave(engines)
+            await leave_vllm_group(engines)
             raise TransferError(502, "could not join the trainer's group: " + "; ".join(errors))
-        self.info = info
-        self.weights.owner = {"host": info["master_address"], "port": info["master_port"],
-                              "group_name": f"vllm:{self.info_address}"}
-        self.weights.members = [id(e) for e in engines]
-        log.info("joined a vLLM trainer's group at %s as ranks %d..%d of %d", self.info_address,
-                 info["rank_offset"], last - 1, info["world_size"])
 
     async def update(self, update_info: dict) -> dict:
-        if self.info is None:
+        if not self._owns():
             raise TransferError(409, "no weight-transfer group: /init_weight_transfer_engine first")
         if self.staged is not None:
             raise TransferError(409, "an update is staged already: /finish_weight_update it first")
         try:
-            m = update_manifest(update_info, self.info["packed_buffer_size_bytes"], self.manager.version + 1)
+            m = update_manifest(update_info, self.info["packed_buffer_size_bytes"], self.pushes.version + 1)
         except ValueError as e:
-            await self._leave(self.manager.up_engines())  # the trainer broadcasts meanwhile: it must not wait
+            await self._leave()  # the trainer broadcasts meanwhile: it must not wait
             raise TransferError(400, str(e)) from None
-        engines = self.manager.up_engines()
-        with self.manager.state.receiving():
-            staging = asyncio.ensure_future(stage_on_engines(engines, m, self.timeout_s, method="begin_receive_vllm"))
-            watch = asyncio.ensure_future(self._trainer_gone())
-            await asyncio.wait({staging, watch}, return_when=asyncio.FIRST_COMPLETED)
-            watch.cancel()
-            if not staging.done():  # the trainer died mid-update: its transfer is given up on every engine
-                where = self.info_address
-                await self._leave(engines)
-                await asyncio.gather(staging, return_exceptions=True)
-                self.manager.state.count("failed_pushes")
-                raise TransferError(502, f"the trainer at {where} is gone mid-update; nothing changed, "
-                                         "the engines serve on")
-            staged = staging.result()
-        if any(r != "staged" for r in staged):
-            results = await finish_on_engines(engines, staged, commit=False, timeout=self.timeout_s)
-            reasons = [str(r) for r in results if isinstance(r, BaseException)]
-            refused = all(getattr(r, "refused", False) or getattr(r, "kind", "") == "refused"
-                          for r in results if isinstance(r, BaseException))
-            await self._leave(engines)
-            self.manager.state.count("failed_pushes")
-            raise TransferError(400 if refused else 500, "weight update " + ("refused" if refused else "failed") +
-                                ", nothing changed: " + " | ".join(reasons or ["another engine failed"]))
-        self.staged = (m, engines, staged)
+        where = self.info_address
+        try:
+            engines = self.pushes.engines_for(None, self._owner.group_name)
+            self.staged = await self.pushes.stage(engines, m, self.timeout_s, method="begin_receive_vllm")
+        except TrainerLost:  # its transfer was given up on every engine
+            self._forget()
+            raise TransferError(502, f"the trainer at {where} is gone mid-update; nothing changed, "
+                                     "the engines serve on") from None
+        except WeightSyncRefused as e:  # an engine restarted since the group formed
+            await self._leave()
+            raise TransferError(409, f"{e}; /init_weight_transfer_engine again") from None
+        except WeightSyncError as e:
+            await self._leave()
+            raise TransferError(400 if e.refused else 500, "weight update " + ("refused" if e.refused else "failed")
+                                + ", nothing changed: " + " | ".join(e.reasons)) from None
         return {"bytes": m.total_bytes, "chunks": len(m.buckets)}
-
-    async def _trainer_gone(self, period_s: float = 0.5, misses: int = 2) -> None:
-        """Returns once the trainer's rendezvous port (its group's store, which lives as long as the
-        trainer) refuses `misses` times in a row: a dead trainer's broadcast never comes. A trainer
-        that sent an NCCL id has no port: NCCL's own error (its sockets close) or the group's
-        timeout ends the workers' wait instead (weight_sync/nccl_comm.py)."""
-        host, port = self.info["master_address"], self.info["master_port"]
-        if host is None:
-            await asyncio.Event().wait()
-        missed = 0
-        while missed < misses:
-            await asyncio.sleep(period_s)
-            missed = 0 if await asyncio.to_thread(trainer_reachable, host, port, period_s) else missed + 1
 
     async def finish(self, weight_version: str | None) -> int:
         if self.staged is None:
             raise TransferError(409, "no update staged: /update_weights first")
         if weight_version is None:
-            version = self.manager.version + 1
+            version = self.pushes.version + 1
         elif isinstance(weight_version, str) and weight_version.isdigit():
             version = int(weight_version)
         else:
             raise TransferError(400, f"weight_version: {weight_version!r} is not digits (this sidecar's weight "
                                      "versions are integers that go up; leave it out for the current + 1)")
-        if version <= self.manager.version:
+        try:
+            self.pushes.check_version(version)
+        except WeightSyncRefused:
             raise TransferError(409, f"weight_version {version} does not go up: this sidecar serves version "
-                                     f"{self.manager.version}")
-        m, engines, staged = self.staged
-        self.staged = None
-
-        async def swap() -> None:
-            results = await finish_on_engines(engines, staged, commit=True, timeout=self.timeout_s)
-            await commit_results(engines, results, version, "update")
-            self.manager.committed(version)
-
-        if self.paused_mode is not None:  # the trainer paused the engines itself
-            async with self.manager.state.push_lock:
-                await swap()
-        else:
-            await self.manager.run_paused("keep", swap)
-        self.manager.state.count("pushes")
+                                     f"{self.pushes.version}") from None
+        staged, self.staged = self.staged, None
+        try:  # paused by the trainer (/pause): swapped in as they are
+            await self.pushes.finish(staged, version, "keep", paused=self.paused_mode is not None)
+        except WeightSyncError as e:
+            raise TransferError(500, f"weight update failed: {e}") from None
         return version
 
     async def relabel(self, new_version: str) -> None:
         """vLLM's /update_weight_version names the weights served now anew. Here a version names a
         push's weights (every token carries the one that made it, and peers catch up by it), so it
         changes only with new weights: the current one is accepted as is, any other refused."""
-        if new_version != str(self.manager.version):
+        if new_version != str(self.pushes.version):
             raise TransferError(409, f"new_version {new_version!r}: this sidecar's weight versions name the "
-                                     f"pushes' weights (version {self.manager.version} is served), so a version "
+                                     f"pushes' weights (version {self.pushes.version} is served), so a version "
                                      "changes only with new weights: pass weight_version to /finish_weight_update")
 
     async def checksums(self) -> dict[str, str]:
@@ -222,12 +220,14 @@ class VllmTransfer:
 
     async def zero(self) -> None:
         """Every engine's weights zeroed until the next push (vLLM's /weight_checker "reset")."""
-        async with self.manager.state.push_lock:  # never between a push's commit and its version
-            try:
-                await asyncio.gather(*(e.collective_rpc("zero_weights", timeout=self.timeout_s)
-                                       for e in self.manager.up_engines()))
-            except ValueError as e:
-                raise TransferError(400, f"action 'reset': {e}") from None
+        async def zero_all() -> None:
+            await asyncio.gather(*(e.collective_rpc("zero_weights", timeout=self.timeout_s)
+                                   for e in self.manager.up_engines()))
+
+        try:
+            await self.pushes.exclusive(zero_all)
+        except ValueError as e:
+            raise TransferError(400, f"action 'reset': {e}") from None
 
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
@@ -240,13 +240,23 @@ class VllmTransfer:
         self.paused_mode = None
 
     async def shutdown(self) -> None:
-        await self._leave(self.manager.up_engines())
+        await self._leave()
 
-    async def _leave(self, engines: list) -> None:
+    def _forget(self) -> None:
+        """The trainer's group is gone from here: its update, its init_info and its ownership."""
+        self.staged, self.info = None, None
+        if self._owner is not None:
+            self.pushes.release(self._owner)
+        self._owner = None
+
+    async def _leave(self) -> None:
         """Every engine leaves the trainer's group (a transfer still arriving is given up)."""
-        self.staged = None
-        if self.info is not None and self.weights.owner and self.weights.owner["group_name"].startswith("vllm:"):
-            self.weights.owner = None
-        self.info = None
-        await asyncio.gather(*(e.collective_rpc("close_vllm_group", timeout=10) for e in engines),
-                             return_exceptions=True)
+        self._forget()
+        await leave_vllm_group(self.manager.up_engines())
+
+
+async def leave_vllm_group(engines: Sequence, mid_push: bool = False) -> None:
+    """The engines leave a vLLM trainer's group; a transfer still arriving over it is given up."""
+    del mid_push  # the same either way
+    await asyncio.gather(*(e.collective_rpc("close_vllm_group", timeout=10) for e in engines),
+                         return_exceptions=True)
