@@ -163,7 +163,8 @@ def _padded(block: torch.Tensor, rows: int) -> torch.Tensor:
     key = (block.shape[1], block.dtype)
     buf = getattr(_pads, "buffers", {}).get(key)
     if buf is None or buf.shape[0] < rows:
-        buf = torch.zeros(max(rows, 64), block.shape[1], dtype=block.dtype)
+        with torch.inference_mode(False):  # a normal tensor: one made in inference mode refuses writes outside it
+            buf = torch.zeros(max(rows, 64), block.shape[1], dtype=block.dtype)
         _pads.buffers = {**getattr(_pads, "buffers", {}), key: buf}
     out = buf[:rows]
     out[:block.shape[0]].copy_(block)

@@ -135,3 +135,13 @@ def test_any_row_count_runs_at_a_bucketed_one_and_keeps_each_rows_sum(monkeypatc
 def test_prepack_off_keeps_torchs_linear(model_dirs):
     llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128, prepack_linears=False))
     assert not any(hasattr(m, "_packed_key") for m in llm.core.worker.model.modules())
+
+
+def test_a_layer_runs_outside_inference_mode_after_a_forward_inside_it():
+    """The kept padding buffer is shared by every forward of a thread: one first made under
+    inference mode (an engine's step) must still take rows outside it (a script's own call)."""
+    layer = _layer(out_features=32, in_features=96)  # a width no other test pads to: a fresh buffer here
+    x = torch.randn(1, 5, 96)  # 5 rows run at a bucketed count: padded
+    with torch.inference_mode():
+        _close(layer, x)
+    _close(layer, x)
