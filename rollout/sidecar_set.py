@@ -24,6 +24,10 @@ log = logging.getLogger("rollout.client")
 
 
 class SidecarSet:
+    """The client's sidecars and its calls to them; as PushLinks (rollout/push_links.py, whose
+    docstrings say what `members`, `url`, `state`, `call`, `ask_all`, `drop`, `pushed` and
+    `gone_reasons` do) it is what WeightSyncClient pushes over."""
+
     def __init__(self, urls: list[str], token: str, timeout_s: float):
         self.token = token
         self.timeout_s = timeout_s
@@ -69,6 +73,7 @@ class SidecarSet:
         log.log(level, "sidecar %s %s: it serves after the next push", self._links[i].url, why)
 
     def pushed(self, members, version: int) -> list[int]:
+        """`version` committed on `members`: joining ones serve; active ones that missed it wait (returned)."""
         joining = [i for i in members if self._links[i].state == JOINING]
         missed = [i for i in self.members(ACTIVE) if i not in members]
         for i in joining:

@@ -118,7 +118,13 @@ class WeightSyncClient:
             i, P.InitWeightSync, "init_weight_sync", timeout_s + 60, host=info["host"], port=info["port"],
             world_size=world, rank_offset=offset, group_name=info["group_name"], timeout_s=timeout_s,
             secret=info["secret"], take_over=take_over)) for i, offset in zip(members, offsets)]
-        await asyncio.sleep(0)  # the calls leave before the trainer's thread waits for the workers
+        await asyncio.sleep(0)  # the calls leave; one to a sidecar gone already has failed by now
+        gone = [c.exception() for c in calls if c.done() and c.exception() is not None]
+        if gone:  # no group can form: the trainer does not wait out its timeout for the workers
+            for c in calls:
+                c.cancel()
+            self.sender.close_group()
+            raise gone[0]
         joined = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
         replies = await asyncio.gather(*calls, return_exceptions=True)
         trainer = (await asyncio.gather(joined, return_exceptions=True))[0]
@@ -221,12 +227,12 @@ class WeightSyncClient:
         from weight_sync.push import run_push
 
         def deliver(manifest) -> list:
+            group_name = self.sender.group.group_name
             return [(self.links.url(i), self.links.call(i, P.PushWeights, "push_weights", push.timeout_s + 60,
                                                         manifest=manifest, pause_mode=push.pause_mode or "",
                                                         timeout_s=push.timeout_s, group_name=group_name))
                     for i in self.members]
 
-        group_name = self.sender.group.group_name
         outcome = await run_push(self.sender, weights, push.version, deliver, push.timeout_s + 60, push.progress,
                                  push.on_sent, push.mode, peers, push.delta, self.anchors.due())
         self.anchors.count(outcome.trainer)
