@@ -38,7 +38,7 @@ class AsyncRolloutClient:
         self.timeout_s = timeout_s
         self.links = SidecarSet(urls, token, timeout_s)
         self._release = self.links.release  # the sockets, closed once (also when the client is dropped)
-        self.weights = WeightSyncClient(self.links)
+        self.weight_sync = WeightSyncClient(self.links)
 
     @property
     def urls(self) -> list[str]:
@@ -54,16 +54,16 @@ class AsyncRolloutClient:
     @property
     def sender(self):
         """The trainer's weight_sync.WeightSender, once init_weight_sync ran (else None)."""
-        return self.weights.sender
+        return self.weight_sync.sender
 
     @property
     def delta_anchor_every(self) -> int:
         """A delta push's full "anchor" goes every this many pushes (see push_weights' `delta`)."""
-        return self.weights.anchors.every
+        return self.weight_sync.anchors.every
 
     @delta_anchor_every.setter
     def delta_anchor_every(self, n: int) -> None:
-        self.weights.anchors.every = n
+        self.weight_sync.anchors.every = n
 
     # -- generation ---------------------------------------------------------------------------
     async def generate_iter(self, prompts: list, sampling_params=None) -> AsyncIterator[tuple[int, list[Rollout]]]:
@@ -123,8 +123,8 @@ class AsyncRolloutClient:
     async def _newest_version(self) -> int:
         """The version a sidecar must hold to serve: the one this client pushed last, else the
         newest its active sidecars hold (another client pushed it)."""
-        if self.weights.pushed is not None:
-            return self.weights.pushed
+        if self.weight_sync.pushed is not None:
+            return self.weight_sync.pushed
         if not self.links.members(ACTIVE):
             return 0
         return max(s["version"] for s in await self.links.call_all(P.Stats, "stats", 30, states=(ACTIVE,)))
@@ -146,7 +146,7 @@ class AsyncRolloutClient:
         One trainer owns a sidecar's weight sync at a time: while another one's group is open and
         its trainer alive, this raises SidecarError (kind "refused") unless `take_over=True`.
         A joining sidecar (add_sidecar) that cannot join is dropped with a warning instead."""
-        return await self.weights.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over)
+        return await self.weight_sync.init_weight_sync(host, port, timeout_s, bucket_bytes, device, take_over)
 
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
@@ -175,7 +175,7 @@ class AsyncRolloutClient:
         weights, keeping no copy of them (a delta's base costs the trainer one copy of the weights
         in the wire dtype, on their device). The reply's "delta" says which went, and its trainer
         part the bytes on the wire ("bytes") beside the full size ("full_bytes")."""
-        return await self.weights.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
+        return await self.weight_sync.push_weights(model_or_named_tensors, version, pause_mode, timeout_s, progress,
                                                transport, wait, mode, delta)
 
     async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
@@ -183,19 +183,19 @@ class AsyncRolloutClient:
         """The file fallback: every sidecar's engines load the push that
         `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
         every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
-        return await self.weights.load_weights(path, version, pause_mode, timeout_s)
+        return await self.weight_sync.load_weights(path, version, pause_mode, timeout_s)
 
     async def close_weight_sync(self) -> None:
-        await self.weights.close_weight_sync()
+        await self.weight_sync.close_weight_sync()
 
     def checksum_of(self, model_or_named_tensors) -> str:
         """The checksum every engine's `weights_checksums()` entry equals after pushing this
         model (in the push's dtype); for checking a push."""
-        return self.weights.checksum_of(model_or_named_tensors)
+        return self.weight_sync.checksum_of(model_or_named_tensors)
 
     async def weights_checksums(self) -> list[str]:
         """Every worker's weights checksum, active sidecars in order (compare with WeightSender.checksum)."""
-        return await self.weights.weights_checksums()
+        return await self.weight_sync.weights_checksums()
 
     # -- sharing a GPU ------------------------------------------------------------------------
     async def sleep(self, level: int = 1) -> None:
@@ -215,6 +215,6 @@ class AsyncRolloutClient:
         return await self.links.call_all(P.Health, "health", timeout=30)
 
     async def close(self) -> None:
-        await self.weights.close()  # a push still swapping is let go: its sidecars finish on their own
+        await self.weight_sync.close()  # a push still swapping is let go: its sidecars finish on their own
         await self.links.close()
         self._release()

@@ -157,7 +157,8 @@ class SidecarSet:
         if link.state == DROPPED:
             return
         try:
-            await link.sock.send(P.encoder.encode(P.Cancel(call_id=next(self._ids), target=call_id, token=self.token)), zmq.NOBLOCK)
+            cancel = P.Cancel(call_id=next(self._ids), target=call_id, token=self.token)
+            await link.sock.send(P.encoder.encode(cancel), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.debug("could not cancel call %d on %s: %s", call_id, link.url, e)
 
