@@ -37,6 +37,7 @@ class AsyncRolloutClient:
         self.token = token
         self.timeout_s = timeout_s
         self.links = SidecarSet(urls, token, timeout_s)
+        self.links.on_return = self._take_back
         self._release = self.links.release  # the sockets, closed once (also when the client is dropped)
         self.weight_sync = WeightSyncClient(self.links)
 
@@ -106,6 +107,15 @@ class AsyncRolloutClient:
         if url in self.urls:
             raise ValueError(f"sidecar {url} is already in use")
         self.single = False
+        await self._admit(url, wait)
+
+    async def _take_back(self, url: str) -> None:
+        """A sidecar that went answers at its address again (a new process, or its host back on
+        its link): it comes back as an added one does, caught up from a peer before it serves."""
+        log.warning("sidecar %s answers again: taking it back", url)
+        await self._admit(url, wait=False)
+
+    async def _admit(self, url: str, wait: bool) -> None:
         newest = await self._newest_version()
         i = self.links.connect(url, ACTIVE if not newest else CATCHING_UP)
         self.links.start()

@@ -5,7 +5,8 @@ A sidecar is `active` (serves generate, is in the weight-sync group), `catching 
 after a push: a live sidecar is sending it the newest weights; no prompts, no trainer pushes),
 `joining` (it holds older weights and could not be caught up: no prompts until a push reaches it) or `dropped`
 (its connection closed, or its ZMQ heartbeats went unanswered; never used again, since its calls
-died with it and a restarted one at the same address holds the checkpoint: add it anew).
+died with it). A sidecar that comes back behind the same address (a restarted process, a host back on
+its link) is noticed by a probe (`wait_for_return`) and taken back as a new link, caught up first.
 
 A killed sidecar is noticed at once: its host's kernel closes the TCP connection. A host that
 vanishes without closing it is noticed by heartbeats: libzmq's I/O thread answers them without
@@ -63,6 +64,14 @@ class SidecarLink:
     def sockets(self) -> list:
         return [self.sock, self.monitor]
 
+    def disconnect(self) -> None:
+        """No reconnecting once dropped: messages still queued for the sidecar that went must not
+        reach a new process behind the same address."""
+        try:
+            self.sock.disconnect(self.url)
+        except zmq.ZMQError:  # never connected, or closed already
+            pass
+
     async def watch(self, on_gone) -> None:
         """Calls `on_gone(reason)` when a connection that was up closes. A sidecar that never
         answered is left to the calls' timeouts (it may still be starting)."""
@@ -75,3 +84,19 @@ class SidecarLink:
                 on_gone("its connection closed (the process died, or it missed "
                         f"{HEARTBEAT_TIMEOUT_MS / 1000:.0f} s of heartbeats)")
                 return
+
+
+async def wait_for_return(ctx: zmq.asyncio.Context, url: str) -> None:
+    """Returns once a sidecar answers at `url` again (a ZMTP handshake: a live process, not only a
+    port). The probe never sends a message, so nothing meant for the sidecar that went reaches
+    the one that came."""
+    probe = ctx.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        probe.connect(url)
+        await monitor.recv_multipart()
+    finally:
+        probe.disable_monitor()
+        monitor.close(0)
+        probe.close(0)

@@ -18,7 +18,9 @@ import zmq
 import zmq.asyncio
 
 from rollout import protocol as P
-from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink
+from rollout.sidecar_link import (
+    ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError, SidecarLink, wait_for_return,
+)
 
 log = logging.getLogger("rollout.client")
 
@@ -41,6 +43,8 @@ class SidecarSet:
             self.connect(url, ACTIVE)
         self._ids = itertools.count()
         self._queues: dict[tuple[int, int], asyncio.Queue] = {}
+        self.on_return = None  # async (url) -> None: a sidecar that went answers at its address again
+        self._returns: list[asyncio.Task] = []  # the probes waiting for that
 
     # -- the links ------------------------------------------------------------------------------
     def members(self, *states: str) -> list[int]:
@@ -90,28 +94,42 @@ class SidecarSet:
         for i, link in enumerate(self._links):
             if not link.tasks and link.state != DROPPED:
                 link.tasks = [asyncio.ensure_future(self._read(i)),
-                              asyncio.ensure_future(link.watch(lambda why, i=i: self.drop(i, why)))]
+                              asyncio.ensure_future(link.watch(lambda why, i=i: self.drop(i, why, True)))]
 
-    def drop(self, i: int, reason: str) -> None:
-        """Sidecar i leaves for good: every call waiting on it fails with SidecarGoneError."""
+    def drop(self, i: int, reason: str, may_return: bool = False) -> None:
+        """Sidecar i leaves for good: every call waiting on it fails with SidecarGoneError.
+        `may_return`: it went by itself (its connection closed, or it shut down), so a sidecar that
+        answers at its address later is taken back (`on_return`), as a new link."""
         link = self._links[i]
         if link.state == DROPPED:
             return
         log.warning("sidecar %s dropped: %s; its work goes to the others", link.url, reason)
         link.state, link.reason = DROPPED, reason
+        link.disconnect()
         for (j, _), q in list(self._queues.items()):
             if j == i:
                 q.put_nowait(SidecarGoneError(link.url, reason))
         for t in link.tasks:
             if t is not asyncio.current_task():
                 t.cancel()
+        if may_return and self.on_return is not None:
+            self._returns.append(asyncio.ensure_future(self._take_back_when_it_answers(link.url)))
+
+    async def _take_back_when_it_answers(self, url: str) -> None:
+        await wait_for_return(self._ctx, url)
+        if any(self.url(j) == url for j in self.in_use()):  # added back by hand meanwhile
+            return
+        try:
+            await self.on_return(url)
+        except Exception as e:  # noqa: BLE001 - it stays out; add_sidecar can still bring it in
+            log.warning("sidecar %s answers again but could not be taken back: %s", url, e)
 
     def gone_reasons(self) -> str:
         return "; ".join(f"{link.url}: {link.reason}" for link in self._links if link.state == DROPPED)
 
     async def close(self) -> None:
         """Stops every link's tasks (the sockets go with `release`)."""
-        tasks = [t for link in self._links for t in link.tasks]
+        tasks = [t for link in self._links for t in link.tasks] + self._returns
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -60,7 +60,19 @@ class WeightSyncClient:
     # -- the group ------------------------------------------------------------------------------
     async def init_weight_sync(self, host: str | None = None, port: int = 0, timeout_s: float = 120.0,
                                bucket_bytes: int | None = None, device=None, take_over: bool = False) -> dict:
-        """One group of this trainer (rank 0) and every willing sidecar's workers (the next ranks)."""
+        """One group of this trainer (rank 0) and every willing sidecar's workers (the next ranks).
+        A sidecar that goes while the group forms has the forming called off at once (every rank
+        told: `_join`), and the group is formed again without it."""
+        for attempt in range(TRIES):
+            try:
+                return await self._form(host, port, timeout_s, bucket_bytes, device, take_over)
+            except SidecarError as e:
+                if e.kind != "gone" or attempt == TRIES - 1:
+                    raise
+                log.warning("a sidecar went while the weight-sync group formed (%s): forming it without it", e)
+
+    async def _form(self, host: str | None, port: int, timeout_s: float, bucket_bytes: int | None, device,
+                    take_over: bool) -> dict:
         members, health = await self._willing(take_over, timeout_s)
         host = host or self._trainer_address()
         self.init_args = {"host": host, "port": port, "timeout_s": timeout_s, "bucket_bytes": bucket_bytes,
@@ -125,6 +137,8 @@ class WeightSyncClient:
                 c.cancel()
             self.sender.close_group()
             raise gone[0]
+        for c in calls:
+            c.add_done_callback(self._call_off_if_failed)
         joined = asyncio.ensure_future(asyncio.to_thread(self.sender.join_group))
         replies = await asyncio.gather(*calls, return_exceptions=True)
         trainer = (await asyncio.gather(joined, return_exceptions=True))[0]
@@ -135,6 +149,12 @@ class WeightSyncClient:
             self.sender.close_group()
             gone = all(isinstance(e, SidecarGoneError) for e in errors)
             raise SidecarError("init_weight_sync failed: " + "; ".join(map(str, errors)), "gone" if gone else "")
+
+    def _call_off_if_failed(self, call: asyncio.Future) -> None:
+        """A member whose join failed will never join: every other rank (the trainer's too) is told
+        now, not at the group's timeout."""
+        if not call.cancelled() and call.exception() is not None and self.sender is not None:
+            self.sender.call_off_group()
 
     def _trainer_address(self) -> str:
         """Where the sidecars reach this trainer: loopback when they are all on this machine."""

@@ -82,3 +82,40 @@ def test_a_host_lost_at_the_manifest_vote_costs_seconds(three, hf_models, delta)
     finally:
         watcher.close()
         client.close()
+
+
+def test_a_sidecar_restarted_behind_its_address_is_taken_back_and_caught_up(qwen2_dir, hf_models):
+    """b dies between pushes and a new sidecar starts on its port: the client takes it back by
+    itself (no add_sidecar), a peer sends it the newest weights, and it serves them."""
+    a, b = Sidecar(qwen2_dir), Sidecar(qwen2_dir)
+    client = RolloutClient([a.url, b.url], token=TOKEN)
+    again = None
+    try:
+        client.init_weight_sync()
+        trainer = _perturbed(hf_models["qwen2"], 4)
+        client.push_weights(trainer, version=1)
+        _signal_host(b, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while b.url in client.urls:  # noticed in a call (the client's loop runs in its calls)
+            assert time.monotonic() < deadline, "b's death was never noticed"
+            client.health()
+            time.sleep(0.1)
+        again = Sidecar(qwen2_dir, "--port", b.url.rsplit(":", 1)[1])
+        assert again.url == b.url
+        deadline = time.monotonic() + 60
+        while client.states.get(b.url) != "active":
+            assert time.monotonic() < deadline, f"b was not taken back: {client.states}"
+            client.health()
+            time.sleep(0.1)
+        want = weights_checksum(trainer.named_parameters())
+        assert client.weights_checksums() == [want, want]
+        assert [s["version"] for s in client.stats()] == [1, 1]
+        trainer = _perturbed(trainer, 5)
+        client.push_weights(trainer, version=2)  # the next push forms its group with the new b
+        assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())] * 2
+    finally:
+        client.close()
+        a.stop()
+        b.stop()
+        if again is not None:
+            again.stop()
