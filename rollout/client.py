@@ -81,7 +81,7 @@ class AsyncRolloutClient(WeightSyncCalls):
         self._members: tuple[int, ...] = ()  # the links in the current weight-sync group
         self._pushed: int | None = None  # the newest version this client pushed
         self._pending_push = None  # a push_weights(wait=False) still swapping (its asyncio.Task)
-        # Delta pushes (weight_sync/delta_push.py): the full weights go every this many pushes, and
+        # Delta pushes (weight_sync/common/delta_push.py): the full weights go every this many pushes, and
         # whenever the group is new (a sidecar joined, went, was healed, or a push failed)
         self.delta_anchor_every = DELTA_ANCHOR_EVERY
         self._since_anchor: int | None = None  # deltas since the last full push (None: the next is full)

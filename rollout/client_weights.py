@@ -15,7 +15,7 @@ from rollout import protocol as P
 from rollout.sidecar_link import ACTIVE, CATCHING_UP, DROPPED, JOINING, SidecarError
 
 if TYPE_CHECKING:
-    from weight_sync.manifest import Manifest
+    from weight_sync.common.manifest import Manifest
 
 log = logging.getLogger("rollout.client")
 
@@ -34,7 +34,7 @@ class WeightSyncCalls:
         its trainer alive, this raises SidecarError (kind "refused") unless `take_over=True`.
         A joining sidecar (add_sidecar) that cannot join is dropped with a warning instead."""
         from rollout.weights import owned_message
-        from weight_sync.sender import WeightSender
+        from weight_sync.trainer.sender import WeightSender
 
         group = self.sender.group if self.sender is not None else None
         members, health = [], []
@@ -77,7 +77,7 @@ class WeightSyncCalls:
 
     def _trainer_address(self) -> str:
         """Where the sidecars reach this trainer: loopback when they are all on this machine."""
-        from weight_sync.hosts import is_loopback, local_address_towards
+        from weight_sync.common.hosts import is_loopback, local_address_towards
 
         hosts = [urlsplit(link.url).hostname for link in self._links if link.state != DROPPED]
         away = [h for h in hosts if h and not is_loopback(h)]
@@ -86,12 +86,12 @@ class WeightSyncCalls:
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
                            mode: str = "adapter", delta: bool | None = None):
-        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
+        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.trainer.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
         serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out.
         `transport="shared"`: sidecars on this machine read the weights from memory the trainer
-        shares (weight_sync.shared; `flatten_parameters(model, shared=True)` first): no group,
+        shares (weight_sync.trainer.shared_memory; `flatten_parameters(model, shared=True)` first): no group,
         no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC).
         The group follows the sidecars: one added joins it here, one that went is left out of it;
         a sidecar that goes during the push costs one more try with the others.
@@ -102,8 +102,8 @@ class WeightSyncCalls:
         Awaiting the handle gives this call's result or raises its error; a push that fails after
         that point is not tried again (the bytes it sent are gone). The next push waits for it.
         A PEFT (LoRA) model goes as its adapter (`mode="adapter"`, a few MB; the base once to an
-        engine that lacks it; weight_sync.lora) or as its merged weights (`mode="merged"`).
-        `delta` (weight_sync/delta_push.py): None sends only the elements that changed since the
+        engine that lacks it; weight_sync.common.lora) or as its merged weights (`mode="merged"`).
+        `delta` (weight_sync/common/delta_push.py): None sends only the elements that changed since the
         last push when every sidecar holds that push and it is fewer bytes, the full weights
         otherwise (and every `delta_anchor_every` pushes, and after a sidecar joined, went, was
         healed or a push failed); True a delta whenever there is a base; False always the full
@@ -133,9 +133,9 @@ class WeightSyncCalls:
 
     async def _push(self, weights, version: int, pause_mode: str | None, timeout_s: float, progress,
                     transport: str, mode: str, sent: asyncio.Future | None = None, delta: bool | None = None) -> dict:
-        from weight_sync.lora import is_peft_model
-        from weight_sync.push import run_push
-        from weight_sync.trainer_ranks import PeersFollowing
+        from weight_sync.trainer.lora_push import is_peft_model
+        from weight_sync.trainer.push import run_push
+        from weight_sync.trainer.ranks import PeersFollowing
 
         def on_sent(_result) -> None:
             if sent is not None and not sent.done():
@@ -285,10 +285,10 @@ class WeightSyncCalls:
             await asyncio.sleep(0.5)
 
     async def _push_shared(self, weights, version: int, pause_mode: str | None, timeout_s: float, on_sent) -> dict:
-        from weight_sync.sender import WeightSender
-        from weight_sync.shared import export_weights
-        from weight_sync.trainer_ranks import DONE, tell_peers
-        from weight_sync.trainer_weights import named_weights
+        from weight_sync.trainer.ranks import DONE, tell_peers
+        from weight_sync.trainer.sender import WeightSender
+        from weight_sync.trainer.shared_memory import export_weights
+        from weight_sync.trainer.weights import named_weights
 
         if self.sender is None:
             self.sender = WeightSender(timeout_s=timeout_s)
@@ -321,7 +321,7 @@ class WeightSyncCalls:
     async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0) -> list[dict]:
         """The file fallback: every sidecar's engines load the push that
-        `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
+        `weight_sync.trainer.file_push.write_safetensors(model, path, version)` wrote to `path` (a directory
         every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
         members = self._in(ACTIVE, JOINING)
         self._since_anchor = None  # weights that did not go over the group: the next push there is full

@@ -27,7 +27,7 @@ from rollout import protocol as P
 from rollout.manager import RolloutManager
 from rollout.peer_send import send_weights
 from rollout.weights import SidecarWeights
-from weight_sync.engine_sync import engines_checksums
+from weight_sync.engine_side.engines import engines_checksums
 
 log = logging.getLogger(__name__)
 

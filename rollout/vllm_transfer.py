@@ -2,7 +2,7 @@
 `vllm serve`'s routes (`HTTPVLLMWeightSyncClient`, TRL's `vllm-serve` mode) drives it unchanged.
 The HTTP routes are rollout/openai_front/rl_routes.py; this is what they do, on our guarantees:
 
-- `init`: every engine's workers join the trainer's group (weight_sync/vllm_group.py) at the rank
+- `init`: every engine's workers join the trainer's group (weight_sync/vllm/group.py) at the rank
   offsets vLLM's workers take (`rank_offset` + the workers before them). One trainer owns the
   sidecar's weight sync at a time, as with our own client.
 - `update`: the update's names, dtypes and shapes are checked against the model before any byte is
@@ -21,9 +21,11 @@ import asyncio
 import logging
 
 from rollout.weights import trainer_reachable
-from weight_sync import nccl_unique_id
-from weight_sync.engine_sync import commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of
-from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
+from weight_sync.engine_side.engines import (
+    commit_results, finish_on_engines, rank_offsets, stage_on_engines, workers_of,
+)
+from weight_sync.vllm import nccl_unique_id
+from weight_sync.vllm.packing import DEFAULT_BUFFER_BYTES, update_manifest
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +165,7 @@ class VllmTransfer:
         """Returns once the trainer's rendezvous port (its group's store, which lives as long as the
         trainer) refuses `misses` times in a row: a dead trainer's broadcast never comes. A trainer
         that sent an NCCL id has no port: NCCL's own error (its sockets close) or the group's
-        timeout ends the workers' wait instead (weight_sync/nccl_comm.py)."""
+        timeout ends the workers' wait instead (weight_sync/vllm/nccl_comm.py)."""
         host, port = self.info["master_address"], self.info["master_port"]
         if host is None:
             await asyncio.Event().wait()

@@ -9,13 +9,13 @@ import socket
 import time
 
 from engine.errors import EngineUnhealthyError
-from weight_sync.engine_sync import (
+from weight_sync.common.manifest import Manifest
+from weight_sync.common.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
+from weight_sync.common.votes import WeightSyncError
+from weight_sync.engine_side.engines import (
     close_weight_sync, commit_results, finish_on_engines, join_engines, load_on_engines, receive_on_engines,
     stage_on_engines, workers_of,
 )
-from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
-from weight_sync.manifest import Manifest
-from weight_sync.votes import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class WeightSyncRegroup(WeightSyncRefused):
 
 
 class PushWithdrawn(WeightSyncRefused):
-    """A push its trainer withdrew before any byte moved (weight_sync.push, step 6): the layout it
+    """A push its trainer withdrew before any byte moved (weight_sync.trainer.push, step 6): the layout it
     reused no longer fits its weights, and it pushes them again at once on a fresh one. Nothing
     changed, and it is no failed push: the push that follows tells."""
 
@@ -97,7 +97,7 @@ class SidecarWeights:
 
     async def push(self, manifest: Manifest, pause_mode: str | None, timeout_s: float, on_paused=None,
                    group_name: str | None = None, shared: dict | None = None) -> dict:
-        """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine.
+        """Over the group, or (`shared`: a weight_sync.trainer.shared_memory handle) from memory on this machine.
         (A malformed manifest never gets here: the call's decoding refuses it, rollout.protocol.)"""
         m = self.manager
         if not shared and group_name and (self.owner is None or self.owner["group_name"] != group_name):
@@ -140,7 +140,7 @@ class SidecarWeights:
         return self._pushed(await m.run_paused(pause_mode, work, on_paused), t0)
 
     async def _commit(self, engines: list, results: list, manifest: Manifest) -> dict:
-        """The engines' results of a push (weight_sync.engine_sync.commit_results); the sidecar
+        """The engines' results of a push (weight_sync.engine_side.engines.commit_results); the sidecar
         serves its version once every engine committed it, and counts a failed push otherwise
         (unless its trainer withdrew it: PushWithdrawn)."""
         m = self.manager
@@ -175,13 +175,13 @@ class SidecarWeights:
         m.state.count("push_seconds", time.monotonic() - t0)
         workers = out.pop("worker_results", None) or []
         applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
-        if applied:  # a delta push: its slowest worker's apply (weight_sync/delta_push.py)
+        if applied:  # a delta push: its slowest worker's apply (weight_sync/common/delta_push.py)
             out["apply_seconds"] = max(applied)
         return {**out, "seconds": time.monotonic() - t0}
 
     async def _push_overlapped(self, engines: list, manifest: Manifest, pause_mode: str | None, timeout_s: float,
                                group_name: str | None, t0: float) -> dict:
-        """The bytes arrive while the engines keep generating (weight_sync.engine_sync.stage_on_engines);
+        """The bytes arrive while the engines keep generating (weight_sync.engine_side.engines.stage_on_engines);
         the engines pause, per `pause_mode`, only for the swap, the prefix-cache reset and the
         version tag. A push that fails before the swap leaves them serving the old weights, never
         paused; one whose trainer is lost is given up without stopping them (their receiving
@@ -219,10 +219,10 @@ class SidecarWeights:
 
     async def _staging_fits(self, engines: list, manifest: Manifest) -> bool:
         """Whether every engine has room for the push's staging copy; if not, the push goes in
-        place (weight_sync.inplace_receive), paused for the transfer, and the log says why. A yes
+        place (weight_sync.engine_side.inplace_receive), paused for the transfer, and the log says why. A yes
         holds for later pushes of the same size to the same engines (their memory is laid out at
         start: weights, KV cache, then the staging buffer a push keeps), so it is asked once."""
-        # a delta stages the weights it makes and, apart, what it carries (weight_sync/delta_push.py)
+        # a delta stages the weights it makes and, apart, what it carries (weight_sync/common/delta_push.py)
         need = manifest.layout_bytes if manifest.delta is None else manifest.delta.full_bytes + manifest.layout_bytes
         key = (need, tuple(id(e) for e in engines))
         if self._room_for == key:
