@@ -21,7 +21,7 @@ class PushProgress:
         """Buckets out so far (FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be
         pushed again on a fresh layout); None before the transfer began. Raises when
         the trainer's store does not answer within the timeout (a dead or frozen trainer)."""
-        from weight_sync.common.group import TCPStore, _group_keys, _td  # torch: only once a push runs
+        from weight_sync.common.group_store import TCPStore, _group_keys, _td  # torch: only once a push runs
 
         try:
             if self._prefix is None:
