@@ -3,14 +3,19 @@ weights it serves (its base) and the payload that arrived."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
 
 from weight_sync.common import delta as D
 from weight_sync.common.delta_push import BITMAP, POSITIONS, VALUES
+from weight_sync.common.digest import NONE, staged_digest
 from weight_sync.common.manifest import DTYPES, Manifest
 from weight_sync.engine_side.targets import views
+
+log = logging.getLogger(__name__)
 
 
 def fill_base(full: Manifest, result: torch.Tensor, base: Sequence[torch.Tensor]) -> None:
@@ -34,3 +39,30 @@ def apply_payload(m: Manifest, full: Manifest, payload: torch.Tensor, result: to
             D.apply(dst, D.Delta(p.kind, positions, sent[spec.name + VALUES]))
         except ValueError as e:
             raise ValueError(f"{spec.name}: {e}") from None
+
+
+class DeltaApply:
+    """A delta push's result, made while its payload arrives: the served weights (`base`) copied
+    into `result` while the first buckets arrive (`copy_base`), then, once every byte is in, the
+    payload applied and the result's digest taken for the commit vote (`digest_of`). `seconds`:
+    what each took."""
+
+    def __init__(self, m: Manifest, full: Manifest, result: torch.Tensor, base: Sequence[torch.Tensor]):
+        self.m, self.full, self.result, self.base = m, full, result, base
+        self.seconds: dict[str, float] = {}
+
+    def copy_base(self) -> None:
+        t = time.perf_counter()
+        fill_base(self.full, self.result, self.base)
+        self.seconds["base_seconds"] = time.perf_counter() - t
+
+    def digest_of(self, payload: torch.Tensor) -> int:
+        t = time.perf_counter()
+        try:
+            apply_payload(self.m, self.full, payload, self.result)
+        except ValueError as e:  # votes a digest nobody holds: every rank stops at the commit vote
+            log.error("delta push of version %d does not apply, nothing will be committed: %s", self.m.version, e)
+            return NONE
+        digest = staged_digest(self.full, self.result)
+        self.seconds["apply_seconds"] = time.perf_counter() - t
+        return digest

@@ -1,5 +1,5 @@
-"""The in-place receive's source (weight_sync/engine_side/receive.py `PushReceiver.receive_inplace`): a full
-push's buckets as `(name, tensor)` pairs, each bucket received into a buffer of its own and handed
+"""The in-place receive (weight_sync/engine_side/receive.py `PushReceiver.receive_inplace`): a
+full push's buckets as `(name, tensor)` pairs, each bucket received into a buffer of its own and handed
 on while it arrives, for an engine with no room for a staging copy of its weights. The sidecar
 uses it only then (`staging_room` says no, or the push needs more than
 `--staging-memory-limit-mb`), with the engines paused for the whole transfer.
@@ -16,10 +16,12 @@ from collections.abc import Iterator
 
 import torch
 
+from weight_sync.common.delta_push import NEEDS_FULL
 from weight_sync.common.digest import Digest
 from weight_sync.common.group import GroupError, WeightSyncGroup
 from weight_sync.common.manifest import DTYPES, Manifest
 from weight_sync.common.votes import commit_vote, mismatch_error
+from weight_sync.engine_side.targets import TornWeights
 
 TORN = "weights torn"  # in the error of a push that failed after writing: the sidecar restarts that engine
 
@@ -44,3 +46,24 @@ def bucket_pairs(g: WeightSyncGroup, m: Manifest, device: torch.device, written:
     g.synchronize()
     if bad := commit_vote(g, digest.value()):
         raise GroupError(mismatch_error(m.version, bad))
+
+
+def inplace_problems(m: Manifest | None, problems: list[str]) -> list[str]:
+    """The problems of a push received in place: full pushes only. A delta needs a copy of the
+    weights (the trainer then sends the full weights); an adapter needs little memory (send it as
+    usual)."""
+    if m is not None and m.delta is not None:
+        return [NEEDS_FULL, "an in-place receive takes full pushes only (a delta needs a copy of the weights)"]
+    if m is not None and m.adapter is not None:
+        return ["an in-place receive takes full pushes only (an adapter push needs little memory: send it as usual)"]
+    return problems
+
+
+def stream_failure(m: Manifest, written: int, e: Exception) -> Exception:
+    """What a failed in-place transfer raises: TornWeights naming TORN once a bucket was written
+    (the engine must be restarted), else RuntimeError (nothing changed)."""
+    if written or isinstance(e, TornWeights):
+        return TornWeights(f"in-place push of version {m.version} failed after {written} of {len(m.buckets)} buckets "
+                           f"were written: {TORN}; this engine must be restarted ({e})")
+    return RuntimeError(f"in-place push of version {m.version} failed before any byte was written, nothing changed: "
+                        f"{e}. The group is closed; init_weight_sync again")

@@ -24,22 +24,20 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
-from weight_sync.common.delta_push import NEEDS_FULL, check_delta, full_manifest
+from weight_sync.common.delta_push import full_manifest
 from weight_sync.common.digest import NONE, Digest, staged_digest
 from weight_sync.common.group import GroupError, WeightSyncGroup
 from weight_sync.common.manifest import Manifest
-from weight_sync.common.votes import (
-    VOTE_DELTA_BASE, VOTE_NEEDS_BASE, VOTE_OK, VOTE_REFUSED, PushRefused, commit_vote, describe, manifest_vote,
-    mismatch_error,
-)
-from weight_sync.engine_side.delta_apply import apply_payload, fill_base
-from weight_sync.engine_side.inplace_receive import TORN, bucket_pairs
-from weight_sync.engine_side.lora_target import NEEDS_BASE
+from weight_sync.common.votes import PushRefused, commit_vote, manifest_vote, mismatch_error
+from weight_sync.engine_side.bucket_receive import BucketsIn, Meanwhile, timed
+from weight_sync.engine_side.check_and_vote import check_push, refusal, serving, vote_status, wait_for_vote
+from weight_sync.engine_side.delta_apply import DeltaApply
+from weight_sync.engine_side.inplace_receive import TORN, bucket_pairs, inplace_problems, stream_failure
 from weight_sync.engine_side.staging_memory import StagingPool, alloc, drop_pages
 from weight_sync.engine_side.staging_sources import SharedSource, fill_from_file
 from weight_sync.engine_side.targets import CommitPlan, TornWeights, WeightTarget, sync_device
@@ -153,43 +151,24 @@ class PushReceiver:
             self.pool.give_back(staging)
             raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
                                f"{self._serving()} still serving; init_weight_transfer_engine again") from None
-        plan, plan_s = _timed(self.target.plan, m, staging)
+        plan, plan_s = timed(self.target.plan, m, staging)
         return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
-        """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own while the
-        served weights are copied into `result`, then applied there; the commit vote is on the
-        result's digest."""
+        """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own
+        while the served weights are copied into `result`, then applied there; the commit vote is
+        on the result's digest."""
         full = full_manifest(m)
-        base = self.target.base(full)
-
-        took = {}
-
-        def result_digest(payload: torch.Tensor) -> int:
-            t = time.perf_counter()
-            try:
-                apply_payload(m, full, payload, result)
-            except ValueError as e:  # votes a digest nobody holds: every rank stops at the commit vote
-                log.error("delta push of version %d does not apply, nothing will be committed: %s", m.version, e)
-                return NONE
-            digest = staged_digest(full, result)
-            took["apply_seconds"] = time.perf_counter() - t
-            return digest
-
-        def copy_base() -> None:
-            t = time.perf_counter()
-            fill_base(full, result, base)
-            took["base_seconds"] = time.perf_counter() - t
-
+        made = DeltaApply(m, full, result, self.target.base(full))
         try:
             payload = alloc(m.layout_bytes, self.device)
         except Exception:
             self.close_group(g)
             self.pool.give_back(result)
             raise
-        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, copy_base, result_digest,
+        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
-        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, took)
+        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, made.seconds)
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
@@ -210,31 +189,7 @@ class PushReceiver:
         return out
 
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:
-        try:
-            m = Manifest.from_wire(manifest)
-        except Exception as e:
-            return None, [f"malformed manifest: {e}"]
-        if m.delta is not None:
-            return m, self._check_delta(m)
-        return m, self.target.check(m)
-
-    def _check_delta(self, m: Manifest) -> list[str]:
-        """A delta: consistent, its result a push this engine takes, and its base what it serves."""
-        problems = check_delta(m)
-        if problems:
-            return problems
-        full = full_manifest(m)
-        problems = self.target.check(full)
-        if problems:
-            return problems
-        d = m.delta
-        if (d.base_version, d.base_digest) != (self.version, self.digest):
-            return [NEEDS_FULL, f"the delta applies on version {d.base_version}; this worker holds {self._serving()}"]
-        try:
-            self.target.base(full)
-        except Exception as e:  # weights it keeps no copy of (an in-place push into vLLM)
-            return [NEEDS_FULL, f"its weights cannot be read as a delta's base: {e}"]
-        return []
+        return check_push(manifest, self.target, self.version, self.digest)
 
     def _check_and_stage(self, manifest) -> tuple[Manifest | None, torch.Tensor | None, list[str]]:
         """The manifest checked, and staging memory for it (a worker that cannot hold the push
@@ -253,13 +208,9 @@ class PushReceiver:
         """Mark this worker ready for the push's vote and wait until the trainer opens it (every
         rank is there); a push called off meanwhile (a rank of the group went) or a trainer gone
         ends here, nothing changed, instead of in a vote that would wait out the group's timeout."""
-        try:
-            g.mark_ready(m.push_id)
-            if g.wait_vote(m.push_id):
-                return
-            why = "the trainer called it off (a rank of the group went or failed before voting)"
-        except Exception as e:  # the trainer's store is gone, or nobody came within the group's timeout
-            why = describe(e)
+        why = wait_for_vote(g, m.push_id)
+        if why is None:
+            return
         self.close_group(g)
         self.pool.give_back(staging)
         raise RuntimeError(f"weight push of version {m.version} called off before any byte moved, nothing "
@@ -267,23 +218,16 @@ class PushReceiver:
 
     def _vote(self, g: WeightSyncGroup, m: Manifest | None, staging, problems: list[str]) -> None:
         """Cast this worker's manifest vote; raises unless every rank accepted the same manifest."""
-        status = (VOTE_OK if not problems else VOTE_NEEDS_BASE if problems[0] is NEEDS_BASE
-                  else VOTE_DELTA_BASE if problems[0] is NEEDS_FULL else VOTE_REFUSED)
         try:
-            verdict = manifest_vote(g, status, m.digest() if m is not None else 0)
+            verdict = manifest_vote(g, vote_status(problems), m.digest() if m is not None else 0)
         except GroupError as e:
             self.close_group(g)
             self.pool.give_back(staging)
             raise RuntimeError(f"weight push failed at the manifest vote, nothing changed; the group is closed: {e}")
-        if problems or not verdict.ok:
+        why = refusal(m, problems, verdict)
+        if why is not None:
             self.pool.give_back(staging)
-        if problems:
-            raise PushRefused("weight push refused, nothing changed: " + "; ".join(problems))
-        if verdict.worst != VOTE_OK:
-            raise PushRefused(f"weight push of version {m.version} refused by another rank (the trainer or "
-                              "another worker; see its error), nothing changed")
-        if not verdict.same_manifest:
-            raise PushRefused(f"weight push of version {m.version} refused: the ranks hold different manifests")
+            raise PushRefused(why)
 
     def _receive_buckets(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor, meanwhile=None,
                          digest_of=None, planner=None, keep: torch.Tensor | None = None
@@ -295,57 +239,40 @@ class PushReceiver:
         taken once every byte is in, its `planner`, and `keep`, its result buffer (the pool's)."""
         planner = planner or (lambda: self.target.plan(m, staging))
         early = digest_of is None and not self.target.plan_needs_bytes(m)
-        pending = [f for f in (meanwhile, early and planner) if f]  # done while the first buckets arrive
-        received, plan, plan_s, inflight = 0, None, 0.0, deque()
-        staging_kept = staging if keep is None else keep
-        # a full push's digest, taken bucket by bucket as each lands, while the next ones arrive
-        landed = Digest() if digest_of is None else None
-
-        def retire() -> int:
-            work, k, nbytes = inflight.popleft()
-            g.wait(work, f"receiving bucket {k}")
-            if landed is not None:
-                b = m.buckets[k]
-                for t in m.tensors[b.first:b.last]:
-                    landed.add(staging[t.offset:t.offset + t.nbytes])
-            return nbytes
+        jobs = Meanwhile([meanwhile, early and planner], planner)  # done while the first buckets arrive
+        incoming = BucketsIn(g, m, staging, self.max_inflight, hash_landed=digest_of is None)
         try:
-            for k, b in enumerate(m.buckets):
-                if b.nbytes == 0:
-                    continue
-                if pending and len(inflight) >= self.max_inflight:
-                    plan, plan_s = _run_pending(pending, planner, plan, plan_s)
-                while len(inflight) >= self.max_inflight:
-                    received += retire()
-                inflight.append((g.fan_out(staging[b.start:b.end]), k, b.nbytes))
-            plan, plan_s = _run_pending(pending, planner, plan, plan_s)
-            while inflight:
-                received += retire()
-            g.synchronize()
-            digest = landed.value() if digest_of is None else digest_of(staging)
-            if plan is None:  # an adapter is merged once every byte is in, before the commit vote
-                plan, plan_s = _timed(planner)
+            incoming.receive(jobs.run)
+            digest = incoming.digest() if digest_of is None else digest_of(staging)
+            # an adapter is merged once every byte is in, before the commit vote
+            plan, plan_s = jobs.plan or timed(planner)
             if bad := commit_vote(g, digest):  # commit only if every rank holds the bytes the trainer sent
                 raise GroupError(mismatch_error(m.version, bad))
         except Exception as e:
-            if g.chain is not None:  # the trainer may be sending down the chain into a rank that stopped reading
-                try:
-                    g.mark_worker_failed(m.push_id)
-                except Exception as mark_error:  # noqa: BLE001 - the trainer then waits for its timeout
-                    log.warning("could not tell the trainer this rank gave push %s up: %s", m.push_id, mark_error)
-            if inflight:  # broadcasts still posted into it: its pages go now, while closing waits for gloo
-                drop_pages(staging)
-            self.close_group(g)  # once closed, nothing writes into staging any more: it may be kept
-            self.pool.give_back(staging_kept)
-            raise RuntimeError(
-                f"weight push of version {m.version} failed after {received} of "
-                f"{sum(b.nbytes for b in m.buckets)} bytes: {e}. "
-                f"Nothing was committed: {self._serving()} still serving. The group is closed; init_weight_sync again."
-            ) from None
+            self._give_up_transfer(g, m, incoming, staging if keep is None else keep, e)
         return plan, plan_s, digest
 
+    def _give_up_transfer(self, g: WeightSyncGroup, m: Manifest, incoming: BucketsIn, kept: torch.Tensor,
+                          e: Exception) -> NoReturn:
+        """A transfer that failed: the trainer told (down a chain it may be sending into a rank that
+        stopped reading), the staging memory back, the group closed; raises RuntimeError."""
+        if g.chain is not None:
+            try:
+                g.mark_worker_failed(m.push_id)
+            except Exception as mark_error:  # noqa: BLE001 - the trainer then waits for its timeout
+                log.warning("could not tell the trainer this rank gave push %s up: %s", m.push_id, mark_error)
+        if incoming.inflight:  # broadcasts still posted into it: its pages go now, while closing waits for gloo
+            drop_pages(incoming.staging)
+        self.close_group(g)  # once closed, nothing writes into staging any more: it may be kept
+        self.pool.give_back(kept)
+        raise RuntimeError(
+            f"weight push of version {m.version} failed after {incoming.received} of "
+            f"{sum(b.nbytes for b in m.buckets)} bytes: {e}. "
+            f"Nothing was committed: {self._serving()} still serving. The group is closed; init_weight_sync again."
+        ) from None
+
     def _serving(self) -> str:
-        return "the checkpoint's weights" if self.version is None else f"version {self.version}"
+        return serving(self.version)
 
     def _done(self, m: Manifest, t0: float, t1: float, t2: float, transport: str, buckets: int,
               plan_seconds: float = 0.0) -> dict:
@@ -364,11 +291,7 @@ class PushReceiver:
         g = self.group_for(group_name)
         t0 = time.perf_counter()
         m, problems = self._check(manifest)
-        if m is not None and m.adapter is not None:
-            problems = ["an in-place receive takes full pushes only (an adapter push needs little memory: send it "
-                        "as usual)"]
-        if m is not None and m.delta is not None:  # the trainer sends the full weights instead
-            problems = [NEEDS_FULL, "an in-place receive takes full pushes only (a delta needs a copy of the weights)"]
+        problems = inplace_problems(m, problems)
         if group_name is not None and m is not None:
             self._wait_for_vote(g, m, None)
         self._vote(g, m, None, problems)
@@ -378,13 +301,10 @@ class PushReceiver:
             self.target.commit_stream(m, bucket_pairs(g, m, self.device, written, digest))
         except Exception as e:
             self.close_group(g)
-            if written[0] or isinstance(e, TornWeights):
+            failure = stream_failure(m, written[0], e)
+            if isinstance(failure, TornWeights):
                 self.torn = True
-                raise TornWeights(f"in-place push of version {m.version} failed after {written[0]} of "
-                                  f"{len(m.buckets)} buckets were written: {TORN}; this engine must be restarted "
-                                  f"({e})") from None
-            raise RuntimeError(f"in-place push of version {m.version} failed before any byte was written, nothing "
-                               f"changed: {e}. The group is closed; init_weight_sync again") from None
+            raise failure from None
         self.torn = False
         self.digest = digest.value()
         return self._done(m, t0, t1, time.perf_counter(), "broadcast, in place", written[0])
@@ -430,20 +350,3 @@ class PushReceiver:
         t1 = time.perf_counter()
         return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0, staged_digest(m, staging)),
                            "safetensors", buckets=0)
-
-
-def _run_pending(pending: list, planner, plan, plan_s):
-    """Runs (once) what a receive does while its first buckets arrive; returns the plan if made."""
-    while pending:
-        f = pending.pop(0)
-        if f is planner:
-            plan, plan_s = _timed(planner)
-        else:
-            f()
-    return plan, plan_s
-
-
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
