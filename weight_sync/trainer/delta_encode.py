@@ -13,6 +13,7 @@ from weight_sync.common import delta as D
 from weight_sync.common.delta_push import BITMAP, POSITIONS, VALUES
 from weight_sync.common.digest import Digest
 from weight_sync.common.manifest import DeltaPart
+from weight_sync.trainer.weights import full
 
 
 @dataclass
@@ -67,3 +68,18 @@ def advance(kept: KeptWeights, enc: EncodedDelta, version: int) -> None:
         for name, d in enc.deltas.items():
             D.apply(kept.tensors[name].view(-1), d)
     kept.version, kept.digest = version, enc.digest
+
+
+def keeps_base(keep_sent: bool | None, specs: list) -> bool:
+    """Whether the trainer keeps what a push sent as the next delta's base: as told, or (None)
+    when the push travels in 2-byte floats (in fp32 nearly every element changes every step)."""
+    if keep_sent is not None:
+        return keep_sent
+    return all(d not in ("float32", "float64") for _, d, _ in specs)
+
+
+def kept_weights(version: int, digest: int, specs: list, named, wire_dtype: Callable) -> KeptWeights:
+    """A copy of what a push sent (`named`), each tensor in its wire dtype, on its own device."""
+    with torch.no_grad():
+        tensors = {n: full(t).to(wire_dtype(t), copy=True) for n, t in named}
+    return KeptWeights(version, digest, specs, tensors)

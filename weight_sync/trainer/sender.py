@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,29 +32,16 @@ from weight_sync.common.group import GroupError, WeightSyncGroup
 from weight_sync.common.lora import A_SUFFIX, B_SUFFIX
 from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, DeltaSpec, Manifest, build_manifest, dtype_name
 from weight_sync.common.votes import (
-    VOTE_DELTA_BASE,
-    VOTE_NEEDS_BASE,
-    VOTE_OK,
-    VOTE_STALE,
-    VOTE_UNREADABLE,
-    DeltaBaseError,
-    NeedsBaseError,
-    StaleManifestError,
-    WeightSyncError,
-    commit_vote,
-    manifest_vote,
-    mismatch_error,
+    VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, WeightSyncError, commit_vote, manifest_vote, mismatch_error,
 )
 from weight_sync.trainer.bucket_sender import BucketSender, ProgressMarks
-from weight_sync.trainer.delta_encode import EncodedDelta, KeptWeights, advance, encode_delta
+from weight_sync.trainer.delta_encode import EncodedDelta, KeptWeights, advance, encode_delta, keeps_base, kept_weights
+from weight_sync.trainer.device_stream import DeviceStream
 from weight_sync.trainer.lora_push import AdapterPush, push_source
 from weight_sync.trainer.ranks import DONE, GATHER, has_peers, tell_peers
-from weight_sync.trainer.weights import (
-    full,
-    gather_context,
-    list_weights,
-    named_weights,
-)
+from weight_sync.trainer.reused_layout import layout_for, versioned
+from weight_sync.trainer.vote_outcome import vote_refusal
+from weight_sync.trainer.weights import full, gather_context, list_weights, named_weights
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +89,7 @@ class WeightSender:
         self.max_inflight = max(1, int(max_inflight))
         self.group: WeightSyncGroup | None = None
         self._buckets = BucketSender(self.bucket_bytes, self.max_inflight)
-        self._stream = None  # CUDA: the stream a push packs and sends on (see _on_device)
+        self._device = DeviceStream()  # CUDA: the stream a push packs and sends on
         self._last_layout: tuple | None = None  # ((specs, bucket_bytes), manifest) of the last push not refused
         self._last_adapter: tuple | None = None  # the same, for adapter pushes (weight_sync.trainer.lora_push)
         # What the last committed push sent, kept as the next delta's base (weight_sync/common/delta_push.py):
@@ -184,7 +170,7 @@ class WeightSender:
                              "whose parameters are gathered tensor by tensor")
         last = self._last_layout
         if reuse_layout and last is not None and last[0][1] == self.bucket_bytes:
-            return PreparedPush(self._versioned(last[1], version), weights, None)
+            return PreparedPush(versioned(last[1], version), weights, None)
         ctx = gather_context(weights)
         with ctx or contextlib.nullcontext(), torch.no_grad():
             named = list_weights(weights)
@@ -212,11 +198,6 @@ class WeightSender:
         spec = DeltaSpec(kept.version, kept.digest, enc.digest, whole.tensors, whole.layout_bytes, enc.parts)
         return PreparedPush(msgspec.structs.replace(payload, delta=spec), weights, enc.pairs, delta=enc)
 
-    def _keeps(self, specs: list) -> bool:
-        if self.keep_sent is not None:
-            return self.keep_sent
-        return all(d not in ("float32", "float64") for _, d, _ in specs)
-
     def _after_commit_vote(self, prepared: PreparedPush, named, digest: int) -> None:
         """Every rank holds the push's bytes: what it sent becomes the next delta's base."""
         m = prepared.manifest
@@ -226,16 +207,14 @@ class WeightSender:
         self.kept = None  # an adapter merged, or weights this sender does not keep: no base
         specs = [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]
         if m.adapter is not None or has_peers() or gather_context(prepared.weights) is not None or \
-                not self._keeps(specs):
+                not keeps_base(self.keep_sent, specs):
             return
-        with torch.no_grad():
-            tensors = {n: full(t).to(self._wire_dtype(t), copy=True) for n, t in named}
-        self.kept = KeptWeights(m.version, digest, specs, tensors)
+        self.kept = kept_weights(m.version, digest, specs, named, self._wire_dtype)
 
     def walk(self, prepared: PreparedPush) -> None:
         """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
         check them against its manifest, instead of in send(): for a caller with a wait to hide
-        it in (engine_sync.push_to_engines walks while the workers check the manifest). Does
+        it in (local_engines.push_to_engines walks while the workers check the manifest). Does
         nothing when the push holds its list already or needs a gather context (FSDP1)."""
         if prepared.named is not None or prepared.verdict is not None or gather_context(prepared.weights):
             return
@@ -258,19 +237,12 @@ class WeightSender:
             return VOTE_STALE, "the weights changed names, dtypes or shapes since prepare()"
         return VOTE_OK, ""
 
-    @staticmethod
-    def _versioned(manifest: Manifest, version: int) -> Manifest:
-        return msgspec.structs.replace(manifest, version=int(version), push_id=uuid.uuid4().hex)
-
     def _manifest(self, specs: list, version: int, slot: str = "_last_layout") -> Manifest:
-        """build_manifest, reusing the layout of the previous push when names, dtypes, shapes and
-        bucket size are unchanged (every push of a training run). `slot`: the attribute that
-        keeps it (adapter pushes keep theirs apart, so a full push's reused layout stays)."""
-        key, last = (specs, self.bucket_bytes), getattr(self, slot)
-        if last is not None and last[0] == key:
-            return self._versioned(last[1], version)
-        manifest = build_manifest(specs, version, self.bucket_bytes)
-        setattr(self, slot, (key, manifest))
+        """The push's manifest, on the previous push's layout when it still fits (reused_layout.py).
+        `slot`: the attribute that keeps it (adapter pushes keep theirs apart, so a full push's
+        reused layout stays)."""
+        manifest, last = layout_for(getattr(self, slot), specs, self.bucket_bytes, version)
+        setattr(self, slot, last)
         return manifest
 
     def _forget_layout(self, slot: str, m: Manifest) -> None:
@@ -292,7 +264,7 @@ class WeightSender:
 
     def push(self, weights, version: int, progress: Callable[[int, int], None] | None = None) -> dict:
         """prepare + send: only for when the workers already hold the manifest's twin (tests,
-        benchmarks); normally the manifest must reach the workers first, see engine_sync."""
+        benchmarks); normally the manifest must reach the workers first, see weight_sync.trainer.local_engines."""
         return self.send(self.prepare(weights, version), progress)
 
     def send(self, prepared: PreparedPush, progress: Callable[[int, int], None] | None = None,
@@ -315,23 +287,9 @@ class WeightSender:
         m = prepared.manifest
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self._on_device(g.device))
-            named = prepared.named
-            status, problem = prepared.verdict or (VOTE_OK, "")
-            try:
-                if named is None and status == VOTE_OK:  # a reused layout, or a gather context: list them now
-                    named = stack.enter_context(named_weights(prepared.weights))
-                    status, problem = self._check(named, m)
-            except Exception as e:  # the workers may hold the manifest already: they must hear the refusal
-                status, problem = VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}"
-            if before_vote is not None:
-                try:
-                    before_vote()
-                except WeightSyncError:
-                    raise
-                except Exception as e:
-                    raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}",
-                                          refused=True) from e
+            stack.enter_context(self._device.on(g.device))
+            named, status, problem = self._listed(prepared, stack)
+            _call_before_vote(before_vote, m)
             marks = ProgressMarks(g, m.push_id)
             if status == VOTE_STALE:
                 marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
@@ -341,32 +299,38 @@ class WeightSender:
                 if e.refused:
                     self._forget_layout(prepared.layout_slot, m)
                 raise
-            try:
-                self._buckets.send(g, m, [t for _, t in named], progress, marks)
-                meant = self._buckets.digest.value() if m.delta is None else m.delta.digest
-                if bad := commit_vote(g, meant):
-                    raise GroupError(mismatch_error(m.version, bad))
-            except Exception as e:
-                marks.failed()
-                self.close_group()
-                raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
-                                      "form a new one (open_group / init_weight_sync)") from e
+            meant = self._transfer(g, m, named, progress, marks)
             self._after_commit_vote(prepared, named, meant)
         return _sent(prepared, time.perf_counter() - t0)
 
-    def _on_device(self, device: torch.device):
-        """Run a push on `device` whatever thread sends it (CUDA's current device and stream are
-        per thread: a sender in `asyncio.to_thread` would otherwise pack on cuda:0's default
-        stream): its own stream, ordered after the work already queued on the device."""
-        if device.type != "cuda":
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(device))
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        self._stream.wait_stream(torch.cuda.default_stream(device))  # the optimizer's writes land first
-        stack.enter_context(torch.cuda.stream(self._stream))
-        return stack
+    def _listed(self, prepared: PreparedPush, stack: contextlib.ExitStack) -> tuple[list | None, int, str]:
+        """The push's (name, tensor) pairs, listed now unless prepare() or walk() did (a reused
+        layout; a gather context, entered on `stack`), and the status the trainer votes: whether
+        they fit the manifest."""
+        named = prepared.named
+        status, problem = prepared.verdict or (VOTE_OK, "")
+        try:
+            if named is None and status == VOTE_OK:
+                named = stack.enter_context(named_weights(prepared.weights))
+                status, problem = self._check(named, prepared.manifest)
+        except Exception as e:  # the workers may hold the manifest already: they must hear the refusal
+            status, problem = VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}"
+        return named, status, problem
+
+    def _transfer(self, g: WeightSyncGroup, m: Manifest, named: list, progress, marks: ProgressMarks) -> int:
+        """Steps 2 and 3: the buckets, then the commit vote on the digest of what the trainer meant
+        to send (returned). A failure marks the push failed and closes the group: WeightSyncError."""
+        try:
+            self._buckets.send(g, m, [t for _, t in named], progress, marks)
+            meant = self._buckets.digest.value() if m.delta is None else m.delta.digest
+            if bad := commit_vote(g, meant):
+                raise GroupError(mismatch_error(m.version, bad))
+        except Exception as e:
+            marks.failed()
+            self.close_group()
+            raise WeightSyncError(f"push of version {m.version} failed: {e}; the group is closed, "
+                                  "form a new one (open_group / init_weight_sync)") from e
+        return meant
 
     def gather_only(self, weights) -> None:
         """On trainer ranks other than the sender: take part in the gathers (DTensor
@@ -378,6 +342,7 @@ class WeightSender:
 
     # -- internals --------------------------------------------------------------------------
     def _vote(self, status: int, m: Manifest, problem: str) -> None:
+        """Step 1: the manifest vote; raises unless every rank took the same manifest."""
         try:
             verdict = manifest_vote(self.group, status, m.digest())
             self.group.vote_passed(m.push_id)
@@ -385,23 +350,9 @@ class WeightSender:
             self.close_group()
             raise WeightSyncError(f"push of version {m.version}: the manifest vote failed ({e}); the group is "
                                   "closed") from e
-        if status == VOTE_STALE:
-            raise StaleManifestError(f"push of version {m.version} not sent: {problem}")
-        if status != VOTE_OK:
-            raise WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}",
-                                  refused=True)
-        if verdict.worst == VOTE_DELTA_BASE:
-            raise DeltaBaseError(f"delta push of version {m.version}: a worker does not hold its base "
-                                 f"(version {m.delta and m.delta.base_version}); nothing moved")
-        if verdict.worst == VOTE_NEEDS_BASE:
-            raise NeedsBaseError(f"adapter push of version {m.version}: a worker lacks its base; nothing moved")
-        if verdict.worst != VOTE_OK:
-            raise WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
-                                  "workers' errors say why); nothing changed", refused=True)
-        if not verdict.same_manifest:
-            raise WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
-                                  refused=True)
-
+        refused = vote_refusal(status, m, problem, verdict)
+        if refused is not None:
+            raise refused
 
 def _sent(prepared: PreparedPush, seconds: float) -> dict:
     """A push's trainer result: its bytes on the wire beside the full weights' (a delta's are fewer)."""
@@ -414,3 +365,16 @@ def _sent(prepared: PreparedPush, seconds: float) -> dict:
     if prepared.delta is not None:
         out["encode_seconds"] = prepared.delta.seconds  # before the send, in prepare_delta
     return out
+
+
+def _call_before_vote(before_vote: Callable[[], None] | None, m: Manifest) -> None:
+    """The caller's hook right before the vote: it may block (until the workers are ready) or
+    raise to call the push off (WeightSyncError, refused: nothing moved)."""
+    if before_vote is None:
+        return
+    try:
+        before_vote()
+    except WeightSyncError:
+        raise
+    except Exception as e:
+        raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}", refused=True) from e
