@@ -3,7 +3,7 @@ weights whose bits change after each optimizer step, and what a delta push would
 
 A trainer in fp32 (the recipes' AdamW, weight_decay 0) takes --steps steps of a causal-LM loss on
 a fixed batch at each learning rate; before and after each step its weights are cast to the wire
-dtype (what a bf16 engine receives) and compared bit for bit (weight_sync.delta). Printed per
+dtype (what a bf16 engine receives) and compared bit for bit (weight_sync.common.delta). Printed per
 model and learning rate: the fraction changed at step 1 (AdamW's first step is unusual: its update
 is lr * sign(g) for every element), at step 2, the median of steps 2..N, and over all N steps (what
 a delta against an anchor N pushes old carries); and the bytes a delta of a median step sends
@@ -22,7 +22,7 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from weight_sync.delta import changed_positions, encoded_bytes
+from weight_sync.common.delta import changed_positions, encoded_bytes
 
 log = logging.getLogger("bench.delta_fraction")
 

@@ -6,7 +6,7 @@
   2. the engine-vs-trainer logprob mismatch in that dtype: the share of sampled tokens whose
      ratio exp(engine logprob - trainer logprob) falls outside [0.9, 1.1] (TRL reports 7.5%
      with vLLM in bf16; our goal is under 1%), with the trainer's logprobs from a plain HF forward;
-  3. a colocated push (engine on the trainer's device, through weight_sync.shared: CUDA IPC on a
+  3. a colocated push (engine on the trainer's device, through weight_sync.trainer.shared_memory: CUDA IPC on a
      GPU, /dev/shm on the CPU) of the --push-size model against a plain copy of the same bytes;
   4. with two GPUs or more: a push over NCCL (trainer on cuda:0, engine on cuda:1) against a raw
      NCCL broadcast of the same bytes (bench.weight_sync on CUDA);
@@ -156,7 +156,8 @@ def colocated_push(size: str, device: torch.device, repeats: int) -> dict:
     from engine import AsyncEngine, EngineConfig
     from engine.tiny_model import build_tiny_model, default_model_dir
     from weight_sync import EXTENSION, WeightSender, flatten_parameters
-    from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import push_shared_to_engines
 
     model_dir = str(build_tiny_model(default_model_dir(size), size))
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)

@@ -3,7 +3,7 @@ each of h1..hN, every host's link shaped to --rate-mbit in both directions (benc
 
 For each N in --hosts, the trainer (a process on t, so its own link is shaped too) forms one
 weight-sync group with the N sidecars and pushes --pushes times, once with the buckets passed
-down a chain of hosts (weight_sync.fan_out: what a group across hosts uses) and once with gloo's
+down a chain of hosts (weight_sync.common.fan_out: what a group across hosts uses) and once with gloo's
 plain broadcast (WEIGHT_SYNC_FAN_OUT=broadcast). Printed per N and way: the median push (the
 trainer's `push_weights`, start to every sidecar committed) and the link bound (the push's bytes
 over one link at the nominal rate) over it. Goals: 1 host >= 0.8 of the link bound; 3 hosts at

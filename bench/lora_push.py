@@ -1,8 +1,8 @@
 """LoRA adapter pushes against merged full pushes of the same PEFT model.
 
 A trainer that trains a LoRA adapter can push only the adapter's factors (lora_A, lora_B: a few
-MB) and let the engine merge them into the base it keeps (weight_sync/lora.py,
-weight_sync/lora_target.py), or push the merged weights whole, as any other model.
+MB) and let the engine merge them into the base it keeps (weight_sync/common/lora.py,
+weight_sync/engine_side/lora_target.py), or push the merged weights whole, as any other model.
 For each model (engine.tiny_model sizes, fp32, CPU, gloo on loopback), through a real
 AsyncEngine whose worker runs the weight-sync extension, this process being the trainer
 (rank 0), with a PEFT LoRA model over the trainer's weights (r=--lora-r, lora_alpha=2r, on
@@ -114,9 +114,10 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
     from engine.model_runner import available_cpus
     from engine.tiny_model import build_tiny_model, default_model_dir
     from weight_sync import WeightSender
-    from weight_sync.checksum import weights_checksum
-    from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
-    from weight_sync.lora import adapter_weights, base_weights
+    from weight_sync.common.checksum import weights_checksum
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
+    from weight_sync.trainer.lora_push import adapter_weights, base_weights
 
     model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
     peft_model = lora_model(model_dir, r, alpha, seed)

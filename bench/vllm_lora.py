@@ -4,7 +4,7 @@ A trainer trains a PEFT LoRA adapter (r=--lora-r, alpha 2r, on q/k/v/o/gate/up/d
 HF model loaded from the engine's model directory). Two bare `vllm.LLM` engines in this process
 (each its own engine-core process, enforce_eager, started once and warmed up):
 
-  (a) merged   vLLM without LoRA. A push: the trainer merges (`weight_sync.lora.merged_weights`,
+  (a) merged   vLLM without LoRA. A push: the trainer merges (`weight_sync.trainer.lora_push.merged_weights`,
                timed), writes the full weights as one safetensors file under /dev/shm (timed: the
                stand-in for the wire; our real pushes broadcast the same bytes over gloo), and the
                engine reloads them (`llm.collective_rpc("reload_weights", weights_path=...)`: the
@@ -88,7 +88,7 @@ def push_merged(llm, model, root: str, k: int) -> dict:
     """(a): merge on the trainer, write the full weights, vLLM reloads them in place."""
     from safetensors.torch import save_file
 
-    from weight_sync.lora import merged_weights
+    from weight_sync.trainer.lora_push import merged_weights
 
     t0 = time.perf_counter()
     named = merged_weights(model)

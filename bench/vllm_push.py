@@ -56,7 +56,7 @@ class RawBroadcast:
         self.buf = torch.ones(nbytes, dtype=torch.uint8)
 
     async def start(self) -> None:
-        from weight_sync.engine_sync import init_weight_sync
+        from weight_sync.trainer.local_engines import init_weight_sync
 
         await init_weight_sync([self.engine], self.sender, timeout_s=self.timeout_s)
         await self.once()  # first touch of both buffers

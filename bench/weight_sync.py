@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from weight_sync.receiver import WeightSyncExtension
+from weight_sync.engine_side.extension import WeightSyncExtension
 
 log = logging.getLogger("bench.weight_sync")
 TARGET_RATIO = 0.85
@@ -61,7 +61,7 @@ class BenchExtension(WeightSyncExtension):
         return True
 
     def bench_per_param_receive(self, specs: list, repeats: int) -> bool:
-        from weight_sync.manifest import DTYPES
+        from weight_sync.common.manifest import DTYPES
 
         g = self._receiver().group
         params = dict(self.model.named_parameters())
@@ -89,8 +89,9 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     from engine import AsyncEngine, EngineConfig
     from engine.tiny_model import build_tiny_model, default_model_dir
     from weight_sync import WeightSender, flatten_parameters
-    from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
-    from weight_sync.sender import DEFAULT_BUCKET_BYTES
+    from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
 
     model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
     # The trainer's weights laid out as a push lays them out, as the recipes do on CPU

@@ -2,7 +2,7 @@
 and several adapter versions beside them, and each sequence decodes with the adapter it started
 under, so that with a `keep` pause a rollout begun under version k finishes under k (TRL's async
 GRPO and vLLM's adapter RFC keep versions for this reason). The default (0) merges each adapter
-into the weights instead (weight_sync/lora_target.py): faster per token, one version at a time.
+into the weights instead (weight_sync/engine_side/lora_target.py): faster per token, one version at a time.
 
 Each target linear layer gets a forward hook adding `(x @ A^T @ B^T) * scale` for the rows of
 each adapter version in the step (PEFT's own order of operations, so the output equals PEFT's

@@ -2,7 +2,7 @@
 `LoraLayer.get_delta_weight` then `weight.data += delta` give on the same kind of device.
 
 Pure functions on tensors, used by both halves: the engine (`engine/lora_bank.py`, unmerged
-adapters) and weight_sync's adapter pushes (`weight_sync/lora.py`, `lora_target.py`), which
+adapters) and weight_sync's adapter pushes (`weight_sync/trainer/lora_push.py`, `engine_side/lora_target.py`), which
 import them from here: the engine never imports weight_sync.
 """
 

@@ -92,7 +92,7 @@ class VllmEngine:
 
         self.cfg = cfg
         self.tensor_parallel_size = tensor_parallel_size
-        self.num_workers = tensor_parallel_size  # ranks in a weight-sync group (weight_sync.engine_sync)
+        self.num_workers = tensor_parallel_size  # ranks in a weight-sync group (weight_sync.engine_side.engines)
         self.on_cpu = current_platform.is_cpu()
         if self.on_cpu != (cfg.device == "cpu"):
             raise ValueError(f"device {cfg.device!r} but the installed vLLM is its "

@@ -96,7 +96,7 @@ def engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
         logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
         tensor_parallel_size=tensor_parallel_size, enforce_eager=on_cpu,  # CPU: torch.compile costs minutes
         disable_log_stats=True,
-        # our weight receiver in every worker (weight_sync/vllm_receiver.py); vLLM takes dotted names
+        # our weight receiver in every worker (weight_sync/vllm/extension.py); vLLM takes dotted names
         worker_extension_cls=(cfg.worker_extension_cls or "").replace(":", "."),
     )
 

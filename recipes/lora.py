@@ -1,5 +1,5 @@
 """LoRA training for the recipes (`--lora-r`): the policy trains a PEFT adapter over its frozen
-base, each push sends only the adapter (weight_sync/lora.py), and checkpoints save the adapter in
+base, each push sends only the adapter (weight_sync/common/lora.py), and checkpoints save the adapter in
 PEFT's format (`PeftModel.from_pretrained(base, checkpoint)` loads it)."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from recipes.seeds import request_seed
 from recipes.task_defaults import fill_task_defaults
 from recipes.tasks import reward_metrics
 from rollout.types import Rollout
-from weight_sync.trainer_ranks import follow_push
+from weight_sync.trainer.ranks import follow_push
 
 log = logging.getLogger("recipes")
 
@@ -114,7 +114,7 @@ def push(run: Run) -> float:
 
 
 def push_metrics(pushed: dict | None) -> dict:
-    """The bytes a push put on the wire beside the full weights' (a delta push: weight_sync/delta_push.py)."""
+    """The bytes a push put on the wire beside the full weights' (a delta push: weight_sync/common/delta_push.py)."""
     trainer = (pushed or {}).get("trainer")
     if not isinstance(trainer, dict):
         return {}

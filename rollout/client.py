@@ -161,12 +161,12 @@ class AsyncRolloutClient:
     async def push_weights(self, model_or_named_tensors, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0, progress=None, transport: str = "group", wait: bool = True,
                            mode: str = "adapter", delta: bool | None = None):
-        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.push.run_push,
+        """Pause every sidecar, broadcast the weights, commit, resume (weight_sync.trainer.push.run_push,
         delivered as a `push_weights` call to each sidecar). Raises SidecarError with the
         sidecars' reasons (and the trainer's) on any failure; the previous weights then keep
         serving. `progress(bucket, n_buckets)` is called (in a worker thread) as each bucket goes out.
         `transport="shared"`: sidecars on this machine read the weights from memory the trainer
-        shares (weight_sync.shared; `flatten_parameters(model, shared=True)` first): no group,
+        shares (weight_sync.trainer.shared_memory; `flatten_parameters(model, shared=True)` first): no group,
         no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC).
         The group follows the sidecars: one added joins it here, one that went is left out of it;
         a sidecar that goes during the push costs one more try with the others.
@@ -177,8 +177,8 @@ class AsyncRolloutClient:
         Awaiting the handle gives this call's result or raises its error; a push that fails after
         that point is not tried again (the bytes it sent are gone). The next push waits for it.
         A PEFT (LoRA) model goes as its adapter (`mode="adapter"`, a few MB; the base once to an
-        engine that lacks it; weight_sync.lora) or as its merged weights (`mode="merged"`).
-        `delta` (weight_sync/delta_push.py): None sends only the elements that changed since the
+        engine that lacks it; weight_sync.common.lora) or as its merged weights (`mode="merged"`).
+        `delta` (weight_sync/common/delta_push.py): None sends only the elements that changed since the
         last push when every sidecar holds that push and it is fewer bytes, the full weights
         otherwise (and every `delta_anchor_every` pushes, and after a sidecar joined, went, was
         healed or a push failed); True a delta whenever there is a base; False always the full
@@ -191,7 +191,7 @@ class AsyncRolloutClient:
     async def load_weights(self, path: str, version: int, pause_mode: str | None = None,
                            timeout_s: float = 300.0) -> list[dict]:
         """The file fallback: every sidecar's engines load the push that
-        `weight_sync.files.write_safetensors(model, path, version)` wrote to `path` (a directory
+        `weight_sync.trainer.file_push.write_safetensors(model, path, version)` wrote to `path` (a directory
         every sidecar can read, e.g. under /dev/shm on one host), all or nothing per engine."""
         return await self.weight_sync.load_weights(path, version, pause_mode, timeout_s)
 

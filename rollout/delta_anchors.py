@@ -11,7 +11,7 @@ DELTA_ANCHOR_EVERY = 20
 
 @dataclass
 class DeltaAnchors:
-    """When the full weights go (an "anchor") rather than a delta (weight_sync/delta_push.py): every
+    """When the full weights go (an "anchor") rather than a delta (weight_sync/common/delta_push.py): every
     `every` pushes, and whenever the group is new (a sidecar joined, went, was healed, or a push failed)."""
 
     every: int = DELTA_ANCHOR_EVERY

@@ -29,7 +29,7 @@ from rollout.resubmit import go_on
 from rollout.sidecar_state import SidecarState
 from rollout.supervision import EngineSupervisor, NoEngineError
 from rollout.types import Rollout
-from weight_sync.engine_sync import workers_of
+from weight_sync.engine_side.engines import workers_of
 
 log = logging.getLogger(__name__)
 

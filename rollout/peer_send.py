@@ -17,7 +17,7 @@ import logging
 import time
 from urllib.parse import urlsplit
 
-from weight_sync.hosts import local_address_towards
+from weight_sync.common.hosts import local_address_towards
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ async def send_weights(manager, to: str, token: str, timeout_s: float) -> dict:
     """Push this sidecar's newest committed weights to the sidecar at `to` (a tcp:// address,
     `token` its token); answers the version sent, where it came from and what it took."""
     from rollout.client import AsyncRolloutClient  # the trainer's client, run by this sidecar
-    from weight_sync.files import read_tensors  # torch: only once a sidecar sends
+    from weight_sync.common.push_dir import read_tensors  # torch: only once a sidecar sends
 
     host = urlsplit(to).hostname
     if urlsplit(to).scheme != "tcp" or not host:

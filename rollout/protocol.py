@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from rollout.types import Rollout
-from weight_sync.manifest import Manifest
+from weight_sync.common.manifest import Manifest
 
 PROTOCOL_VERSION = 1
 
@@ -39,7 +39,7 @@ class InitWeightSync(_Call, tag="init_weight_sync"):
     rank_offset: int
     group_name: str = ""
     timeout_s: float = 60.0
-    secret: str = ""  # the group's: its store keys live under it (weight_sync.group)
+    secret: str = ""  # the group's: its store keys live under it (weight_sync.common.group)
     take_over: bool = False  # replace the group of a trainer that still lives (see rollout.weights)
 
 
@@ -47,8 +47,8 @@ class PushWeights(_Call, tag="push_weights"):
     manifest: Manifest
     pause_mode: str = ""  # "" = the sidecar's default
     timeout_s: float = 300.0
-    group_name: str = ""  # the trainer's group: its workers mark themselves ready there (weight_sync.push)
-    shared: dict[str, Any] = {}  # instead of the group: a weight_sync.shared handle (same machine)
+    group_name: str = ""  # the trainer's group: its workers mark themselves ready there (weight_sync.trainer.push)
+    shared: dict[str, Any] = {}  # instead of the group: a weight_sync.trainer.shared_memory handle (same machine)
 
 
 class LoadWeights(_Call, tag="load_weights"):
@@ -73,7 +73,7 @@ class CloseWeightSync(_Call, tag="close_weight_sync"):
 
 
 class Checksum(_Call, tag="checksum"):
-    """Every worker's weights checksum (weight_sync.checksum), for checking a push."""
+    """Every worker's weights checksum (weight_sync.common.checksum), for checking a push."""
 
 
 class Sleep(_Call, tag="sleep"):

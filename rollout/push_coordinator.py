@@ -29,10 +29,10 @@ from typing import Any, Protocol
 from engine import EngineClient
 from engine.errors import EngineUnhealthyError
 from rollout.sidecar_state import SidecarState
-from weight_sync.engine_sync import commit_results, finish_on_engines, load_on_engines, stage_on_engines
-from weight_sync.manifest import Manifest
-from weight_sync.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
-from weight_sync.votes import WeightSyncError
+from weight_sync.common.manifest import Manifest
+from weight_sync.common.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
+from weight_sync.common.votes import WeightSyncError
+from weight_sync.engine_side.engines import commit_results, finish_on_engines, load_on_engines, stage_on_engines
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class WeightSyncRegroup(WeightSyncRefused):
 
 
 class PushWithdrawn(WeightSyncRefused):
-    """A push its trainer withdrew before any byte moved (weight_sync.push, step 6): the layout it
+    """A push its trainer withdrew before any byte moved (weight_sync.trainer.push, step 6): the layout it
     reused no longer fits its weights, and it pushes them again at once on a fresh one. Nothing
     changed, and it is no failed push: the push that follows tells."""
 
@@ -263,7 +263,7 @@ class PushCoordinator:
     # -- the staged push ----------------------------------------------------------------------
     async def stage(self, engines: list[EngineClient], manifest: Manifest, timeout_s: float,
                     group_name: str | None = None, method: str = "begin_receive_weights") -> Staged:
-        """Step 1: the bytes arrive while the engines generate (weight_sync.engine_sync.stage_on_engines,
+        """Step 1: the bytes arrive while the engines generate (weight_sync.engine_side.engines.stage_on_engines,
         `method` on each). A trainer lost meanwhile (trainer_lost) gives the push up on every engine
         (TrainerLost; their staging memory goes now); an engine that failed makes every engine
         drop its staging and raises the reasons (WeightSyncError, or PushWithdrawn)."""
@@ -346,7 +346,7 @@ class PushCoordinator:
 
     # -- commit and count ---------------------------------------------------------------------
     async def _commit(self, engines: list[EngineClient], results: list, version: int, push_id: str) -> dict:
-        """The engines' results of a push (weight_sync.engine_sync.commit_results); the sidecar
+        """The engines' results of a push (weight_sync.engine_side.engines.commit_results); the sidecar
         serves its version once every engine committed it, and counts a failed push otherwise
         (unless its trainer withdrew it: PushWithdrawn). Engines left with torn weights (they
         answer EngineUnhealthyError) are stopped, to come back with the last committed ones."""
@@ -384,7 +384,7 @@ class PushCoordinator:
         self.state.count("push_seconds", time.monotonic() - t0)
         workers = out.pop("worker_results", None) or []
         applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
-        if applied:  # a delta push: its slowest worker's apply (weight_sync/delta_push.py)
+        if applied:  # a delta push: its slowest worker's apply (weight_sync/common/delta_push.py)
             out["apply_seconds"] = max(applied)
         return {**out, "seconds": time.monotonic() - t0}
 

@@ -51,8 +51,8 @@ def prepare(args) -> tuple[str, list]:
 
 def _check_flags_or_exit(args) -> None:
     """The flags that need no model: access, placement, the engine's options, the environment."""
-    from weight_sync.devices import engine_devices
-    from weight_sync.hosts import is_loopback
+    from weight_sync.common.devices import engine_devices
+    from weight_sync.common.hosts import is_loopback
 
     if not is_loopback(args.host) and not args.token:
         sys.exit(f"refusing to bind {args.host} without --token: every control call must then carry it")

@@ -22,7 +22,7 @@ def build_manager(args, model: str, early_cores: list = ()):
     `start_cores_early`, one per engine, that become the first engines."""
     from engine.standby import spawn_standby
     from rollout.manager import RolloutManager
-    from weight_sync.devices import engine_devices
+    from weight_sync.common.devices import engine_devices
 
     devices = engine_devices(args.device, args.num_engines, args.gpus, args.tensor_parallel_size)
     make_engine = _engine_factory(args, model, devices)
@@ -96,7 +96,7 @@ def _engine_factory(args, model: str, devices: list[str]):
         from engine.vllm_start import import_vllm
 
         import_vllm()  # here, before engines start in threads
-        from weight_sync.vllm_receiver import VLLM_EXTENSION
+        from weight_sync.vllm.extension import VLLM_EXTENSION
 
         return lambda i, standby=None: VllmEngine(config(i, worker_extension_cls=VLLM_EXTENSION),
                                                   tensor_parallel_size=args.tensor_parallel_size)
@@ -104,7 +104,7 @@ def _engine_factory(args, model: str, devices: list[str]):
 
     def make_engine(i: int, standby=None) -> AsyncEngine:
         cfg = config(i, lora_versions=args.lora_versions, reserve_push_staging=args.overlap_receive == "on",
-                     worker_extension_cls="weight_sync.receiver:WeightSyncExtension")
+                     worker_extension_cls="weight_sync.engine_side.extension:WeightSyncExtension")
         return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
 
     return make_engine

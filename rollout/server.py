@@ -28,7 +28,7 @@ from rollout.manager import RolloutManager
 from rollout.peer_send import send_weights
 from rollout.push_coordinator import PushCoordinator
 from rollout.weights import SidecarWeights
-from weight_sync.engine_sync import engines_checksums
+from weight_sync.engine_side.engines import engines_checksums
 
 log = logging.getLogger(__name__)
 

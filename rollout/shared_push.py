@@ -1,4 +1,4 @@
-"""A push from memory the trainer shares with the sidecars on its machine (weight_sync.shared): no
+"""A push from memory the trainer shares with the sidecars on its machine (weight_sync.trainer.shared_memory): no
 group and no init_weight_sync; colocated on one GPU, this is the way (CUDA IPC). The engines read
 the trainer's own buffer, so the call returns only once they have."""
 
@@ -15,9 +15,9 @@ from rollout.sidecar_link import ACTIVE, JOINING, SidecarError
 async def push_shared(sender, links: PushLinks, weights, push: PushCall) -> tuple[list[int], list]:
     """Every active or joining sidecar reads `weights` (a `flatten_parameters(model, shared=True)`
     model's) from shared memory: (those sidecars, their replies), or SidecarError with every reason."""
-    from weight_sync.shared import export_weights
-    from weight_sync.trainer_ranks import DONE, tell_peers
-    from weight_sync.trainer_weights import named_weights
+    from weight_sync.trainer.ranks import DONE, tell_peers
+    from weight_sync.trainer.shared_memory import export_weights
+    from weight_sync.trainer.weights import named_weights
 
     try:
         prepared = sender.prepare(weights, push.version)

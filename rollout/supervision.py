@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from engine import EngineClient
 from engine.errors import EngineDeadError
 from rollout.sidecar_state import SidecarState
-from weight_sync.engine_sync import load_on_engines
-from weight_sync.shm_names import owned_name, sweep_orphans
+from weight_sync.common.shm_names import owned_name, sweep_orphans
+from weight_sync.engine_side.engines import load_on_engines
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The HTTP routes are rollout/openai_front/rl_routes.py; this is what they do, a front end over the
 sidecar's one staged push (rollout/push_coordinator.py), with its guarantees:
 
-- `init`: every engine's workers join the trainer's group (weight_sync/vllm_group.py) at the rank
+- `init`: every engine's workers join the trainer's group (weight_sync/vllm/group.py) at the rank
   offsets vLLM's workers take (`rank_offset` + the workers before them). One trainer owns the
   sidecar's weight sync at a time, as with our own client.
 - `update`: the update's names, dtypes and shapes are checked against the model before any byte is
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, Staged, TrainerLost, WeightSyncRefused
-from weight_sync import nccl_unique_id
-from weight_sync.engine_sync import rank_offsets, workers_of
-from weight_sync.vllm_packing import DEFAULT_BUFFER_BYTES, update_manifest
-from weight_sync.votes import WeightSyncError
+from weight_sync.common.votes import WeightSyncError
+from weight_sync.engine_side.engines import rank_offsets, workers_of
+from weight_sync.vllm import nccl_unique_id
+from weight_sync.vllm.packing import DEFAULT_BUFFER_BYTES, update_manifest
 
 if TYPE_CHECKING:
     from rollout.manager import RolloutManager

@@ -1,5 +1,5 @@
 """`WeightSyncClient`: the trainer's half of a push, over the sidecars' links (`PushLinks`,
-rollout/push_links.py), as `weight_sync.receive.PushReceiver` is the engine's half over its
+rollout/push_links.py), as `weight_sync.engine_side.receive.PushReceiver` is the engine's half over its
 `WeightTarget`s. It owns the sender (weight_sync.WeightSender), the group's members, the arguments
 the group was formed with, when the next full push is due (`DeltaAnchors`) and the push still
 swapping (push_weights(wait=False)). `AsyncRolloutClient` gives it its links and hands it its calls.
@@ -7,7 +7,7 @@ swapping (push_weights(wait=False)). `AsyncRolloutClient` gives it its links and
 A push over the group is tried at most `TRIES` times, each try three steps:
 
 1. group: a new one when the last one closed, or the sidecars in use changed (one joined or went);
-2. push: weight_sync.push.run_push, delivered as a `push_weights` call to each member;
+2. push: weight_sync.trainer.push.run_push, delivered as a `push_weights` call to each member;
 3. what its outcome asks for (`Step`): done; regroup (a member's engines changed since the group
    formed: close it, try again); a member went (try again without it); committed on the rest (it
    went after the commit vote: every member left holds the push); or failed.
@@ -158,7 +158,7 @@ class WeightSyncClient:
 
     def _trainer_address(self) -> str:
         """Where the sidecars reach this trainer: loopback when they are all on this machine."""
-        from weight_sync.hosts import is_loopback, local_address_towards
+        from weight_sync.common.hosts import is_loopback, local_address_towards
 
         hosts = [urlsplit(self.links.url(i)).hostname for i in self.links.members(ACTIVE, CATCHING_UP, JOINING)]
         away = [h for h in hosts if h and not is_loopback(h)]
@@ -209,7 +209,7 @@ class WeightSyncClient:
                 log.warning("the previous push (wait=False) failed: %s", outcome)  # its handle raises it too
 
     async def _push(self, weights, transport: str, push: PushCall) -> dict:
-        from weight_sync.lora import is_peft_model
+        from weight_sync.trainer.lora_push import is_peft_model
 
         if transport == "shared":
             if is_peft_model(weights):
@@ -224,7 +224,7 @@ class WeightSyncClient:
 
     async def _push_over_group(self, weights, push: PushCall) -> dict:
         """Steps 1-3 of the module doc, up to TRIES times, then the push lands."""
-        from weight_sync.trainer_ranks import PeersFollowing
+        from weight_sync.trainer.ranks import PeersFollowing
 
         with PeersFollowing() as peers:  # a trainer's other ranks follow every try, then are told DONE once
             for _ in range(TRIES):
@@ -244,7 +244,7 @@ class WeightSyncClient:
 
     async def _try(self, weights, push: PushCall, peers):
         """Step 2: one run_push over the group, delivered as a `push_weights` call to each member."""
-        from weight_sync.push import run_push
+        from weight_sync.trainer.push import run_push
 
         def deliver(manifest) -> list:
             group_name = self.sender.group.group_name
@@ -311,7 +311,7 @@ class WeightSyncClient:
             self.anchors.reset()
 
     async def _push_shared(self, weights, push: PushCall) -> dict:
-        from weight_sync.sender import WeightSender
+        from weight_sync.trainer.sender import WeightSender
 
         if self.sender is None:
             self.sender = WeightSender(timeout_s=push.timeout_s)
@@ -338,7 +338,7 @@ class WeightSyncClient:
 
 
 def _new_sender(device, timeout_s: float, bucket_bytes: int | None, dtype):
-    from weight_sync.sender import WeightSender
+    from weight_sync.trainer.sender import WeightSender
 
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     return WeightSender(device=device, timeout_s=timeout_s, dtype=dtype, **kw)

@@ -1,6 +1,6 @@
 """The ZMQ protocol's weight calls (rollout/server.py: InitWeightSync, PushWeights, LoadWeights,
 CloseWeightSync), a front end over the sidecar's one staged push (rollout/push_coordinator.py). What
-is its own: our trainer's group (joined with weight_sync.engine_sync), and the choice of how a push
+is its own: our trainer's group (joined with weight_sync.engine_side.engines), and the choice of how a push
 arrives: staged while the engines generate (--overlap-receive on), or paused for the transfer (off;
 an engine with no room for a staging copy; a push from shared memory on this machine)."""
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from rollout.push_coordinator import (  # noqa: F401 - the errors and owned_message: imported from here too
     Owner, OwnedElsewhere, PushCoordinator, PushWithdrawn, WeightSyncRefused, WeightSyncRegroup, owned_message,
 )
-from weight_sync.engine_sync import close_weight_sync, join_engines, receive_on_engines, workers_of
-from weight_sync.manifest import Manifest
+from weight_sync.common.manifest import Manifest
+from weight_sync.engine_side.engines import close_weight_sync, join_engines, receive_on_engines, workers_of
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class SidecarWeights:
 
     async def push(self, manifest: Manifest, pause_mode: str | None, timeout_s: float, on_paused=None,
                    group_name: str | None = None, shared: dict | None = None) -> dict:
-        """Over the group, or (`shared`: a weight_sync.shared handle) from memory on this machine.
+        """Over the group, or (`shared`: a weight_sync.trainer.shared_memory handle) from memory on this machine.
         (A malformed manifest never gets here: the call's decoding refuses it, rollout.protocol.)"""
         if shared:
             return await self._push_shared(manifest, pause_mode, timeout_s, on_paused, shared)
@@ -76,7 +76,7 @@ class SidecarWeights:
 
     async def _push_shared(self, manifest: Manifest, pause_mode: str | None, timeout_s: float, on_paused,
                            shared: dict) -> dict:
-        """Every engine reads the trainer's buffer in shared memory (weight_sync.shared), paused."""
+        """Every engine reads the trainer's buffer in shared memory (weight_sync.trainer.shared_memory), paused."""
         self.pushes.check_version(manifest.version)
         engines = self.pushes.sidecar.up_engines()
 
@@ -89,7 +89,7 @@ class SidecarWeights:
 
     async def _push_in_place(self, engines: list, manifest: Manifest, pause_mode: str | None, timeout_s: float,
                              on_paused, group_name: str | None) -> dict:
-        """Each bucket written straight into the weights (weight_sync.inplace_receive), paused for
+        """Each bucket written straight into the weights (weight_sync.engine_side.inplace_receive), paused for
         the transfer; an engine torn by a transfer that failed half way is restarted."""
         async def receive() -> list:
             self.pushes.state.count("inplace_pushes")
@@ -99,10 +99,10 @@ class SidecarWeights:
 
     async def _staging_fits(self, engines: list, manifest: Manifest) -> bool:
         """Whether every engine has room for the push's staging copy; if not, the push goes in
-        place (weight_sync.inplace_receive), paused for the transfer, and the log says why. A yes
+        place (weight_sync.engine_side.inplace_receive), paused for the transfer, and the log says why. A yes
         holds for later pushes of the same size to the same engines (their memory is laid out at
         start: weights, KV cache, then the staging buffer a push keeps), so it is asked once."""
-        # a delta stages the weights it makes and, apart, what it carries (weight_sync/delta_push.py)
+        # a delta stages the weights it makes and, apart, what it carries (weight_sync/common/delta_push.py)
         need = manifest.layout_bytes if manifest.delta is None else manifest.delta.full_bytes + manifest.layout_bytes
         key = (need, tuple(id(e) for e in engines))
         if self._room_for == key:

@@ -9,8 +9,8 @@ import pytest
 from engine.errors import EngineUnhealthyError, RefusedError
 from engine.messages import FAILED, INVALID, REFUSED, UNHEALTHY, error_for, error_kind
 from rollout import protocol as P
-from weight_sync.engine_sync import commit_results
-from weight_sync.votes import PushRefused, WeightSyncError
+from weight_sync.common.votes import PushRefused, WeightSyncError
+from weight_sync.engine_side.engines import commit_results
 
 
 @pytest.mark.parametrize("error,kind", [

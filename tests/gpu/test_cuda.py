@@ -45,7 +45,7 @@ def test_kv_cache_follows_gpu_memory_utilization(qwen2_dir):
 
 def test_two_ranks_on_one_gpu_are_refused_by_name(qwen2_dir):
     from weight_sync import EXTENSION, WeightSender
-    from weight_sync.engine_sync import init_weight_sync
+    from weight_sync.trainer.local_engines import init_weight_sync
 
     async def run():
         engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
@@ -62,7 +62,8 @@ def test_two_ranks_on_one_gpu_are_refused_by_name(qwen2_dir):
 @two_gpus
 def test_a_push_over_nccl_reaches_the_engine_exactly(qwen2_dir, hf_models):
     from weight_sync import EXTENSION, WeightSender, flatten_parameters
-    from weight_sync.engine_sync import engines_checksums, init_weight_sync, push_to_engines
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
 
     async def run():
         engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:1", max_model_len=256,
@@ -88,7 +89,8 @@ def test_a_push_over_nccl_reaches_the_engine_exactly(qwen2_dir, hf_models):
 def test_a_colocated_push_through_cuda_ipc(qwen2_dir, hf_models):
     """Trainer and engine on one GPU: the engine maps the trainer's buffer by CUDA IPC handle."""
     from weight_sync import EXTENSION, WeightSender, flatten_parameters
-    from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import push_shared_to_engines
 
     async def run():
         engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,

@@ -1,5 +1,5 @@
 """The CUDA side of vLLM's RL routes (issue 40): a worker's NCCL group on a unique id another program
-minted (weight_sync/nccl_comm.py), joined through vLLM's rendezvous (weight_sync/vllm_group.py), and
+minted (weight_sync/vllm/nccl_comm.py), joined through vLLM's rendezvous (weight_sync/vllm/group.py), and
 vLLM's own NCCL trainer pushing into the sidecar. `python -m pytest -m gpu tests/gpu`; NCCL holds one
 rank per GPU, so all but the first need two."""
 
@@ -30,7 +30,7 @@ def _vllm_pickle(raw: bytes) -> bytes:
 
 
 def test_one_rank_broadcasts_reduces_and_aborts():
-    from weight_sync.nccl_comm import NcclComm, NcclError, new_unique_id
+    from weight_sync.vllm.nccl_comm import NcclComm, NcclError, new_unique_id
 
     comm = NcclComm(new_unique_id(), 0, 1, torch.device("cuda:0"), timeout_s=30)
     t = torch.arange(1000, device="cuda:0", dtype=torch.uint8)
@@ -47,8 +47,8 @@ def test_one_rank_broadcasts_reduces_and_aborts():
 
 
 def test_a_cpu_worker_refuses_an_nccl_id_by_name():
-    from weight_sync.group import GroupError
-    from weight_sync.vllm_group import VllmTrainerGroup
+    from weight_sync.common.group import GroupError
+    from weight_sync.vllm.group import VllmTrainerGroup
 
     with pytest.raises(GroupError, match="needs workers on CUDA"):
         VllmTrainerGroup(None, None, 2, 1, 5, "cpu", base64.b64encode(bytes(128)).decode())
@@ -61,8 +61,8 @@ def test_a_worker_joins_a_vllm_trainers_nccl_group_and_receives_chunks(form):
     sent as base64; the warm-up all-reduce; a uint8 broadcast per chunk); the worker on cuda:1."""
     from torch.distributed import TCPStore
 
-    from weight_sync.nccl_comm import NcclComm, new_unique_id
-    from weight_sync.vllm_group import VllmTrainerGroup
+    from weight_sync.vllm.group import VllmTrainerGroup
+    from weight_sync.vllm.nccl_comm import NcclComm, new_unique_id
 
     uid, port = new_unique_id(), _free_port()
     b64 = base64.b64encode(uid).decode() if form == "b64" else None
@@ -97,9 +97,9 @@ def test_a_worker_joins_a_vllm_trainers_nccl_group_and_receives_chunks(form):
 def test_a_dead_trainer_ends_the_workers_wait():
     """The trainer never sends its chunk (it aborts, as a killed one's NCCL peers see): the worker's
     receive fails with an error instead of waiting on, and its group is no longer ready."""
-    from weight_sync.group import GroupError
-    from weight_sync.nccl_comm import NcclComm, new_unique_id
-    from weight_sync.vllm_group import VllmTrainerGroup
+    from weight_sync.common.group import GroupError
+    from weight_sync.vllm.group import VllmTrainerGroup
+    from weight_sync.vllm.nccl_comm import NcclComm, new_unique_id
 
     uid = new_unique_id()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

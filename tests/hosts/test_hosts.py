@@ -48,8 +48,8 @@ def test_a_loopback_interface_for_peers_on_other_hosts_is_refused_with_the_fix(m
     """GLOO_SOCKET_IFNAME=lo would make this rank advertise 127.0.0.1 to peers on other hosts."""
     from torch._C._distributed_c10d import ProcessGroupGloo
 
-    from weight_sync.hosts import gloo_device
-    from weight_sync.votes import WeightSyncError
+    from weight_sync.common.hosts import gloo_device
+    from weight_sync.common.votes import WeightSyncError
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with pytest.raises(WeightSyncError, match="interface that reaches"):

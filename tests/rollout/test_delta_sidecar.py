@@ -1,4 +1,4 @@
-"""Delta pushes through a real sidecar serving bf16 (weight_sync/delta_push.py): the client sends
+"""Delta pushes through a real sidecar serving bf16 (weight_sync/common/delta_push.py): the client sends
 deltas once the sidecar holds its last push, and the full weights when it may not (a healed
 engine, engines back on the checkpoint); the weights equal the trainer's after every push, and an
 engine healed from the host copy after a chain of deltas holds them exactly."""

@@ -18,7 +18,7 @@ from tests.engine.helpers import hf_greedy, random_prompts
 from tests.rollout.sidecar import TOKEN, Sidecar
 from rollout.supervision import HOST_COPY_PREFIX, SHM_DIR
 from weight_sync import weights_checksum
-from weight_sync.shared import sweep_orphans
+from weight_sync.common.shm_names import sweep_orphans
 
 pytestmark = pytest.mark.timeout(300)
 

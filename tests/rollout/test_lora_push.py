@@ -18,7 +18,7 @@ from tests.rollout.test_engine_faults import _cores, _wait_healthy, _wait_host_c
 from tests.rollout.test_overlap import _long_rollouts
 from tests.weight_sync.test_lora import TARGET_SETS, hf_merged, lora_model, randomize
 from weight_sync import weights_checksum
-from weight_sync.lora import AdapterPush, adapter_weights
+from weight_sync.trainer.lora_push import AdapterPush, adapter_weights
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [9, 10, 11, 12]

@@ -14,9 +14,9 @@ from rollout.manager import RolloutManager
 from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, TrainerLost, WeightSyncRefused
 from tests.engine.helpers import hf_greedy
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
-from weight_sync.engine_sync import engines_checksums, join_engines
-from weight_sync.progress import FAILED_MARK
-from weight_sync.push import run_push
+from weight_sync.common.progress import FAILED_MARK
+from weight_sync.engine_side.engines import engines_checksums, join_engines
+from weight_sync.trainer.push import run_push
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -402,7 +402,7 @@ def test_help_is_there():
 def test_an_fp32_trainer_pushes_a_bf16_engine_in_bf16(qwen2_dir, trainer):
     """The engines' dtype sets the wire dtype: half the bytes of the trainer's fp32, and the
     engine holds exactly the trainer's weights rounded to bf16 (checksums in bf16 agree)."""
-    from weight_sync.sender import WeightSender
+    from weight_sync.trainer.sender import WeightSender
 
     s = Sidecar(qwen2_dir, "--dtype", "bfloat16")
     try:

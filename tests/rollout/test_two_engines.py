@@ -15,7 +15,7 @@ from tests.engine.helpers import hf_greedy, random_prompts
 from tests.procs import descendants
 from tests.rollout.sidecar import TOKEN, Sidecar
 from weight_sync import weights_checksum
-from weight_sync.files import write_safetensors
+from weight_sync.trainer.file_push import write_safetensors
 
 pytestmark = pytest.mark.timeout(300)
 

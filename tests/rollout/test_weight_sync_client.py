@@ -15,9 +15,9 @@ from rollout import protocol as P
 from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError
 from rollout.weight_sync_client import WeightSyncClient
 from weight_sync import weights_checksum
-from weight_sync.params_target import ParamsTarget
-from weight_sync.receive import PushReceiver
-from weight_sync.staging_memory import StagingPool
+from weight_sync.engine_side.params_target import ParamsTarget
+from weight_sync.engine_side.receive import PushReceiver
+from weight_sync.engine_side.staging_memory import StagingPool
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 20.0

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer chunks read as our manifest (weight_sync/vllm_packing.py): the chunk
+"""vLLM's weight-transfer chunks read as our manifest (weight_sync/vllm/packing.py): the chunk
 boundaries equal what vLLM's own `pack_tensors` makes of a real model's tensors, and a bad
 update_info is refused naming its field."""
 
@@ -10,8 +10,8 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer.packed_tensor import pack_tensors  # noqa: E402
 
-from weight_sync.manifest import check_layout  # noqa: E402
-from weight_sync.vllm_packing import chunk_bounds, update_manifest, update_problems  # noqa: E402
+from weight_sync.common.manifest import check_layout  # noqa: E402
+from weight_sync.vllm.packing import chunk_bounds, update_manifest, update_problems  # noqa: E402
 
 # SmolLM2-135M's architecture (its config.json): 30 layers, a 49152 x 576 tied embedding (54 MiB in bf16)
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -24,7 +24,7 @@ def engine(qwen2_dir, loop):
     from engine.vllm_start import apply_env_defaults
 
     applied = apply_env_defaults("cpu", 1, "WARNING")  # undone below: later sidecars (TP 2) inherit os.environ
-    from weight_sync.vllm_receiver import VLLM_EXTENSION
+    from weight_sync.vllm.extension import VLLM_EXTENSION
 
     e = VllmEngine(EngineConfig(model=qwen2_dir, max_model_len=256, gpu_memory_utilization=0.3,
                                 worker_extension_cls=VLLM_EXTENSION))
@@ -185,11 +185,10 @@ def test_in_place_shared_memory_and_file_pushes_serve_the_pushed_weights(engine,
     from tests.engine.helpers import hf_greedy
     from tests.rollout.test_sidecar import perturb
     from weight_sync import WeightSender, WeightSyncError, flatten_parameters
-    from weight_sync.engine_sync import (
-        _deliveries, commit_results, engines_checksums, init_weight_sync, load_on_engines, push_shared_to_engines,
-    )
-    from weight_sync.files import write_safetensors
-    from weight_sync.push import run_push
+    from weight_sync.engine_side.engines import _deliveries, commit_results, engines_checksums, load_on_engines
+    from weight_sync.trainer.file_push import write_safetensors
+    from weight_sync.trainer.local_engines import init_weight_sync, push_shared_to_engines
+    from weight_sync.trainer.push import run_push
 
     trainer = copy.deepcopy(hf_models["qwen2"])
     sender = WeightSender(bucket_bytes=1 << 20, timeout_s=20)
@@ -207,7 +206,7 @@ def test_in_place_shared_memory_and_file_pushes_serve_the_pushed_weights(engine,
     assert _greedy(engine, loop) == hf_greedy(trainer, [9, 10, 11], 8, ignore_eos=True)
     with pytest.raises(RuntimeError, match="in-place push"):
         loop.run_until_complete(engines_checksums([engine]))
-    # shared memory (weight_sync.shared): no group
+    # shared memory (weight_sync.trainer.shared_memory): no group
     flatten_parameters(trainer, shared=True)
     perturb(trainer, 22, scale=0.05)
     loop.run_until_complete(push_shared_to_engines([engine], sender, trainer, 32))
@@ -231,7 +230,7 @@ def test_an_adapter_push_is_refused_by_name_and_changes_nothing(engine, loop, hf
     from peft import LoraConfig, get_peft_model
 
     from weight_sync import WeightSender, WeightSyncError
-    from weight_sync.engine_sync import init_weight_sync, push_to_engines
+    from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
 
     before = _greedy(engine, loop)
     peft = get_peft_model(copy.deepcopy(hf_models["qwen2"]), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -4,8 +4,8 @@ streams: this shows the overlapped receive runs inside the hook, on its own thre
 import contextlib
 import threading
 
-from weight_sync.overlapped_receive import OverlappedReceive
-from weight_sync.receiver import WeightSyncExtension
+from weight_sync.engine_side.extension import WeightSyncExtension
+from weight_sync.engine_side.overlapped_receive import OverlappedReceive
 
 
 class RecordingOverlap(OverlappedReceive):

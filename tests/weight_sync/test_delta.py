@@ -1,10 +1,10 @@
-"""weight_sync.delta: a delta applied on its base gives the new tensor bit for bit, in the
+"""weight_sync.common.delta: a delta applied on its base gives the new tensor bit for bit, in the
 smallest encoding, and a delta that does not fit its tensor changes nothing and says why."""
 
 import pytest
 import torch
 
-from weight_sync.delta import Delta, apply, changed_positions, encode, encoded_bytes, pack_bits, unpack_bits
+from weight_sync.common.delta import Delta, apply, changed_positions, encode, encoded_bytes, pack_bits, unpack_bits
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Delta pushes end to end (weight_sync/delta_push.py): the trainer is this pytest process, the
+"""Delta pushes end to end (weight_sync/common/delta_push.py): the trainer is this pytest process, the
 engines real AsyncEngines (one serving bf16, one fp32) fed bf16 over one gloo group. A delta gives
 bit for bit what a full push gives; a base the engines do not hold is refused before any byte and
 the push goes in full; a push whose bytes are not the ones meant (a chunk never filled, a chunk
@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from tests.engine.helpers import hf_greedy, random_prompts
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
-from weight_sync.engine_sync import engines_checksums, join_engines, push_to_engines
+from weight_sync.engine_side.engines import engines_checksums, join_engines
+from weight_sync.trainer.local_engines import push_to_engines
 
 pytestmark = pytest.mark.timeout(240)
 

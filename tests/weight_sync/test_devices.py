@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from recipes.rl_train import build_parser, sidecar_command, sidecar_device
-from weight_sync.devices import device_identity, duplicate_gpus, engine_devices, normalize_device
-from weight_sync.group import WeightSyncGroup
+from weight_sync.common.devices import device_identity, duplicate_gpus, engine_devices, normalize_device
+from weight_sync.common.group import WeightSyncGroup
 
 
 def test_devices_are_spelled_one_way():

@@ -1,9 +1,9 @@
-"""The chain a push's buckets take when the workers span hosts (weight_sync.fan_out): pure parts.
+"""The chain a push's buckets take when the workers span hosts (weight_sync.common.fan_out): pure parts.
 The chain itself is tested on emulated hosts (tests/hosts) and over loopback below."""
 
 import pytest
 
-from weight_sync.fan_out import MAX_CHUNK, MIN_CHUNK, chain_order, chunk_bytes
+from weight_sync.common.fan_out import MAX_CHUNK, MIN_CHUNK, chain_order, chunk_bytes
 
 
 def test_one_host_keeps_the_broadcast():
@@ -34,7 +34,7 @@ def test_a_relay_down_a_chain_delivers_every_byte_to_every_rank():
     import torch
 
     from tests.weight_sync.test_group import _form, _run
-    from weight_sync.fan_out import ChainRelay
+    from weight_sync.common.fan_out import ChainRelay
 
     master, res = _form(4, timeout_s=5.0)
     groups = [master, *res[1:]]

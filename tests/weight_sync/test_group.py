@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from weight_sync.group import GroupError, WeightSyncGroup, backend_for_device
+from weight_sync.common.group import GroupError, WeightSyncGroup, backend_for_device
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""weight_sync.lora's pure parts: the merge is PEFT's bit for bit, the listing names what the
+"""weight_sync.common.lora's pure parts: the merge is PEFT's bit for bit, the listing names what the
 engine knows, and a bad adapter manifest is refused with the module named."""
 
 import copy
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from weight_sync import weights_checksum
-from weight_sync.lora import (
-    AdapterPush, adapter_problems, adapter_weights, base_id, base_weights, merged_weights, push_source,
+from weight_sync.common.lora import adapter_problems
+from weight_sync.common.manifest import AdapterSpec, build_manifest, dtype_name, model_params, param_infos
+from weight_sync.trainer.lora_push import (
+    AdapterPush, adapter_weights, base_id, base_weights, merged_weights, push_source,
 )
-from weight_sync.manifest import AdapterSpec, build_manifest, dtype_name, model_params, param_infos
 
 peft = pytest.importorskip("peft")
 

@@ -7,13 +7,13 @@ import msgspec
 import pytest
 import torch
 
-from weight_sync.checksum import dedup_tied, weights_checksum
-from weight_sync.manifest import (
+from weight_sync.common.checksum import dedup_tied, weights_checksum
+from weight_sync.common.manifest import (
     ALIGNMENT, Bucket, Manifest, ParamInfo, build_manifest, can_take, check_layout, model_params, param_infos,
     plan_layout, validate_manifest,
 )
-from weight_sync.sender import WeightSender
-from weight_sync.trainer_weights import clean_name, named_weights, unwrap_model
+from weight_sync.trainer.sender import WeightSender
+from weight_sync.trainer.weights import clean_name, named_weights, unwrap_model
 
 
 # -- bucket planning -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The NCCL unique id a trainer written for vLLM's RL routes publishes (weight_sync/nccl_unique_id.py):
+"""The NCCL unique id a trainer written for vLLM's RL routes publishes (weight_sync/vllm/nccl_unique_id.py):
 read from vLLM's own pickle through vLLM's own StatelessProcessGroup rendezvous, and nothing else
 unpickled. NCCL itself is CUDA's: tests/gpu/test_vllm_nccl_group.py."""
 
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from weight_sync import nccl_unique_id
+from weight_sync.vllm import nccl_unique_id
 
 vllm_wrapper = pytest.importorskip("vllm.distributed.device_communicators.pynccl_wrapper")
 

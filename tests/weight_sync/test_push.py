@@ -24,11 +24,10 @@ from tests.engine.helpers import (
     activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts,
 )
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
-from weight_sync.engine_sync import (
-    engines_checksums, join_engines, load_on_engines, push_to_engines, receive_on_engines,
-)
-from weight_sync.files import write_safetensors
-from weight_sync.trainer_weights import flatten_parameters
+from weight_sync.engine_side.engines import engines_checksums, join_engines, load_on_engines, receive_on_engines
+from weight_sync.trainer.file_push import write_safetensors
+from weight_sync.trainer.local_engines import push_to_engines
+from weight_sync.trainer.weights import flatten_parameters
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""The push protocol on its own (weight_sync.receive.PushReceiver): no engine, no sidecar. The
+"""The push protocol on its own (weight_sync.engine_side.receive.PushReceiver): no engine, no sidecar. The
 trainer (a real WeightSender) and the receivers are threads of this process on a real gloo group;
 each receiver's target is the parameters of a HF model of its own (ParamsTarget)."""
 
@@ -8,10 +8,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.weight_sync.test_group import _run
 from weight_sync import WeightSender, WeightSyncError, weights_checksum
-from weight_sync.params_target import ParamsTarget
-from weight_sync.receive import PushReceiver
-from weight_sync.staging_memory import StagingPool
-from weight_sync.votes import PushRefused
+from weight_sync.common.votes import PushRefused
+from weight_sync.engine_side.params_target import ParamsTarget
+from weight_sync.engine_side.receive import PushReceiver
+from weight_sync.engine_side.staging_memory import StagingPool
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = 1 << 16  # many buckets for a tiny model: a transfer can break between two of them

@@ -1,5 +1,5 @@
 """The overlapped receive runs inside the worker's receive-stream hook, on its own thread: on
-CUDA that hook is a stream of its own (weight_sync/overlapped_receive.py), so a broadcast that
+CUDA that hook is a stream of its own (weight_sync/engine_side/overlapped_receive.py), so a broadcast that
 never completes does not queue the forward's kernels behind it. Here (CPU, gloo) the hook is a
 recording one; the push is real."""
 
@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig
 from weight_sync import WeightSender
-from weight_sync.engine_sync import engines_checksums, finish_on_engines, join_engines, stage_on_engines
-from weight_sync.push import run_push
+from weight_sync.engine_side.engines import engines_checksums, finish_on_engines, join_engines, stage_on_engines
+from weight_sync.trainer.push import run_push
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,8 @@ import torch
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from tests.engine.helpers import hf_greedy
 from weight_sync import EXTENSION, WeightSender, flatten_parameters
-from weight_sync.engine_sync import engines_checksums, push_shared_to_engines
+from weight_sync.engine_side.engines import engines_checksums
+from weight_sync.trainer.local_engines import push_shared_to_engines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,7 +68,7 @@ def test_a_forged_or_short_handle_is_refused_and_changes_nothing(engine, hf_mode
     flatten_parameters(trainer, shared=True)
     sender = WeightSender()
     prepared = sender.prepare(trainer, 7)
-    from weight_sync.shared import export_weights
+    from weight_sync.trainer.shared_memory import export_weights
 
     handle = export_weights(prepared.manifest, prepared.named)
     before = loop.run_until_complete(engines_checksums([engine]))
@@ -91,9 +92,9 @@ def test_a_killed_owners_shared_memory_is_swept_and_a_live_owners_is_kept(tmp_pa
     import subprocess
     import sys
 
-    from weight_sync.shared import owned_name, sweep_orphans
+    from weight_sync.common.shm_names import owned_name, sweep_orphans
 
-    make = ("import os, sys; from weight_sync.shared import owned_name; d = sys.argv[1]; "
+    make = ("import os, sys; from weight_sync.common.shm_names import owned_name; d = sys.argv[1]; "
             "f = os.path.join(d, owned_name('t-file-')); open(f, 'wb').write(b'x'); "
             "os.mkdir(os.path.join(d, owned_name('t-dir-'))); print('made', flush=True); sys.stdin.read()")
     procs = [subprocess.Popen([sys.executable, "-c", make, str(tmp_path)], stdin=subprocess.PIPE,
@@ -122,7 +123,7 @@ def test_a_killed_owners_shared_memory_is_swept_and_a_live_owners_is_kept(tmp_pa
 def test_a_cuda_handle_names_its_gpu_by_uuid_not_by_index():
     """Processes with different CUDA_VISIBLE_DEVICES number one GPU differently: the engine
     opens the trainer's buffer on its own index of the trainer's GPU, or refuses by name."""
-    from weight_sync.shared import local_cuda_index
+    from weight_sync.engine_side.staging_sources import local_cuda_index
 
     assert local_cuda_index("GPU-b", ["GPU-a", "GPU-b"]) == 1
     assert local_cuda_index("GPU-b", ["GPU-b"]) == 0

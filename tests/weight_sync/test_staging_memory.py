@@ -1,9 +1,9 @@
-"""Staging memory given back under a live mapping (weight_sync.staging_memory.drop_pages): what a
+"""Staging memory given back under a live mapping (weight_sync.engine_side.staging_memory.drop_pages): what a
 given-up push relies on to free its buffer while a transfer it cannot stop may still write."""
 
 import torch
 
-from weight_sync.staging_memory import alloc, drop_pages
+from weight_sync.engine_side.staging_memory import alloc, drop_pages
 
 MIB = 1 << 20
 

@@ -1,9 +1,9 @@
-"""The votes every rank casts (weight_sync.votes), on a real gloo group of threads."""
+"""The votes every rank casts (weight_sync.common.votes), on a real gloo group of threads."""
 
 import pytest
 
 from tests.weight_sync.test_group import _form, _run
-from weight_sync.votes import VOTE_OK, VOTE_REFUSED, VOTE_STALE, commit_vote, manifest_vote
+from weight_sync.common.votes import VOTE_OK, VOTE_REFUSED, VOTE_STALE, commit_vote, manifest_vote
 
 pytestmark = pytest.mark.timeout(60)
 

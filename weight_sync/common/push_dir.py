@@ -1,0 +1,64 @@
+"""Push directories, the file fallback for when no process group can be formed: a push as
+safetensors plus its manifest in a directory (on a shared filesystem, or under /dev/shm on one
+host). The trainer writes one (weight_sync/trainer/file_push.py), an engine's host copy is one
+(weight_sync/engine_side/host_copy.py), and each worker validates one and loads it with
+`load_weights_from_path` (all or nothing).
+
+A push directory holds `weights.safetensors` and `manifest.json`. Both are written under temporary
+names and renamed into place, the manifest last, so a reader never sees a half-written push: a
+directory without `manifest.json` is not a push (yet). Write each version to its own directory
+(e.g. `/dev/shm/ws/v{k}`) and delete old ones once every engine has loaded them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, Manifest, build_manifest, dtype_name
+
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, version: int, ready=None) -> Manifest:
+    """Write host tensors as a push directory (weights, then manifest.json: a reader that sees
+    the manifest sees a whole push). `ready`: an event to wait for first (host_snapshot's)."""
+    from safetensors.torch import save_file
+
+    if ready is not None:
+        ready.synchronize()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    manifest = build_manifest([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()], version,
+                              DEFAULT_BUCKET_BYTES)
+    tmp = os.path.join(path, f".{WEIGHTS_FILE}.tmp")
+    save_file(tensors, tmp, metadata={"version": str(int(version)), "push_id": manifest.push_id})
+    os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
+    tmp = os.path.join(path, f".{MANIFEST_FILE}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST_FILE))
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    file = os.path.join(os.fspath(path), MANIFEST_FILE)
+    try:
+        with open(file, "rb") as f:
+            return Manifest.from_wire(f.read().decode())
+    except FileNotFoundError:
+        raise ValueError(f"{path} holds no complete push: {MANIFEST_FILE} is missing") from None
+
+
+def read_tensors(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """A push directory's tensors as (name, tensor) pairs in its manifest's order: what a sidecar
+    sends on from its host copy (rollout.peer_send)."""
+    from safetensors import safe_open
+
+    m = read_manifest(path)
+    with safe_open(os.path.join(os.fspath(path), WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        return [(t.name, f.get_tensor(t.name)) for t in m.tensors]

@@ -1,0 +1,216 @@
+"""Engine side: `WeightSyncExtension`, mixed into the engine's worker through
+`EngineConfig(worker_extension_cls="weight_sync.engine_side.extension:WeightSyncExtension")`. Its public methods
+are reached with `collective_rpc`; arguments and results are msgpack builtins.
+
+A thin facade, as TRL's worker extension is: each RPC delegates to the push protocol written once
+in `weight_sync.engine_side.receive.PushReceiver` (check, vote, stage, commit vote, commit: all or nothing),
+its overlapped variant (`weight_sync.engine_side.overlapped_receive`), and host copies
+(`weight_sync.engine_side.host_copy`), over the weight target of this engine: the HF parameters of our worker
+(`weight_sync.engine_side.params_target`). vLLM's workers use the same facade over vLLM's loaders
+(weight_sync/vllm/extension.py).
+
+Memory: a push holds one extra copy of the pushed weights (the staging buffer) until it commits.
+With `commit="swap"` (default) the staging buffer becomes the weights and the old weights are
+freed at commit; with `commit="copy"` the staging buffer is freed after the copy.
+`keep_staging=True` (the default on CPU) keeps the buffer the commit freed for the next push
+instead (one extra copy of the weights held for good): fresh memory costs page faults that on CPU
+are slower than the network, see weight_sync/README.md. `close_weight_sync()` drops it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weight_sync.common.checksum import tensor_digests, weights_checksum as _checksum
+from weight_sync.common.digest import NONE
+from weight_sync.engine_side.host_copy import HostCopies
+from weight_sync.engine_side.overlapped_receive import OverlappedReceive
+from weight_sync.engine_side.params_target import COMMIT_MODES, ParamsTarget
+from weight_sync.engine_side.receive import PushReceiver
+from weight_sync.engine_side.staging_memory import StagingPool
+
+
+class WeightSyncExtension:
+    """Worker extension (no __init__: the worker's own constructor runs). Uses the worker's
+    `self.model`, `self.device`, `self.lora_bank`, `self.weights_released`."""
+
+    # -- the parts, made at first use -------------------------------------------------------
+    def _new_receiver(self) -> PushReceiver:
+        pool = StagingPool(self.device, keep=self.device.type == "cpu")
+        return PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
+
+    def _new_target(self, pool: StagingPool):
+        return ParamsTarget(self, pool)
+
+    def _local_rank(self) -> int:
+        return 0  # one worker per engine
+
+    def _overlapped(self) -> OverlappedReceive:
+        ov = self.__dict__.get("_weight_sync")
+        if ov is None:
+            ov = self._weight_sync = OverlappedReceive(self._new_receiver())
+        return ov
+
+    def _receiver(self) -> PushReceiver:
+        return self._overlapped().receiver
+
+    def _host_copies(self) -> HostCopies:
+        copies = self.__dict__.get("_weight_copies")
+        if copies is None:
+            copies = self._weight_copies = HostCopies()
+        return copies
+
+    # -- RPC: group -------------------------------------------------------------------------
+    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
+                         group_name: str = "weight-sync", keep_staging: bool | None = None,
+                         commit: str | None = None) -> dict:
+        """Join a fresh weight-sync group headed by the trainer (rank 0). `rank` is this engine's
+        rank offset: its worker i takes rank `rank + i`; `secret` is the group's (from the
+        trainer's connection info). Any previous group is closed first. Blocks until every rank
+        joined or `timeout_s` passed."""
+        if commit is not None and commit not in COMMIT_MODES:
+            raise ValueError(f"commit must be one of {COMMIT_MODES}, got {commit!r}")
+        r = self._receiver()
+        self._overlapped().close(drop_staging=False)
+        if keep_staging is not None:
+            r.pool.set_keep(bool(keep_staging))
+        if commit is not None:
+            r.target.commit_mode = commit
+        return r.join(host, port, world_size, rank, secret, timeout_s, group_name)
+
+    def close_weight_sync(self, drop_staging: bool = True) -> bool:
+        """Leave the group (if any); frees a kept staging buffer too unless told not to. An
+        overlapped push still arriving over that group is given up: its staging memory goes now."""
+        self._overlapped().close(drop_staging)
+        return True
+
+    def weight_sync_info(self) -> dict:
+        r = self._receiver()
+        g = r.group
+        return {"group": repr(g) if g is not None else None, "group_name": g.group_name if g is not None else None,
+                "ready": bool(g is not None and g.ready), "version": r.version, "last": r.last,
+                "keep_staging": r.pool.keep, "commit": r.target.commit_mode,
+                "spare_bytes": int(r.pool.spare.numel()) if r.pool.spare is not None else 0}
+
+    # -- hooks the worker calls (private: not RPCs) ----------------------------------------
+    def _health_problems(self) -> list[str]:
+        return self._receiver().health_problems()
+
+    def _on_weights_released(self) -> None:
+        r = self._receiver()
+        r.pool.drop()
+        r.target.forget()
+        r.digest = NONE
+
+    def _weights_reloaded(self) -> None:
+        r = self._receiver()
+        r.version, r.digest = None, NONE  # the checkpoint's weights again, in storage of their own
+        r.target.forget()
+
+    # -- RPC: a trainer written for vLLM's RL routes (weight_sync/vllm/group.py) -----------------
+    def join_vllm_group(self, host: str | None, port: int | None, world_size: int, rank: int,
+                        timeout_s: float = 120.0, unique_id_b64: str | None = None) -> dict:
+        """Join the group a vLLM trainer formed (gloo on the CPU, NCCL on CUDA) as rank `rank + i`
+        for worker i; any previous such group is left."""
+        from weight_sync.vllm.group import VllmTrainerGroup
+
+        r = self._receiver()
+        self.close_vllm_group()
+        my_rank = int(rank) + r.local_rank
+        r.vllm_group = VllmTrainerGroup(host, None if port is None else int(port), int(world_size), my_rank,
+                                        float(timeout_s), r.device, unique_id_b64)
+        return {"rank": my_rank, "world_size": int(world_size)}
+
+    def begin_receive_vllm(self, manifest):
+        """As begin_receive_weights, over the vLLM trainer's group: answered once every chunk is
+        staged (or failed); finish_staged_weights commits it."""
+        return self._overlapped().begin(manifest, vllm=True)
+
+    def close_vllm_group(self) -> bool:
+        r = self._receiver()
+        g, r.vllm_group = r.vllm_group, None
+        staged = self._overlapped().staged
+        if g is not None and staged is not None and staged.group is g and staged.thread.is_alive():
+            self._overlapped()._give_up(staged)  # a transfer still arriving over it: its memory goes now
+        elif g is not None:
+            g.close()
+        return True
+
+    # -- RPC: checks ------------------------------------------------------------------------
+    def weights_checksum(self) -> str:
+        """See weight_sync.common.checksum: SHA-256 over every served weight (tied ones once) in name order."""
+        return _checksum(self._receiver().target.served())
+
+    def weight_digests(self) -> dict:
+        """SHA-256 of each served weight, by name (weight_sync.common.checksum.tensor_digests)."""
+        return tensor_digests(self._receiver().target.served())
+
+    def zero_weights(self) -> bool:
+        """Zero every weight (vLLM's /weight_checker "reset": a test that the next push writes them
+        all). The weights are of no push now: a delta must not build on them."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+        self.weights_written()
+        self._receiver().digest = NONE
+        return True
+
+    def staging_room(self, nbytes: int, limit: int | None = None) -> dict:
+        """Whether a staging copy of `nbytes` fits (weight_sync.engine_side.staging_memory.StagingPool.room)."""
+        return self._receiver().pool.room(nbytes, limit)
+
+    # -- RPC: pushes ------------------------------------------------------------------------
+    def receive_weights(self, manifest, group_name: str | None = None) -> dict:
+        """Take one push over the group (the trainer broadcasts concurrently): check -> vote ->
+        receive buckets -> commit. Returns {"version", "bytes", "seconds", ...}. Raises PushRefused
+        (a ValueError) if the push was refused (nothing changed, group still usable) or
+        RuntimeError if it failed (nothing changed, group closed: init_weight_sync again).
+        `group_name`: the trainer's group, given by a trainer that votes only once every worker
+        marked itself ready (weight_sync.trainer.push); a worker in another group (or none) fails at once."""
+        return self._receiver().receive(manifest, group_name)
+
+    def receive_weights_inplace(self, manifest, group_name: str | None = None) -> dict:
+        """receive_weights without a staging copy (weight_sync.engine_side.inplace_receive): a failure after
+        the first write raises RuntimeError naming TORN, and the engine must be restarted."""
+        return self._receiver().receive_inplace(manifest, group_name)
+
+    def begin_receive_weights(self, manifest, group_name: str | None = None):
+        """receive_weights' check, vote, buckets and commit vote, on a thread of its own: the
+        engine keeps stepping with the current weights meanwhile. Answered (a Future the core
+        process completes, vLLM's deferred utility answer) once the push is "staged" (every byte
+        in, the commit vote passed) or "failed"; `finish_staged_weights(commit=True)` then swaps
+        them in between two steps (a pointer swap: it does not grow with the model)."""
+        return self._overlapped().begin(manifest, group_name)
+
+    def staged_weights(self) -> str:
+        """"none", "receiving", "staged" or "failed": where the overlapped push is, without waiting."""
+        return self._overlapped().state()
+
+    def finish_staged_weights(self, commit: bool = True) -> dict:
+        """Ends an overlapped push: raises its error if it failed (a refusal as PushRefused);
+        else commits it (or, `commit=False`, drops it)."""
+        return self._overlapped().finish(commit)
+
+    def receive_weights_shared(self, manifest, handle: dict) -> dict:
+        """A push with no process group (weight_sync.engine_side.staging_sources): map the trainer's buffer, check it
+        holds the manifest's layout, copy it into staging, commit. Raises PushRefused (nothing
+        changed) for a bad manifest or a buffer that cannot be mapped."""
+        return self._receiver().receive_shared(manifest, handle)
+
+    def load_weights_from_path(self, path: str, manifest=None) -> dict:
+        """The file fallback: load a push written by `weight_sync.trainer.file_push.write_safetensors` from
+        `path` (a directory, e.g. under /dev/shm). Same validation; all tensors are read into
+        staging before anything is committed, so a bad or partial file changes nothing."""
+        return self._receiver().load_from_path(path, manifest)
+
+    # -- RPC: host copies -------------------------------------------------------------------
+    def save_weights(self, path: str, version: int, background: bool = False):
+        """Write this worker's served weights as a push directory that another engine can
+        `load_weights_from_path` (weight_sync.engine_side.host_copy); `background=True` writes from a thread
+        while the engine steps, and is answered once written (a Future)."""
+        return self._host_copies().save(self._receiver().target.served(), path, version, background)
+
+    def saved_weights(self, path: str) -> dict | None:
+        """A background save_weights: None while it writes; its result once written; raises
+        RuntimeError with its error if it failed."""
+        return self._host_copies().saved(path)

@@ -1,0 +1,145 @@
+"""`ParamsTarget`: a push into a HF model's own parameters (our engine's worker), the target of
+weight_sync/engine_side/targets.py that swaps pointers instead of copying."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from weight_sync.common.manifest import Manifest, model_params, param_infos, validate_manifest
+from weight_sync.engine_side.lora_target import LoraMergeTarget
+from weight_sync.engine_side.staging_memory import StagingPool, whole
+from weight_sync.engine_side.targets import CommitPlan, Pairs, sync_device, views
+
+COMMIT_MODES = ("swap", "copy")
+
+
+class ParamsTarget:
+    """A HF model's own parameters (our engine's worker: `host.model`, `.device`, `.lora_bank`,
+    `.weights_released`, read at each call since a reload replaces the model). The commit points
+    each parameter at its slice of the staging buffer (`param.data = view`, no copy; the old
+    storage is released) or, when a dtype cast is needed or `commit_mode="copy"`, copies into it."""
+
+    def __init__(self, host, pool: StagingPool, commit_mode: str = "swap"):
+        self.host = host
+        self.pool = pool
+        self.commit_mode = commit_mode
+        self.adapter = LoraMergeTarget(host, pool)
+        # (weakref to the model, layout) of the last manifest that passed: the next push of a run has
+        # the same layout and skips the walk over the model (a reload makes a new model object)
+        self.validated: tuple | None = None
+        self.current: tuple[int, int] | None = None  # (data_ptr, nbytes) of the staging buffer the weights live in
+
+    def check(self, m: Manifest) -> list[str]:
+        if getattr(self.host, "weights_released", False):
+            return ["the engine's weights are released (sleep level 2): wake_up() first"]
+        if m.adapter is not None:
+            return self.adapter.check(m)
+        model = self.host.model
+        layout = (m.tensors, m.buckets, m.total_bytes, m.layout_bytes, m.bucket_bytes, m.alignment)
+        if self.validated is not None and self.validated[0]() is model and self.validated[1] == layout:
+            return []
+        params, aliases = model_params(model)
+        devices = {p.device for p in params.values()}
+        if len(devices) > 1:
+            return [f"the engine's parameters live on several devices {sorted(map(str, devices))}"]
+        problems = validate_manifest(m, param_infos(params), aliases)
+        if not problems:
+            self.validated = (weakref.ref(model), layout)
+        return problems
+
+    def plan_needs_bytes(self, m: Manifest) -> bool:
+        return m.adapter is not None
+
+    def plan(self, m: Manifest, staging: torch.Tensor) -> CommitPlan:
+        if m.adapter is not None:
+            return self.adapter.plan(m, staging)
+        params, aliases = model_params(self.host.model)
+        pairs = views(m, staging, lambda name: name if name in params else aliases[name])
+        targets = [params[name] for name, _ in pairs]
+        swap = self.commit_mode == "swap" and all(p.dtype == v.dtype for p, (_, v) in zip(targets, pairs))
+        return CommitPlan(staging, pairs, targets, swap)
+
+    def commit(self, m: Manifest, plan: CommitPlan) -> torch.Tensor | None:
+        """Cannot fail half way: names, shapes and dtypes were validated, and assignment or
+        same-size copies do not raise."""
+        replaced = assign(plan, self.host.device)
+        self._written()
+        if m.adapter is not None:
+            self.adapter.committed(m, plan)
+            if not m.adapter.with_base:
+                return plan.staging  # the factors are merged: the buffer is free for the next push
+        else:
+            self._new_weights()
+        previous, self.current = self.current, None
+        if not plan.swap:
+            return plan.staging  # copied out: free again
+        storage = plan.staging.untyped_storage()
+        self.current = (storage.data_ptr(), storage.nbytes())
+        if len(replaced) == 1:
+            # the previous weights' storage is free memory only if it was our previous staging
+            # buffer (never, say, a checkpoint's memory-mapped file)
+            (old,) = replaced.values()
+            if previous == (old.data_ptr(), old.nbytes()) and old.nbytes() > 0:
+                return whole(old, self.host.device)
+        return None  # a checkpoint's weights (one storage each) are freed as they are
+
+    def commit_stream(self, m: Manifest, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        params, aliases = model_params(self.host.model)
+        with torch.no_grad():
+            for name, t in pairs:
+                params[name if name in params else aliases[name]].copy_(t)
+        sync_device(self.host.device)
+        self._written()
+        self.current = None
+        self._new_weights()
+
+    def served(self) -> Pairs:
+        """With unmerged LoRA (engine/lora_bank.py), the weights with the newest adapter merged:
+        what a merged engine holds, so one check fits both."""
+        bank = getattr(self.host, "lora_bank", None)
+        named = self.host.model.named_parameters()
+        if bank is None or not bank.active:
+            return named
+        return [(n, bank.merged(n.removesuffix(".weight"), p)) for n, p in named]
+
+    def base(self, m: Manifest) -> list[torch.Tensor]:
+        params, aliases = model_params(self.host.model)
+        return [params[t.name if t.name in params else aliases[t.name]].detach() for t in m.tensors]
+
+    def forget(self) -> None:
+        self.current = None
+        self.adapter.forget()
+
+    def _written(self) -> None:
+        """Tell the worker its weights changed (what it derives from them, the prepacked linears,
+        goes stale: a swap may point a weight back at memory it held two pushes ago)."""
+        written = getattr(self.host, "weights_written", None)
+        if written is not None:
+            written()
+
+    def _new_weights(self) -> None:
+        """A full push: the weights are what it said, of no known LoRA base."""
+        self.adapter.forget()
+        if getattr(self.host, "lora_bank", None) is not None:
+            self.host.lora_bank.clear()
+
+
+def assign(plan: CommitPlan, device: torch.device) -> dict:
+    """Point (or copy) every planned parameter at its tensor; returns the storages a swap
+    replaced (data_ptr -> storage)."""
+    replaced = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in plan.params} if plan.swap else {}
+    with torch.no_grad():
+        for p, (_, t) in zip(plan.params, plan.pairs):
+            if plan.swap:
+                p.data = t
+            else:
+                p.copy_(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        # staging may come from the receiving thread's stream: the forward reads it on this one
+        # now, so the allocator must not hand it out again before this stream is past it
+        plan.staging.record_stream(torch.cuda.current_stream(device))
+    return replaced
