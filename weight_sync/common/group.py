@@ -162,10 +162,12 @@ class WeightSyncGroup(GroupStore):
             raise GroupError(f"rank {self.rank} was claimed twice in group {self.group_name!r}: check the rank "
                              "offsets of the engines / sidecars")
         self._pass_forming_gate(prefix)
+        # past the gate, every wait for the others ends if the forming is called off (a rank went meanwhile)
+        gated = gates.GatedStore(prefix, prefix, gates.FORMING, self.timeout_s)
         if self.backend_name == "nccl":
-            self._check_placement(prefix)
+            self._check_placement(gated)
         try:
-            self._pg = _make_backend(self.backend_name, PrefixStore("pg/", prefix), self.rank, self.world_size,
+            self._pg = _make_backend(self.backend_name, PrefixStore("pg/", gated), self.rank, self.world_size,
                                      self.timeout_s, self.host)
         except Exception as e:
             raise GroupError(f"weight-sync group {self.group_name!r}: rank {self.rank} could not rendezvous with "
@@ -176,7 +178,7 @@ class WeightSyncGroup(GroupStore):
         if self.backend_name == "nccl":
             self._connect()
         else:
-            self._form_chain(prefix, meta.get("fan_out", "auto"))
+            self._form_chain(gated, meta.get("fan_out", "auto"))
         log.info("rank %d/%d joined weight-sync group %s (%s%s) in %.2fs", self.rank, self.world_size,
                  self.group_name, self.backend_name, f", buckets down the chain {self.chain}" if self.chain else "",
                  time.monotonic() - t0)
@@ -194,7 +196,7 @@ class WeightSyncGroup(GroupStore):
         if not formed:
             raise GroupError(f"weight-sync group {self.group_name!r} was called off while forming: a rank of it went")
 
-    def _form_chain(self, prefix: PrefixStore, mode: str) -> None:
+    def _form_chain(self, prefix, mode: str) -> None:
         try:
             self.chain = plan_chain(prefix, self.rank, self.world_size, self.host, self.timeout_s, mode)
         except Exception as e:
@@ -214,7 +216,7 @@ class WeightSyncGroup(GroupStore):
             self.close()
             raise
 
-    def _check_placement(self, prefix: PrefixStore) -> None:
+    def _check_placement(self, prefix) -> None:
         """Every rank publishes its device and reads everyone's: two ranks on one GPU are named
         here, before NCCL forms a communicator that would refuse them (or hang until the timeout)."""
         prefix.set(f"device/{self.rank}", json.dumps(device_identity(self.device)))
