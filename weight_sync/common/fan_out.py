@@ -100,9 +100,11 @@ class ChainRelay:
     passes them to the rank after it, on a thread of its own so that forwarding never waits for
     the caller; buckets are relayed in the order they are submitted."""
 
-    def __init__(self, pg, order: list[int], rank: int):
+    def __init__(self, pg, order: list[int], rank: int, timeout_s: float | None = None):
         i = order.index(rank)
         self.pg = pg
+        # each wait's own bound (the group's): the backend's default is only its rendezvous's
+        self._timeout = () if timeout_s is None else (datetime.timedelta(seconds=float(timeout_s)),)
         self.prev = order[i - 1] if i > 0 else None
         self.next = order[i + 1] if i + 1 < len(order) else None
         self._queue: queue.Queue = queue.Queue()
@@ -144,11 +146,11 @@ class ChainRelay:
         sends = []
         for k, c in enumerate(chunks):
             if recvs is not None:
-                recvs[k].wait()
+                recvs[k].wait(*self._timeout)
             if self.next is not None:
                 sends.append(self.pg.send([c], self.next, TAG))
         for s in sends:
-            s.wait()
+            s.wait(*self._timeout)
 
     def _close_upstream(self) -> None:
         """After a failure here (the next rank gone, which breaks every pending op of this rank's

@@ -54,12 +54,18 @@ def new_group_name(prefix: str = "weight-sync") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+RENDEZVOUS_S = 10.0  # gloo's connects of a forming group (see _make_backend)
+
+
 def _make_backend(backend: str, store, rank: int, world_size: int, timeout_s: float, host: str):
     if backend == "gloo":
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         opts = ProcessGroupGloo._Options()
-        opts._timeout = _td(timeout_s)
+        # The context's timeout bounds the rendezvous's connects, which cannot be interrupted: a rank that
+        # published its address and died is retried for that long. Every rank passed the forming gate,
+        # so a live one connects in well under a second; every collective passes its own timeout.
+        opts._timeout = _td(min(timeout_s, RENDEZVOUS_S))
         opts._devices = [gloo_device(ProcessGroupGloo, host)]
         opts._threads = 2
         return ProcessGroupGloo(store, rank, world_size, opts)
@@ -204,7 +210,7 @@ class WeightSyncGroup(GroupStore):
             raise GroupError(f"weight-sync group {self.group_name!r}: not every rank said where it runs within "
                              f"{self.timeout_s}s: {_short(e)}") from e
         if self.chain is not None:
-            self._relay = ChainRelay(self._pg, self.chain, self.rank)
+            self._relay = ChainRelay(self._pg, self.chain, self.rank, self.timeout_s)
 
     def _connect(self) -> None:
         """NCCL creates its communicators at the first collective: one small broadcast here, so

@@ -93,9 +93,11 @@ class VllmTrainerGroup:
 
             td = datetime.timedelta(seconds=self.timeout_s)
             opts = BroadcastOptions()
-            opts.rootRank = 0
+            opts.rootRank, opts.timeout = 0, td  # the backend's default bounds only its rendezvous
+            barrier = BarrierOptions()
+            barrier.timeout = td
             self.backend.broadcast([chunk], opts).wait(td)
-            self.backend.barrier(BarrierOptions()).wait(td)
+            self.backend.barrier(barrier).wait(td)
         except Exception as e:
             self.ready = False
             raise GroupError(f"{what} failed on rank {self.rank}: {e}") from e
