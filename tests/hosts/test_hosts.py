@@ -11,6 +11,7 @@ from engine import SamplingParams
 from rollout import RolloutClient
 from tests.engine.helpers import hf_greedy, random_prompts
 from tests.hosts.conftest import HOSTS
+from tests.rollout.in_flight import held, wait_decoding, wait_stats
 from tests.rollout.sidecar import TOKEN
 from tests.rollout.test_sidecar import perturb
 from weight_sync import weights_checksum
@@ -198,7 +199,6 @@ def test_a_host_lost_mid_generate_costs_no_rollout(bed, host_sidecars, returned,
     three hosts: its unfinished samples go on, from their tokens so far, on h1 and h3, and every
     rollout comes back whole, greedy as HF's."""
     import concurrent.futures
-    import time
 
     trainer = _pushed_last(hf_models)
     urls = [host_sidecars["h1"].url, host_sidecars["h3"].url, returned.url]
@@ -207,15 +207,15 @@ def test_a_host_lost_mid_generate_costs_no_rollout(bed, host_sidecars, returned,
     try:
         prompts = random_prompts(12, 5, 20, 2000, seed=85)
         params = SamplingParams(n=2, temperature=0, max_tokens=64, ignore_eos=True)
+        core, before = solo.health()["engine_states"][0]["pid"], solo.stats()["rollouts"]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(client.generate, prompts, params)
-            deadline = time.monotonic() + 60
-            while sum(solo.stats()["requests_per_engine"]) == 0:  # its share has arrived
-                assert time.monotonic() < deadline, "h2 never got its share"
-                time.sleep(0.05)
-            time.sleep(0.3)
-            finished = solo.stats()["rollouts"]
-            bed.kill_host("h2")
+            with held([core]):  # h2's share (4 prompts, n=2) cannot finish while it arrives
+                pending = pool.submit(client.generate, prompts, params)
+                wait_stats(solo, lambda s: s["queue_depth"] == 8, "h2 never got its share")
+            wait_decoding(solo, 8)
+            with held([core]):  # what h2 finished, read while it cannot finish more, until it is lost
+                finished = solo.stats()["rollouts"] - before - 1  # (the marker's rollout aside)
+                bed.kill_host("h2")
             groups = pending.result(timeout=240)
         assert finished < 8, "h2 finished its share (4 prompts, n=2) before it was lost"
         assert all(len(g) == 2 and all(len(r.token_ids) == 64 for r in g) for g in groups)

@@ -15,6 +15,7 @@ import torch
 from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy, random_prompts
+from tests.rollout.in_flight import kill_mid_decode
 from tests.rollout.sidecar import TOKEN, Sidecar
 from rollout.supervision import HOST_COPY_PREFIX, SHM_DIR
 from weight_sync import weights_checksum
@@ -53,23 +54,12 @@ def _wait_host_copy(client, version: int, timeout=30.0) -> None:
         time.sleep(0.05)
 
 
-def _kill_when_generating(client, victim: int) -> None:
-    """SIGKILL core `victim` once both engines are decoding (tokens are coming out)."""
-    before = client.stats()["generated_tokens"]
-    deadline = time.monotonic() + 60
-    while client.stats()["queue_depth"] == 0:
-        assert time.monotonic() < deadline, "the load never started"
-        time.sleep(0.02)
-    time.sleep(0.5)  # decoding is under way on both engines
-    assert client.stats()["generated_tokens"] == before  # no group finished yet: the kill hits work in flight
-    os.kill(_cores(client)[victim], signal.SIGKILL)
-
-
 def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, hf_models):
     # the catch-up from the sibling; a warm standby makes the restart (the path users get by default)
     sidecar = Sidecar(qwen2_dir, "--num-engines", "2", "--host-copy", "off", "--warm-standby", "on")
     client = RolloutClient(sidecar.url, token=TOKEN)
     loader = RolloutClient(sidecar.url, token=TOKEN)
+    marker = RolloutClient(sidecar.url, token=TOKEN)
     try:
         trainer = _perturbed(hf_models["qwen2"], 1)
         client.init_weight_sync()
@@ -77,9 +67,9 @@ def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, 
         want = weights_checksum(trainer.named_parameters())
         prompts = random_prompts(32, 5, 20, 2000, seed=7)
         params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(loader.generate, prompts, params)
-            _kill_when_generating(client, victim=1)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pending = kill_mid_decode(client, marker, pool, lambda: pool.submit(loader.generate, prompts, params),
+                                      seqs=2 * len(prompts), victim=1)
             groups = pending.result(timeout=240)
         # every rollout whole, greedy as HF on the pushed weights, however its pieces were generated
         for p, g in zip(prompts, groups):
@@ -103,6 +93,7 @@ def test_an_engine_killed_under_load_loses_no_rollout_and_comes_back(qwen2_dir, 
         out = client.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [g[0].token_ids for g in out] == [hf_greedy(trainer2, p, 8, ignore_eos=True) for p in prompts[:4]]
     finally:
+        marker.close()
         loader.close()
         client.close()
         sidecar.stop()

@@ -271,6 +271,7 @@ def test_an_engine_killed_under_http_load_loses_no_request(front, zmq):
 
     async def main():
         ac = openai.AsyncOpenAI(base_url=front.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        placed, streaming = asyncio.Event(), asyncio.Event()  # every request on the engine; then tokens out
 
         async def one(i):
             kw = {"model": MODEL, "prompt": f"story {i}", "max_tokens": 120, "temperature": 1.0, "seed": i,
@@ -279,16 +280,20 @@ def test_an_engine_killed_under_http_load_loses_no_request(front, zmq):
                 ids = []
                 async for chunk in await ac.completions.create(stream=True, **kw):
                     ids += chunk.choices[0].token_ids if chunk.choices else []
+                    if ids and placed.is_set():
+                        streaming.set()
                 return ids
             return (await ac.completions.create(**kw)).choices[0].token_ids
 
         async def kill():
             zc = AsyncRolloutClient(front.url, token=TOKEN)
             try:
+                core = (await zc.health())[0]["engine_states"][0]["pid"]
                 while (await zc.stats())[0]["queue_depth"] < 8:  # every request is on the engine
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.3)
-                os.kill((await zc.health())[0]["engine_states"][0]["pid"], signal.SIGKILL)
+                placed.set()
+                await streaming.wait()  # and tokens come out of it: each request has most of its 120 to go
+                os.kill(core, signal.SIGKILL)
             finally:
                 await zc.close()
 

@@ -13,6 +13,7 @@ import torch
 from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy
+from tests.rollout.in_flight import wait_decoding
 from tests.rollout.sidecar import TOKEN, Sidecar
 from tests.rollout.test_engine_faults import _cores, _wait_healthy, _wait_host_copy
 from tests.rollout.test_overlap import _long_rollouts
@@ -164,7 +165,6 @@ def test_with_unmerged_adapters_a_rollout_finishes_under_its_version(qwen2_dir, 
     they switch to 2 mid-way; unmerged (--lora-versions 4), they finish under 1, token for token
     what adapter 1 alone gives, while a new request decodes under 2."""
     import threading
-    import time
 
     s = Sidecar(qwen2_dir, "--lora-versions", lora_versions)
     client = RolloutClient(s.url, token=TOKEN)
@@ -177,7 +177,7 @@ def test_with_unmerged_adapters_a_rollout_finishes_under_its_version(qwen2_dir, 
         during = {}
         load = threading.Thread(target=_long_rollouts, args=(s.url, during, *LONG))
         load.start()
-        time.sleep(0.5)  # decoding
+        wait_decoding(client, len(LONG[0]))  # every rollout decodes under adapter 1 before the push
         client.push_weights(second, version=2, pause_mode="keep")
         mixed = client.generate([PROMPT], GREEDY)[0][0]  # decodes in the same batches as the rollouts under 1
         assert load.is_alive()

@@ -16,6 +16,7 @@ import torch
 from engine import SamplingParams
 from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy
+from tests.rollout.in_flight import wait_stats
 from tests.rollout.sidecar import TOKEN, Sidecar
 from tests.rollout.test_engine_faults import _perturbed, _wait_healthy
 from weight_sync import weights_checksum
@@ -172,7 +173,8 @@ def test_push_without_waiting_returns_once_the_bytes_are_out(qwen2_dir, hf_model
         long = {}
         load = threading.Thread(target=_long_rollouts, args=(s.url, long))
         load.start()
-        time.sleep(0.5)  # they are decoding
+        # every request is on the engine before the push (a wait-mode swap waits for them)
+        wait_stats(client, lambda st: st["queue_depth"] == 32, "the load never reached the engine")
         handle = client.push_weights(new, version=5, pause_mode="wait", wait=False)
         returned = time.monotonic()
         with torch.no_grad():  # the trainer's next step, while the engines swap
@@ -202,7 +204,7 @@ def test_a_push_without_waiting_whose_sidecar_dies_raises_from_its_handle(qwen2_
         long = {}
         load = threading.Thread(target=_long_rollouts, args=(s.url, long))
         load.start()
-        time.sleep(0.5)
+        wait_stats(client, lambda st: st["queue_depth"] == 32, "the load never reached the engine")
         handle = client.push_weights(_perturbed(hf_models["qwen2"], 9), version=5, pause_mode="wait", wait=False)
         assert not handle.done()  # the swap waits for seconds of decoding
         s.proc.send_signal(signal.SIGKILL)

@@ -351,9 +351,13 @@ def test_sigterm_under_load_exits_cleanly(qwen2_dir):
         except SidecarError as e:
             return str(e)
 
+    async def in_flight():  # all 64 sequences on the engine, none finished (200 tokens each)
+        while (await client.stats())[0]["queue_depth"] < 16 * 4:
+            await asyncio.sleep(0.01)
+
     loop = asyncio.new_event_loop()
     task = loop.create_task(load())
-    loop.run_until_complete(asyncio.sleep(1.5))
+    loop.run_until_complete(asyncio.wait_for(in_flight(), 60))
     t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     code = s.proc.wait(10)

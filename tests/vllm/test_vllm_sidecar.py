@@ -4,7 +4,6 @@ sidecar of two vLLM engines for the module (a vLLM start costs 20-50 s on 2 core
 import concurrent.futures
 import copy
 import os
-import signal
 import time
 
 import httpx
@@ -18,6 +17,7 @@ from rollout import RolloutClient, SidecarError  # noqa: E402
 from tests.engine.helpers import (  # noqa: E402
     activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts,
 )
+from tests.rollout.in_flight import kill_mid_decode  # noqa: E402
 from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
 from tests.rollout.test_sidecar import perturb  # noqa: E402
 
@@ -140,17 +140,14 @@ def test_an_engine_core_killed_under_load_loses_no_rollout_and_comes_back(sideca
     prompts = random_prompts(16, 5, 20, 2000, seed=33)
     params = SamplingParams(n=2, temperature=0, max_tokens=40, ignore_eos=True)
     victim = client.health()["engine_states"][1]["pid"]
-    loader = RolloutClient(sidecar.url, token=TOKEN)
+    loader, marker = RolloutClient(sidecar.url, token=TOKEN), RolloutClient(sidecar.url, token=TOKEN)
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(loader.generate, prompts, params)
-            while client.stats()["queue_depth"] == 0:
-                time.sleep(0.02)
-            time.sleep(1.0)  # both engines are decoding
-            assert client.stats()["generated_tokens"] < 16 * 2 * 40  # the kill hits work in flight
-            os.kill(victim, signal.SIGKILL)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pending = kill_mid_decode(client, marker, pool, lambda: pool.submit(loader.generate, prompts, params),
+                                      seqs=2 * len(prompts), victim=1)
             groups = pending.result(timeout=240)
     finally:
+        marker.close()
         loader.close()
     for p, g in zip(prompts, groups):  # every rollout whole, greedy as HF, however it was pieced together
         ref = hf_greedy(model, p, 40, ignore_eos=True)
