@@ -69,7 +69,10 @@ class SendWeights(_Call, tag="send_weights"):
 
 
 class CloseWeightSync(_Call, tag="close_weight_sync"):
-    pass
+    """The caller's group (`group_name`; "" for whichever) is left. Another trainer's group is
+    not: a client whose own group never formed (refused: another owns the sidecar) closes nothing."""
+
+    group_name: str = ""
 
 
 class Checksum(_Call, tag="checksum"):

@@ -215,8 +215,7 @@ class RolloutServer:
         return await send_weights(self.manager, call.to, self.token, call.timeout_s)
 
     async def _on_close_weight_sync(self, identity: bytes, call: P.CloseWeightSync) -> bool:
-        await self.weights.close()
-        return True
+        return await self.weights.close(call.group_name or None)
 
     async def _on_checksum(self, identity: bytes, call: P.Checksum) -> list[str]:
         return await engines_checksums(self.manager.serving_engines(), timeout=120)

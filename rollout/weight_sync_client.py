@@ -53,6 +53,7 @@ class WeightSyncClient:
         self.sender = None  # weight_sync.WeightSender once init_weight_sync ran
         self.members: tuple[int, ...] = ()  # the sidecars in the current group
         self.init_args: dict | None = None  # init_weight_sync's arguments, until close_weight_sync
+        self.group_name = ""  # the last group this client opened
         self.pushed: int | None = None  # the newest version this client pushed
         self.anchors = DeltaAnchors()
         self._pending: asyncio.Task | None = None  # a push_weights(wait=False) still swapping
@@ -83,6 +84,7 @@ class WeightSyncClient:
         workers = [h["workers"] for h in health]
         world = 1 + sum(workers)
         info = self.sender.open_group(world, host=host, port=port, timeout_s=timeout_s)
+        self.group_name = info["group_name"]  # the sidecars leave this one (and only this one) at close_weight_sync
         offsets = list(itertools.accumulate([1] + workers[:-1]))
         await self._join(members, offsets, info, world, timeout_s, take_over)
         self.members = tuple(members)
@@ -125,7 +127,7 @@ class WeightSyncClient:
     async def _join(self, members: list[int], offsets: list[int], info: dict, world: int, timeout_s: float,
                     take_over: bool) -> None:
         """Every member's workers join the group opened as `info`, and the trainer with them; any
-        failure closes it (SidecarError, kind "gone" when every failure was a member that went)."""
+        failure closes it (SidecarError, kind "gone" when a member went: the others' joins fail with it)."""
         calls = [asyncio.ensure_future(self.links.call(
             i, P.InitWeightSync, "init_weight_sync", timeout_s + 60, host=info["host"], port=info["port"],
             world_size=world, rank_offset=offset, group_name=info["group_name"], timeout_s=timeout_s,
@@ -147,7 +149,7 @@ class WeightSyncClient:
             errors = [trainer]
         if errors:
             self.sender.close_group()
-            gone = all(isinstance(e, SidecarGoneError) for e in errors)
+            gone = any(isinstance(e, SidecarGoneError) for e in errors)  # the others' failures follow from it
             raise SidecarError("init_weight_sync failed: " + "; ".join(map(str, errors)), "gone" if gone else "")
 
     def _call_off_if_failed(self, call: asyncio.Future) -> None:
@@ -166,7 +168,9 @@ class WeightSyncClient:
 
     async def close_weight_sync(self) -> None:
         await self.settle_pending_push()
-        await self.links.ask_all(P.CloseWeightSync, "close_weight_sync", None, (ACTIVE, JOINING))
+        if self.group_name:  # a client that never opened a group has none to leave (another trainer's stays)
+            await self.links.ask_all(P.CloseWeightSync, "close_weight_sync", None, (ACTIVE, JOINING),
+                                     group_name=self.group_name)
         self.init_args = None
         self.members = ()
         if self.sender is not None:

@@ -121,7 +121,12 @@ class SidecarWeights:
     async def load(self, path: str, version: int, pause_mode: str | None) -> dict:
         return await self.pushes.load(path, version, pause_mode)
 
-    async def close(self) -> None:
-        """Whichever trainer owns the weight sync owns it no more, and the engines leave our group."""
+    async def close(self, group_name: str | None = None) -> bool:
+        """The trainer of group `group_name` (None: whichever) owns the weight sync no more, and the
+        engines leave its group; False, with nothing changed, when another group owns it."""
+        owner = self.pushes.owner
+        if group_name is not None and owner is not None and owner.group_name != group_name:
+            return False
         self.pushes.release()
         await close_weight_sync(self.pushes.sidecar.up_engines())
+        return True

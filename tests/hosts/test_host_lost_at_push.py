@@ -23,7 +23,7 @@ import pytest
 
 from bench.hostbed import HostBed, unavailable
 from rollout import RolloutClient
-from tests.hosts.conftest import HOSTS, RATE_MBIT, SIDECAR_ARGS
+from tests.hosts.conftest import HOSTS, SIDECAR_ARGS
 from tests.rollout.sidecar import TOKEN
 from tests.rollout.test_sidecar import perturb
 from weight_sync import weights_checksum
@@ -32,15 +32,6 @@ log = logging.getLogger(__name__)
 
 SLACK_S = 15.0  # what losing a host at a push may cost beyond the link's bound (issue 48)
 EARLIEST_S, LATEST_S = -1.0, 0.5  # the loss, from the push's start: 1 s before it to its manifest vote
-
-
-@pytest.fixture
-def bed():
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    with HostBed(HOSTS, rate_mbit=RATE_MBIT) as b:
-        yield b
 
 
 class _Hosts:
@@ -133,7 +124,7 @@ def _rounds(bed, model: str, dtype: str, rounds: int, trainer) -> list[dict]:
     return out
 
 
-def test_a_host_lost_at_a_push_costs_seconds_and_comes_back(bed, qwen2_dir, hf_models):
+def test_a_host_lost_at_a_push_costs_seconds_and_comes_back(bed, qwen2_dir, hf_models):  # bed: tests/hosts/conftest.py
     trainer = copy.deepcopy(hf_models["qwen2"])
     perturb(trainer, 99, scale=0.05)
     records = _rounds(bed, qwen2_dir, "float32", 4, trainer)

@@ -39,6 +39,27 @@ def _greedy(client):
     return client.generate([[9, 10, 11]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
 
 
+def test_a_refused_trainer_that_closes_its_weight_sync_leaves_the_owners_group_alone(sidecar, trainer):
+    """b's init is refused (a owns the sidecar); b closing its weight sync (as a trainer's cleanup
+    does, and as a peer's catch-up does after a refused init) closes nothing of a's: a's group
+    still carries its next push, with no new group formed."""
+    a, b = RolloutClient(sidecar.url, token=TOKEN), RolloutClient(sidecar.url, token=TOKEN)
+    try:
+        info = a.init_weight_sync()
+        with pytest.raises(SidecarError, match="another trainer owns"):
+            b.init_weight_sync()
+        b.close_weight_sync()
+        assert a.health()["weight_sync_owner"]["group_name"] == info["group_name"]
+        v = _version(a) + 1
+        a.push_weights(trainer, version=v)
+        assert a.health()["weight_sync_owner"]["group_name"] == info["group_name"]  # no regroup was needed
+        assert _version(a) == v
+        a.close_weight_sync()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_second_trainer_is_refused_until_it_takes_over(sidecar, trainer):
     a, b = RolloutClient(sidecar.url, token=TOKEN), RolloutClient(sidecar.url, token=TOKEN)
     try:

@@ -207,16 +207,7 @@ def test_a_forming_called_off_frees_every_rank_at_once():
     own join and every worker's end at once, not at the group's timeout."""
     master = WeightSyncGroup.master(world_size=4, timeout_s=60.0)
     info = master.connection_info()
-    joins = [master.join] + [
-        lambda r=r: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=4, rank=r,
-                                            group_name=info["group_name"], secret=info["secret"], timeout_s=60.0)
-        for r in (1, 2)]
-    threading.Timer(1.0, master.call_off_forming).start()
-    t0 = time.monotonic()
-    res = _run(joins)
-    assert all(isinstance(r, GroupError) and "called off" in str(r) for r in res), res
-    assert time.monotonic() - t0 < 10
-    master.close()
+    _all_called_off(master, [master.join] + [_joiner(info, 4, r) for r in (1, 2)], after_s=1.0)
 
 
 def test_a_vote_called_off_frees_the_workers_that_wait_for_it():
@@ -253,12 +244,20 @@ def test_a_forming_called_off_after_its_gate_opened_ends_the_rendezvous():
                             timeout_s=60.0, device="cpu", secret=info["secret"],
                             store=TCPStore(info["host"], info["port"], None, False))
     gates.arrive(ghost._prefix_store(), gates.FORMING, 3)  # ... and never comes further
-    joins = [master.join, lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=3, rank=1,
-                                                          group_name=info["group_name"], secret=info["secret"],
-                                                          timeout_s=60.0)]
-    threading.Timer(1.5, master.call_off_forming).start()
+    _all_called_off(master, [master.join, _joiner(info, 3, 1)], after_s=1.5)
+
+
+def _joiner(info: dict, world_size: int, rank: int):
+    """A worker's join of the group `info` describes, as a callable for _run."""
+    return lambda: WeightSyncGroup.connect(host=info["host"], port=info["port"], world_size=world_size, rank=rank,
+                                           group_name=info["group_name"], secret=info["secret"], timeout_s=60.0)
+
+
+def _all_called_off(master, joins: list, after_s: float) -> None:
+    """The forming called off `after_s` into `joins`: every one of them ends at once, called off."""
+    threading.Timer(after_s, master.call_off_forming).start()
     t0 = time.monotonic()
     res = _run(joins)
     assert all(isinstance(r, GroupError) and "called off" in str(r) for r in res), res
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < after_s + 8
     master.close()
