@@ -94,7 +94,7 @@ class WeightSyncClient:
         """The sidecars that will join this trainer's group, and their health. One whose weight sync
         another live trainer owns refuses (SidecarError "refused") unless `take_over`; a joining one
         that would refuse is dropped instead."""
-        from rollout.weights import owned_message
+        from rollout.push_coordinator import owned_message
 
         group = self.sender.group if self.sender is not None else None
         members, health = [], []

@@ -10,9 +10,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from rollout.push_coordinator import (  # noqa: F401 - the errors and owned_message: imported from here too
-    Owner, OwnedElsewhere, PushCoordinator, PushWithdrawn, WeightSyncRefused, WeightSyncRegroup, owned_message,
-)
+from rollout.push_coordinator import Owner, PushCoordinator
 from weight_sync.common.manifest import Manifest
 from weight_sync.engine_side.engines import close_weight_sync, join_engines, receive_on_engines, workers_of
 

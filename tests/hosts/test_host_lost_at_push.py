@@ -55,12 +55,6 @@ class _Hosts:
             side.stop()
 
 
-def _lose_at(delay_s: float, lose) -> threading.Thread:
-    t = threading.Timer(max(0.0, delay_s), lose)
-    t.start()
-    return t
-
-
 def _back_and_caught_up(client, url: str, timeout_s: float = 120.0) -> float:
     """Until the client serves from `url` again (taken back, caught up); the seconds it took."""
     t0 = time.monotonic()
@@ -88,15 +82,20 @@ def _rounds(bed, model: str, dtype: str, rounds: int, trainer) -> list[dict]:
             perturb(trainer, 100 + k, scale=0.01)
             version = 3 + k
             lose = (lambda h=lost: bed.kill_host(h)) if how == "kill" else (lambda h=lost: bed.link(h, False))
-            timer = _lose_at(at, lose)
-            if at < 0:
+            timer = None
+            if at < 0:  # lost before the push: done before the clock starts (an `ip` run can take a while)
+                lose()
                 time.sleep(-at)
+            else:  # lost while the push forms its group or votes
+                timer = threading.Timer(at, lose)
+                timer.start()
             t0 = time.monotonic()
             try:
                 reply = client.push_weights(trainer, version=version)
             finally:
                 took = time.monotonic() - t0
-                timer.join()
+                if timer is not None:
+                    timer.join()
                 if how == "cut":
                     bed.link(lost, True)
             left = [hosts.url(h) for h in HOSTS if h != lost]

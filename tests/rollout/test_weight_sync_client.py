@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from rollout import protocol as P
 from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError
 from rollout.weight_sync_client import WeightSyncClient
+from tests.weight_sync.test_receive import Worker
 from weight_sync import weights_checksum
 from weight_sync.engine_side.params_target import ParamsTarget
 from weight_sync.engine_side.receive import PushReceiver
@@ -23,14 +24,10 @@ pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 20.0
 
 
-class Worker:
-    """What a target reads of its engine's worker: the model, its device, no LoRA bank."""
-
-    def __init__(self, model_dir):
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.device = torch.device("cpu")
-        self.lora_bank = None
-        self.weights_released = False
+async def _fails_after_the_bytes(links, i, answer):
+    """A member whose engines took every byte, then failed to commit."""
+    await answer()
+    raise SidecarError("push_weights failed: an engine died while it committed", "failed")
 
 
 class FakeLinks:
@@ -180,13 +177,9 @@ def test_a_torn_push_fails_and_is_not_pushed_again(qwen2_dir, trainer):
     records nothing, and is not sent again (the members that committed would refuse it)."""
     links = FakeLinks(qwen2_dir, 2)
 
-    async def fails_after_the_bytes(links, i, answer):
-        await answer()
-        raise SidecarError("push_weights failed: an engine died while it committed", "failed")
-
     async def body(client):
         await client.init_weight_sync(timeout_s=TIMEOUT_S)
-        links.faults = {(1, "push_weights"): [fails_after_the_bytes]}
+        links.faults = {(1, "push_weights"): [_fails_after_the_bytes]}
         with pytest.raises(SidecarError, match="died while it committed") as e:
             await client.push_weights(trainer, 1)
         return e.value
@@ -203,13 +196,9 @@ def test_a_push_that_returned_early_and_then_tore_raises_from_its_handle(qwen2_d
     pushed to again (the bytes are gone), and the handle raises its reason."""
     links = FakeLinks(qwen2_dir, 2)
 
-    async def fails_after_the_bytes(links, i, answer):
-        await answer()
-        raise SidecarError("push_weights failed: an engine died while it committed", "failed")
-
     async def body(client):
         await client.init_weight_sync(timeout_s=TIMEOUT_S)
-        links.faults = {(1, "push_weights"): [fails_after_the_bytes]}
+        links.faults = {(1, "push_weights"): [_fails_after_the_bytes]}
         handle = await client.push_weights(trainer, 1, wait=False)
         with pytest.raises(SidecarError, match="died while it committed"):
             await handle
