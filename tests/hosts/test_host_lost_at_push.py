@@ -148,3 +148,37 @@ def test_smollm2_hosts_lost_at_twenty_pushes():
     with HostBed(HOSTS, rate_mbit=500) as bed:
         records = _rounds(bed, model, "bfloat16", 20, trainer)
     log.info("pushes with a host lost: %s s (bound %s s)", sorted(r["push_s"] for r in records), records[0]["bound_s"])
+
+
+def test_a_link_cut_as_the_last_bucket_goes_out_costs_seconds(bed, qwen2_dir, hf_models):
+    """h2's link is cut as the trainer hands its last bucket to the chain: the trainer then waits
+    in the commit vote, where h2 never votes. Once the client finds h2 gone (its heartbeats), the
+    trainer's links end that wait and the push lands on h1 and h3, not after the group's timeout."""
+    hosts = _Hosts(bed, qwen2_dir, SIDECAR_ARGS)
+    client = RolloutClient([hosts.url(h) for h in HOSTS], token=TOKEN)
+    try:
+        client.init_weight_sync(host=bed.gateway)
+        trainer = copy.deepcopy(hf_models["qwen2"])
+        perturb(trainer, 98, scale=0.05)
+        full = client.push_weights(trainer, version=1)["trainer"]["full_bytes"]
+        perturb(trainer, 97, scale=0.01)
+        cut = threading.Event()
+
+        def progress(k, n):
+            if k == n and not cut.is_set():
+                cut.set()
+                bed.link("h2", False)
+
+        t0 = time.monotonic()
+        try:
+            reply = client.push_weights(trainer, version=2, progress=progress)
+        finally:
+            took = time.monotonic() - t0
+            bed.link("h2", True)
+        assert cut.is_set() and reply["version"] == 2
+        assert took < bed.link_bound_s(full) + SLACK_S, took
+        want = weights_checksum(trainer.named_parameters())
+        assert [c for u, c in zip(client.urls, client.weights_checksums()) if u != hosts.url("h2")] == [want] * 2
+    finally:
+        client.close()
+        hosts.stop()

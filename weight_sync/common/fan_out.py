@@ -95,6 +95,16 @@ def _settle(work: RelayWork, error: BaseException | None = None) -> None:
         pass
 
 
+def cut_pair(pg, peer: int) -> None:
+    """Close this rank's link to `peer` now, from any thread: a send `peer` never receives (gloo
+    sends once the receiver asked), whose wait times out at once, and gloo then closes the pair,
+    failing every op pending on it on both sides."""
+    try:
+        pg.send([torch.zeros(1, dtype=torch.uint8)], peer, TAG + 1).wait(datetime.timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - the closure is the point
+        pass
+
+
 class ChainRelay:
     """This rank's link of the chain: receives each bucket's chunks from the rank before it and
     passes them to the rank after it, on a thread of its own so that forwarding never waits for
@@ -180,14 +190,8 @@ class ChainRelay:
             _settle(item[1], self._failed)
 
     def _cut(self, peer: int | None) -> None:
-        """A send `peer` never receives (gloo sends once the receiver asked), whose wait times out
-        at once: gloo then closes the pair, failing every op pending on it on both sides."""
-        if peer is None:
-            return
-        try:
-            self.pg.send([torch.zeros(1, dtype=torch.uint8)], peer, TAG + 1).wait(datetime.timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - the closure is the point
-            pass
+        if peer is not None:
+            cut_pair(self.pg, peer)
 
     def close(self) -> None:
         self._queue.put(None)

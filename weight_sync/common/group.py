@@ -35,7 +35,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from weight_sync.common import store_gates as gates
 from weight_sync.common.devices import device_identity, duplicate_gpus, normalize_device
-from weight_sync.common.fan_out import ChainRelay, fan_out_mode, plan_chain
+from weight_sync.common.fan_out import ChainRelay, cut_pair, fan_out_mode, plan_chain
 from weight_sync.common.group_store import GroupError, GroupStore, _short, _td, create_master_store
 from weight_sync.common.hosts import gloo_device
 
@@ -258,6 +258,15 @@ class WeightSyncGroup(GroupStore):
             self._backend()
             return self._relay.submit(tensor)
         return self.broadcast(tensor, src=0)
+
+    def cut_links(self) -> None:
+        """Close this rank's link to every other rank now, from any thread: a collective it waits in
+        with a rank that will never come (a commit vote past a lost host) fails at once, not at
+        the timeout. Gloo's; NCCL's waits end with abort()."""
+        if self._pg is not None and self.backend_name == "gloo":
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    cut_pair(self._pg, peer)
 
     def cut_chain(self) -> None:
         """Close this rank's link to the next one down the chain now (weight_sync.common.fan_out)."""

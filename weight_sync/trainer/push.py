@@ -210,6 +210,9 @@ class _Gate:
             self.group.mark_worker_failed(self.push_id)
         except Exception as e:  # noqa: BLE001 - the push then ends at the workers' stall watch
             log.warning("could not mark push %s given up: %s", self.push_id, e)
+        # past its last bucket the trainer waits in the commit vote, where no watch runs and the lost
+        # host never votes: its own links end that wait (and a send still in flight, as the watch would)
+        self.group.cut_links()
 
     def call_off(self, reason: str) -> None:
         if self.reason is not None:
