@@ -149,8 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="tiny", help="a model directory or name (tiny, small, smollm2)")
     p.add_argument("--runs", type=int, default=3, help="starts of each kind (medians reported)")
     p.add_argument("--vllm", action="store_true", help="also start --engine vllm (needs vLLM's CPU build)")
+    p.add_argument("--no-vllm-cpu-setup", action="store_true",
+                   help="run without vLLM's documented CPU set-up (bench/vllm_cpu_setup.py): its figures then are "
+                        "not its users'")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bench import vllm_cpu_setup
+
+    setup = vllm_cpu_setup.apply("bench.startup", argv, enabled=args.vllm and not args.no_vllm_cpu_setup)
     from engine.model_names import resolve_model_arg
 
     model_dir = resolve_model_arg(args.model)  # built once here, not inside a timed start
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"imports, engine core: {_top(core)}")
     if args.vllm:
         theirs = measure(model_dir, args.runs, "--engine", "vllm")
-        print(f"vLLM's engine: READY {theirs['ready']:.2f} s; ours/vLLM {ours['ready'] / theirs['ready']:.2f}")
+        print(f"vLLM's engine: READY {theirs['ready']:.2f} s; ours/vLLM {ours['ready'] / theirs['ready']:.2f}; {setup}")
 
 
 if __name__ == "__main__":

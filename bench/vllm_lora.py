@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shm", default="/dev/shm", help="where pushes write their files (default /dev/shm)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 pushes, 8 prompts, 1 round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-vllm-cpu-setup", action="store_true",
+                   help="run without vLLM's documented CPU set-up (bench/vllm_cpu_setup.py): its figures then are "
+                        "not its users'")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     q = args.quick
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens = args.max_tokens or (16 if q else 64)
     repeats = args.repeats or (1 if q else 3)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bench import vllm_cpu_setup
+
+    setup = vllm_cpu_setup.apply("bench.vllm_lora", argv, enabled=not args.no_vllm_cpu_setup)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")  # a LoRA step on a busy CPU can be slow  # 128 sequences of ~200 tokens of smollm2 need ~1.2 GB
     from engine.vllm_start import apply_env_defaults
@@ -322,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"greedy: (b) = (a) on {same}/{total} tokens ((a) differs from the base on {moved}); ratios are medians "
         "of per-round ratios",
+        setup,
     ]
     print("\n".join(lines), flush=True)
 

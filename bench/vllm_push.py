@@ -170,9 +170,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="push from the trainer's own parameters (default: flattened first, "
                         "weight_sync.flatten_parameters, as the recipes do on CPU)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 pushes")
+    p.add_argument("--no-vllm-cpu-setup", action="store_true",
+                   help="run without vLLM's documented CPU set-up (bench/vllm_cpu_setup.py): its figures then are "
+                        "not its users'")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bench import vllm_cpu_setup
+
+    setup = vllm_cpu_setup.apply("bench.vllm_push", argv, enabled=not args.no_vllm_cpu_setup)
     logging.getLogger("weight_sync").setLevel(logging.WARNING)
     from engine.vllm_start import apply_env_defaults
 
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(run_all())
     print(f"\npushes: {os.path.basename(model_dir.rstrip('/'))}, {nbytes / 1e6:.0f} MB fp32, gloo on loopback, "
           f"trainer {'not ' if args.no_flatten else ''}flattened, overlapped receive (the default), median of {pushes} "
-          f"per row, torch {torch.__version__}, {available_cpus()} CPUs; {time.perf_counter() - t0:.0f} s in all")
+          f"per row, torch {torch.__version__}, {available_cpus()} CPUs; {time.perf_counter() - t0:.0f} s in all\n{setup}")
     print(report(results, nbytes))
 
 

@@ -104,6 +104,11 @@ def _prepare_vllm(args) -> None:
     if applied:
         log.info("vLLM settings (unset, so set by the sidecar; see --help): %s",
                  " ".join(f"{k}={v}" for k, v in sorted(applied.items())))
+    from engine.cpu_preload import advice
+
+    if device == "cpu" and (line := advice()):
+        log.warning("vLLM on the CPU runs without the tcmalloc and Intel OpenMP preloads its CPU guide asks for "
+                    "(a third slower in bf16 here); start the sidecar after: %s", line)
 
 
 # -- serving ------------------------------------------------------------------------------------
