@@ -17,7 +17,7 @@ GPU it is one chunk, on the CPU (memory-bound) it is cut where padding costs mor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ class AttnContext:
     k_slots: list[torch.Tensor] | None = None
     v_slots: list[torch.Tensor] | None = None
     rope: tuple | None = None  # (cos, the layers' cos, sin with rotate_half's sign), see rope_tables
+    span_masks: dict = field(default_factory=dict)  # prefill: span index -> its mask, made by the first layer
 
 
 @dataclass
@@ -53,7 +54,9 @@ class DecodeChunk:
     end: int
     blocks: torch.Tensor  # [(end - start) * num_blocks] block ids, row after row (padded with 0)
     num_blocks: int
-    mask: torch.Tensor  # [end - start, 1, 1, num_blocks * block_size]: True where a key exists
+    # [end - start, 1, 1, num_blocks * block_size]: True where a key exists (on the CPU: 0 there and
+    # -inf elsewhere, in the cache's dtype, which SDPA would otherwise make of a bool mask per call)
+    mask: torch.Tensor
     # the gather buffers' slices this chunk fills ([rows * num_blocks, bs, kvh, d]) and the same
     # memory as keys/values [rows, kvh, num_blocks * bs, d]: made once per step, not per layer
     k_out: torch.Tensor | None = None
@@ -103,7 +106,7 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
         return _padded_prefill(ctx.padded_prefill, ctx.k_blocks[layer], ctx.v_blocks[layer], query, scaling, gqa)
     k_cache, v_cache = ctx.k_blocks[layer], ctx.v_blocks[layer]
     outs = []
-    for start, end, computed, block_table in ctx.prefill_spans:
+    for i, (start, end, computed, block_table) in enumerate(ctx.prefill_spans):
         q = query[:, :, start:end]
         if computed == 0:  # nothing cached: attend to the fresh keys, exactly as HF's sdpa does
             out = F.scaled_dot_product_attention(
@@ -113,10 +116,21 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
             total = computed + end - start
             k = _gather(k_cache, block_table, total).unsqueeze(0)
             v = _gather(v_cache, block_table, total).unsqueeze(0)
-            mask = torch.ones(end - start, total, dtype=torch.bool, device=q.device).tril(computed)
+            mask = ctx.span_masks.get(i)
+            if mask is None:
+                mask = ctx.span_masks[i] = _causal_mask(end - start, total, computed, q.dtype, q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outs.append(out)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _causal_mask(rows: int, keys: int, computed: int, dtype, device) -> torch.Tensor:
+    """Row i sees keys [0, computed + i]: as a bool mask on a GPU; on the CPU as the additive mask
+    (0 / -inf in the query's dtype) SDPA would make of it at every call."""
+    mask = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(computed)
+    if device.type != "cpu":
+        return mask
+    return torch.zeros(rows, keys, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
 def _padded_prefill(p: PaddedPrefill, k_blocks, v_blocks, query, scaling, gqa) -> torch.Tensor:

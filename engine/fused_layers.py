@@ -18,6 +18,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 from engine import attention
 
@@ -37,6 +38,9 @@ def unsupported(model) -> str | None:
         hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
     ):
         return f"attention module {type(attn).__name__}"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+        return f"norm module {type(layer.input_layernorm).__name__}"
     if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return f"MLP module {type(layer.mlp).__name__}"
     return None
@@ -59,9 +63,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     return x * cos + x.view(t, h, 2, d // 2).flip(2).view(t, h, d) * sin_signed
 
 
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's Llama/Qwen2 RMSNorm (x in fp32 times rsqrt(mean(x^2) + eps), back to x's dtype, times the
+    weight) through torch's fused kernel: one op instead of eight, and the same bits (the kernel
+    squares, averages and scales in fp32 as HF does; equality is checked in tests)."""
+    w, eps = norm.weight, norm.variance_epsilon
+    if x.dtype == w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
 def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
     attn, mlp = self.self_attn, self.mlp
-    x = self.input_layernorm(hidden_states)
+    x = rms_norm(self.input_layernorm, hidden_states)
     t, d = x.shape[1], attn.head_dim
     q = attn.q_proj(x).view(t, -1, d)
     k = attn.k_proj(x).view(t, -1, d)
@@ -69,5 +83,5 @@ def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     cos, sin_signed = attention.rope_tables(position_embeddings)
     out = attention.attend(attn.layer_idx, _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed), v, attn.scaling)
     h = hidden_states + attn.o_proj(out.view(1, t, -1))
-    y = self.post_attention_layernorm(h)
+    y = rms_norm(self.post_attention_layernorm, h)
     return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))

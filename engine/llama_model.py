@@ -83,11 +83,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # HF's LlamaRMSNorm, op for op
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # HF's LlamaRMSNorm, in one fused kernel
+        return fused_layers.rms_norm(self, x)
 
 
 class Attention(nn.Module):

@@ -208,6 +208,8 @@ class ModelRunner:
             rows = end - start
             blocks = table[start:end, :nb].reshape(-1)  # row after row
             mask = self._key_positions[: nb * bs] < lengths[start:end, None]
+            if dev.type == "cpu":  # SDPA turns a bool mask into this at every call: once a step, not per layer
+                mask = torch.zeros(mask.shape, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
             k_out, v_out = k_buf[: rows * nb], v_buf[: rows * nb]
             chunks.append(attention.DecodeChunk(
                 start, end, blocks, nb, mask[:, None, None, :], k_out, v_out,

@@ -71,3 +71,20 @@ def test_a_checkpoint_whose_names_do_not_fit_is_left_to_transformers(qwen2_dir, 
     assert llama_model.load(str(renamed), torch.float32) is None
     model = load_model(EngineConfig(model=str(renamed)), torch.device("cpu"))
     assert type(model).__module__.startswith("transformers.")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rms_norm_is_hfs_arithmetic(dtype):
+    """The fused norm the decoder layers run gives HF's LlamaRMSNorm's bits (widen, mean of squares,
+    rsqrt, narrow, weight), on rows of every scale: it is the same arithmetic in one kernel."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from engine.fused_layers import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    x = (torch.randn(67, 576, generator=gen) * torch.logspace(-3, 3, 67)[:, None]).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(norm, x), norm(x))
