@@ -1,7 +1,9 @@
 """Four ways to run the same RL-shaped rollout batch, side by side in one run (issue 31):
 
-  (a) vllm       bare vLLM: `vllm.LLM.generate` offline, the settings the sidecar gives vLLM
-                 (engine/vllm_start.engine_args: enforce_eager, the CPU env defaults)
+  (a) vllm       bare vLLM: `vllm.LLM.generate` offline, the sidecar's engine arguments
+                 (engine/vllm_start.engine_args) but with vLLM's own default of torch.compile on, as
+                 its users run it (the sidecar passes enforce_eager on CPU: compiling costs it a
+                 minute or two at each start); --vllm-eager runs it eager
   (b) sidecar-vllm    `python -m rollout.serve --engine vllm`, driven by `rollout.RolloutClient.generate`
   (c) sidecar-native  `python -m rollout.serve --engine native`, the same client
   (d) ours       this project's `engine.LLM.generate`, in process
@@ -122,6 +124,8 @@ def probe_peak(dtype: str, tries: int = 3) -> float:
 class VllmOffline:
     """(a) vLLM's offline LLM with the engine arguments the sidecar's VllmEngine gives its AsyncLLM."""
 
+    eager = False  # vLLM's own default on CPU compiles (bench.engines --vllm-eager: the sidecar's setting)
+
     def __init__(self, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int):
         from dataclasses import fields
 
@@ -134,7 +138,8 @@ class VllmOffline:
         cfg = EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            seed=seed, gpu_memory_utilization=0.3)  # as rollout.serve's vLLM engines on CPU
         names = {f.name for f in fields(EngineArgs)}  # AsyncLLM's arguments less its own (enable_log_requests)
-        self.llm = LLM(**{k: v for k, v in vars(engine_args(cfg, 1, on_cpu=True)).items() if k in names})
+        args = {k: v for k, v in vars(engine_args(cfg, 1, on_cpu=True)).items() if k in names}
+        self.llm = LLM(**{**args, "enforce_eager": self.eager})
 
     def run(self, wl: Workload) -> int:
         from vllm import SamplingParams
@@ -290,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed (default: 0)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 and 16 seqs (n=4), max_tokens 8-32")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="run (a) eager, as the sidecar runs vLLM on CPU (default: vLLM's own default, torch.compile)")
     p.add_argument("--no-vllm-cpu-setup", action="store_true",
                    help="run without vLLM's documented CPU set-up (tcmalloc + Intel OpenMP preloaded, threads "
                         "bound): its figures then are not its users'")
@@ -299,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench import vllm_cpu_setup
 
     setup = vllm_cpu_setup.apply("bench.engines", argv, enabled=not args.no_vllm_cpu_setup)
+    VllmOffline.eager = args.vllm_eager
     quick = args.quick
     args.model = args.model or ("tiny" if quick else "smollm2")
     args.dtypes = [d for d in (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",") if d]
@@ -362,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{available_cpus()} threads, torch {torch.__version__}, vllm {vllm_version}, transformers "
           f"{transformers.__version__}; workload {args.n} samples per prompt, prompt len {args.prompt_len[0]}-"
           f"{args.prompt_len[1]}, max_tokens {args.max_tokens[0]}-{args.max_tokens[1]}, temperature 1, ignore_eos, "
-          f"logprobs 0, no seeds; max_num_seqs {max_num_seqs}, max_model_len {max_model_len}, "
+          f"logprobs 0, no seeds; (a) {'eager' if args.vllm_eager else 'compiled (vLLM default)'}; max_num_seqs {max_num_seqs}, max_model_len {max_model_len}, "
           f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; fastest of {args.repeats} per row; "
           f"{time.perf_counter() - t_all:.0f} s in all\n{setup}")
