@@ -120,7 +120,7 @@ def _ways(w: torch.Tensor) -> dict:
         layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype).requires_grad_(False)
         layer.weight.copy_(w)
         int8_linears.install(torch.nn.Sequential(layer))
-        ways[f"engine int8 {str(dtype)[-4:]}"] = (layer, dtype)
+        ways[f"engine int8 {'bf16' if dtype == torch.bfloat16 else 'fp32'}"] = (layer, dtype)
     ways["(b) w8 fp32"] = (lambda x: torch._weight_int8pack_mm(x, wq, scale), torch.float32)
     scale16 = scale.bfloat16()
     ways["(b) w8 bf16"] = (lambda x: torch._weight_int8pack_mm(x, wq, scale16), torch.bfloat16)
