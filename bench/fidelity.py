@@ -7,6 +7,7 @@ sampling has to correct), with the mean and largest |log ratio|.
 
     python -m bench.fidelity                                 # smollm2, 32 prompts x 4, 64 tokens
     python -m bench.fidelity --prompts 8 --max-tokens 32     # quicker
+    python -m bench.fidelity --engines fp32 --ablation       # which int8 rounding moves the policy
 """
 
 from __future__ import annotations
@@ -66,6 +67,37 @@ def mismatch(trainer, samples: list[tuple]) -> dict:
             "mean_abs_log": log_ratio.abs().mean().item(), "max_abs_log": log_ratio.abs().max().item()}
 
 
+def fake_quantized(trainer, weights: bool, activations: bool):
+    """A copy of the trainer with int8 rounding simulated in fp32 (every linear but the lm_head):
+    its weights rounded per output channel (`weights`), its linears' inputs per token
+    (`activations`): which of the two moves the policy."""
+    import copy
+
+    from engine.int8_linears import quantize_rows, quantize_weight
+
+    model = copy.deepcopy(trainer)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        if weights:
+            q, scale = quantize_weight(module.weight)
+            module.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+        if activations:
+            def rounded(_, args):
+                x = args[0]
+                q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+                return ((q.float() * scale).reshape(x.shape),)
+            module.register_forward_pre_hook(rounded)
+    return model
+
+
+def ablation(trainer, samples: list[tuple]) -> dict:
+    """The fp32 engine's samples scored by fake-quantized trainers (W8, A8, W8A8) against the trainer."""
+    exact = [(p, c, trainer_logprobs(trainer, list(p), list(c)).tolist()) for p, c, _ in samples if c]
+    return {name: mismatch(fake_quantized(trainer, w, a), exact)
+            for name, (w, a) in {"fake W8": (True, False), "fake A8": (False, True), "fake W8A8": (True, True)}.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
@@ -75,6 +107,9 @@ def main() -> None:
     ap.add_argument("--level", type=int, default=1, help="the arithmetic task's level (recipes/arithmetic.py)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {list(ENGINES)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ablation", action="store_true",
+                    help="also score the fp32 engine's samples with the trainer's weights and/or linear inputs "
+                         "rounded to int8 in fp32 (which rounding moves the policy)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AutoModelForCausalLM
@@ -91,7 +126,12 @@ def main() -> None:
              "transformers fp32", args.model, args.level, args.prompts, args.n, args.max_tokens)
     rows = {}
     for name in args.engines.split(","):
-        rows[name] = mismatch(trainer, sample(model_dir, prompts, name, args.n, args.max_tokens, args.seed))
+        samples = sample(model_dir, prompts, name, args.n, args.max_tokens, args.seed)
+        rows[name] = mismatch(trainer, samples)
+        if args.ablation and name == "fp32":
+            ablated = ablation(trainer, samples)
+    if args.ablation:
+        rows.update(ablated)
     log.info("%-13s %7s %22s %14s %13s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|", "max|log r|")
     for name, r in rows.items():
         log.info("%-13s %7d %22.2f%% %14.4f %13.3f", name, r["tokens"], 100 * r["outside"], r["mean_abs_log"],
