@@ -11,9 +11,12 @@ made for, would: one sequence's outlier would coarsen every other's).
 
 The kernel, measured by bench/int8_linears.py (bench/RESULTS.md): oneDNN's int8 linear
 (`onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, activation scale 1, the per-token
-scales multiplied into its output) ran SmolLM2's linears 1.2-1.9x faster than `torch._int_mm` with
-the same quantization on an AMX CPU; weight-only int8 (`_weight_int8pack_mm`) wins at 1 row but
-falls to 0.1-0.6x of packed bf16 from 32 rows. oneDNN's int8 on an AVX2-only CPU (no VNNI) lost
+scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
+the same quantization at 8-256 rows on an AMX CPU, and 2.3-3.2x packed fp32 (but 0.5-0.7x packed
+bf16 on AMX); weight-only int8 (`_weight_int8pack_mm`) wins at 1 row but falls to 0.07-0.38x of
+packed bf16 from 8 rows. What it costs in fidelity (bench/fidelity.py): on SmolLM2 60% of sampled
+tokens leave [0.9, 1.1] in trainer/engine probability ratio (bf16: 7.5%), almost all of it from the
+per-token activations (weights alone: 21%). oneDNN's int8 on an AVX2-only CPU (no VNNI) lost
 accuracy (its u8 x s8 pairs saturate int16: 10% error where the exact int32 sum gives 1%), so
 `kernel()` probes once that a kernel gives the exact integer product and falls back to
 `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA capped to it, `_int_mm` ran
@@ -43,10 +46,10 @@ log = logging.getLogger(__name__)
 # reduce_range, on the other side of the product).
 KERNELS = (("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
 
-# NOTE: the lm_head stays in full precision (on packed_linears' copy). Its logits are the
-# policy's log-probabilities one softmax away: quantizing it moved the share of sampled tokens whose
-# trainer/engine probability ratio leaves [0.9, 1.1] from the figure in bench/RESULTS.md (fidelity)
-# to several times it, for ~20% of the linear time at decode; see bench/fidelity.py --quantize-lm-head.
+# NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
+# log-probabilities one softmax away, and quantizing it too moved the share of SmolLM2's sampled
+# tokens whose trainer/engine probability ratio leaves [0.9, 1.1] from 60.1% to 64.5%
+# (bench/fidelity.py, engines "int8" and "int8+lm_head"; bench/RESULTS.md).
 KEEP_FULL_PRECISION = ("lm_head",)
 
 

@@ -1,12 +1,14 @@
 """An int8 sidecar (`rollout.serve --quantization int8`) fed fp32 or bf16 pushes: the weights it holds
 are the trainer's (checksums), it serves what a fresh int8 engine on the saved checkpoint serves
-(greedy tokens and logprobs), deltas stay exact, and health and the push reply say what it serves."""
+(greedy tokens and logprobs), deltas stay exact, and health, /server_info and the push reply say
+what it serves."""
 
 import copy
 import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -32,12 +34,15 @@ def _fresh_int8(trainer, tmp_path, dtype: str) -> LLM:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_an_int8_sidecar_holds_the_trainers_weights_and_serves_their_int8_policy(qwen2_dir, hf_models, tmp_path, dtype):
     sidecar = Sidecar(qwen2_dir, "--num-engines", "1", "--quantization", "int8", "--max-model-len", "128",
-                      "--dtype", dtype)
+                      "--dtype", dtype, "--http-port", "0", "--weight-transfer-routes")
     client = RolloutClient(sidecar.url, token=TOKEN)
     trainer = copy.deepcopy(hf_models["qwen2"])
     try:
         health = client.health()
         assert health["quantization"] == "int8" and health["quantized_bytes"] > 0
+        info = httpx.get(sidecar.http_url + "/server_info?config_format=json", timeout=30,
+                         headers={"Authorization": f"Bearer {TOKEN}"}).json()["vllm_config"]["model_config"]
+        assert info["quantization"] == "int8" and info["quantized_bytes"] == health["quantized_bytes"]
         client.init_weight_sync()
         perturb(trainer, seed=1)
         out = client.push_weights(trainer, version=1)
