@@ -60,6 +60,7 @@ class AsyncEngine:
             raise
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_kv_blocks
+        self.quantized_bytes = ready.quantized_bytes  # the 8-bit copy's memory (cfg.quantization)
         self.requests: dict[str, RequestCollector] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()

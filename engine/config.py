@@ -21,6 +21,25 @@ def checkpoint_dtype(model_dir: str) -> str | None:
     return name if name in _DTYPES else None
 
 
+QUANTIZATIONS = ("none", "int8", "fp8", "auto")
+
+
+def resolve_quantization(quantization: str, device: str) -> str:
+    """The 8-bit copy an engine serves from. "auto" is the one this device runs: int8 on the CPU
+    (engine/int8_linears.py), fp8 on CUDA (engine/fp8_linears.py; Hopper or newer). int8 on CUDA
+    and fp8 on the CPU are refused by name: each has no kernel there."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    cuda = device.startswith("cuda")
+    if quantization == "auto":
+        return "fp8" if cuda else "int8"
+    if quantization == "int8" and cuda:
+        raise ValueError("quantization 'int8' runs on the CPU only: on CUDA use 'fp8' (or 'auto')")
+    if quantization == "fp8" and not cuda:
+        raise ValueError("quantization 'fp8' runs on CUDA only: on the CPU use 'int8' (or 'auto')")
+    return quantization
+
+
 def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
     """The engine's dtype. "auto" is the checkpoint's own on a GPU (vLLM's rule: a bf16 model
     serves in bf16, half the bytes of float32 per weight, per push and per KV entry) and float32
@@ -61,6 +80,10 @@ class EngineConfig:
     # F.linear in fp32, 5-7x in bf16 on AVX2; rows run at 30 bucketed counts, which bounds
     # oneDNN's primitive cache (one per row count) at ~80 MiB. False keeps F.linear
     prepack_linears: bool = True
+    # Serve from an 8-bit copy derived from the (full-precision) weights, which stay the truth that
+    # pushes, checksums and deltas use: "none", "int8" (CPU), "fp8" (CUDA, Hopper), "auto" (the
+    # device's own 8 bits). The logprobs are the 8-bit policy's
+    quantization: str = "none"
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)
     reserve_push_staging: bool = False
@@ -69,6 +92,7 @@ class EngineConfig:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} does not exist or has no config.json")
         self.dtype = resolve_dtype(self.dtype, self.device, self.model)
+        self.quantization = resolve_quantization(self.quantization, self.device)
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

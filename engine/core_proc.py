@@ -25,6 +25,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.model_loader import quantized_bytes
 from engine.messages import (
     FAILED, AbortRequests, AddRequest, AddRequestId, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
     PauseMode, StepOutputs, UtilityCall, error_kind,
@@ -92,7 +93,7 @@ class EngineCoreProc:
         threading.Thread(target=self._input_loop, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_loop, daemon=True, name="core-output").start()
         runner = self.core.runner
-        self.outputs.put(Ready(os.getpid(), runner.vocab_size, runner.num_blocks))
+        self.outputs.put(Ready(os.getpid(), runner.vocab_size, runner.num_blocks, quantized_bytes(runner.model)))
         self.in_sock.send(b"READY")  # lets the frontend's ROUTER learn our identity
 
     # -- IO threads ---------------------------------------------------------------------------

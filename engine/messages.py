@@ -72,6 +72,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     vocab_size: int
     num_kv_blocks: int
+    quantized_bytes: int = 0  # the 8-bit copy's memory beside the weights (EngineConfig.quantization)
 
 
 class StepOutputs(msgspec.Struct, tag="out", array_like=True):

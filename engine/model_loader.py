@@ -1,6 +1,7 @@
 """A model directory as the engine's model: ours (engine/llama_model.py) where it covers the
 architecture, else transformers' with the paged attention plugged in; on the CPU, optionally, its
-linear layers on prepacked oneDNN weights (engine/packed_linears.py)."""
+linear layers on prepacked oneDNN weights (engine/packed_linears.py); with `quantization`, on 8-bit
+copies of their weights (engine/int8_linears.py on the CPU, engine/fp8_linears.py on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 
 import torch
 
-from engine import attention, fused_layers, llama_model, packed_linears
+from engine import attention, fused_layers, int8_linears, llama_model, packed_linears
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,21 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
         packed_dtype = packed_linears.compute_dtype(model.dtype)
         if packed_dtype is not None:
             packed_linears.pack(model, packed_dtype)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    _quantize(model, cfg.quantization)
+    return model
+
+
+def _quantize(model: torch.nn.Module, quantization: str) -> None:
+    """The linears on an 8-bit copy of their weights (derived now, not at the first request)."""
+    if quantization == "int8":
+        log.info("int8 copies of %d linears", int8_linears.install(model))
+        int8_linears.rederive(model)
+    elif quantization == "fp8":
+        from engine import fp8_linears
+
+        log.info("fp8 copies of %d linears", fp8_linears.install(model))
+        fp8_linears.rederive(model)
 
 
 def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
@@ -42,3 +57,24 @@ def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
         else:
             log.info("HF's decoder layers run as they are (fused layers do not support %s)", why_not)
     return model
+
+
+def drop_derived(model: torch.nn.Module) -> None:
+    """Free every copy derived from the weights (prepacked, int8, fp8): a commit wrote them, or
+    sleep released them. Each is derived again from the weights at its next forward."""
+    packed_linears.drop(model)
+    int8_linears.drop(model)
+    if any(hasattr(m, "_fp8_key") for m in model.modules()):
+        from engine import fp8_linears
+
+        fp8_linears.drop(model)
+
+
+def quantized_bytes(model: torch.nn.Module) -> int:
+    """The memory of the model's 8-bit copies (beside its full-precision weights), once derived."""
+    total = int8_linears.copy_bytes(model)
+    if any(hasattr(m, "_fp8_key") for m in model.modules()):
+        from engine import fp8_linears
+
+        total += fp8_linears.copy_bytes(model)
+    return total

@@ -136,17 +136,23 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _blocked_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`rows` @ packed.T (+ bias), run only at the bucketed row counts."""
+    return blocked(rows, lambda block: _onednn_linear(block, packed, bias))
+
+
+def blocked(rows: torch.Tensor, linear) -> torch.Tensor:
+    """`linear(block)` over `rows`, each block padded to a bucketed row count (ROW_BUCKETS) and at
+    most BLOCK_ROWS long; `linear` must treat rows independently (the padding's are dropped)."""
     m = rows.shape[0]
     if m <= BLOCK_ROWS:  # a decode step's batch: one call
         size = bucket(m) if m else 0
-        return _onednn_linear(rows, packed, bias) if size == m else _onednn_linear(_padded(rows, size), packed, bias)[:m]
+        return linear(rows) if size == m else linear(_padded(rows, size))[:m]
     parts = []
     for start in range(0, m, BLOCK_ROWS):
         block = rows[start:start + BLOCK_ROWS]
         n = block.shape[0]
         if bucket(n) != n:
             block = _padded(block, bucket(n))
-        parts.append(_onednn_linear(block, packed, bias)[:n])
+        parts.append(linear(block)[:n])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -11,9 +11,8 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine import packed_linears
 from engine.lora_bank import LoraBank
-from engine.model_loader import load_model
+from engine.model_loader import drop_derived, load_model, quantized_bytes
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -43,6 +42,8 @@ class Worker:
             "model": self.cfg.model,
             "device": str(self.device),
             "dtype": self.cfg.dtype,
+            "quantization": self.cfg.quantization,
+            "quantized_bytes": quantized_bytes(self.model),
             "vocab_size": mc.vocab_size,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
         }
@@ -82,10 +83,11 @@ class Worker:
         return True
 
     def weights_written(self) -> None:
-        """Called by whatever wrote the weights (a push's commit): the prepacked copies are dropped
-        and made again at the next forward. Their own check (data pointer, version counter) misses a
-        weight swapped back onto a buffer it used before and written meanwhile through another view."""
-        packed_linears.drop(self.model)
+        """Called by whatever wrote the weights (a push's commit): the derived copies (prepacked,
+        8-bit) are dropped and made again at the next forward. Their own check (data pointer, version
+        counter) misses a weight swapped back onto a buffer it used before and written meanwhile
+        through another view."""
+        drop_derived(self.model)
 
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""
@@ -99,7 +101,7 @@ class Worker:
             # Drop the weights' storage but keep the module tree: a push or a reload refills it.
             for p in list(self.model.parameters()) + list(self.model.buffers()):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            packed_linears.drop(self.model)
+            drop_derived(self.model)
             self.weights_released = True
             if self.lora_bank is not None:
                 self.lora_bank.clear()

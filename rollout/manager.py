@@ -286,7 +286,14 @@ class RolloutManager:
         return HealthReply(ok=serving == len(self.engines), version=self.version, engines=serving,
                            workers=sum(workers_of(self.engines[i]) for i in sup.up()), engine_states=states,
                            protocol=PROTOCOL_VERSION, pushing=pushing, dtype=self.engines[0].cfg.dtype,
-                           weight_sync_owner=owner, reason=reason)
+                           weight_sync_owner=owner, reason=reason, **self.serving())
+
+    def serving(self) -> dict:
+        """What the engines serve from: the precision (EngineConfig.quantization) and its 8-bit copy's
+        memory per engine (0: none; the full-precision weights are always there, the truth)."""
+        engine = self.engines[0]
+        return {"quantization": getattr(engine.cfg, "quantization", "none"),
+                "quantized_bytes": getattr(engine, "quantized_bytes", 0)}
 
     # -- stats --------------------------------------------------------------------------------
     def stats(self) -> dict:

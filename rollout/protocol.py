@@ -139,7 +139,8 @@ class HealthReply(msgspec.Struct, omit_defaults=True):
     """The value of a `health` call (and of the HTTP front's /health). `engines`: how many serve;
     `workers`: the ranks a weight-sync group would hold now; `pushing`: a push is under way (the
     engines were not asked); `dtype`: the weights' (pushes travel in it); `weight_sync_owner`:
-    the group that owns weight sync and whether its trainer still listens (None: no owner)."""
+    the group that owns weight sync and whether its trainer still listens (None: no owner);
+    `quantization`, `quantized_bytes`: the precision the engines serve in, and its copy's memory."""
 
     ok: bool
     version: int
@@ -151,6 +152,8 @@ class HealthReply(msgspec.Struct, omit_defaults=True):
     dtype: str
     weight_sync_owner: dict[str, Any] | None
     reason: str = ""  # when not ok: which engines do not serve, and why
+    quantization: str = "none"  # what the engines serve from: "none" (the weights), "int8", "fp8"
+    quantized_bytes: int = 0  # the 8-bit copy's memory per engine, beside the weights (the truth)
 
 
 # How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or

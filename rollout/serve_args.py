@@ -108,6 +108,11 @@ def _add_engine_flags(p) -> None:
                         "own versions only on native (--lora-versions)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="devices per engine (vLLM's tensor parallelism); N > 1 needs --engine vllm")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp8", "auto"],
+                   help="native: serve from an 8-bit copy of the weights, derived from each push (the pushed "
+                        "weights stay the truth of checksums, deltas and catch-ups; logprobs are the 8-bit "
+                        "policy's): int8 on the CPU, fp8 on CUDA (Hopper); auto: the device's own. Memory: the "
+                        "weights plus about one byte per linear weight")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"],
                    help="native on CPU: run the linear layers on oneDNN weights reordered once (on, default: "
                         "1.2-1.7x faster in fp32, 5-7x in bf16 on CPUs without bf16 kernels), or on torch's "

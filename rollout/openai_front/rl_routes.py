@@ -119,7 +119,8 @@ def _add_state_routes(app: FastAPI, transfer: VllmTransfer) -> None:
         engines = manager.up_engines() or manager.engines
         config = {"weight_transfer_config": {"backend": "nccl"},  # vLLM's name for the packed broadcast
                   "model_config": {"dtype": engines[0].cfg.dtype, "max_model_len": manager.max_model_len,
-                                   "logprobs_mode": f"{engines[0].cfg.logprobs_mode}_logprobs"},
+                                   "logprobs_mode": f"{engines[0].cfg.logprobs_mode}_logprobs",
+                                   **manager.serving()},
                   "parallel_config": {"world_size": transfer.world_size()}}
         return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
 

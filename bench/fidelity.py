@@ -1,0 +1,142 @@
+"""How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic
+prompts, sampled at temperature 1 from fp32, bf16 and int8 engines (the int8 one with its lm_head in
+full precision, as the engine serves it, and quantized, to show why it is not), and every sampled
+token scored again by the trainer (transformers' model, fp32). The figure is the share of sampled
+tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated importance
+sampling has to correct), with the mean and largest |log ratio|.
+
+    python -m bench.fidelity                                 # smollm2, 32 prompts x 4, 64 tokens
+    python -m bench.fidelity --prompts 8 --max-tokens 32     # quicker
+    python -m bench.fidelity --engines fp32 --ablation       # which int8 rounding moves the policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("bench.fidelity")
+
+ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too)
+    "fp32": ("float32", "none", False),
+    "bf16": ("bfloat16", "none", False),
+    "int8": ("float32", "int8", False),
+    "int8+lm_head": ("float32", "int8", True),
+}
+
+
+def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, seed: int) -> list[tuple]:
+    """(prompt ids, completion ids, the engine's logprobs) per sample of engine `name`."""
+    from engine import LLM, EngineConfig, SamplingParams, int8_linears
+
+    dtype, quantization, lm_head = ENGINES[name]
+    keep = int8_linears.KEEP_FULL_PRECISION
+    int8_linears.KEEP_FULL_PRECISION = () if lm_head else keep  # read when the engine loads
+    try:
+        llm = LLM(EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed))
+    finally:
+        int8_linears.KEEP_FULL_PRECISION = keep
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    log.info("%s: %d tokens sampled in %.1f s", name, tokens, time.perf_counter() - t0)
+    return [(o.prompt_token_ids, c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+
+
+@torch.inference_mode()
+def trainer_logprobs(trainer, prompt_ids: list[int], completion: list[int]) -> torch.Tensor:
+    """The fp32 trainer's log-probabilities of `completion` after `prompt_ids`."""
+    ids = torch.tensor([prompt_ids + completion])
+    logits = trainer(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def mismatch(trainer, samples: list[tuple]) -> dict:
+    """Share of tokens with trainer/engine probability ratio outside [0.9, 1.1], mean and max |log ratio|."""
+    logs = []
+    for prompt_ids, completion, engine_lp in samples:
+        if completion:
+            logs.append(trainer_logprobs(trainer, list(prompt_ids), list(completion)) - torch.tensor(engine_lp))
+    log_ratio = torch.cat(logs)
+    ratio = log_ratio.exp()
+    return {"tokens": log_ratio.numel(), "outside": ((ratio < 0.9) | (ratio > 1.1)).float().mean().item(),
+            "mean_abs_log": log_ratio.abs().mean().item(), "max_abs_log": log_ratio.abs().max().item()}
+
+
+def fake_quantized(trainer, weights: bool, activations: bool):
+    """A copy of the trainer with int8 rounding simulated in fp32 (every linear but the lm_head):
+    its weights rounded per output channel (`weights`), its linears' inputs per token
+    (`activations`): which of the two moves the policy."""
+    import copy
+
+    from engine.int8_linears import quantize_rows, quantize_weight
+
+    model = copy.deepcopy(trainer)
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        if weights:
+            q, scale = quantize_weight(module.weight)
+            module.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+        if activations:
+            def rounded(_, args):
+                x = args[0]
+                q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+                return ((q.float() * scale).reshape(x.shape),)
+            module.register_forward_pre_hook(rounded)
+    return model
+
+
+def ablation(trainer, samples: list[tuple]) -> dict:
+    """The fp32 engine's samples scored by fake-quantized trainers (W8, A8, W8A8) against the trainer."""
+    exact = [(p, c, trainer_logprobs(trainer, list(p), list(c)).tolist()) for p, c, _ in samples if c]
+    return {name: mismatch(fake_quantized(trainer, w, a), exact)
+            for name, (w, a) in {"fake W8": (True, False), "fake A8": (False, True), "fake W8A8": (True, True)}.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
+    ap.add_argument("--prompts", type=int, default=32, help="arithmetic prompts")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--level", type=int, default=1, help="the arithmetic task's level (recipes/arithmetic.py)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {list(ENGINES)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ablation", action="store_true",
+                    help="also score the fp32 engine's samples with the trainer's weights and/or linear inputs "
+                         "rounded to int8 in fp32 (which rounding moves the policy)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_names import resolve_model_arg
+    from engine.tokenizer import load_tokenizer
+    from recipes.tasks import ArithmeticTask
+
+    model_dir = resolve_model_arg(args.model)
+    task = ArithmeticTask(load_tokenizer(model_dir), level=args.level, seed=args.seed)
+    prompts = [item["prompt"] for item in task.prompts(args.prompts)]
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    log.info("%s, arithmetic level %d: %d prompts x %d samples, up to %d tokens, temperature 1; trainer: "
+             "transformers fp32", args.model, args.level, args.prompts, args.n, args.max_tokens)
+    rows = {}
+    for name in args.engines.split(","):
+        samples = sample(model_dir, prompts, name, args.n, args.max_tokens, args.seed)
+        rows[name] = mismatch(trainer, samples)
+        if args.ablation and name == "fp32":
+            ablated = ablation(trainer, samples)
+    if args.ablation:
+        rows.update(ablated)
+    log.info("%-13s %7s %22s %14s %13s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|", "max|log r|")
+    for name, r in rows.items():
+        log.info("%-13s %7d %22.2f%% %14.4f %13.3f", name, r["tokens"], 100 * r["outside"], r["mean_abs_log"],
+                 r["max_abs_log"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The model's linear layers on the CPU in int8, derived from the full-precision weights a trainer
+pushes (issue 49 item 4; `EngineConfig.quantization="int8"`).
+
+The full-precision parameter stays the truth: checksums, digests, deltas, host copies, healing,
+peer catch-up and LoRA read it. The int8 copy is a cache beside it, in the module's `_int8`
+attribute, made by the pure `derive(weight)`: symmetric per-output-channel scales (a row's largest
+|w| maps to 127). Activations are quantized per token (per row) at each forward, so a row's output
+depends on that row alone: a batch's other sequences, or the rows a bucket pads with, never move a
+sequence's logprobs (a per-tensor activation scale, what oneDNN's op and fbgemm's dynamic linear are
+made for, would: one sequence's outlier would coarsen every other's).
+
+The kernel, measured by bench/int8_linears.py (bench/RESULTS.md): oneDNN's int8 linear
+(`onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, activation scale 1, the per-token
+scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
+the same quantization at 8-256 rows on an AMX CPU, and 2.3-3.2x packed fp32 (but 0.5-0.7x packed
+bf16 on AMX); weight-only int8 (`_weight_int8pack_mm`) wins at 1 row but falls to 0.07-0.38x of
+packed bf16 from 8 rows. What it costs in fidelity (bench/fidelity.py): on SmolLM2 60% of sampled
+tokens leave [0.9, 1.1] in trainer/engine probability ratio (bf16: 7.5%), almost all of it from the
+per-token activations (weights alone: 21%). oneDNN's int8 on an AVX2-only CPU (no VNNI) lost
+accuracy (its u8 x s8 pairs saturate int16: 10% error where the exact int32 sum gives 1%), so
+`kernel()` probes once that a kernel gives the exact integer product and falls back to
+`torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA capped to it, `_int_mm` ran
+1.3-3.4x faster than oneDNN's int8), then to none: the engine refuses int8 there.
+
+The copy follows the weight as packed_linears' does: a push's commit calls the worker's
+`weights_written`, which `drop`s it; each forward compares the weight's data pointer, version and
+shape with those it derived from; the next forward derives it again (`rederive` does it at once).
+`derive` is pure so that a push can build the copy from its staged weights instead."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+
+from engine import packed_linears
+
+log = logging.getLogger(__name__)
+
+# (kernel, largest |q| of a weight), by preference: bench/int8_linears.py measured the kernels in
+# this order. 7-bit weights (63) are the fallback of a CPU without VNNI: its int8 dot product sums
+# u8 x s8 pairs in int16, which 255 * 127 * 2 overflows and 255 * 63 * 2 does not (fbgemm's
+# reduce_range, on the other side of the product).
+KERNELS = (("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
+
+# NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
+# log-probabilities one softmax away, and quantizing it too moved the share of SmolLM2's sampled
+# tokens whose trainer/engine probability ratio leaves [0.9, 1.1] from 60.1% to 64.5%
+# (bench/fidelity.py, engines "int8" and "int8+lm_head"; bench/RESULTS.md).
+KEEP_FULL_PRECISION = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """An int8 copy of a [N, K] weight: w ~ q * scale[:, None]. `packed`: q in `kernel`'s layout
+    (oneDNN's prepacked tensor, or q itself for _int_mm)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor  # [N] fp32
+    kernel: str
+    shape: tuple[int, int]
+    qmax: int = 127
+
+    @property
+    def nbytes(self) -> int:
+        n, k = self.shape
+        return n * k + 4 * n
+
+
+def quantize_weight(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale fp32 [N]): symmetric per output channel, |q| <= qmax."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / qmax
+    return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [M, K], scale fp32 [M, 1]): symmetric per row (token); |x| / scale <= 127, so the
+    rounding needs no clamp."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(127)
+    return torch.div(x, scale).round_().to(torch.int8), scale
+
+
+def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weight:
+    """The int8 copy of `weight` ([N, K], any float dtype) for `how` = (kernel, qmax) (default:
+    `kernel()`). Pure: reads the weight, writes nothing."""
+    name, qmax = how or kernel()
+    q, scale = quantize_weight(weight, qmax)
+    return _packed(q, scale, name, qmax)
+
+
+def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8Weight:
+    packed = torch.ops.onednn.qlinear_prepack(q, None) if name == "onednn" else q
+    return Int8Weight(packed, scale, name, tuple(q.shape), qmax)
+
+
+@functools.cache
+def _zero_points(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.long)
+
+
+def matmul(q: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """q [M, K] int8 @ w.T, times w's per-channel scales, in `out_dtype` (the per-row scales not
+    applied)."""
+    if w.kernel == "onednn":
+        if q.shape[0] == 1:  # oneDNN's one-row int8 path ran 2.8 ms on a 192x576 weight, 2 rows 0.03 ms
+            return matmul(q.expand(2, -1).contiguous(), w, out_dtype)[:1]
+        return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, w.packed, w.scale, _zero_points(w.shape[0]), None,
+                                                  1.0, 0, out_dtype, "none", [], "")
+    return torch._int_mm(q, w.packed.t()).to(out_dtype).mul_(w.scale)
+
+
+@functools.cache
+def kernel() -> tuple[str, int] | None:
+    """The first of KERNELS that runs here and gives the exact integer product (probed once)."""
+    for name, qmax in KERNELS:
+        try:
+            error = _probe_error(name, qmax)
+        except (RuntimeError, AttributeError) as e:  # not in this build, or no kernel for this CPU
+            log.info("int8 kernel %s unavailable: %s", name, str(e).splitlines()[0])
+            continue
+        if error == 0:
+            log.info("int8 linears: %s, weights in [-%d, %d]", name, qmax, qmax)
+            return name, qmax
+        log.info("int8 kernel %s with weights up to %d is inexact on this CPU (error %.3g): not used",
+                 name, qmax, error)
+    return None
+
+
+def _probe_error(name: str, qmax: int) -> float:
+    """How far `name`'s product of full-scale int8 values (what saturates a kernel that sums int8
+    pairs in 16 bits) and random ones is from the exact one (0: exact; sums below 2^24 are exact
+    in fp32)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (8, 64), generator=g, dtype=torch.int8)
+    w = torch.randint(-qmax, qmax + 1, (16, 64), generator=g, dtype=torch.int8)
+    q[:, :32], w[:, :32] = 127, qmax
+    q[1, :32], w[1, :32] = -127, -qmax
+    want = q.double() @ w.double().t()
+    got = matmul(q, _packed(w, torch.ones(16), name, qmax), torch.float32)
+    return (got.double() - want).abs().max().item()
+
+
+def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
+    """Route every `nn.Linear` of `model` (but those named in `keep`, default KEEP_FULL_PRECISION)
+    through an int8 copy of its weight; returns how many. Raises RuntimeError where no int8 kernel
+    runs exactly."""
+    keep = KEEP_FULL_PRECISION if keep is None else keep
+    if kernel() is None:
+        raise RuntimeError(f"no int8 linear kernel runs exactly on this CPU (tried {KERNELS})")
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
+            module._int8, module._int8_key = None, None
+            module.forward = types.MethodType(_int8_forward, module)
+            count += 1
+    return count
+
+
+def _int8_modules(model: torch.nn.Module):
+    return (m for m in model.modules() if hasattr(m, "_int8_key"))
+
+
+def rederive(model: torch.nn.Module) -> None:
+    """Derive every changed weight's copy now (at load, after a commit), not at the next step."""
+    for module in _int8_modules(model):
+        if module.weight.numel():
+            _int8_weight(module)
+
+
+def drop(model: torch.nn.Module) -> None:
+    """Free the int8 copies (a commit wrote the weights, or sleep level 2 released them)."""
+    for module in _int8_modules(model):
+        module._int8, module._int8_key = None, None
+
+
+def copy_bytes(model: torch.nn.Module) -> int:
+    """The int8 copies' memory once derived (int8 weights and their fp32 scales)."""
+    return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in _int8_modules(model))
+
+
+def _int8_weight(module: torch.nn.Linear) -> Int8Weight:
+    w = module.weight
+    key = (w.data_ptr(), packed_linears._version(w), tuple(w.shape))
+    if module._int8_key != key:
+        module._int8 = derive(w)
+        module._int8_key = key
+    return module._int8
+
+
+def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and self.weight.requires_grad:
+        return torch.nn.functional.linear(x, self.weight, self.bias)  # the int8 ops have no backward
+    w = _int8_weight(self)
+    out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype)).mul_(scale)
+    if self.bias is not None:
+        out += self.bias
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
