@@ -7,6 +7,7 @@
   (b) sidecar-vllm    `python -m rollout.serve --engine vllm`, driven by `rollout.RolloutClient.generate`
   (c) sidecar-native  `python -m rollout.serve --engine native`, the same client
   (d) ours       this project's `engine.LLM.generate`, in process
+  (e) ours int8  the same, serving from int8 copies of the weights (EngineConfig(quantization="int8"))
 
 The workload is bench.engine_throughput's: P prompts x n=8 samples, random prompt ids of 16-128
 tokens, a max_tokens of 16-128 drawn per prompt, temperature 1, EOS ignored, so every system
@@ -15,8 +16,9 @@ one); every request asks for the sampled tokens' logprobs (logprobs=0: what an R
 and what the sidecar always asks of vLLM). Each engine starts once per dtype and is warmed up
 before its timed runs. It prints tokens/s, each as a fraction of the matmul peak probed in this
 run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token), and the ratios
-b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM) and
-c/d (our sidecar against our engine), each also per CPU second: the CPU time of this process and
+b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM),
+c/d (our sidecar against our engine) and e/d, e/a (our int8 engine against ours and vLLM in the dtype
+its weights come in), each also per CPU second: the CPU time of this process and
 all its descendants (engine cores, sidecars) over the run, which on cores shared with other jobs
 says what a system costs when its wall time says mostly how busy the neighbours were.
 
@@ -56,7 +58,7 @@ from bench.gpu import matmul_peak
 log = logging.getLogger("bench.engines")
 
 ENGINES = {"a": "vLLM LLM.generate", "b": "sidecar --engine vllm", "c": "sidecar --engine native",
-           "d": "engine.LLM (ours)"}
+           "d": "engine.LLM (ours)", "e": "engine.LLM int8 (ours)"}
 TARGET_B_OVER_A = 0.95
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -181,14 +183,16 @@ class Sidecar:
 
 
 class Ours:
-    """(d) engine.LLM in this process."""
+    """(d) engine.LLM in this process; (e) the same serving from int8 copies of its `dtype` weights."""
 
-    def __init__(self, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int):
+    def __init__(self, model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, seed: int,
+                 quantization: str = "none"):
         from engine import LLM, EngineConfig
         from engine.model_runner import available_cpus
 
         self.llm = LLM(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len, seed=seed, num_threads=available_cpus()))
+                                    max_model_len=max_model_len, seed=seed, num_threads=available_cpus(),
+                                    quantization=quantization))
 
     def run(self, wl: Workload) -> int:
         from engine import SamplingParams
@@ -206,7 +210,7 @@ def start(key: str, *args):
         return VllmOffline(*args)
     if key in "bc":
         return Sidecar("vllm" if key == "b" else "native", *args)
-    return Ours(*args)
+    return Ours(*args, quantization="int8" if key == "e" else "none")
 
 
 def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Workload], warm: Workload,
@@ -260,7 +264,8 @@ def report(rows: list[Row], peaks: dict[str, float], num_params: int) -> str:
                  "shared with other jobs the wall ratio measures the neighbours too)")
     for dtype, seqs in dict.fromkeys((r.dtype, r.seqs) for r in rows):
         parts = []
-        for num, den, goal in (("b", "a", TARGET_B_OVER_A), ("d", "a", None), ("c", "d", None)):
+        for num, den, goal in (("b", "a", TARGET_B_OVER_A), ("d", "a", None), ("c", "d", None), ("e", "d", None),
+                               ("e", "a", None)):
             if (dtype, seqs, num) in by and (dtype, seqs, den) in by:
                 x, y = by[dtype, seqs, num], by[dtype, seqs, den]
                 ratio, cpu_ratio = x.tps / y.tps, x.tpc / y.tpc
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", default=None, help="comma-separated (default: float32,bfloat16; --quick: float32)")
     p.add_argument("--seqs", default=None,
                    help="comma-separated workload sizes in sequences, P prompts x n each (default: 32,256; --quick: 8,16)")
-    p.add_argument("--engines", default="a,b,c,d", help="which systems, comma-separated: " +
+    p.add_argument("--engines", default="a,b,c,d,e", help="which systems, comma-separated: " +
                    ", ".join(f"{k}: {v}" for k, v in ENGINES.items()) + " (default: all)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default: 8; --quick: 4)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
