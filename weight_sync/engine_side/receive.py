@@ -7,8 +7,9 @@
 3. receive every bucket into the staging buffer, laid out like the manifest (the target's commit is
    planned while they arrive); the engine keeps serving the previous weights untouched;
 4. commit vote: only when every rank holds every byte does any rank commit (one worker: its own
-   receive says it all);
-5. commit: the target takes the planned `(name, tensor)` pairs.
+   receive says it all); then the engine's derived copies (prepacked, 8-bit) are made from the
+   staged weights (`WeightTarget.derive`), the old weights and copies still serving;
+5. commit: the target takes the planned `(name, tensor)` pairs, and their derived copies.
 
 A transfer that fails or times out leaves the previous weights serving, tears the broken group
 down and raises; the next `join` forms a fresh group. The group is one source of the staging
@@ -58,6 +59,7 @@ class Arrived:
     digest: int = NONE  # of the committed bytes (weight_sync/common/digest.py)
     wire_bytes: int | None = None  # the bytes that moved, when not the committed manifest's (a delta)
     delta_seconds: dict | None = None  # a delta's: copying the base in, applying it and taking its digest
+    derive_seconds: float = 0.0  # the engine's derived copies made from the staged weights
 
 
 class PushReceiver:
@@ -130,7 +132,8 @@ class PushReceiver:
         if m.delta is not None:
             return self._receive_delta(g, m, staging, t0, t1)
         plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest)
+        derive_seconds = self._derive(m, plan)
+        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest, derive_seconds=derive_seconds)
 
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
@@ -152,7 +155,8 @@ class PushReceiver:
             raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
                                f"{self._serving()} still serving; init_weight_transfer_engine again") from None
         plan, plan_s = timed(self.target.plan, m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging))
+        digest = staged_digest(m, staging)
+        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, digest, derive_seconds=self._derive(m, plan))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
         """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own
@@ -168,7 +172,9 @@ class PushReceiver:
             raise
         plan, plan_seconds, digest = self._receive_buckets(g, m, payload, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
-        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, made.seconds)
+        derive_seconds = self._derive(full, plan, {p.tensor for p in m.delta.parts})  # only what it changed
+        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, made.seconds,
+                       derive_seconds)
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
@@ -183,10 +189,18 @@ class PushReceiver:
         # an adapter merged into the weights: they are no pushed layout's any more
         self.digest = a.digest if a.m.adapter is None else NONE
         out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
+        self.last["derive_seconds"] = a.derive_seconds
+        out["derive_seconds"] = a.derive_seconds
         if a.wire_bytes is not None:
             self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))
             out = dict(self.last)
         return out
+
+    def _derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> float:
+        """The engine's derived copies of the staged weights (step 4's end); the seconds it took."""
+        t = time.perf_counter()
+        self.target.derive(m, plan, changed)
+        return time.perf_counter() - t
 
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:
         return check_push(manifest, self.target, self.version, self.digest)
@@ -327,8 +341,10 @@ class PushReceiver:
         t1 = time.perf_counter()
         staging.copy_(source)  # every byte is here before anything is committed
         sync_device(self.device)
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0,
-                                   staged_digest(m, staging)), f"shared ({handle.get('kind')})", buckets=0)
+        plan = self.target.plan(m, staging)
+        derive_seconds = self._derive(m, plan)
+        return self.commit(Arrived(m, plan, t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging),
+                                   derive_seconds=derive_seconds), f"shared ({handle.get('kind')})", buckets=0)
 
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
@@ -347,6 +363,8 @@ class PushReceiver:
         except Exception as e:
             self.pool.give_back(staging)
             raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
+        plan = self.target.plan(m, staging)
+        derive_seconds = self._derive(m, plan)
         t1 = time.perf_counter()
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0, staged_digest(m, staging)),
+        return self.commit(Arrived(m, plan, t0, t0, t1, 0.0, staged_digest(m, staging), derive_seconds=derive_seconds),
                            "safetensors", buckets=0)
