@@ -76,6 +76,8 @@ class PushReceiver:
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
+        # waits until nothing reads memory that held served weights (a background host copy)
+        self.wait_readers = lambda: None
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -178,6 +180,8 @@ class PushReceiver:
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
+        if not a.plan.swap:  # a copy commit writes the served weights in place
+            self.wait_readers()
         try:
             freed = self.target.commit(a.m, a.plan)
         except TornWeights as e:
@@ -212,6 +216,7 @@ class PushReceiver:
         staging = None
         if not problems:
             need = m.layout_bytes if m.delta is None else m.delta.full_bytes
+            self.wait_readers()  # the pool's spare buffer held the weights before
             try:
                 staging = self.pool.take(need)
             except Exception as e:
@@ -310,6 +315,7 @@ class PushReceiver:
             self._wait_for_vote(g, m, None)
         self._vote(g, m, None, problems)
         t1 = time.perf_counter()
+        self.wait_readers()
         written, digest = [0], Digest()
         try:
             self.target.commit_stream(m, bucket_pairs(g, m, self.device, written, digest))
@@ -357,6 +363,7 @@ class PushReceiver:
             problems = ["a push directory holds full weights, not a delta"]
         if problems:
             raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
+        self.wait_readers()
         staging = self.pool.take(m.layout_bytes)
         try:
             fill_from_file(m, staging, path)
