@@ -8,6 +8,11 @@ the new version, from the chunk before it), the next few gaps, against the strea
 between tokens; and the push reply's own figures (transfer, the engines' pause window, the swap).
 Goal (issue 49): the gap at the switch within 0.1 s of the median gap.
 
+The sidecar runs with OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise
+(`--omp-wait-policy`): with OpenMP's spinning barriers, any other runnable thread on the cores (a
+neighbour's job, or the push's own transfer: the trainer sending, the receiver hashing) slowed the
+engine's steps ~10x here (a median gap of 4.2 s instead of 0.17 s on 2 shared cores).
+
     python -m bench.push_stall --quick                           # tiny model, a smoke test
     python -m bench.push_stall --model smollm2 --dtype float32   # SmolLM2-135M (538 MB a push)
     python -m bench.push_stall --model smollm2 --dtype bfloat16
@@ -19,6 +24,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import time
 
@@ -114,8 +120,8 @@ async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
 
 def report(args, figures: dict) -> None:
     med = figures["median_gap"]
-    print(f"\npush stall, {args.model} {args.dtype}, prepack-linears {args.prepack_linears}, load {args.load} "
-          f"sequences + 1 streamed; {figures['tokens']} streamed tokens in {figures['chunks']} chunks")
+    print(f"\npush stall, {args.model} {args.dtype}, prepack-linears {args.prepack_linears}, OMP_WAIT_POLICY "
+          f"{args.omp_wait_policy}, load {args.load} sequences + 1 streamed; {figures['tokens']} streamed tokens in {figures['chunks']} chunks")
     print(f"stream's median gap between chunks: {med * 1e3:.0f} ms")
     print(f"{'version':>7} {'switch gap':>10} {'- median':>9} {'next gaps (ms)':<34} {'push':>7} {'transfer':>8} "
           f"{'pause':>7} {'swap':>7}")
@@ -155,12 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--after", type=int, default=4, help="gaps shown after the switch")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"], help="the sidecar's flag")
     p.add_argument("--sidecar-arg", action="append", default=[], help="one more argument for rollout.serve (repeat)")
+    p.add_argument("--omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                   help="OMP_WAIT_POLICY for the sidecar (default: the environment's, else PASSIVE)")
     p.add_argument("--verbose", action="store_true", help="print each push reply whole")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.quick:
         args.model, args.pushes, args.settle, args.interval = "tiny", 2, 1.0, 1.0
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # the sidecar and its engine cores inherit it
 
     from engine.model_names import resolve_model_arg
     from rollout.launcher import LocalSidecar
