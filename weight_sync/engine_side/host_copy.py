@@ -48,7 +48,8 @@ def host_snapshot(named) -> tuple[dict[str, torch.Tensor], object]:
 class HostCopies:
     def __init__(self):
         self.saves: dict[str, concurrent.futures.Future] = {}  # path -> a background write's outcome
-        self.readers: list[threading.Thread] = []  # background writes reading the served weights (CPU)
+        # background writes reading the served weights (CPU), each with the storages it reads
+        self.readers: list[tuple[threading.Thread, set[int]]] = []
 
     def save(self, named, path: str, version: int, background: bool = False
              ) -> dict | concurrent.futures.Future:
@@ -86,14 +87,18 @@ class HostCopies:
         thread = threading.Thread(target=run, name="weight-sync-save", daemon=True)
         thread.start()
         if reads_served:
-            self.readers = [t for t in self.readers if t.is_alive()] + [thread]
+            storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+            self.readers = [r for r in self.readers if r[0].is_alive()] + [(thread, storages)]
         return done
 
-    def wait_readers(self) -> None:
-        """Until no background write reads the served weights: called before anything writes memory
-        that held them (a push's staging, a copy commit)."""
-        for t in list(self.readers):  # pruned by `save`: this may run on a push's receiving thread
-            t.join()
+    def wait_readers(self, memory: torch.Tensor | None = None) -> None:
+        """Until no background write reads `memory`'s storage (None: any weights): called before
+        anything writes memory that held served weights (a push's staging, a copy commit). A push
+        taking the kept buffer waits only for a write of the version before the last."""
+        ptr = None if memory is None else memory.untyped_storage().data_ptr()
+        for thread, storages in list(self.readers):  # pruned by `save`: this may run on a receiving thread
+            if ptr is None or ptr in storages:
+                thread.join()
 
     def saved(self, path: str) -> dict | None:
         """A background save: None while it writes; its result once written; raises RuntimeError

@@ -76,8 +76,8 @@ class PushReceiver:
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
-        # waits until nothing reads memory that held served weights (a background host copy)
-        self.wait_readers = lambda: None
+        # waits until nothing reads the memory given (None: any weights), as a background host copy may
+        self.wait_readers = lambda memory=None: None
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -200,6 +200,13 @@ class PushReceiver:
             out = dict(self.last)
         return out
 
+    def _take(self, nbytes: int) -> torch.Tensor:
+        """Staging memory: the pool's kept buffer held served weights, which a background write may
+        still be reading."""
+        if self.pool.spare is not None:
+            self.wait_readers(self.pool.spare)
+        return self.pool.take(nbytes)
+
     def _derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> float:
         """The engine's derived copies of the staged weights (step 4's end); the seconds it took."""
         t = time.perf_counter()
@@ -216,9 +223,8 @@ class PushReceiver:
         staging = None
         if not problems:
             need = m.layout_bytes if m.delta is None else m.delta.full_bytes
-            self.wait_readers()  # the pool's spare buffer held the weights before
             try:
-                staging = self.pool.take(need)
+                staging = self._take(need)
             except Exception as e:
                 problems = [f"cannot allocate {need} bytes of staging memory: {e}"]
         return m, staging, problems
@@ -363,8 +369,7 @@ class PushReceiver:
             problems = ["a push directory holds full weights, not a delta"]
         if problems:
             raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
-        self.wait_readers()
-        staging = self.pool.take(m.layout_bytes)
+        staging = self._take(m.layout_bytes)
         try:
             fill_from_file(m, staging, path)
         except Exception as e:
