@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pushes", type=int, default=3, help="full pushes while the completion streams")
     p.add_argument("--load", type=int, default=32, help="sequences decoding beside the streamed one (groups of 8)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between the end of a push and the next")
-    p.add_argument("--settle", type=float, default=3.0, help="seconds of streaming before the first push")
+    p.add_argument("--settle", type=float, default=12.0,
+                   help="seconds of streaming before the first push: the sidecar's next warm standby core "
+                        "starts beside the engine after READY, and its imports take the cores for several seconds")
     p.add_argument("--after", type=int, default=4, help="gaps shown after the switch")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"], help="the sidecar's flag")
     p.add_argument("--sidecar-arg", action="append", default=[], help="one more argument for rollout.serve (repeat)")
