@@ -114,14 +114,15 @@ async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
     median, rows = gaps_at_switches(arrivals, [r["version"] for r in replies], args.after)
     for row, rep in zip(rows, replies):
         row.update({k: v for k, v in rep.items() if k != "reply"})
-    return {"arrivals": arrivals, "median_gap": median, "chunks": len(arrivals), "tokens": sum(k for _, k, _ in arrivals), "pushes": rows,
-            "replies": [r["reply"] for r in replies]}
+    return {"arrivals": arrivals, "median_gap": median, "chunks": len(arrivals),
+            "tokens": sum(k for _, k, _ in arrivals), "pushes": rows, "replies": [r["reply"] for r in replies]}
 
 
 def report(args, figures: dict) -> None:
     med = figures["median_gap"]
     print(f"\npush stall, {args.model} {args.dtype}, prepack-linears {args.prepack_linears}, OMP_WAIT_POLICY "
-          f"{args.omp_wait_policy}, load {args.load} sequences + 1 streamed; {figures['tokens']} streamed tokens in {figures['chunks']} chunks")
+          f"{args.omp_wait_policy}, load {args.load} sequences + 1 streamed; {figures['tokens']} streamed tokens "
+          f"in {figures['chunks']} chunks")
     print(f"stream's median gap between chunks: {med * 1e3:.0f} ms")
     print(f"{'version':>7} {'switch gap':>10} {'- median':>9} {'next gaps (ms)':<34} {'push':>7} {'transfer':>8} "
           f"{'pause':>7} {'swap':>7}")
@@ -135,8 +136,8 @@ def report(args, figures: dict) -> None:
         ok = ok and over <= GOAL_S
         nxt = " ".join(f"{g * 1e3:.0f}" for g in r["next_gaps"])
         ms = lambda x: "-" if x is None else f"{x * 1e3:.0f}"  # noqa: E731
-        print(f"{r['version']:>7} {r['switch_gap'] * 1e3:>8.0f}ms {over * 1e3:>7.0f}ms {nxt:<34} {ms(r['push_s']):>5}ms "
-              f"{ms(r['transfer_s']):>6}ms {ms(r['pause_s']):>5}ms {ms(r['swap_s']):>5}ms")
+        print(f"{r['version']:>7} {r['switch_gap'] * 1e3:>8.0f}ms {over * 1e3:>7.0f}ms {nxt:<34} "
+              f"{ms(r['push_s']):>5}ms {ms(r['transfer_s']):>6}ms {ms(r['pause_s']):>5}ms {ms(r['swap_s']):>5}ms")
     print(f"goal: switch gap within {GOAL_S * 1e3:.0f} ms of the median gap: {'met' if ok else 'NOT met'}")
     if args.verbose:
         for rep in figures["replies"]:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="a model directory or name (tiny, small, smollm2)")
     p.add_argument("--quick", action="store_true", help="the tiny model, 2 pushes: a smoke test")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's and the pushes' dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the engine's and the pushes' dtype")
     p.add_argument("--pushes", type=int, default=3, help="full pushes while the completion streams")
     p.add_argument("--load", type=int, default=32, help="sequences decoding beside the streamed one (groups of 8)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between the end of a push and the next")

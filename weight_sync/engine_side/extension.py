@@ -37,6 +37,7 @@ class WeightSyncExtension:
     # -- the parts, made at first use -------------------------------------------------------
     def _new_receiver(self) -> PushReceiver:
         pool = StagingPool(self.device, keep=self.device.type == "cpu")
+        pool.before_reuse = self._host_copies().wait_readers
         receiver = PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
         receiver.wait_readers = self._host_copies().wait_readers
         return receiver

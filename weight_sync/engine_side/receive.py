@@ -76,8 +76,7 @@ class PushReceiver:
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
-        # waits until nothing reads the memory given (None: any weights), as a background host copy may
-        self.wait_readers = lambda memory=None: None
+        self.wait_readers = lambda: None  # until nothing reads the served weights (a background host copy)
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -134,8 +133,7 @@ class PushReceiver:
         if m.delta is not None:
             return self._receive_delta(g, m, staging, t0, t1)
         plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
-        derive_seconds = self._derive(m, plan)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest, derive_seconds=derive_seconds)
+        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest))
 
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
@@ -157,8 +155,7 @@ class PushReceiver:
             raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
                                f"{self._serving()} still serving; init_weight_transfer_engine again") from None
         plan, plan_s = timed(self.target.plan, m, staging)
-        digest = staged_digest(m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, digest, derive_seconds=self._derive(m, plan))
+        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging)))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
         """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own
@@ -174,9 +171,8 @@ class PushReceiver:
             raise
         plan, plan_seconds, digest = self._receive_buckets(g, m, payload, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
-        derive_seconds = self._derive(full, plan, {p.tensor for p in m.delta.parts})  # only what it changed
-        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, made.seconds,
-                       derive_seconds)
+        return _derived(self.target, Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
+                                             m.total_bytes, made.seconds), {p.tensor for p in m.delta.parts})
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
@@ -192,26 +188,11 @@ class PushReceiver:
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
         self.digest = a.digest if a.m.adapter is None else NONE
-        out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
-        self.last["derive_seconds"] = a.derive_seconds
-        out["derive_seconds"] = a.derive_seconds
+        out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds, a.derive_seconds)
         if a.wire_bytes is not None:
             self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))
             out = dict(self.last)
         return out
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        """Staging memory: the pool's kept buffer held served weights, which a background write may
-        still be reading."""
-        if self.pool.spare is not None:
-            self.wait_readers(self.pool.spare)
-        return self.pool.take(nbytes)
-
-    def _derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> float:
-        """The engine's derived copies of the staged weights (step 4's end); the seconds it took."""
-        t = time.perf_counter()
-        self.target.derive(m, plan, changed)
-        return time.perf_counter() - t
 
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:
         return check_push(manifest, self.target, self.version, self.digest)
@@ -224,7 +205,7 @@ class PushReceiver:
         if not problems:
             need = m.layout_bytes if m.delta is None else m.delta.full_bytes
             try:
-                staging = self._take(need)
+                staging = self.pool.take(need)
             except Exception as e:
                 problems = [f"cannot allocate {need} bytes of staging memory: {e}"]
         return m, staging, problems
@@ -300,12 +281,12 @@ class PushReceiver:
         return serving(self.version)
 
     def _done(self, m: Manifest, t0: float, t1: float, t2: float, transport: str, buckets: int,
-              plan_seconds: float = 0.0) -> dict:
+              plan_seconds: float = 0.0, derive_seconds: float = 0.0) -> dict:
         t3 = time.perf_counter()
         self.version = m.version
         self.last = {"version": m.version, "bytes": m.total_bytes, "buckets": buckets, "seconds": t3 - t0,
                      "receive_seconds": t2 - t1, "commit_seconds": t3 - t2, "plan_seconds": plan_seconds,
-                     "transport": transport}
+                     "derive_seconds": derive_seconds, "transport": transport}
         return dict(self.last)
 
     # -- no staging: in place ---------------------------------------------------------------
@@ -353,10 +334,8 @@ class PushReceiver:
         t1 = time.perf_counter()
         staging.copy_(source)  # every byte is here before anything is committed
         sync_device(self.device)
-        plan = self.target.plan(m, staging)
-        derive_seconds = self._derive(m, plan)
-        return self.commit(Arrived(m, plan, t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging),
-                                   derive_seconds=derive_seconds), f"shared ({handle.get('kind')})", buckets=0)
+        a = Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging))
+        return self.commit(_derived(self.target, a), f"shared ({handle.get('kind')})", buckets=0)
 
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
@@ -369,14 +348,18 @@ class PushReceiver:
             problems = ["a push directory holds full weights, not a delta"]
         if problems:
             raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
-        staging = self._take(m.layout_bytes)
+        staging = self.pool.take(m.layout_bytes)
         try:
             fill_from_file(m, staging, path)
         except Exception as e:
             self.pool.give_back(staging)
             raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
-        plan = self.target.plan(m, staging)
-        derive_seconds = self._derive(m, plan)
-        t1 = time.perf_counter()
-        return self.commit(Arrived(m, plan, t0, t0, t1, 0.0, staged_digest(m, staging), derive_seconds=derive_seconds),
-                           "safetensors", buckets=0)
+        a = Arrived(m, self.target.plan(m, staging), t0, t0, time.perf_counter(), 0.0, staged_digest(m, staging))
+        return self.commit(_derived(self.target, a), "safetensors", buckets=0)
+
+
+def _derived(target: WeightTarget, a: Arrived, changed: set[int] | None = None) -> Arrived:
+    """Step 4's end: the engine's derived copies made from the staged weights (`changed`: the
+    indices of the tensors a delta changed), timed."""
+    a.derive_seconds = timed(target.derive, a.m, a.plan, changed)[1]
+    return a
