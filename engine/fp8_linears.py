@@ -10,8 +10,9 @@ The product is `torch._scaled_mm` with row-wise scales (Hopper, compute capabili
 runs it too), which needs bf16 out: an fp32 engine's output is widened back. Linears whose sizes
 are not multiples of 16 (what _scaled_mm takes) stay in full precision.
 
-The copy follows the weight: `drop` at a commit (Worker.weights_written), and each forward
-compares the weight's data pointer, version and shape with those it derived from."""
+The copy is a derived copy (engine/derived_weights.py): made from a push's staged weights and
+swapped in at its commit; each forward compares the weight's data pointer, version and shape with
+those it derived from."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.int8_linears import KEEP_FULL_PRECISION
-from engine.packed_linears import _version
+from engine import derived_weights
 
 E4M3_MAX = 448.0
 
@@ -78,42 +79,23 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] = KEEP_FULL_PRECISION)
     for name, module in model.named_modules():
         if (isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0):
-            module._fp8, module._fp8_key = None, None
+            derived_weights.attach(module, derive)
+            module._fp8_copy = True
             module.forward = types.MethodType(_fp8_forward, module)
             count += 1
     return count
 
 
 def _fp8_modules(model: torch.nn.Module):
-    return (m for m in model.modules() if hasattr(m, "_fp8_key"))
-
-
-def rederive(model: torch.nn.Module) -> None:
-    for module in _fp8_modules(model):
-        if module.weight.numel():
-            _fp8_weight(module)
-
-
-def drop(model: torch.nn.Module) -> None:
-    for module in _fp8_modules(model):
-        module._fp8, module._fp8_key = None, None
+    return (m for m in model.modules() if getattr(m, "_fp8_copy", False))
 
 
 def copy_bytes(model: torch.nn.Module) -> int:
     return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in _fp8_modules(model))
 
 
-def _fp8_weight(module: torch.nn.Linear) -> Fp8Weight:
-    w = module.weight
-    key = (w.data_ptr(), _version(w), tuple(w.shape))
-    if module._fp8_key != key:
-        module._fp8 = derive(w)
-        module._fp8_key = key
-    return module._fp8
-
-
 def _fp8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    out = matmul(x.reshape(-1, x.shape[-1]), _fp8_weight(self), self.bias)
+    out = matmul(x.reshape(-1, x.shape[-1]), derived_weights.current(self), self.bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

@@ -22,10 +22,10 @@ accuracy (its u8 x s8 pairs saturate int16: 10% error where the exact int32 sum 
 `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA capped to it, `_int_mm` ran
 1.3-3.4x faster than oneDNN's int8), then to none: the engine refuses int8 there.
 
-The copy follows the weight as packed_linears' does: a push's commit calls the worker's
-`weights_written`, which `drop`s it; each forward compares the weight's data pointer, version and
-shape with those it derived from; the next forward derives it again (`rederive` does it at once).
-`derive` is pure so that a push can build the copy from its staged weights instead."""
+The copy is a derived copy (engine/derived_weights.py), as the prepacked linears' are: a push
+derives it from its staged weights while the engine serves and its commit swaps it in with them;
+each forward compares the weight's data pointer, version and shape with those it derived from
+(a write anywhere else derives it again)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import packed_linears
+from engine import derived_weights, packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -155,27 +155,15 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
-            module._int8, module._int8_key = None, None
+            derived_weights.attach(module, derive)  # in place of a prepacked copy, if it had one
+            module._int8_copy = True
             module.forward = types.MethodType(_int8_forward, module)
             count += 1
     return count
 
 
 def _int8_modules(model: torch.nn.Module):
-    return (m for m in model.modules() if hasattr(m, "_int8_key"))
-
-
-def rederive(model: torch.nn.Module) -> None:
-    """Derive every changed weight's copy now (at load, after a commit), not at the next step."""
-    for module in _int8_modules(model):
-        if module.weight.numel():
-            _int8_weight(module)
-
-
-def drop(model: torch.nn.Module) -> None:
-    """Free the int8 copies (a commit wrote the weights, or sleep level 2 released them)."""
-    for module in _int8_modules(model):
-        module._int8, module._int8_key = None, None
+    return (m for m in model.modules() if getattr(m, "_int8_copy", False))
 
 
 def copy_bytes(model: torch.nn.Module) -> int:
@@ -183,19 +171,10 @@ def copy_bytes(model: torch.nn.Module) -> int:
     return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in _int8_modules(model))
 
 
-def _int8_weight(module: torch.nn.Linear) -> Int8Weight:
-    w = module.weight
-    key = (w.data_ptr(), packed_linears._version(w), tuple(w.shape))
-    if module._int8_key != key:
-        module._int8 = derive(w)
-        module._int8_key = key
-    return module._int8
-
-
 def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
         return torch.nn.functional.linear(x, self.weight, self.bias)  # the int8 ops have no backward
-    w = _int8_weight(self)
+    w = derived_weights.current(self)
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype)).mul_(scale)

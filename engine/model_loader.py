@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from engine import attention, fused_layers, int8_linears, llama_model, packed_linears
+from engine import attention, derived_weights, fused_layers, int8_linears, llama_model, packed_linears
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,12 @@ def _quantize(model: torch.nn.Module, quantization: str) -> None:
     """The linears on an 8-bit copy of their weights (derived now, not at the first request)."""
     if quantization == "int8":
         log.info("int8 copies of %d linears", int8_linears.install(model))
-        int8_linears.rederive(model)
     elif quantization == "fp8":
         from engine import fp8_linears
 
         log.info("fp8 copies of %d linears", fp8_linears.install(model))
-        fp8_linears.rederive(model)
+    if quantization in ("int8", "fp8"):
+        derived_weights.refresh(model)
 
 
 def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
@@ -59,21 +59,10 @@ def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
     return model
 
 
-def drop_derived(model: torch.nn.Module) -> None:
-    """Free every copy derived from the weights (prepacked, int8, fp8): a commit wrote them, or
-    sleep released them. Each is derived again from the weights at its next forward."""
-    packed_linears.drop(model)
-    int8_linears.drop(model)
-    if any(hasattr(m, "_fp8_key") for m in model.modules()):
-        from engine import fp8_linears
-
-        fp8_linears.drop(model)
-
-
 def quantized_bytes(model: torch.nn.Module) -> int:
     """The memory of the model's 8-bit copies (beside its full-precision weights), once derived."""
     total = int8_linears.copy_bytes(model)
-    if any(hasattr(m, "_fp8_key") for m in model.modules()):
+    if any(getattr(m, "_fp8_copy", False) for m in model.modules()):
         from engine import fp8_linears
 
         total += fp8_linears.copy_bytes(model)

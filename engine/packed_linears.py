@@ -7,13 +7,15 @@ once into its blocked layout (measured by bench.engines' micro-probe in bench/RE
 packed copy is a cache beside the parameter, never the parameter itself: checksums, digests, host
 copies, catch-ups, LoRA and the trainer's names keep reading the plain weight.
 
-The cache follows the weight: a push's commit calls the worker's `weights_written`, which
-`drop`s every packed copy; and each forward compares the weight's data pointer and version counter
-with those it packed, which catches a write anywhere else (a test's `copy_`, a reload). The
-pointer alone is not enough for a push: on the CPU a commit swaps a weight onto the staging buffer
-it held two pushes ago, which a LoRA merge or a bucket wrote meanwhile through a view of its own
-(whose version counter is not the parameter's). The first forward after a commit pays the repack
-(one copy of the weights, ~0.5 s for SmolLM2's 538 MB); `repack` does it at once instead.
+The packed copy is a derived copy (engine/derived_weights.py): a push packs the weights it
+changed from its staged tensors while the engine still serves, and its commit swaps the packed
+copies in with the weights, so no forward after a commit repacks (which took ~0.5 s for SmolLM2's
+538 MB, a stall every streaming client saw). Each forward still compares the weight's data pointer
+and version counter with those it packed, which catches a write anywhere else (a test's `copy_`, a
+reload); a commit that stages no copies (an in-place push) drops them. The pointer alone is not
+enough for a push: on the CPU a commit swaps a weight onto the staging buffer it held two pushes
+ago, which a bucket wrote meanwhile through a view of its own (whose version counter is not the
+parameter's): the commit's copies are keyed anew at the swap.
 
 oneDNN and torch's ideep cache a primitive per distinct row count (0.5-5 MB each), so varied
 batch sizes would grow those caches toward 1-2 GB: the rows are padded up to one of `ROW_BUCKETS`
@@ -37,6 +39,8 @@ import threading
 import types
 
 import torch
+
+from engine import derived_weights
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +79,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Route every `nn.Linear` of `model` through a weight prepacked in `dtype` (compute_dtype);
-    returns how many. The weights are packed at their first forward (or `repack`)."""
+    returns how many. The weights are packed at their first forward, `repack`, or a push's staging."""
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module._packed, module._packed_key, module._packed_dtype = None, None, dtype
+            derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
+            module._packed_dtype = dtype
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     return count
+
+
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A full-precision weight reordered into oneDNN's blocked layout in `dtype`: the derived copy."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
 
 
 def _packed_modules(model: torch.nn.Module):
@@ -90,32 +100,16 @@ def _packed_modules(model: torch.nn.Module):
 
 
 def repack(model: torch.nn.Module) -> None:
-    """Pack every changed weight now (after a commit), not at the next decode step."""
+    """Pack every changed weight now, not at the next decode step."""
     for module in _packed_modules(model):
         if module.weight.numel():
-            _packed_weight(module)
+            derived_weights.current(module)
 
 
 def drop(model: torch.nn.Module) -> None:
-    """Free the packed copies (a commit wrote the weights, or sleep level 2 released them)."""
+    """Free the packed copies (sleep level 2 released the weights)."""
     for module in _packed_modules(model):
-        module._packed, module._packed_key = None, None
-
-
-def _packed_weight(module: torch.nn.Linear) -> torch.Tensor:
-    w = module.weight
-    key = (w.data_ptr(), _version(w), tuple(w.shape))
-    if module._packed_key != key:
-        module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(module._packed_dtype))
-        module._packed_key = key
-    return module._packed
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference-mode tensor counts no versions (and takes no writes outside it)
-        return -1
+        module._derived, module._derived_key = None, None
 
 
 def bucket(rows: int) -> int:
@@ -130,7 +124,7 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
-    out = _blocked_linear(rows, _packed_weight(self), bias)
+    out = _blocked_linear(rows, derived_weights.current(self), bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 

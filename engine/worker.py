@@ -11,8 +11,9 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine import derived_weights
 from engine.lora_bank import LoraBank
-from engine.model_loader import drop_derived, load_model, quantized_bytes
+from engine.model_loader import load_model, quantized_bytes
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,20 @@ class Worker:
             reloaded()
         return True
 
-    def weights_written(self) -> None:
-        """Called by whatever wrote the weights (a push's commit): the derived copies (prepacked,
-        8-bit) are dropped and made again at the next forward. Their own check (data pointer, version
-        counter) misses a weight swapped back onto a buffer it used before and written meanwhile
-        through another view."""
-        drop_derived(self.model)
+    def stage_derived_copies(self, pairs, unchanged: set | None = None) -> derived_weights.StagedCopies:
+        """The copies the forward reads instead of weights (the prepacked linears), made now from
+        a push's staged tensors, `pairs` of (parameter, staged tensor), while the engine serves the
+        old ones; `unchanged`: ids of the parameters whose values the push keeps (a delta's). Called
+        by whatever stages a push, on its own thread; its commit hands them to `weights_written`."""
+        return derived_weights.stage(self.model, pairs, unchanged)
+
+    def weights_written(self, staged: derived_weights.StagedCopies | None = None) -> None:
+        """Called by whatever wrote the weights (a push's commit): the copies `staged` for them are
+        served from now on. The weights a commit wrote with none staged (`staged=None`: all of them)
+        have theirs dropped and derived again at the next forward: their own check (data pointer,
+        version counter) misses a weight swapped back onto a buffer it used before and written
+        meanwhile through another view."""
+        derived_weights.install(self.model, staged)
 
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""
@@ -101,7 +110,7 @@ class Worker:
             # Drop the weights' storage but keep the module tree: a push or a reload refills it.
             for p in list(self.model.parameters()) + list(self.model.buffers()):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            drop_derived(self.model)
+            derived_weights.drop(self.model)
             self.weights_released = True
             if self.lora_bank is not None:
                 self.lora_bank.clear()

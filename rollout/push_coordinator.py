@@ -389,6 +389,9 @@ class PushCoordinator:
         applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
         if applied:  # a delta push: its slowest worker's apply (weight_sync/common/delta_push.py)
             out["apply_seconds"] = max(applied)
+        derived = [w["derive_seconds"] for w in workers if isinstance(w, dict) and "derive_seconds" in w]
+        if derived:  # the slowest worker's copies made from the staged weights (engine/derived_weights.py)
+            out["derive_seconds"] = max(derived)
         return {**out, **self.sidecar.serving(), "seconds": time.monotonic() - t0}
 
     async def _stop_stuck(self, engines: list[EngineClient], push_id: str) -> None:

@@ -5,7 +5,7 @@ logprobs those of the int8 policy, not of the fp32 one."""
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, int8_linears
+from engine import LLM, EngineConfig, SamplingParams, derived_weights, int8_linears
 from engine.model_loader import quantized_bytes
 
 pytestmark = pytest.mark.skipif(int8_linears.kernel() is None, reason="no exact int8 kernel on this CPU")
@@ -57,10 +57,10 @@ def test_a_row_is_computed_from_itself_alone():
 def test_the_copy_follows_a_swap_a_copy_and_the_drop_of_a_commit():
     layer, x = _layer(), torch.randn(4, 64)
     _close(layer, x)
-    first = layer._int8
+    first = layer._derived
     layer.weight.data = torch.randn(48, 64)  # a swap commit: the storage moves
     _close(layer, x)
-    assert layer._int8 is not first
+    assert layer._derived is not first
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 64))  # a copy commit: the version counter moves
     _close(layer, x)
@@ -68,7 +68,7 @@ def test_the_copy_follows_a_swap_a_copy_and_the_drop_of_a_commit():
     layer.weight.data = b
     a.copy_(torch.randn(48, 64))  # the staging buffer written through its own view
     layer.weight.data = a
-    int8_linears.drop(layer)  # what Worker.weights_written does at a commit
+    derived_weights.drop(layer)  # what a commit with no staged copies does (Worker.weights_written)
     _close(layer, x)
 
 

@@ -37,10 +37,10 @@ def _close(layer: torch.nn.Linear, x: torch.Tensor) -> None:
 def test_the_packed_weight_follows_a_swap_and_a_copy():
     layer, x = _layer(), torch.randn(1, 5, 64)
     _close(layer, x)
-    packed = layer._packed
+    packed = layer._derived
     layer.weight.data = torch.randn(48, 64)  # a swap commit: the storage moves
     _close(layer, x)
-    assert layer._packed is not packed
+    assert layer._derived is not packed
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 64))  # a copy commit: the version counter moves
     _close(layer, x)
@@ -85,11 +85,11 @@ def test_a_bf16_layer_keeps_a_bf16_gemms_arithmetic():
 
 def test_repack_packs_at_once_and_drop_frees():
     layer = _layer(bias=False)
-    assert layer._packed is None
+    assert layer._derived is None
     packed_linears.repack(layer)
-    assert layer._packed is not None
+    assert layer._derived is not None
     packed_linears.drop(layer)
-    assert layer._packed is None and layer._packed_key is None
+    assert layer._derived is None and layer._derived_key is None
     _close(layer, torch.randn(7, 64))  # a forward after a drop packs again
 
 
@@ -97,17 +97,17 @@ def test_a_forward_with_grad_takes_the_plain_path():
     layer = _layer().requires_grad_(True)
     x = torch.randn(3, 64)
     layer(x).sum().backward()
-    assert layer.weight.grad is not None and layer._packed is None
+    assert layer.weight.grad is not None and layer._derived is None
 
 
 def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf_models):
     llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=16, max_model_len=256, prepack_linears=True))
     model = llm.core.worker.model
-    packed = [m for m in model.modules() if getattr(m, "_packed_key", False) is not False]
+    packed = [m for m in model.modules() if getattr(m, "_derived_key", False) is not False]
     assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
     prompts = random_prompts(6, 3, 40, 2000, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    assert all(m._packed is not None for m in packed)
+    assert all(m._derived is not None for m in packed)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 16)
     assert math.isfinite(llm.core.worker.runner.forward_seconds)
@@ -134,7 +134,7 @@ def test_any_row_count_runs_at_a_bucketed_one_and_keeps_each_rows_sum(monkeypatc
 
 def test_prepack_off_keeps_torchs_linear(model_dirs):
     llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_model_len=128, prepack_linears=False))
-    assert not any(hasattr(m, "_packed_key") for m in llm.core.worker.model.modules())
+    assert not any(hasattr(m, "_derived_key") for m in llm.core.worker.model.modules())
 
 
 def test_a_layer_runs_outside_inference_mode_after_a_forward_inside_it():

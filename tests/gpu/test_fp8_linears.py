@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, fp8_linears
+from engine import LLM, EngineConfig, SamplingParams, derived_weights, fp8_linears
 from engine.model_loader import quantized_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fp8_linears.supported("cuda"),
@@ -42,13 +42,13 @@ def test_the_copy_follows_the_weight_and_derive_is_pure():
     before = layer.weight.clone()
     layer(x)
     assert torch.equal(layer.weight, before)
-    first = layer._fp8
+    first = layer._derived
     with torch.no_grad():
         layer.weight.copy_(torch.randn(32, 64, device="cuda"))
     layer(x)
-    assert layer._fp8 is not first
-    fp8_linears.drop(layer)
-    assert layer._fp8 is None
+    assert layer._derived is not first
+    derived_weights.drop(layer)
+    assert layer._derived is None
 
 
 def test_an_fp8_engine_serves_from_its_copy_and_keeps_the_weights(qwen2_dir):

@@ -37,7 +37,10 @@ class WeightSyncExtension:
     # -- the parts, made at first use -------------------------------------------------------
     def _new_receiver(self) -> PushReceiver:
         pool = StagingPool(self.device, keep=self.device.type == "cpu")
-        return PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
+        pool.before_reuse = self._host_copies().wait_readers
+        receiver = PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
+        receiver.wait_readers = self._host_copies().wait_readers
+        return receiver
 
     def _new_target(self, pool: StagingPool):
         return ParamsTarget(self, pool)
@@ -148,6 +151,7 @@ class WeightSyncExtension:
     def zero_weights(self) -> bool:
         """Zero every weight (vLLM's /weight_checker "reset": a test that the next push writes them
         all). The weights are of no push now: a delta must not build on them."""
+        self._host_copies().wait_readers()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()

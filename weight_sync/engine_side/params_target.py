@@ -3,6 +3,7 @@ weight_sync/engine_side/targets.py that swaps pointers instead of copying."""
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterator
 
@@ -12,6 +13,8 @@ from weight_sync.common.manifest import Manifest, model_params, param_infos, val
 from weight_sync.engine_side.lora_target import LoraMergeTarget
 from weight_sync.engine_side.staging_memory import StagingPool, whole
 from weight_sync.engine_side.targets import CommitPlan, Pairs, sync_device, views
+
+log = logging.getLogger(__name__)
 
 COMMIT_MODES = ("swap", "copy")
 
@@ -62,11 +65,27 @@ class ParamsTarget:
         swap = self.commit_mode == "swap" and all(p.dtype == v.dtype for p, (_, v) in zip(targets, pairs))
         return CommitPlan(staging, pairs, targets, swap)
 
+    def derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> None:
+        """The worker's derived copies (`stage_derived_copies`: the prepacked linears) made from the
+        staged pairs now, on the receiving thread. A failure here costs no push: the commit then
+        drops the copies and the next forward derives them, as before."""
+        stage = getattr(self.host, "stage_derived_copies", None)
+        if stage is None or not plan.params:
+            return
+        unchanged = None
+        if changed is not None and m.adapter is None:  # the pairs follow m.tensors (views)
+            unchanged = {id(p) for k, p in enumerate(plan.params) if k not in changed}
+        try:
+            plan.derived = stage(list(zip(plan.params, (t for _, t in plan.pairs))), unchanged)
+        except Exception as e:  # noqa: BLE001 - the weights still commit; their copies follow lazily
+            log.warning("deriving the served copies of version %d from its staged weights failed (%s: %s): the "
+                        "first forward after its commit derives them", m.version, type(e).__name__, e)
+
     def commit(self, m: Manifest, plan: CommitPlan) -> torch.Tensor | None:
         """Cannot fail half way: names, shapes and dtypes were validated, and assignment or
         same-size copies do not raise."""
         replaced = assign(plan, self.host.device)
-        self._written()
+        self._written(plan.derived)
         if m.adapter is not None:
             self.adapter.committed(m, plan)
             if not m.adapter.with_base:
@@ -113,12 +132,13 @@ class ParamsTarget:
         self.current = None
         self.adapter.forget()
 
-    def _written(self) -> None:
-        """Tell the worker its weights changed (what it derives from them, the prepacked linears,
-        goes stale: a swap may point a weight back at memory it held two pushes ago)."""
+    def _written(self, derived=None) -> None:
+        """Tell the worker its weights changed: it serves the copies `derived` from the staged
+        pairs, and drops those of weights written without (their own check misses a swap back
+        onto memory a weight held two pushes ago)."""
         written = getattr(self.host, "weights_written", None)
         if written is not None:
-            written()
+            written(derived) if derived is not None else written()
 
     def _new_weights(self) -> None:
         """A full push: the weights are what it said, of no known LoRA base."""

@@ -7,8 +7,9 @@
 3. receive every bucket into the staging buffer, laid out like the manifest (the target's commit is
    planned while they arrive); the engine keeps serving the previous weights untouched;
 4. commit vote: only when every rank holds every byte does any rank commit (one worker: its own
-   receive says it all);
-5. commit: the target takes the planned `(name, tensor)` pairs.
+   receive says it all); then the engine's derived copies (prepacked, 8-bit) are made from the
+   staged weights (`WeightTarget.derive`), the old weights and copies still serving;
+5. commit: the target takes the planned `(name, tensor)` pairs, and their derived copies.
 
 A transfer that fails or times out leaves the previous weights serving, tears the broken group
 down and raises; the next `join` forms a fresh group. The group is one source of the staging
@@ -58,6 +59,7 @@ class Arrived:
     digest: int = NONE  # of the committed bytes (weight_sync/common/digest.py)
     wire_bytes: int | None = None  # the bytes that moved, when not the committed manifest's (a delta)
     delta_seconds: dict | None = None  # a delta's: copying the base in, applying it and taking its digest
+    derive_seconds: float = 0.0  # the engine's derived copies made from the staged weights
 
 
 class PushReceiver:
@@ -74,6 +76,7 @@ class PushReceiver:
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
+        self.wait_readers = lambda: None  # until nothing reads the served weights (a background host copy)
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -130,7 +133,7 @@ class PushReceiver:
         if m.delta is not None:
             return self._receive_delta(g, m, staging, t0, t1)
         plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest)
+        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest))
 
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
@@ -152,7 +155,7 @@ class PushReceiver:
             raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
                                f"{self._serving()} still serving; init_weight_transfer_engine again") from None
         plan, plan_s = timed(self.target.plan, m, staging)
-        return Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging))
+        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging)))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
         """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own
@@ -168,10 +171,13 @@ class PushReceiver:
             raise
         plan, plan_seconds, digest = self._receive_buckets(g, m, payload, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
-        return Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest, m.total_bytes, made.seconds)
+        return _derived(self.target, Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
+                                             m.total_bytes, made.seconds), {p.tensor for p in m.delta.parts})
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
+        if not a.plan.swap:  # a copy commit writes the served weights in place
+            self.wait_readers()
         try:
             freed = self.target.commit(a.m, a.plan)
         except TornWeights as e:
@@ -182,7 +188,7 @@ class PushReceiver:
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
         self.digest = a.digest if a.m.adapter is None else NONE
-        out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds)
+        out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds, a.derive_seconds)
         if a.wire_bytes is not None:
             self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))
             out = dict(self.last)
@@ -275,12 +281,12 @@ class PushReceiver:
         return serving(self.version)
 
     def _done(self, m: Manifest, t0: float, t1: float, t2: float, transport: str, buckets: int,
-              plan_seconds: float = 0.0) -> dict:
+              plan_seconds: float = 0.0, derive_seconds: float = 0.0) -> dict:
         t3 = time.perf_counter()
         self.version = m.version
         self.last = {"version": m.version, "bytes": m.total_bytes, "buckets": buckets, "seconds": t3 - t0,
                      "receive_seconds": t2 - t1, "commit_seconds": t3 - t2, "plan_seconds": plan_seconds,
-                     "transport": transport}
+                     "derive_seconds": derive_seconds, "transport": transport}
         return dict(self.last)
 
     # -- no staging: in place ---------------------------------------------------------------
@@ -296,6 +302,7 @@ class PushReceiver:
             self._wait_for_vote(g, m, None)
         self._vote(g, m, None, problems)
         t1 = time.perf_counter()
+        self.wait_readers()
         written, digest = [0], Digest()
         try:
             self.target.commit_stream(m, bucket_pairs(g, m, self.device, written, digest))
@@ -327,8 +334,8 @@ class PushReceiver:
         t1 = time.perf_counter()
         staging.copy_(source)  # every byte is here before anything is committed
         sync_device(self.device)
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0,
-                                   staged_digest(m, staging)), f"shared ({handle.get('kind')})", buckets=0)
+        a = Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging))
+        return self.commit(_derived(self.target, a), f"shared ({handle.get('kind')})", buckets=0)
 
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
@@ -347,6 +354,12 @@ class PushReceiver:
         except Exception as e:
             self.pool.give_back(staging)
             raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
-        t1 = time.perf_counter()
-        return self.commit(Arrived(m, self.target.plan(m, staging), t0, t0, t1, 0.0, staged_digest(m, staging)),
-                           "safetensors", buckets=0)
+        a = Arrived(m, self.target.plan(m, staging), t0, t0, time.perf_counter(), 0.0, staged_digest(m, staging))
+        return self.commit(_derived(self.target, a), "safetensors", buckets=0)
+
+
+def _derived(target: WeightTarget, a: Arrived, changed: set[int] | None = None) -> Arrived:
+    """Step 4's end: the engine's derived copies made from the staged weights (`changed`: the
+    indices of the tensors a delta changed), timed."""
+    a.derive_seconds = timed(target.derive, a.m, a.plan, changed)[1]
+    return a

@@ -82,10 +82,14 @@ class StagingPool:
         self.device = device
         self.keep = keep
         self.spare: torch.Tensor | None = None
+        # called with the kept buffer before it is handed out: it held served weights, which a
+        # background host copy may still be reading (weight_sync/engine_side/host_copy.py)
+        self.before_reuse = lambda buf: None
 
     def take(self, nbytes: int) -> torch.Tensor:
         spare, self.spare = self.spare, None
         if spare is not None and spare.numel() >= nbytes and spare.device == normalize_device(self.device):
+            self.before_reuse(spare)
             return spare[:nbytes]
         del spare
         return alloc(nbytes, self.device)

@@ -41,6 +41,7 @@ class CommitPlan:
     params: list = field(default_factory=list)
     swap: bool = False
     extra: dict = field(default_factory=dict)  # what one target needs beyond the pairs (a LoRA base)
+    derived: object = None  # the engine's copies derived from the staged pairs (`WeightTarget.derive`)
 
 
 class WeightTarget(Protocol):
@@ -51,6 +52,12 @@ class WeightTarget(Protocol):
         """Whether `plan` reads the staged values (an adapter's merge) or only their place."""
 
     def plan(self, m: Manifest, staging: torch.Tensor) -> CommitPlan: ...
+
+    def derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> None:
+        """Once every byte is staged: what the engine serves from the weights (its derived copies:
+        prepacked, 8-bit) made now from the staged pairs, while the engine still serves the old
+        ones, into `plan.derived` for the commit to swap in. `changed`: the indices of `m`'s tensors
+        whose values differ from the served ones (a delta's; None: all)."""
 
     def commit(self, m: Manifest, plan: CommitPlan) -> torch.Tensor | None:
         """Make the planned pairs the served weights, all of them or none (raises TornWeights if it

@@ -63,6 +63,9 @@ class VllmLoaderTarget:
         _, aliases = self.checkpoint()
         return CommitPlan(staging, views(m, staging, lambda name: aliases.get(name, name)))
 
+    def derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> None:
+        """Nothing: vLLM's loaders process (repack) the weights themselves in the commit's reload."""
+
     # -- the commit: vLLM's loaders --------------------------------------------------------------
     def commit(self, m: Manifest, plan: CommitPlan) -> torch.Tensor | None:
         """vLLM's reload drops each layer's old tensors before loading the new ones, so a failure

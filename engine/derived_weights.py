@@ -1,0 +1,125 @@
+"""Derived copies of a module's weight: what its forward reads instead of the weight itself (a
+oneDNN-prepacked copy, engine/packed_linears.py; an 8-bit copy), built from the full-precision
+weight, which stays the truth that checksums, digests, deltas and host copies read.
+
+A kind of derived copy registers per module with `attach(module, derive)`, where
+`derive(weight) -> copy` makes the copy from a full-precision weight (the parameter, or the staged
+tensor of a push, in the parameter's dtype); its forward reads `current(module)`, the copy kept in
+`module._derived`, made again there only if the weight changed since (its data pointer, version
+counter or shape moved: a test's `copy_`, a reload, a LoRA merge written in place).
+
+A push builds the copies from its staged weights while the engine still serves the old ones
+(`stage`, on the receiving thread), and its commit swaps them in with the weights (`install`),
+so no forward after a commit derives anything. A copy staged for a weight the push did not change
+(a delta's untouched tensors) is the one already served. Until `install`, the staged copies are
+held only by the push: a push refused or given up drops them, and the old copies keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Derive = Callable[[torch.Tensor], object]
+
+
+def attach(module: torch.nn.Module, derive: Derive) -> None:
+    """Serve `module`'s forward from `derive(module.weight)` (made at its first forward, `refresh`,
+    or a push's `stage`)."""
+    module._derive, module._derived, module._derived_key = derive, None, None
+
+
+def derived_modules(model: torch.nn.Module):
+    return (m for m in model.modules() if hasattr(m, "_derive"))
+
+
+def key(weight: torch.Tensor) -> tuple:
+    """What tells a weight's copy stale: data pointer, version counter, shape."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference-mode tensor counts no versions (and takes no writes outside it)
+        version = -1
+    return weight.data_ptr(), version, tuple(weight.shape)
+
+
+def current(module: torch.nn.Module):
+    """The copy `module`'s forward uses, derived again if its weight changed since."""
+    w = module.weight
+    k = key(w)
+    if module._derived_key != k:
+        # NOTE: the copy before the key: `stage` on another thread reads the key first, so a key it
+        # finds current always comes with its own copy.
+        module._derived = module._derive(w.detach())
+        module._derived_key = k
+    return module._derived
+
+
+def refresh(model: torch.nn.Module) -> None:
+    """Derive every stale copy now, not at the next forward."""
+    for module in derived_modules(model):
+        if module.weight.numel():
+            current(module)
+
+
+def drop(model: torch.nn.Module) -> None:
+    """Free the derived copies (weights written with no copies staged, or released)."""
+    for module in derived_modules(model):
+        module._derived, module._derived_key = None, None
+
+
+@dataclass
+class StagedCopies:
+    """A push's derived copies, made from its staged tensors: `copies` by module, for every derived
+    module whose weight the push writes; `written`, the ids of every parameter it writes."""
+
+    copies: dict = field(default_factory=dict)  # module -> copy
+    written: set = field(default_factory=set)
+    derived: int = 0  # how many were derived (the rest carried over: unchanged by a delta)
+    seconds: float = 0.0
+
+
+def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+          unchanged: set | None = None) -> StagedCopies:
+    """The derived copies a commit of `pairs` ((parameter, staged tensor)) will serve, made now from
+    the staged tensors. `unchanged`: ids of parameters whose staged values equal the served ones (a
+    delta's untouched tensors): their current copy is carried over when it is fresh."""
+    t0 = time.perf_counter()
+    pairs = list(pairs)
+    by_weight: dict[int, list] = {}
+    for m in derived_modules(model):
+        by_weight.setdefault(id(m.weight), []).append(m)
+    out = StagedCopies(written={id(p) for p, _ in pairs})
+    with torch.no_grad():
+        for p, staged in pairs:
+            for m in by_weight.get(id(p), ()):
+                served_key = m._derived_key
+                copy = m._derived
+                if unchanged is not None and id(p) in unchanged and copy is not None and served_key == key(p):
+                    out.copies[m] = copy
+                    continue
+                w = staged if staged.dtype == p.dtype else staged.to(p.dtype)  # what a copy commit would hold
+                out.copies[m] = m._derive(w.detach())
+                out.derived += 1
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def install(model: torch.nn.Module, staged: StagedCopies | None) -> None:
+    """After a commit wrote the weights: serve the staged copies; a derived module whose weight was
+    written with no copy staged is dropped (derived again at its next forward), the rest keep theirs.
+    `staged=None`: what was written is not known, every copy is dropped."""
+    if staged is None:
+        drop(model)
+        return
+    for m in derived_modules(model):
+        copy = staged.copies.get(m)
+        if copy is not None:
+            m._derived, m._derived_key = copy, key(m.weight)
+        elif id(m.weight) in staged.written:
+            m._derived, m._derived_key = None, None
