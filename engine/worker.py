@@ -97,6 +97,8 @@ class Worker:
         version counter) misses a weight swapped back onto a buffer it used before and written
         meanwhile through another view."""
         derived_weights.install(self.model, staged)
+        if staged is not None and self.device.type == "cpu":
+            derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS
 
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""

@@ -85,7 +85,9 @@ class ParamsTarget:
         """Cannot fail half way: names, shapes and dtypes were validated, and assignment or
         same-size copies do not raise."""
         replaced = assign(plan, self.host.device)
-        self._written(plan.derived)
+        # served from now on; the plan (kept by the push's record) must not hold them past the next push
+        derived, plan.derived = plan.derived, None
+        self._written(derived)
         if m.adapter is not None:
             self.adapter.committed(m, plan)
             if not m.adapter.with_base:
