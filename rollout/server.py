@@ -103,7 +103,7 @@ class RolloutServer:
                 continue
             if not self.accepting:
                 await self._reply(identity, P.Reply(call.call_id, False, error="sidecar is shutting down",
-                                                    error_kind="failed"))
+                                                    error_kind="gone"))  # a client of several sends it elsewhere
                 continue
             task = asyncio.ensure_future(self._handle(identity, call))
             self.tasks.add(task)
