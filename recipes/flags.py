@@ -100,6 +100,10 @@ def _add_device_flags(p) -> None:
     p.add_argument("--sidecar-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype the sidecar this run starts serves in (rollout.serve --dtype; auto: float32 on CPU, "
                         "the checkpoint's on a GPU); pushes travel in it, and deltas pay in bf16/fp16")
+    p.add_argument("--sidecar-quantization", default="none", choices=["none", "int8", "fp8", "auto"],
+                   help="what that sidecar serves from (rollout.serve --quantization): an 8-bit copy derived from "
+                        "the full-precision weights this run pushes; the sampling/* metrics show the mismatch "
+                        "and --is-cap's truncated importance sampling corrects it")
 
 
 def add_loss_args(p) -> None:

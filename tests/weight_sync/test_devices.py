@@ -95,3 +95,9 @@ def test_the_sidecar_refuses_a_bad_placement_at_once():
     out = subprocess.run([sys.executable, "-m", "rollout.serve", "--device", "cuda:1,cuda:1", "--num-engines", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "bad placement: two engines on cuda:1" in out.stderr
+
+
+def test_the_recipes_pass_the_sidecars_quantization():
+    for argv, want in (([], "none"), (["--sidecar-quantization", "int8"], "int8")):
+        cmd = sidecar_command(build_parser("grpo").parse_args(argv), "DIR", torch.device("cpu"))
+        assert cmd[cmd.index("--quantization") + 1] == want
