@@ -83,7 +83,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # HF's LlamaRMSNorm, in one fused kernel
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # HF's LlamaRMSNorm, as one call (fused_layers.rms_norm)
         return fused_layers.rms_norm(self, x)
 
 
