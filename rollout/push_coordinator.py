@@ -386,12 +386,11 @@ class PushCoordinator:
         self.state.count("transfer_seconds", out["transfer_seconds"])
         self.state.count("push_seconds", time.monotonic() - t0)
         workers = out.pop("worker_results", None) or []
-        applied = [w["apply_seconds"] for w in workers if isinstance(w, dict) and "apply_seconds" in w]
-        if applied:  # a delta push: its slowest worker's apply (weight_sync/common/delta_push.py)
-            out["apply_seconds"] = max(applied)
-        derived = [w["derive_seconds"] for w in workers if isinstance(w, dict) and "derive_seconds" in w]
-        if derived:  # the slowest worker's copies made from the staged weights (engine/derived_weights.py)
-            out["derive_seconds"] = max(derived)
+        # the slowest worker's delta apply (weight_sync/common/delta_push.py) and derived copies made
+        # from the staged weights (engine/derived_weights.py), where the push had them
+        for key in ("apply_seconds", "derive_seconds"):
+            if seconds := [w[key] for w in workers if isinstance(w, dict) and key in w]:
+                out[key] = max(seconds)
         return {**out, **self.sidecar.serving(), "seconds": time.monotonic() - t0}
 
     async def _stop_stuck(self, engines: list[EngineClient], push_id: str) -> None:
