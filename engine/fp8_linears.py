@@ -80,18 +80,10 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] = KEEP_FULL_PRECISION)
         if (isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0):
             derived_weights.attach(module, derive)
-            module._fp8_copy = True
+            module._eight_bit = True  # model_loader.quantized_bytes counts these
             module.forward = types.MethodType(_fp8_forward, module)
             count += 1
     return count
-
-
-def _fp8_modules(model: torch.nn.Module):
-    return (m for m in model.modules() if getattr(m, "_fp8_copy", False))
-
-
-def copy_bytes(model: torch.nn.Module) -> int:
-    return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in _fp8_modules(model))
 
 
 def _fp8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -156,19 +156,10 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
             derived_weights.attach(module, derive)  # in place of a prepacked copy, if it had one
-            module._int8_copy = True
+            module._eight_bit = True  # model_loader.quantized_bytes counts these
             module.forward = types.MethodType(_int8_forward, module)
             count += 1
     return count
-
-
-def _int8_modules(model: torch.nn.Module):
-    return (m for m in model.modules() if getattr(m, "_int8_copy", False))
-
-
-def copy_bytes(model: torch.nn.Module) -> int:
-    """The int8 copies' memory once derived (int8 weights and their fp32 scales)."""
-    return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in _int8_modules(model))
 
 
 def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
