@@ -8,8 +8,9 @@ and lets every path read keys from the cache alone.
 
 Prefill: on the CPU one call per sequence (causal over its cached prefix + new tokens: the least
 arithmetic); on a GPU the step's spans padded into one call per layer (`PaddedPrefill`).
-Decode: every row's blocks are gathered with `index_select` into buffers reused by every layer
-and step, and the query heads that share a KV head are laid out as query positions, which turns
+Decode on the CPU: the C kernel of engine/native_decode.py, reading keys and values in place.
+Elsewhere (a GPU, no C compiler, ROLLOUT_NATIVE_KERNELS=0): every row's blocks are gathered with
+`index_select` into buffers reused by every layer and step, and the query heads that share a KV head are laid out as query positions, which turns
 grouped-query attention into one plain masked call. The batch comes sorted by block count; on a
 GPU it is one chunk, on the CPU (memory-bound) it is cut where padding costs more than a chunk
 (engine/step_inputs.chunk_cuts).
@@ -21,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine import native_decode
+from engine.native_decode import NativeDecode
 
 ATTN_NAME = "rollout_paged"
 
@@ -46,6 +50,8 @@ class AttnContext:
     v_slots: list[torch.Tensor] | None = None
     rope: tuple | None = None  # (cos, the layers' cos, sin with rotate_half's sign), see rope_tables
     span_masks: dict = field(default_factory=dict)  # prefill: span index -> its mask, made by the first layer
+    # decode through the C kernel (engine/native_decode.py) instead of decode_chunks
+    native: NativeDecode | None = None
 
 
 @dataclass
@@ -172,6 +178,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _decode(ctx: AttnContext, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """Decode attention of q [B, H, d] (the keys already in the cache): [B, kvh, H / kvh, d]."""
     kvh, d = ctx.k_cache.shape[-2], q.shape[-1]
+    if ctx.native is not None:
+        out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling)
+        if out is None:
+            raise RuntimeError(f"the native decode kernel refused q {tuple(q.shape)} on a {ctx.k_cache.dtype} cache")
+        return out.view(q.shape[0], kvh, -1, d)
     outs = []
     for c in ctx.decode_chunks:
         torch.index_select(ctx.k_blocks[layer], 0, c.blocks, out=c.k_out)

@@ -11,10 +11,11 @@ import time
 import numpy as np
 import torch
 
-from engine import attention, gpu_memory, step_inputs, step_sampling
+from engine import attention, gpu_memory, native_decode, step_inputs, step_sampling
 from engine.config import EngineConfig
 from engine.kv_cache_size import bytes_per_block, num_kv_blocks
 from engine.model_loader import load_model
+from engine.native_decode import NativeDecode
 from engine.prompt_logprobs import take_prompt_logprobs
 from engine.sampler import SamplingTensors, sample, uniform_noise
 from engine.step_sampling import SampleResult
@@ -56,6 +57,8 @@ class ModelRunner:
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.block_size = cfg.block_size
         self.k_cache = self.v_cache = self._gather = self._cache_views = None
+        self.native_decode = native_decode.available(cfg.torch_dtype, self.device, mc.num_attention_heads,
+                                                     self.num_kv_heads, self.head_dim)
         # noise is drawn where the logits are: no batch x vocab copy to the device per step
         self.shared_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self.forward_seconds = 0.0
@@ -195,9 +198,14 @@ class ModelRunner:
         buf, layout = step_inputs.pack_decode(seqs, self.block_size)
         dev = self.device
         inputs = layout.views(step_inputs.upload(buf, dev))
+        lengths, table = inputs["lengths"], inputs["block_table"]
+        ctx = attention.AttnContext(is_prefill=False, k_cache=self.k_cache, v_cache=self.v_cache,
+                                    slot_mapping=inputs["slots"], **self._cache_views)
+        if self.native_decode:  # the C kernel reads the blocks in place: no chunks, no gather
+            ctx.native = NativeDecode(table, lengths, max(len(s) for s in seqs))
+            return inputs["ids"], inputs["positions"], ctx
         widths = [len(s.block_table) for s in seqs]
         cuts = step_inputs.chunk_cuts(widths, self.decode_chunk_overhead_rows)
-        lengths, table = inputs["lengths"], inputs["block_table"]
         if self._key_positions is None or self._key_positions.numel() < layout.width * self.block_size:
             width = max(layout.width, -(-self.cfg.max_model_len // self.block_size))
             self._key_positions = torch.arange(width * self.block_size, device=dev)
@@ -214,14 +222,7 @@ class ModelRunner:
             chunks.append(attention.DecodeChunk(
                 start, end, blocks, nb, mask[:, None, None, :], k_out, v_out,
                 k_out.view(rows, nb * bs, kvh, d).transpose(1, 2), v_out.view(rows, nb * bs, kvh, d).transpose(1, 2)))
-        ctx = attention.AttnContext(
-            is_prefill=False,
-            k_cache=self.k_cache,
-            v_cache=self.v_cache,
-            slot_mapping=inputs["slots"],
-            decode_chunks=chunks,
-            **self._cache_views,
-        )
+        ctx.decode_chunks = chunks
         return inputs["ids"], inputs["positions"], ctx
 
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

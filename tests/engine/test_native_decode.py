@@ -1,0 +1,141 @@
+"""The C decode-attention kernel (engine/native/paged_decode.c): against float64 attention within a
+bound derived from the arithmetic, in the engine against HF's greedy output with it and without
+it, and the torch path taken when no compiler can build it."""
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, native_decode, native_kernels
+from engine.native_decode import NativeDecode
+from tests.engine.helpers import hf_greedy, random_prompts
+
+U32 = 2.0**-24  # fp32's unit roundoff
+
+
+def _gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def _case(dtype, rows=37, heads=9, kv_heads=3, d=64, bs=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 200, (rows,), generator=g)
+    lengths[0], lengths[1] = 1, bs  # a single key; a row ending on a block's edge
+    need = [(int(n) + bs - 1) // bs for n in lengths]
+    blocks = torch.randperm(sum(need) + 5, generator=g)  # scattered over the cache, as a block manager leaves them
+    table = torch.zeros(rows, max(need) + 2, dtype=torch.int64)  # wider than needed: stride != blocks used
+    at = 0
+    for r, n in enumerate(need):
+        table[r, :n] = blocks[at : at + n]
+        at += n
+    k = (torch.randn(sum(need) + 5, bs, kv_heads, d, generator=g) * 2).to(dtype)
+    v = torch.randn(sum(need) + 5, bs, kv_heads, d, generator=g).to(dtype)
+    q = torch.randn(rows, heads, d, generator=g).to(dtype)
+    return q, k, v, NativeDecode(table, lengths, int(lengths.max()))
+
+
+def _reference(q, k, v, nd, scale):
+    """float64 attention of each row over its keys, and the fp32 kernel's error bound per row."""
+    rows, heads, d = q.shape
+    kvh, bs = k.shape[2], k.shape[1]
+    outs, bounds = [], []
+    for r in range(rows):
+        n = int(nd.lengths[r])
+        blocks = nd.block_table[r, : (n + bs - 1) // bs]
+        kk = k[blocks].flatten(0, 1)[:n].double()  # [n, kvh, d]
+        vv = v[blocks].flatten(0, 1)[:n].double()
+        qq = q[r].double().view(kvh, heads // kvh, d)
+        s = torch.einsum("hgd,nhd->hgn", qq, kk) * scale
+        out = torch.einsum("hgn,nhd->hgd", s.softmax(-1), vv).reshape(heads, d)
+        # a score's dot product errs by at most gamma_d * sum|q k| (and q * scale by one rounding); a
+        # probability then by about twice the worst score error plus exp's, the sum's (gamma_n) and
+        # the division's roundings; the output by that times max|v|, plus gamma_n of its own sum
+        ds = (_gamma(d) + U32) * scale * torch.einsum("hgd,nhd->hgn", qq.abs(), kk.abs()).max().item()
+        bounds.append(vv.abs().max().item() * (2 * ds + 4 * U32 + 2 * _gamma(n + 1)))
+        outs.append(out)
+    return torch.stack(outs), torch.tensor(bounds, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def kernel_ready():
+    if not native_decode.available(torch.float32, torch.device("cpu"), 9, 3, 64):
+        pytest.skip("no C compiler here: the engine runs its torch path (tested by the rest of the suite)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])  # SmolLM2's GQA; MHA; wide groups
+def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtype, shape):
+    heads, kv_heads, d = shape
+    assert native_decode.available(dtype, torch.device("cpu"), heads, kv_heads, d)
+    q, k, v, nd = _case(dtype, heads=heads, kv_heads=kv_heads, d=d)
+    scale = d**-0.5
+    got = native_decode.attend(nd, q, k, v, scale)
+    ref, bound = _reference(q, k, v, nd, scale)
+    err = (got.double() - ref).abs().amax(dim=(1, 2))
+    if dtype == torch.bfloat16:  # the fp32 result rounded once to bf16: at most half an ulp, 2^-8 relative
+        bound = bound + ref.abs().amax(dim=(1, 2)) * 2.0**-8
+    assert (err <= bound).all(), f"rows over their bound: {(err / bound).max().item():.2f}x"
+    assert err.max().item() > 0 or dtype == torch.float32  # bf16 rounds: a kernel that returned ref would be odd
+    # a single key: the output is that key's value, exactly
+    assert torch.equal(got[0].view(kv_heads, -1, d), v[nd.block_table[0, 0], 0].unsqueeze(1).expand(-1, heads // kv_heads, -1))
+
+
+def test_shapes_it_does_not_take_stay_on_torch():
+    assert not native_decode.available(torch.float16, torch.device("cpu"), 9, 3, 64)
+    assert not native_decode.available(torch.float32, torch.device("cpu"), 9, 2, 64)  # heads not a multiple
+    assert not native_decode.available(torch.float32, torch.device("cpu"), 64, 2, 64)  # 32 heads a group
+    assert not native_decode.available(torch.float32, torch.device("meta"), 9, 3, 64)
+
+
+def _fresh_kernels(monkeypatch, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    native_kernels.library.cache_clear()
+    native_decode._fns.clear()
+
+
+@pytest.fixture
+def restore_kernels():
+    yield
+    native_kernels.library.cache_clear()
+    native_decode._fns.clear()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_engine_greedy_matches_hf_with_and_without_the_kernel(native, model_dirs, hf_models, monkeypatch,
+                                                              restore_kernels):
+    _fresh_kernels(monkeypatch, ROLLOUT_NATIVE_KERNELS=native)
+    if native == "1" and native_kernels.library("paged_decode") is None:
+        pytest.skip("no C compiler here")
+    llm = LLM(EngineConfig(model=model_dirs["llama"], max_num_seqs=16, max_model_len=256, block_size=8))
+    assert llm.core.runner.native_decode == (native == "1")
+    prompts = random_prompts(12, 3, 90, 2000, seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models["llama"], p, 20, ignore_eos=True)
+
+
+def test_a_compiler_that_fails_leaves_the_torch_path(model_dirs, hf_models, monkeypatch, tmp_path, caplog,
+                                                     restore_kernels):
+    _fresh_kernels(monkeypatch, CC="false", ROLLOUT_KERNEL_CACHE=str(tmp_path), ROLLOUT_NATIVE_KERNELS="1")
+    with caplog.at_level(logging.WARNING, logger="engine.native_kernels"):
+        llm = LLM(EngineConfig(model=model_dirs["llama"], max_num_seqs=4, max_model_len=128))
+    assert not llm.core.runner.native_decode
+    assert any("using the torch path" in r.getMessage() for r in caplog.records)
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    prompt = random_prompts(1, 5, 20, 2000, seed=12)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_models["llama"], prompt, 8, ignore_eos=True)
+
+
+def test_builds_are_cached_by_source_compiler_and_cpu(monkeypatch, tmp_path, restore_kernels):
+    _fresh_kernels(monkeypatch, ROLLOUT_KERNEL_CACHE=str(tmp_path), ROLLOUT_NATIVE_KERNELS="1")
+    if native_kernels.library("paged_decode") is None:
+        pytest.skip("no C compiler here")
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("paged_decode-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    native_kernels.library.cache_clear()
+    assert native_kernels.library("paged_decode") is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.iterdir()] == [stamp]  # loaded again, not rebuilt
