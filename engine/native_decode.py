@@ -38,12 +38,12 @@ def _entry(dtype: torch.dtype):
 _fns: dict = {}
 
 
-MAX_GROUP, MAX_DIM = 16, 256  # the kernel's limits (paged_decode.c)
+MAX_HEADS, HEAD_DIMS = 128, (16, 32, 64, 128, 256)  # what the kernel takes (paged_decode.c)
 
 
 def available(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether decode attention of a `dtype` cache on `device` with these heads runs in the kernel."""
-    if device.type != "cpu" or heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim > MAX_DIM:
+    if device.type != "cpu" or heads % kv_heads or heads > MAX_HEADS or head_dim not in HEAD_DIMS:
         return False
     if dtype not in _fns:
         _fns[dtype] = _entry(dtype)

@@ -5,7 +5,10 @@
    (a third of a 256-sequence fp32 decode step on 2 cores). Here one pass reads the keys, one
    the values, straight from the cache through the block table, as vLLM's CPU paged attention does.
 
-   Work item: one (row, kv head); its G = H / KVH query heads share every key and value read.
+   Work item: one row (sequence), all its heads: a cache slot holds every kv head's key side by
+   side, so each slot is read once, whole. Vectors of 16 floats (GCC vector extensions: zmm on
+   AVX512, pairs of ymm on AVX2), the head size a compile-time multiple of 16, so a key's vectors
+   stay in registers while every query head of its group takes its dot product.
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
    does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
    Compiled at first use by engine/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
@@ -16,11 +19,55 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define MAX_HEADS 128
+#define MAX_VECS 16 /* head size up to 256 */
+
+static inline v16f load_f32(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline v16f load_bf16(const uint16_t *p) { /* bf16 -> fp32 is exact: the high half of the bits */
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline float hsum(v16f x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* e^x for x <= 0, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial),
+   within about an ulp; below -87.3 (where e^x leaves fp32's normal range) exactly 0. A scalar
+   expf per score cost as much as the dot products. */
+static inline v16f vexp(v16f x) {
+    const v16i tiny = x < -87.3f;
+    x = (v16f)((v16i)x & ~tiny) + (v16f)((v16i)((v16f){0} - 87.3f) & tiny); /* clamp, masked out below */
+    const v16f shift = (v16f){0} + 12582912.0f;                               /* 1.5 * 2^23: rounds to integer */
+    const v16f n = (x * 1.44269504088896341f + shift) - shift;
+    const v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i scaled = (v16i)p + (__builtin_convertvector(n, v16i) << 23);
+    return (v16f)(scaled & ~tiny);
 }
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
@@ -31,94 +78,106 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-#define MAX_GROUP 16 /* query heads per kv head handled here; more falls back to torch */
-#define MAX_DIM 256
+static inline void store_f32(float *o, float x) { *o = x; }
+static inline void store_bf16(uint16_t *o, float x) { *o = f32_to_bf16(x); }
 
-/* One (row, kv head): q [G][D] fp32 (scaled), keys/values through the block table; out [G][D] fp32.
-   `scores` holds G * len floats. Inlined into callers with a constant D, so the inner loops
-   are unrolled and vectorised for the model's head size. */
-#define DEFINE_ITEM(NAME, T, LOAD)                                                                       \
+/* One row: qs [H][NV] vectors (scaled), its `len` keys through `table`; out [H][D].
+   `scores` holds H * (len + 16) floats, `acc` H * NV vectors. */
+#define DEFINE_ROW(NAME, T, LOAD, STORE)                                                                 \
     static inline __attribute__((always_inline)) void NAME(                                            \
-        const float *q, const T *kc, const T *vc, const int64_t *table, int64_t len, int64_t bs,       \
-        int64_t kvh, int64_t kh, int G, const int D, float *scores, float *acc) {                      \
-        const int64_t row_stride = kvh * D; /* one slot: kvh heads of D */                               \
-        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, blk++) {                                       \
-            const int64_t n = len - t0 < bs ? len - t0 : bs;                                             \
-            const T *kb = kc + table[blk] * bs * row_stride + kh * D;                                    \
-            for (int64_t j = 0; j < n; j++) {                                                            \
-                const T *k = kb + j * row_stride;                                                        \
+        const v16f *qs, const T *kc, const T *vc, const int64_t *table, int64_t len, int64_t bs,       \
+        int H, int KVH, const int NV, float *scores, v16f *acc, T *out) {                               \
+        const int G = H / KVH, D = NV * 16;                                                              \
+        const int64_t slot = (int64_t)KVH * D;                                                           \
+        const int64_t padded = (len + 15) & ~(int64_t)15; /* a head's scores, padded with -inf: e^-inf = 0 */ \
+        for (int64_t t = 0; t < len; t++) {                                                              \
+            const T *k = kc + (table[t / bs] * bs + t % bs) * slot;                                      \
+            for (int kh = 0; kh < KVH; kh++) {                                                           \
+                v16f kv[MAX_VECS];                                                                       \
+                for (int i = 0; i < NV; i++) kv[i] = LOAD(k + kh * D + i * 16);                          \
                 for (int g = 0; g < G; g++) {                                                            \
-                    const float *qg = q + g * D;                                                         \
-                    float s = 0.f;                                                                       \
-                    _Pragma("omp simd reduction(+ : s)") for (int d = 0; d < D; d++) s += qg[d] * LOAD(k[d]); \
-                    scores[g * len + t0 + j] = s;                                                        \
+                    const v16f *q = qs + (kh * G + g) * NV;                                              \
+                    v16f a = q[0] * kv[0];                                                               \
+                    for (int i = 1; i < NV; i++) a += q[i] * kv[i];                                      \
+                    scores[(kh * G + g) * padded + t] = hsum(a);                                              \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        float inv[MAX_GROUP];                                                                            \
-        for (int g = 0; g < G; g++) {                                                                    \
-            float *sg = scores + g * len, m = -INFINITY, sum = 0.f;                                      \
-            for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;                                 \
-            for (int64_t t = 0; t < len; t++) {                                                          \
-                sg[t] = expf(sg[t] - m);                                                                 \
-                sum += sg[t];                                                                            \
-            }                                                                                            \
-            inv[g] = 1.f / sum;                                                                          \
+        float inv[MAX_HEADS];                                                                            \
+        for (int h = 0; h < H; h++) {                                                                    \
+            float *s = scores + h * padded;                                                              \
+            for (int64_t t = len; t < padded; t++) s[t] = -INFINITY;                                     \
         }                                                                                                \
-        memset(acc, 0, sizeof(float) * G * D);                                                           \
-        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, blk++) {                                       \
-            const int64_t n = len - t0 < bs ? len - t0 : bs;                                             \
-            const T *vb = vc + table[blk] * bs * row_stride + kh * D;                                    \
-            for (int64_t j = 0; j < n; j++) {                                                            \
-                const T *v = vb + j * row_stride;                                                        \
+        for (int h = 0; h < H; h++) {                                                                    \
+            float *s = scores + h * padded, m = -INFINITY;                                               \
+            for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;                                   \
+            v16f sum = {0};                                                                              \
+            for (int64_t t = 0; t < padded; t += 16) {                                                   \
+                v16f e = vexp(load_f32(s + t) - m);                                                      \
+                memcpy(s + t, &e, sizeof e);                                                             \
+                sum += e;                                                                                \
+            }                                                                                            \
+            inv[h] = 1.f / hsum(sum);                                                                    \
+        }                                                                                                \
+        for (int i = 0; i < H * NV; i++) acc[i] = (v16f){0};                                             \
+        for (int64_t t = 0; t < len; t++) {                                                              \
+            const T *v = vc + (table[t / bs] * bs + t % bs) * slot;                                      \
+            for (int kh = 0; kh < KVH; kh++) {                                                           \
+                v16f vv[MAX_VECS];                                                                       \
+                for (int i = 0; i < NV; i++) vv[i] = LOAD(v + kh * D + i * 16);                          \
                 for (int g = 0; g < G; g++) {                                                            \
-                    const float p = scores[g * len + t0 + j];                                            \
-                    float *a = acc + g * D;                                                              \
-                    _Pragma("omp simd") for (int d = 0; d < D; d++) a[d] += p * LOAD(v[d]);              \
+                    const int h = kh * G + g;                                                            \
+                    const float p = scores[h * padded + t];                                              \
+                    for (int i = 0; i < NV; i++) acc[h * NV + i] += p * vv[i];                           \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int g = 0; g < G; g++)                                                                      \
-            for (int d = 0; d < D; d++) acc[g * D + d] *= inv[g];                                        \
+        for (int h = 0; h < H; h++)                                                                      \
+            for (int i = 0; i < NV; i++) {                                                               \
+                v16f o = acc[h * NV + i] * inv[h];                                                       \
+                for (int l = 0; l < 16; l++) STORE(out + h * D + i * 16 + l, o[l]);                      \
+            }                                                                                            \
     }
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_ITEM(item_f32, float, LOAD_F32)
-DEFINE_ITEM(item_bf16, uint16_t, LOAD_BF16)
+DEFINE_ROW(row_f32, float, load_f32, store_f32)
+DEFINE_ROW(row_bf16, uint16_t, load_bf16, store_bf16)
 
 /* q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype; k/v cache [blocks, bs, KVH, D];
    block_table [B, table_stride] int64; lengths [B] int64 (keys per row, all written already).
-   Returns 0, or -1 for shapes this kernel does not take (the caller uses torch then). */
-#define DEFINE_ENTRY(NAME, T, ITEM, LOADQ, STORE)                                                        \
+   Returns 0, -1 for shapes this kernel does not take (the caller uses torch then), -2 when out
+   of memory. */
+#define DEFINE_ENTRY(NAME, T, ROW, LOAD)                                                                 \
     int NAME(const T *q, const T *kc, const T *vc, const int64_t *table, int64_t table_stride,         \
              const int64_t *lengths, T *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,  \
              int64_t max_len, float scale) {                                                             \
-        if (KVH <= 0 || H % KVH || H / KVH > MAX_GROUP || D > MAX_DIM || max_len <= 0) return -1;        \
-        const int G = (int)(H / KVH);                                                                    \
+        const int NV = (int)(D / 16);                                                                    \
+        if (KVH <= 0 || H % KVH || H > MAX_HEADS || D % 16 || NV > MAX_VECS || (NV & (NV - 1)) ||       \
+            max_len <= 0)                                                                                \
+            return -1;                                                                                   \
         int failed = 0;                                                                                  \
         _Pragma("omp parallel") {                                                                        \
-            float *scores = malloc(sizeof(float) * (size_t)G * (size_t)max_len);                         \
-            float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                                     \
-            if (!scores) failed = 1;                                                                     \
-            _Pragma("omp for schedule(dynamic, 4)") for (int64_t it = 0; it < B * KVH; it++) {           \
-                if (!scores) continue;                                                                   \
-                const int64_t b = it / KVH, kh = it % KVH, len = lengths[b];                             \
-                const T *qb = q + (b * H + kh * G) * D;                                                  \
-                for (int64_t i = 0; i < G * D; i++) qs[i] = LOADQ(qb[i]) * scale;                        \
+            float *scores = malloc(sizeof(float) * (size_t)H * (size_t)(max_len + 16));                         \
+            v16f *buf = aligned_alloc(64, sizeof(v16f) * 2 * MAX_HEADS * MAX_VECS);                      \
+            if (!scores || !buf) failed = 1;                                                             \
+            _Pragma("omp for schedule(dynamic, 1)") for (int64_t b = 0; b < B; b++) {                    \
+                if (!scores || !buf) continue;                                                           \
+                v16f *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;                                       \
+                for (int64_t i = 0; i < H * NV; i++) qs[i] = LOAD(q + b * H * D + i * 16) * scale;       \
                 const int64_t *tb = table + b * table_stride;                                            \
-                if (D == 64) ITEM(qs, kc, vc, tb, len, bs, KVH, kh, G, 64, scores, acc);                  \
-                else if (D == 128) ITEM(qs, kc, vc, tb, len, bs, KVH, kh, G, 128, scores, acc);          \
-                else ITEM(qs, kc, vc, tb, len, bs, KVH, kh, G, (int)D, scores, acc);                     \
-                T *ob = out + (b * H + kh * G) * D;                                                      \
-                for (int64_t i = 0; i < G * D; i++) ob[i] = STORE(acc[i]);                               \
+                T *ob = out + b * H * D;                                                                 \
+                switch (NV) {                                                                            \
+                case 1: ROW(qs, kc, vc, tb, lengths[b], bs, H, KVH, 1, scores, acc, ob); break;          \
+                case 2: ROW(qs, kc, vc, tb, lengths[b], bs, H, KVH, 2, scores, acc, ob); break;          \
+                case 4: ROW(qs, kc, vc, tb, lengths[b], bs, H, KVH, 4, scores, acc, ob); break;          \
+                case 8: ROW(qs, kc, vc, tb, lengths[b], bs, H, KVH, 8, scores, acc, ob); break;          \
+                default: ROW(qs, kc, vc, tb, lengths[b], bs, H, KVH, 16, scores, acc, ob); break;        \
+                }                                                                                        \
             }                                                                                            \
             free(scores);                                                                                \
+            free(buf);                                                                                   \
         }                                                                                                \
         return failed ? -2 : 0;                                                                          \
     }
 
-#define STORE_F32(x) (x)
-#define STORE_BF16(x) f32_to_bf16(x)
-DEFINE_ENTRY(paged_decode_f32, float, item_f32, LOAD_F32, STORE_F32)
-DEFINE_ENTRY(paged_decode_bf16, uint16_t, item_bf16, LOAD_BF16, STORE_BF16)
+DEFINE_ENTRY(paged_decode_f32, float, row_f32, load_f32)
+DEFINE_ENTRY(paged_decode_bf16, uint16_t, row_bf16, load_bf16)

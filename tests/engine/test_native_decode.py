@@ -64,7 +64,7 @@ def kernel_ready():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])  # SmolLM2's GQA; MHA; wide groups
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 2, 16)])  # SmolLM2; MHA; wide groups
 def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtype, shape):
     heads, kv_heads, d = shape
     assert native_decode.available(dtype, torch.device("cpu"), heads, kv_heads, d)
@@ -84,7 +84,8 @@ def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtyp
 def test_shapes_it_does_not_take_stay_on_torch():
     assert not native_decode.available(torch.float16, torch.device("cpu"), 9, 3, 64)
     assert not native_decode.available(torch.float32, torch.device("cpu"), 9, 2, 64)  # heads not a multiple
-    assert not native_decode.available(torch.float32, torch.device("cpu"), 64, 2, 64)  # 32 heads a group
+    assert not native_decode.available(torch.float32, torch.device("cpu"), 8, 2, 80)  # not a power-of-two x 16
+    assert not native_decode.available(torch.float32, torch.device("cpu"), 256, 8, 64)  # more heads than it holds
     assert not native_decode.available(torch.float32, torch.device("meta"), 9, 3, 64)
 
 
