@@ -6,7 +6,8 @@ hermes_tool_parser.py): the calls are every `<tool_call>` region (the last may l
 the content is the text before the first one (None when empty), and if any region is not a call
 (bad JSON, no name, no arguments) nothing is: the whole text comes back as content. One departure:
 arguments holding NaN or Infinity (which JSON cannot carry) make the call malformed, where vLLM
-would send invalid JSON text.
+would send invalid JSON text. Arguments written as a string holding a JSON object are that object
+(newer vLLM's rule; vLLM 0.32 encodes the string twice).
 
 Streaming sends the content before the first `<tool_call>` as it grows (holding back a tail that
 may be the tag's start), and the calls when the response ends, from the same whole-response parse:
@@ -34,7 +35,20 @@ def _call(body: str) -> ToolCall:
     name = obj["name"]
     if not isinstance(name, str):
         raise TypeError(f"the tool call's name is {type(name).__name__}, not a string")
-    return ToolCall(name=name, arguments=json.dumps(obj["arguments"], ensure_ascii=False, allow_nan=False))
+    return ToolCall(name=name, arguments=json.dumps(_unwrapped(obj["arguments"]), ensure_ascii=False, allow_nan=False))
+
+
+def _unwrapped(arguments):
+    """Arguments the model wrote as a JSON string holding an object (Granite 4 does) are that object,
+    not a string encoded twice (vLLM's rule since its bug fix; only an object is unwrapped)."""
+    if isinstance(arguments, str):
+        try:
+            inner = json.loads(arguments)
+        except ValueError:
+            return arguments
+        if isinstance(inner, dict):
+            return inner
+    return arguments
 
 
 def held_tail(text: str, tag: str) -> int:
