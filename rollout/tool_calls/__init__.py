@@ -40,4 +40,5 @@ def flags_problem(parser: str | None, auto: bool) -> str | None:
     return None
 
 
-__all__ = ["HERMES_CHAT_TEMPLATE", "PARSERS", "ExtractedToolCalls", "ToolCall", "flags_problem", "get_tool_parser", "new_tool_call_id"]
+__all__ = ["HERMES_CHAT_TEMPLATE", "PARSERS", "ExtractedToolCalls", "ToolCall", "flags_problem", "get_tool_parser",
+           "new_tool_call_id"]

@@ -31,7 +31,8 @@ GREEDY = {"temperature": 0, "max_tokens": 100}
 @pytest.fixture(scope="module")
 def front(qwen2_dir):
     s = Sidecar(qwen2_dir, "--http-port", "0", "--served-model-name", MODEL, "--max-model-len", "1024",
-                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", str(HERMES_CHAT_TEMPLATE))
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                "--chat-template", str(HERMES_CHAT_TEMPLATE))
     yield s
     s.stop()
 
@@ -146,7 +147,8 @@ def test_a_tool_turn_sent_back_keeps_its_token_ids_exact(oai, taught, tokenizer)
     n = len(r1.prompt_token_ids) + len(c1.token_ids)
     assert r2.prompt_token_ids[:n] == r1.prompt_token_ids + c1.token_ids  # the turn as sampled, EOS included
     tail = tokenizer.decode(r2.prompt_token_ids[n:])
-    assert tail == "<|im_end|>\n<|im_start|>user\n<tool_response>\n391\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tail == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n391\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n")
     # without token_ids the template renders the call from tool_calls (arguments as an object)
     assistant.pop("token_ids")
     r3 = _ask(oai, ASK + [assistant, tool], max_tokens=4)
@@ -181,7 +183,8 @@ def test_auto_tool_choice_without_the_flags_is_a_400_naming_the_missing_one(qwen
     with Sidecar(qwen2_dir, "--http-port", "0", "--served-model-name", MODEL, "--tool-call-parser", "hermes",
                  "--chat-template", str(HERMES_CHAT_TEMPLATE), "--max-model-len", "1024") as s, \
             openai.OpenAI(base_url=s.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120) as c:
-        with pytest.raises(openai.BadRequestError, match=r'"auto" tool choice requires --enable-auto-tool-choice to') as e:
+        with pytest.raises(openai.BadRequestError,
+                           match=r'"auto" tool choice requires --enable-auto-tool-choice to') as e:
             c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=2)
         assert e.value.body["param"] == "tool_choice"
         # no tool_choice: the tools go into the prompt and the answer is text, as before tool parsing

@@ -6,14 +6,17 @@ import json
 WEATHER = ('<tool_call>\n{"name": "get_current_temperature",\n"arguments": {"location":\n'
            '"San Francisco, California, United States", "unit": "celsius"}}\n</tool_call>')
 TRIGGER = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}\n</tool_call>'
-CONTENT_THEN_CALL = 'Sure, let me check the weather.<tool_call>{"name": "get_weather", "arguments": {"city": "NYC"}}</tool_call>'
+CONTENT_THEN_CALL = ('Sure, let me check the weather.<tool_call>{"name": "get_weather", "arguments": {"city": "NYC"}}'
+                     "</tool_call>")
 TWO_CALLS = ('<tool_call>{"name": "search", "arguments": {"q": "cats"}}</tool_call>'
              '<tool_call>{"name": "search", "arguments": {"q": "dogs"}}</tool_call>')
 UNTIL_EOS = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}'
-SERIALIZED_ARGS = '<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n</tool_call>'
+SERIALIZED_ARGS = ('<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n'
+                   "</tool_call>")
 BARE_STRING_ARGS = '<tool_call>\n{"name": "do_thing", "arguments": "hello"}\n</tool_call>'
 PLAIN = "This is some prior text that has nothing to do with tool calling."
-UNICODE = 'Je vais chercher. <tool_call>{"name": "météo", "arguments": {"ville": "Zürich", "emoji": "☀️"}}</tool_call>'
+UNICODE = ('Je vais chercher. <tool_call>{"name": "météo", "arguments": {"ville": "Zürich", "emoji": "☀️"}}'
+           "</tool_call>")
 
 WELL_FORMED = {  # text -> (content, [(name, arguments as JSON values)])
     WEATHER: (None, [("get_current_temperature",
