@@ -62,19 +62,20 @@ class TokenizerFile:
 
     def apply_chat_template(self, conversation: list[dict], tools=None, add_generation_prompt: bool = False,
                             tokenize: bool = True, continue_final_message: bool = False, return_dict: bool = True,
-                            **kwargs):
+                            chat_template: str | None = None, **kwargs):
         """transformers' own renderer (imports jinja2 and transformers' utilities, not torch); the
         text, or its ids as transformers 5 returns them ({"input_ids": ...}, or the list alone
-        with return_dict=False)."""
+        with return_dict=False). `chat_template`: one in place of the model's, as transformers takes it."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        if not self.chat_template:
+        chat_template = chat_template or self.chat_template
+        if not chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not compatible")
-        [text], _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=self.chat_template,
+        [text], _ = render_jinja_template(conversations=[conversation], tools=tools, chat_template=chat_template,
                                           continue_final_message=continue_final_message,
                                           add_generation_prompt=add_generation_prompt,
                                           **{**self.special_tokens_map, **kwargs})

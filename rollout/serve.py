@@ -78,6 +78,20 @@ def _check_flags_or_exit(args) -> None:
         args.weight_transfer_routes = args.weight_transfer_routes or vllm_dev_mode()
     except ValueError as e:
         sys.exit(f"error: {e}")
+    _check_chat_flags_or_exit(args)
+
+
+def _check_chat_flags_or_exit(args) -> None:
+    """The HTTP front's chat options: the tool-call flags together, a --chat-template read now."""
+    from rollout.serve_checks import chat_template_text
+    from rollout.tool_calls import flags_problem
+
+    if problem := flags_problem(args.tool_call_parser, args.enable_auto_tool_choice):
+        sys.exit(f"error: {problem}")
+    try:
+        args.chat_template = chat_template_text(args.chat_template) if args.chat_template else None
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
 
 
 def _check_or_exit(args, model: str) -> None:
@@ -180,6 +194,7 @@ def _first_line(e: BaseException, limit: int = 500) -> str:
 async def _start_http(args, manager, server=None):
     from pathlib import Path
 
+    from rollout.openai_front.chat_tools import ToolOptions
     from rollout.openai_front.server import HttpFront
 
     name = args.served_model_name or (Path(args.model.rstrip("/")).name if args.model else "tiny")
@@ -188,8 +203,10 @@ async def _start_http(args, manager, server=None):
         from rollout.vllm_transfer import VllmTransfer
 
         transfer = VllmTransfer(manager, server.pushes)
+    tools = ToolOptions(args.tool_call_parser, args.enable_auto_tool_choice)
     front = HttpFront(manager, args.http_host or args.host, args.http_port, name, token=args.token,
-                      max_body_bytes=int(args.http_max_body_mb * 2**20), rl_transfer=transfer)
+                      max_body_bytes=int(args.http_max_body_mb * 2**20), rl_transfer=transfer, tools=tools,
+                      chat_template=args.chat_template)
     try:
         print(f"HTTP {await front.start()}", flush=True)  # before READY: scripts read both
     except BaseException:

@@ -147,6 +147,16 @@ def _add_http_flags(p) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name HTTP clients must send (default: --model's last path part, or 'tiny')")
     p.add_argument("--http-max-body-mb", type=float, default=8.0, help="HTTP request bodies larger than this get 413")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read tool calls out of chat answers to requests with tools (tool_choice 'auto', vLLM's "
+                        "flag): the answer carries `tool_calls` and finish_reason 'tool_calls'; needs "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the format tool calls are written in (vLLM's names: hermes, for Qwen2.5/3, Hermes and "
+                        "most ChatML templates; qwen3_json)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) for /v1/chat/completions in place "
+                        "of the tokenizer's, as vLLM's flag (e.g. one that takes tools)")
     p.add_argument("--weight-transfer-routes", action="store_true",
                    help="also serve vLLM's RL weight-transfer routes on --http-port (/init_weight_transfer_engine, "
                         "/update_weights, /finish_weight_update, /pause, /resume, /weight_info, ...), so trainers "

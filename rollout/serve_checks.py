@@ -48,3 +48,14 @@ def port_problem(host: str, port: int) -> str | None:
         except OSError as e:
             return f"cannot listen on {host}:{port}: {e.strerror} (--port 0 picks a free port)"
     return None
+
+
+def chat_template_text(arg: str) -> str:
+    """--chat-template: a file's text, or the argument itself when it is a template (vLLM's rule);
+    ValueError when it is neither."""
+    if os.path.isfile(arg):
+        with open(arg, encoding="utf-8") as f:
+            return f.read()
+    if any(mark in arg for mark in ("{{", "{%", "\n")):
+        return arg
+    raise ValueError(f"--chat-template {arg!r}: no such file, and not a Jinja template")

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.inputs import validate_params
 from rollout.group_stream import ShuttingDown
 from rollout.openai_front.chat import Chat
+from rollout.openai_front.chat_tools import ToolOptions
 from rollout.openai_front.completions import Completions
 from rollout.openai_front.generation import whole_choices
 from rollout.openai_front.limits import BodyLimit, Crashes, Gate
@@ -44,10 +45,13 @@ class FrontState:
 
 
 class _Front:
-    """What the routes share: the manager, the served model's name, the logprob format, the counters."""
+    """What the routes share: the manager, the served model's name, the logprob format, the counters,
+    and the chat options (tool-call flags, a --chat-template in place of the tokenizer's)."""
 
-    def __init__(self, manager, model: str, metrics: FrontMetrics):
+    def __init__(self, manager, model: str, metrics: FrontMetrics, tools: ToolOptions | None = None,
+                 chat_template: str | None = None):
         self.manager, self.model, self.metrics = manager, model, metrics
+        self.tools, self.chat_template = tools or ToolOptions(), chat_template
         self.fmt = LogprobFormat(manager.tokenizer)
         self.limits = Limits(manager.max_model_len, manager.vocab_size, manager.engines[0].cfg.max_logprobs)
 
@@ -58,9 +62,10 @@ class _Front:
 
 
 def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8 << 20,
-              state: FrontState | None = None, rl_transfer=None) -> FastAPI:
+              state: FrontState | None = None, rl_transfer=None, tools: ToolOptions | None = None,
+              chat_template: str | None = None) -> FastAPI:
     state = state or FrontState()
-    front = _Front(manager, model_name, FrontMetrics(manager))
+    front = _Front(manager, model_name, FrontMetrics(manager), tools, chat_template)
     app = FastAPI(title="rollout sidecar", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Crashes)  # innermost: a bug's 500 is answered here, not by closing the connection
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)

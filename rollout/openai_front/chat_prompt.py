@@ -9,9 +9,17 @@ spliced in as exactly those ids; the text around them (earlier turns, the templa
 later turns) is tokenised from the template's rendering. The template must render the turn's
 content verbatim, and everything before it the same whatever follows: otherwise the request is
 refused (400), never silently re-tokenised. Without `token_ids` a message is plain text.
+
+A turn that called tools and comes back with `token_ids` goes to the template as what the model
+wrote (its ids decoded: the content and the `<tool_call>` text), not as its `tool_calls`: those
+are the parser's reading of that text, and re-rendering them would not give the sampled ids back.
+Without `token_ids`, `tool_calls` go to the template with their arguments as objects (vLLM's rule:
+HF templates expect a mapping; a string that is not a JSON object becomes {}).
 """
 
 from __future__ import annotations
+
+import json
 
 
 class ChatPromptError(ValueError):
@@ -28,27 +36,55 @@ def message_dicts(messages) -> list[dict]:
             if any(part.get("type") != "text" for part in content):
                 raise ChatPromptError("only text content parts are served (no images or audio)")
             d["content"] = "".join(part.get("text", "") for part in content)
+        if not d.get("tool_calls"):
+            d.pop("tool_calls", None)  # [] would take a template off its plain assistant path
+        for call in d.get("tool_calls", ()):
+            call["function"]["arguments"] = _as_object(call["function"].get("arguments"))
         out.append(d)
     return out
 
 
+def _as_object(arguments) -> dict:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:  # history an agent cannot fix: the turn still renders (vLLM coerces the same)
+            return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def _as_sampled(tokenizer, messages, dicts: list[dict]) -> None:
+    """Assistant turns that called tools and carry token_ids: rendered as the text of their ids."""
+    for j, m in enumerate(messages):
+        if m.role == "assistant" and m.token_ids and m.tool_calls:
+            text = tokenizer.decode(m.token_ids, skip_special_tokens=True)
+            if not text.startswith(dicts[j].get("content") or ""):
+                raise ChatPromptError(f"messages[{j}]: token_ids do not decode to the message's content: send the "
+                                      "content and the token_ids exactly as this server returned them")
+            dicts[j]["content"] = text
+            del dicts[j]["tool_calls"]
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools, kwargs: dict) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
-                                         tokenize=False, **kwargs)
+                                         tokenize=False, **kwargs)  # kwargs may hold chat_template
 
 
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # the template wrote any BOS
 
 
-def chat_prompt_ids(messages, tokenizer, tools=None, template_kwargs=None, add_generation_prompt=True) -> list[int]:
-    template = getattr(tokenizer, "chat_template", None)
+def chat_prompt_ids(messages, tokenizer, tools=None, template_kwargs=None, add_generation_prompt=True,
+                    chat_template: str | None = None) -> list[int]:
+    """`chat_template`: the server's --chat-template, in place of the tokenizer's."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatPromptError("this model's tokenizer has no chat template: use /v1/completions")
     if tools and "tools" not in template:
         raise ChatPromptError("this model's chat template does not take tools")
-    kwargs = dict(template_kwargs or {})
+    kwargs = dict(template_kwargs or {}, **({"chat_template": chat_template} if chat_template else {}))
     dicts = message_dicts(messages)
+    _as_sampled(tokenizer, messages, dicts)
     try:
         full = _render(tokenizer, dicts, add_generation_prompt, tools, kwargs)
     except Exception as e:  # a template's own raise_exception ("roles must alternate", ...)

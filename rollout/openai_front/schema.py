@@ -147,11 +147,30 @@ class CompletionRequest(_Request):
         return self.sampling_params(max(self.max_tokens, 1), self.logprobs, prompt_logprobs)
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] | None = None  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCallParam(BaseModel):
+    """An assistant message's `tool_calls[i]`, as this server (or OpenAI) returned it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ... go to the template
+    model_config = ConfigDict(extra="allow")  # name, ... go to the template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # The multi-turn contract: an assistant turn this server generated, sent back with the
     # completion token ids it answered (`choices[i].token_ids`), is spliced in as those exact ids.
     token_ids: list[int] | None = None
