@@ -13,6 +13,11 @@ A push builds the copies from its staged weights while the engine still serves t
 so no forward after a commit derives anything. A copy staged for a weight the push did not change
 (a delta's untouched tensors) is the one already served. Until `install`, the staged copies are
 held only by the push: a push refused or given up drops them, and the old copies keep serving.
+
+A group (`attach_group`: a layer's q/k/v projections, its gate/up) is served by one copy derived
+from its members' weights stacked by rows, so one GEMM does the work of three; it is staged,
+installed and dropped like a module's copy, and a member's own copy is made only if the member
+runs alone (a LoRA hook on it).
 """
 
 from __future__ import annotations
@@ -41,6 +46,46 @@ def derived_modules(model: torch.nn.Module):
     return (m for m in model.modules() if hasattr(m, "_derive"))
 
 
+@dataclass(eq=False)
+class Group:
+    """Modules served together from one copy of their weights stacked by rows (see the header)."""
+
+    members: tuple
+    derive: Derive
+    copy: object = None
+    key: tuple | None = None
+
+    def stale(self) -> bool:
+        return self.key != tuple(key(m.weight) for m in self.members)
+
+
+def attach_group(model: torch.nn.Module, members, derive: Derive) -> Group:
+    g = Group(tuple(members), derive)
+    model._derived_groups = [*groups(model), g]
+    for m in g.members:
+        m._group = g
+        m._derived, m._derived_key = None, None  # the group's copy serves it
+    return g
+
+
+def groups(model: torch.nn.Module) -> list[Group]:
+    return getattr(model, "_derived_groups", [])
+
+
+def current_group(g: Group):
+    """The group's copy, derived again if any member's weight changed since."""
+    if g.stale():
+        k = tuple(key(m.weight) for m in g.members)  # before the copy, as in `current`
+        g.copy = g.derive(torch.cat([m.weight.detach() for m in g.members]))
+        g.key = k
+    return g.copy
+
+
+def _alone(m: torch.nn.Module) -> bool:
+    """Whether `m` needs a copy of its own: not in a group, or run alone once already."""
+    return getattr(m, "_group", None) is None or m._derived is not None
+
+
 def key(weight: torch.Tensor) -> tuple:
     """What tells a weight's copy stale: data pointer, version counter, shape."""
     try:
@@ -65,14 +110,19 @@ def current(module: torch.nn.Module):
 def refresh(model: torch.nn.Module) -> None:
     """Derive every stale copy now, not at the next forward."""
     for module in derived_modules(model):
-        if module.weight.numel():
+        if module.weight.numel() and _alone(module):
             current(module)
+    for g in groups(model):
+        if all(m.weight.numel() for m in g.members):
+            current_group(g)
 
 
 def drop(model: torch.nn.Module) -> None:
     """Free the derived copies (weights written with no copies staged, or released)."""
     for module in derived_modules(model):
         module._derived, module._derived_key = None, None
+    for g in groups(model):
+        g.copy, g.key = None, None
 
 
 @dataclass
@@ -80,7 +130,7 @@ class StagedCopies:
     """A push's derived copies, made from its staged tensors: `copies` by module, for every derived
     module whose weight the push writes; `written`, the ids of every parameter it writes."""
 
-    copies: dict = field(default_factory=dict)  # module -> copy
+    copies: dict = field(default_factory=dict)  # module or Group -> copy
     written: set = field(default_factory=set)
     derived: int = 0  # how many were derived (the rest carried over: unchanged by a delta)
     seconds: float = 0.0
@@ -100,6 +150,8 @@ def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tens
     with torch.no_grad():
         for p, staged in pairs:
             for m in by_weight.get(id(p), ()):
+                if not _alone(m):
+                    continue  # served by its group's copy, staged below
                 served_key = m._derived_key
                 copy = m._derived
                 if unchanged is not None and id(p) in unchanged and copy is not None and served_key == key(p):
@@ -108,8 +160,25 @@ def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tens
                 w = staged if staged.dtype == p.dtype else staged.to(p.dtype)  # what a copy commit would hold
                 out.copies[m] = m._derive(w.detach())
                 out.derived += 1
+        _stage_groups(model, {id(p): s for p, s in pairs}, unchanged, out)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _stage_groups(model, staged_of: dict, unchanged: set | None, out: StagedCopies) -> None:
+    """The groups' copies for `stage`: from the staged tensors of the members a push writes and the
+    served weights of the others (a push writing one member of a group rebuilds the group's copy)."""
+    for g in groups(model):
+        ids = [id(m.weight) for m in g.members]
+        if not any(i in staged_of for i in ids):
+            continue
+        if unchanged is not None and all(i in unchanged for i in ids if i in staged_of) and not g.stale():
+            out.copies[g] = g.copy
+            continue
+        parts = [staged_of[id(m.weight)].to(m.weight.dtype) if id(m.weight) in staged_of else m.weight
+                 for m in g.members]
+        out.copies[g] = g.derive(torch.cat([t.detach() for t in parts]))
+        out.derived += 1
 
 
 def install(model: torch.nn.Module, staged: StagedCopies | None) -> None:
@@ -125,6 +194,12 @@ def install(model: torch.nn.Module, staged: StagedCopies | None) -> None:
             m._derived, m._derived_key = copy, key(m.weight)
         elif id(m.weight) in staged.written:
             m._derived, m._derived_key = None, None
+    for g in groups(model):
+        copy = staged.copies.get(g)
+        if copy is not None:
+            g.copy, g.key = copy, tuple(key(m.weight) for m in g.members)
+        elif any(id(m.weight) in staged.written for m in g.members):
+            g.copy, g.key = None, None
 
 
 def return_freed_memory() -> None:

@@ -81,6 +81,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] = KEEP_FULL_PRECISION)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0):
             derived_weights.attach(module, derive)
             module._eight_bit = True  # model_loader.quantized_bytes counts these
+            module._apply_derived = _fp8_apply
             module.forward = types.MethodType(_fp8_forward, module)
             count += 1
     return count
@@ -89,5 +90,10 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] = KEEP_FULL_PRECISION)
 def _fp8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    out = matmul(x.reshape(-1, x.shape[-1]), derived_weights.current(self), self.bias)
+    return _fp8_apply(self, x, derived_weights.current(self), self.bias)
+
+
+def _fp8_apply(self: torch.nn.Linear, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    """x through the fp8 copy `w`: the module's own, or its group's (engine/fused_linears.py)."""
+    out = matmul(x.reshape(-1, x.shape[-1]), w, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

@@ -20,7 +20,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from engine import attention
+from engine import attention, fused_linears
 
 ARCHS = ("llama", "qwen2", "mistral")
 
@@ -78,11 +78,13 @@ def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     attn, mlp = self.self_attn, self.mlp
     x = rms_norm(self.input_layernorm, hidden_states)
     t, d = x.shape[1], attn.head_dim
-    q = attn.q_proj(x).view(t, -1, d)
-    k = attn.k_proj(x).view(t, -1, d)
-    v = attn.v_proj(x).view(t, -1, d)
+    qkv = fused_linears.project(attn, x)  # one GEMM where the three share a copy
+    q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
     cos, sin_signed = attention.rope_tables(position_embeddings)
     out = attention.attend(attn.layer_idx, _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed), v, attn.scaling)
     h = hidden_states + attn.o_proj(out.view(1, t, -1))
     y = rms_norm(self.post_attention_layernorm, h)
-    return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(y)) * mlp.up_proj(y))
+    gate_up = fused_linears.project(mlp, y)
+    gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
+    return h + mlp.down_proj(mlp.act_fn(gate) * up)

@@ -157,6 +157,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
             derived_weights.attach(module, derive)  # in place of a prepacked copy, if it had one
             module._eight_bit = True  # model_loader.quantized_bytes counts these
+            module._apply_derived = _int8_apply
             module.forward = types.MethodType(_int8_forward, module)
             count += 1
     return count
@@ -165,10 +166,14 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
 def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
         return torch.nn.functional.linear(x, self.weight, self.bias)  # the int8 ops have no backward
-    w = derived_weights.current(self)
+    return _int8_apply(self, x, derived_weights.current(self), self.bias)
+
+
+def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x through the int8 copy `w`: the module's own, or its group's (engine/fused_linears.py)."""
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype)).mul_(scale)
-    if self.bias is not None:
-        out += self.bias
+    if bias is not None:
+        out += bias
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

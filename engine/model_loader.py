@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from engine import attention, derived_weights, fused_layers, int8_linears, llama_model, packed_linears
+from engine import attention, derived_weights, fused_layers, fused_linears, int8_linears, llama_model, packed_linears
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -29,19 +29,21 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
             packed_linears.pack(model, packed_dtype)
     model = model.to(device).eval()
     _quantize(model, cfg.quantization)
+    if cfg.fuse_layers:
+        fused_linears.group(model)  # after _quantize: a group serves its members' kind of copy
+    if cfg.quantization in ("int8", "fp8") or derived_weights.groups(model):
+        derived_weights.refresh(model)  # now, not at the first request
     return model
 
 
 def _quantize(model: torch.nn.Module, quantization: str) -> None:
-    """The linears on an 8-bit copy of their weights (derived now, not at the first request)."""
+    """The linears on an 8-bit copy of their weights (derived by load_model, not at the first request)."""
     if quantization == "int8":
         log.info("int8 copies of %d linears", int8_linears.install(model))
     elif quantization == "fp8":
         from engine import fp8_linears
 
         log.info("fp8 copies of %d linears", fp8_linears.install(model))
-    if quantization in ("int8", "fp8"):
-        derived_weights.refresh(model)
 
 
 def _load_hf(cfg: EngineConfig) -> torch.nn.Module:

@@ -85,6 +85,7 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
         if isinstance(module, torch.nn.Linear):
             derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
             module._packed_dtype = dtype
+            module._apply_derived = _packed_apply
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     return count
@@ -120,11 +121,17 @@ def bucket(rows: int) -> int:
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
         return torch.nn.functional.linear(x, self.weight, self.bias)  # oneDNN's op has no backward
-    dtype, bias = self._packed_dtype, self.bias
+    return _packed_apply(self, x, derived_weights.current(self), self.bias)
+
+
+def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """x @ the packed weight's transpose (+ bias): the module's own copy, or its group's
+    (engine/fused_linears.py)."""
+    dtype = self._packed_dtype
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
-    out = _blocked_linear(rows, derived_weights.current(self), bias)
+    out = _blocked_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 

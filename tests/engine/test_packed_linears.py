@@ -107,7 +107,9 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
     assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
     prompts = random_prompts(6, 3, 40, 2000, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    assert all(m._derived is not None for m in packed)
+    # each linear serves from a packed copy: its own, or its group's (q/k/v and gate/up: fused_linears)
+    assert all(m._derived is not None or (getattr(m, "_group", None) and m._group.copy is not None) for m in packed)
+    assert sum(getattr(m, "_group", None) is not None for m in packed) == 5 * model.config.num_hidden_layers
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 16)
     assert math.isfinite(llm.core.worker.runner.forward_seconds)

@@ -6,20 +6,31 @@ from engine import derived_weights
 from weight_sync.engine_side.extension import WeightSyncExtension
 
 
+def served_copies(model) -> int:
+    """How many copies an engine of `model` serves: one per linear, but one for each layer's q/k/v
+    and one for its gate/up (engine/fused_linears.py)."""
+    import torch
+
+    return sum(isinstance(m, torch.nn.Linear) for m in model.modules()) - 3 * model.config.num_hidden_layers
+
+
 class DeriveCountExtension(WeightSyncExtension):
     def derive_count(self) -> int:
         """Derivations since the last call (each module's derive function wrapped once with a counter,
         as a new kind of derived copy plugs in: through `module._derive`)."""
-        for m in derived_weights.derived_modules(self.model):
-            if not getattr(m._derive, "counted", False):
-                m._derive = _counted(m._derive, self.__dict__.setdefault("_derives", [0]))
+        for m in [*derived_weights.derived_modules(self.model), *derived_weights.groups(self.model)]:
+            attr = "derive" if isinstance(m, derived_weights.Group) else "_derive"
+            if not getattr(getattr(m, attr), "counted", False):
+                setattr(m, attr, _counted(getattr(m, attr), self.__dict__.setdefault("_derives", [0])))
         count = self.__dict__.setdefault("_derives", [0])
         out, count[0] = count[0], 0
         return out
 
     def derived_copy_ids(self) -> list[int]:
-        """id() of each module's served copy (0: none), in module order."""
-        return [id(m._derived) if m._derived is not None else 0 for m in derived_weights.derived_modules(self.model)]
+        """id() of each served copy (0: none): the modules' own, in module order, then the groups'."""
+        own = [id(m._derived) if m._derived is not None else 0 for m in derived_weights.derived_modules(self.model)
+               if getattr(m, "_group", None) is None]
+        return own + [id(g.copy) if g.copy is not None else 0 for g in derived_weights.groups(self.model)]
 
 
 def _counted(derive, count: list):

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, packed_linears
 from tests.engine.helpers import random_prompts
+from tests.weight_sync.derive_count_extension import served_copies
 from tests.weight_sync.test_push import _Trainer
 from weight_sync import WeightSender, WeightSyncError, weights_checksum
 from weight_sync.common.manifest import Manifest
@@ -121,10 +122,6 @@ def perturb(model, seed, names=None):
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def linears(model) -> int:
-    return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-
-
 def test_a_full_push_derives_while_staged_and_the_first_forward_derives_nothing(engine, trainer, sender, group, loop,
                                                                                   qwen2_dir, tmp_path):
     run(loop, greedy(engine, PROMPTS[:1]))  # every copy made once
@@ -132,7 +129,7 @@ def test_a_full_push_derives_while_staged_and_the_first_forward_derives_nothing(
     perturb(trainer, 1)
     out = run(loop, overlapped_push(engine, sender, trainer, 1))
     derived_while_staged = run(loop, rpc(engine, "derive_count"))
-    assert derived_while_staged == linears(trainer)  # every linear, from the staged weights (lm_head tied or not)
+    assert derived_while_staged == served_copies(trainer)  # every copy, from the staged weights (lm_head tied or not)
     assert out["worker_results"][0]["derive_seconds"] > 0
     got = run(loop, greedy(engine))
     assert run(loop, rpc(engine, "derive_count")) == 0  # no forward after the commit derived anything
@@ -163,7 +160,7 @@ def test_a_dropped_or_refused_push_leaves_the_old_copies_serving(engine, trainer
     # staged in full, copies derived, then dropped (as when another engine failed): nothing swapped in
     perturb(trainer, 21)
     assert run(loop, overlapped_push(engine, sender, trainer, 21, commit=False)) == [[{"dropped": 21}]]
-    assert run(loop, rpc(engine, "derive_count")) == linears(trainer)  # made, never served
+    assert run(loop, rpc(engine, "derive_count")) == served_copies(trainer)  # made, never served
     # refused before any byte: a tensor of another shape
     bad = dict(trainer.named_parameters())
     bad["model.norm.weight"] = torch.ones(3)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig, int8_linears
 from tests.weight_sync.test_derived_copies import (EXTENSION, PROMPTS, TIMEOUT_S, _form, fresh_engine_greedy, greedy,
-                                                   linears, overlapped_push, perturb, rpc, run)
+                                                   overlapped_push, perturb, rpc, run, served_copies)
 from weight_sync import WeightSender, weights_checksum
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(int8_linears.kernel() is None, reason="no exact int8 kernel")]
@@ -38,7 +38,7 @@ def test_an_int8_push_derives_while_staged_and_serves_the_new_weights_at_once(en
     run(loop, rpc(engine, "derive_count"))
     perturb(trainer, 3)
     run(loop, overlapped_push(engine, sender, trainer, 1))
-    assert run(loop, rpc(engine, "derive_count")) == linears(trainer)  # int8 and the kept head's prepacked copy
+    assert run(loop, rpc(engine, "derive_count")) == served_copies(trainer)  # int8 and the kept head's prepacked copy
     got = run(loop, greedy(engine))
     assert run(loop, rpc(engine, "derive_count")) == 0
     assert run(loop, engine.collective_rpc("weights_checksum")) == [weights_checksum(trainer.named_parameters())]
