@@ -136,3 +136,25 @@ def test_the_copy_bytes_are_one_byte_a_weight_and_four_a_channel():
     model[0].requires_grad_(False)
     assert int8_linears.install(model) == 2
     assert quantized_bytes(model) == 48 * 64 + 4 * 48 + 16 * 48 + 4 * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_row_quantizer_gives_torchs_bits(dtype, monkeypatch):
+    """engine/native/quantize_rows.c against the torch ops it replaces: the same scales and codes,
+    ties (x / scale exactly k + 0.5) rounded to even, an all-zero row, rows of several widths."""
+    from engine import native_quantize
+
+    if native_quantize.quantize_rows(torch.ones(1, 4, dtype=dtype)) is None:
+        pytest.skip("no C compiler here: the torch ops run")
+    g = torch.Generator().manual_seed(5)
+    for rows, cols in [(1, 64), (32, 576), (7, 1536), (300, 960)]:
+        x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+        x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127, -127, 63.5]).to(dtype)  # scale 1: ties
+        if rows > 1:
+            x[1] = 0
+        native = native_quantize.quantize_rows(x)
+        monkeypatch.setattr(native_quantize, "quantize_rows", lambda _: None)
+        ref = int8_linears.quantize_rows(x)
+        monkeypatch.undo()
+        assert torch.equal(native[0], ref[0]) and torch.equal(native[1], ref[1])
+        assert native[0][0, :5].tolist() == [0, 2, 2, 0, -2]  # half to even
