@@ -176,7 +176,9 @@ def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: tor
     """x through the int8 copy `w`: the module's own, or its group's (engine/fused_linears.py)."""
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype)).mul_(scale)
+    out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype))
+    if not native_quantize.scale_rows_(out, scale):
+        out.mul_(scale)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

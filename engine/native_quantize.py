@@ -1,5 +1,6 @@
-"""int8_linears.quantize_rows through the C kernel engine/native/quantize_rows.c (same bits, one
-call instead of eight torch ops a linear: a third of an int8 decode step on 2 cores)."""
+"""int8_linears' per-row steps through the C kernels of engine/native/quantize_rows.c, the same
+bits in one call: quantizing the activations (eight torch ops a linear: a third of an int8
+decode step on 2 cores) and multiplying their scales into the output (a mul_ and its casts)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,19 @@ import torch
 from engine import native_kernels
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ENTRIES = {torch.float32: "quantize_rows_f32", torch.bfloat16: "quantize_rows_bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _fns: dict = {}
 
 
-def _fn(dtype: torch.dtype):
-    if dtype not in _fns:
+def _fn(dtype: torch.dtype, name: str = "quantize_rows"):
+    if (dtype, name) not in _fns:
         lib = native_kernels.library("quantize_rows")
-        fn = None if lib is None or dtype not in _ENTRIES else getattr(lib, _ENTRIES[dtype])
+        fn = None if lib is None or dtype not in _SUFFIX else getattr(lib, f"{name}_{_SUFFIX[dtype]}")
         if fn is not None:
-            fn.argtypes, fn.restype = [_PTR, _I64, _I64, _PTR, _PTR], None
-        _fns[dtype] = fn
-    return _fns[dtype]
+            fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR] if name == "quantize_rows" else [_PTR, _I64, _I64, _PTR]
+            fn.restype = None
+        _fns[dtype, name] = fn
+    return _fns[dtype, name]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -35,3 +37,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     scale = torch.empty(rows, 1, dtype=torch.float32)
     fn(x.data_ptr(), rows, cols, q.data_ptr(), scale.data_ptr())
     return q, scale
+
+
+def scale_rows_(out: torch.Tensor, scale: torch.Tensor) -> bool:
+    """out [M, N] *= scale [M, 1] (fp32) in place, as torch's `out.mul_(scale)` rounds it; False
+    (nothing done) where no kernel takes it."""
+    fn = _fn(out.dtype, "scale_rows") if out.device.type == "cpu" and out.is_contiguous() else None
+    if fn is None or scale.dtype != torch.float32 or not scale.is_contiguous():
+        return False
+    fn(out.data_ptr(), out.shape[0], out.shape[1], scale.data_ptr())
+    return True

@@ -158,3 +158,16 @@ def test_the_c_row_quantizer_gives_torchs_bits(dtype, monkeypatch):
         monkeypatch.undo()
         assert torch.equal(native[0], ref[0]) and torch.equal(native[1], ref[1])
         assert native[0][0, :5].tolist() == [0, 2, 2, 0, -2]  # half to even
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_row_scaling_gives_torchs_bits(dtype):
+    from engine import native_quantize
+
+    g = torch.Generator().manual_seed(6)
+    out = (torch.randn(33, 960, generator=g) * 50).to(dtype)
+    scale = torch.rand(33, 1, generator=g) / 127
+    ref = out.clone().mul_(scale)
+    if not native_quantize.scale_rows_(out, scale):
+        pytest.skip("no C compiler here: torch's mul_ runs")
+    assert torch.equal(out, ref)
