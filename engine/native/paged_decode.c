@@ -81,8 +81,25 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 static inline void store_f32(float *o, float x) { *o = x; }
 static inline void store_bf16(uint16_t *o, float x) { *o = f32_to_bf16(x); }
 
+/* The four dot products a0..a3 hold in their lanes, summed across lanes at once: two rounds of
+   pairing halves, then two within each group of four (a tenth of four separate sums' shuffles). */
+static inline void reduce4(v16f a0, v16f a1, v16f a2, v16f a3, float *out) {
+    const v16f x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16f y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* lanes: a0 in 0-3, a2 in 4-7, a1 in 8-11, a3 in 12-15 */
+    v16f z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+             __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    z += __builtin_shufflevector(z, z, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = z[0], out[1] = z[8], out[2] = z[4], out[3] = z[12];
+}
+
 /* One row: qs [H][NV] vectors (scaled), its `len` keys through `table`; out [H][D].
-   `scores` holds H * (len + 16) floats, `acc` H * NV vectors. */
+   `scores` holds H * (len + 16) floats, `acc` H * NV vectors. Keys go four at a time within a
+   block (their vectors in registers, each query head's four sums reduced together, each
+   accumulator loaded and stored once per four values), the block's rest one at a time. */
 #define DEFINE_ROW(NAME, T, LOAD, STORE)                                                                 \
     static inline __attribute__((always_inline)) void NAME(                                            \
         const v16f *qs, const T *kc, const T *vc, const int64_t *table, int64_t len, int64_t bs,       \
@@ -90,18 +107,36 @@ static inline void store_bf16(uint16_t *o, float x) { *o = f32_to_bf16(x); }
         const int G = H / KVH, D = NV * 16;                                                              \
         const int64_t slot = (int64_t)KVH * D;                                                           \
         const int64_t padded = (len + 15) & ~(int64_t)15; /* a head's scores, padded with -inf: e^-inf = 0 */ \
-        for (int64_t t = 0; t < len; t++) {                                                              \
-            const T *k = kc + (table[t / bs] * bs + t % bs) * slot;                                      \
-            for (int kh = 0; kh < KVH; kh++) {                                                           \
-                v16f kv[MAX_VECS];                                                                       \
-                for (int i = 0; i < NV; i++) kv[i] = LOAD(k + kh * D + i * 16);                          \
-                for (int g = 0; g < G; g++) {                                                            \
-                    const v16f *q = qs + (kh * G + g) * NV;                                              \
-                    v16f a = q[0] * kv[0];                                                               \
-                    for (int i = 1; i < NV; i++) a += q[i] * kv[i];                                      \
-                    scores[(kh * G + g) * padded + t] = hsum(a);                                              \
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, blk++) {                                       \
+            const int64_t n = len - t0 < bs ? len - t0 : bs;                                             \
+            const T *kb = kc + table[blk] * bs * slot;                                                   \
+            int64_t j = 0;                                                                               \
+            for (; j + 4 <= n; j += 4)                                                                   \
+                for (int kh = 0; kh < KVH; kh++) {                                                       \
+                    v16f k0[MAX_VECS], k1[MAX_VECS], k2[MAX_VECS], k3[MAX_VECS];                         \
+                    const T *k = kb + j * slot + kh * D;                                                 \
+                    for (int i = 0; i < NV; i++) {                                                       \
+                        k0[i] = LOAD(k + i * 16), k1[i] = LOAD(k + slot + i * 16);                       \
+                        k2[i] = LOAD(k + 2 * slot + i * 16), k3[i] = LOAD(k + 3 * slot + i * 16);        \
+                    }                                                                                    \
+                    for (int g = 0; g < G; g++) {                                                        \
+                        const v16f *q = qs + (kh * G + g) * NV;                                          \
+                        v16f a0 = q[0] * k0[0], a1 = q[0] * k1[0], a2 = q[0] * k2[0], a3 = q[0] * k3[0]; \
+                        for (int i = 1; i < NV; i++)                                                     \
+                            a0 += q[i] * k0[i], a1 += q[i] * k1[i], a2 += q[i] * k2[i], a3 += q[i] * k3[i]; \
+                        reduce4(a0, a1, a2, a3, scores + (kh * G + g) * padded + t0 + j);                \
+                    }                                                                                    \
                 }                                                                                        \
-            }                                                                                            \
+            for (; j < n; j++)                                                                           \
+                for (int kh = 0; kh < KVH; kh++) {                                                       \
+                    const T *k = kb + j * slot + kh * D;                                                 \
+                    for (int g = 0; g < G; g++) {                                                        \
+                        const v16f *q = qs + (kh * G + g) * NV;                                          \
+                        v16f a = q[0] * LOAD(k);                                                         \
+                        for (int i = 1; i < NV; i++) a += q[i] * LOAD(k + i * 16);                       \
+                        scores[(kh * G + g) * padded + t0 + j] = hsum(a);                                \
+                    }                                                                                    \
+                }                                                                                        \
         }                                                                                                \
         float inv[MAX_HEADS];                                                                            \
         for (int h = 0; h < H; h++) {                                                                    \
@@ -120,17 +155,34 @@ static inline void store_bf16(uint16_t *o, float x) { *o = f32_to_bf16(x); }
             inv[h] = 1.f / hsum(sum);                                                                    \
         }                                                                                                \
         for (int i = 0; i < H * NV; i++) acc[i] = (v16f){0};                                             \
-        for (int64_t t = 0; t < len; t++) {                                                              \
-            const T *v = vc + (table[t / bs] * bs + t % bs) * slot;                                      \
-            for (int kh = 0; kh < KVH; kh++) {                                                           \
-                v16f vv[MAX_VECS];                                                                       \
-                for (int i = 0; i < NV; i++) vv[i] = LOAD(v + kh * D + i * 16);                          \
-                for (int g = 0; g < G; g++) {                                                            \
-                    const int h = kh * G + g;                                                            \
-                    const float p = scores[h * padded + t];                                              \
-                    for (int i = 0; i < NV; i++) acc[h * NV + i] += p * vv[i];                           \
+        for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, blk++) {                                       \
+            const int64_t n = len - t0 < bs ? len - t0 : bs;                                             \
+            const T *vb = vc + table[blk] * bs * slot;                                                   \
+            int64_t j = 0;                                                                               \
+            for (; j + 4 <= n; j += 4)                                                                   \
+                for (int kh = 0; kh < KVH; kh++) {                                                       \
+                    v16f v0[MAX_VECS], v1[MAX_VECS], v2[MAX_VECS], v3[MAX_VECS];                         \
+                    const T *v = vb + j * slot + kh * D;                                                 \
+                    for (int i = 0; i < NV; i++) {                                                       \
+                        v0[i] = LOAD(v + i * 16), v1[i] = LOAD(v + slot + i * 16);                       \
+                        v2[i] = LOAD(v + 2 * slot + i * 16), v3[i] = LOAD(v + 3 * slot + i * 16);        \
+                    }                                                                                    \
+                    for (int g = 0; g < G; g++) {                                                        \
+                        const int h = kh * G + g;                                                        \
+                        const float *p = scores + h * padded + t0 + j;                                   \
+                        for (int i = 0; i < NV; i++)                                                     \
+                            acc[h * NV + i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i]; \
+                    }                                                                                    \
                 }                                                                                        \
-            }                                                                                            \
+            for (; j < n; j++)                                                                           \
+                for (int kh = 0; kh < KVH; kh++) {                                                       \
+                    const T *v = vb + j * slot + kh * D;                                                 \
+                    for (int g = 0; g < G; g++) {                                                        \
+                        const int h = kh * G + g;                                                        \
+                        const float p = scores[h * padded + t0 + j];                                     \
+                        for (int i = 0; i < NV; i++) acc[h * NV + i] += p * LOAD(v + i * 16);            \
+                    }                                                                                    \
+                }                                                                                        \
         }                                                                                                \
         for (int h = 0; h < H; h++)                                                                      \
             for (int i = 0; i < NV; i++) {                                                               \
