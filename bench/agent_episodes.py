@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens a turn at most")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for quiet in ("httpx", "httpx2", "openai"):  # a line per request otherwise
+        logging.getLogger(quiet).setLevel(logging.WARNING)
 
     from transformers import AutoTokenizer
 
