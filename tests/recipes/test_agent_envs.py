@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recipes.batch import build_batch
-from recipes.envs import Calculator, Environment, FromGymnasium, FromSkyRL, LetterGame, env_factory
+from recipes.envs import Calculator, Environment, FromGymnasium, FromSkyRL, env_factory
 from recipes.envs.calculator import CalculatorError, calculate
 from recipes.episode_metrics import episode_metrics, episode_rewards
 from recipes.episodes import Episode, StitchError
