@@ -13,7 +13,7 @@ class Batch:
     attention_mask: torch.Tensor  # [B, L]
     positions: torch.Tensor  # [B, T] index of the logits that predict completion token t
     targets: torch.Tensor  # [B, T] completion token ids (0 where padded)
-    mask: torch.Tensor  # [B, T] 1 on real completion tokens
+    mask: torch.Tensor  # [B, T] 1 on real completion tokens (an episode's: on the policy's turns only)
     engine_logp: torch.Tensor  # [B, T] the engine's sampled-token logprobs (behaviour policy)
 
     def to(self, device) -> "Batch":
@@ -39,7 +39,9 @@ def build_batch(rollouts: list, pad_id: int) -> Batch:
         attention_mask[i, : p + c] = 1
         positions[i] = torch.arange(p - 1, p - 1 + T).clamp(max=L - 1)
         targets[i, :c] = torch.tensor(r.token_ids, dtype=torch.long)
-        mask[i, :c] = 1
+        # an episode (recipes/episodes.py): only the policy's own tokens train, none of one that failed
+        policy = getattr(r, "policy_mask", None)
+        mask[i, :c] = 1 if policy is None else torch.tensor(policy, dtype=torch.float) * float(r.trainable)
         engine_logp[i, :c] = torch.tensor(r.logprobs)
     return Batch(input_ids, attention_mask, positions, targets, mask, engine_logp)
 

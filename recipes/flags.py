@@ -15,15 +15,19 @@ from recipes.tasks import TASKS
 DELTA = {"auto": None, "on": True, "off": False}  # --delta -> push_weights(delta=...)
 
 
-def build_parser(algo: str) -> argparse.ArgumentParser:
+def build_parser(algo: str, prog: str | None = None, description: str | None = None,
+                 tasks: bool = True) -> argparse.ArgumentParser:
+    """`tasks=False`: without the --task flags (recipes.agent's environments take their place)."""
     p = argparse.ArgumentParser(
-        prog=f"python -m recipes.{algo}",
-        description=(f"{algo.upper()} on the rollout sidecar. With no flags: builds the embedded tiny model, starts "
-                     "its own sidecar, trains on the toy 'a-game' task on CPU and shows the reward rising."),
+        prog=prog or f"python -m recipes.{algo}",
+        description=description or (
+            f"{algo.upper()} on the rollout sidecar. With no flags: builds the embedded tiny model, starts "
+            "its own sidecar, trains on the toy 'a-game' task on CPU and shows the reward rising."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_run_flags(p, algo)
-    _add_task_flags(p)
+    _add_run_flags(p, prog.split(".")[-1] if prog else algo)
+    if tasks:
+        _add_task_flags(p)
     _add_batch_flags(p)
     add_loss_args(p.add_argument_group("the loss"))
     _add_step_flags(p)

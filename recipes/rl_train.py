@@ -49,13 +49,13 @@ def train(algo: str, argv: list[str] | None = None) -> dict:
         close(run)
 
 
-def setup(algo, args) -> Run:
-    """Model, optimizer (accelerate), task, tracker and a connected rollout client."""
+def setup(algo, args, make_task=None) -> Run:
+    """Model, optimizer (accelerate), task, tracker and a connected rollout client. `make_task(args,
+    tokenizer)`: the run's task (default: --task's; recipes.agent's is an environment factory)."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.sampling_params import SamplingParams
-    from recipes.tasks import make_task
     from recipes.tracking import Tracker
     from rollout import RolloutClient
     from rollout.serve_args import model_dir_or_exit
@@ -78,8 +78,7 @@ def setup(algo, args) -> Run:
     module, optimizer = accelerator.prepare(module, optimizer)
     if ref is not None:
         ref = ref.to(accelerator.device)
-    task = make_task(args.task, tokenizer, args.data, args.seed, level=args.task_level,
-                     format_reward=args.format_reward, answer_format=args.answer_format)
+    task = _task_of(args, tokenizer) if make_task is None else make_task(args, tokenizer)
     main = accelerator.is_main_process
     tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args), enabled=main)
     client, sidecar, url = rollout_source(args, model_dir, accelerator.device) if main else (None, None, None)
@@ -92,6 +91,13 @@ def setup(algo, args) -> Run:
     if main:  # the group's backend follows the trainer's device: gloo on CPU, NCCL on CUDA
         client.init_weight_sync(device=accelerator.device)
     return run
+
+
+def _task_of(args, tokenizer):
+    from recipes.tasks import make_task
+
+    return make_task(args.task, tokenizer, args.data, args.seed, level=args.task_level,
+                     format_reward=args.format_reward, answer_format=args.answer_format)
 
 
 def push(run: Run) -> float:

@@ -22,11 +22,12 @@ def sidecar_device(trainer_device: torch.device, requested: str | None = None) -
 
 
 def sidecar_command(args, model_dir: str, trainer_device: torch.device, device: str | None = None) -> list[str]:
-    """The flags of the sidecar this run starts (after `--model`); `device` overrides where it runs."""
+    """The flags of the sidecar this run starts (after `--model`); `device` overrides where it runs.
+    `args.sidecar_args`, when a recipe sets it: more flags (recipes.agent's HTTP front)."""
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
             "--device", device or sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
             "--engine", args.engine, "--dtype", getattr(args, "sidecar_dtype", "auto"),
-            "--quantization", getattr(args, "sidecar_quantization", "none")]
+            "--quantization", getattr(args, "sidecar_quantization", "none"), *getattr(args, "sidecar_args", ())]
 
 
 def seeds_requests(args, trainer_device: torch.device) -> bool:

@@ -1,0 +1,193 @@
+"""`python -m recipes.agent`: GRPO over whole multi-turn episodes on the rollout sidecar (see `--help`).
+
+Each step plays `--prompts-per-step` x `--group-size` episodes at once (a group: one environment
+seed), each turn a request to the sidecar, through `AsyncRolloutClient` (`--transport client`) or
+the sidecar's OpenAI front with the official `openai` client (`--transport openai`); the update
+(recipes/policy_update.py) trains on the policy's own tokens only, with the engine's logprobs per
+token for the truncated importance weights; then the weights are pushed. With `--async` the next
+step's episodes play while this step trains, so pushes land mid-episode (in the sidecar's pause
+mode, keep by default) and `--max-staleness` bounds how old an episode's first token may be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from recipes.algorithms import GRPO
+from recipes.episode_metrics import episode_metrics, episode_rewards, transcript_rows
+from recipes.episodes import Settings, run_episodes
+from recipes.flags import build_parser
+from recipes.policy_update import update
+from recipes.rl_train import close, finish, push, push_metrics, setup
+from recipes.seeds import request_seed
+
+log = logging.getLogger("recipes")
+
+# the embedded tiny model on the letter game (learns from scratch); a pretrained chat model with a tool
+DEFAULTS = {
+    "letters": {"max_steps": 40, "prompts_per_step": 8, "group_size": 8, "max_tokens": 16, "temperature": 1.0,
+                "lr": 2e-3, "max_turns": 3, "tool_call_parser": None, "model": None},
+    "calculator": {"max_steps": 60, "prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "temperature": 0.7,
+                   "lr": 1e-5, "max_turns": 4, "tool_call_parser": "hermes", "model": "smollm2"},
+}
+
+
+def build_agent_parser():
+    from recipes.envs import ENVIRONMENTS
+
+    p = build_parser("grpo", prog="python -m recipes.agent", tasks=False, description=(
+        "GRPO over multi-turn episodes on the rollout sidecar. With no flags: builds the embedded tiny model, "
+        "starts its own sidecar and trains on the letter game (3 turns, feedback each turn) on CPU."))
+    g = p.add_argument_group("episodes")
+    g.add_argument("--env", default="letters", choices=ENVIRONMENTS,
+                   help="letters: the tiny model's game; calculator: arithmetic with a calculator tool (SmolLM2)")
+    g.add_argument("--transport", default="client", choices=["client", "openai"],
+                   help="client: AsyncRolloutClient (ZMQ); openai: the sidecar's OpenAI front (--http-port) with "
+                        "the openai client")
+    g.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode at most (default: 3 "
+                   "letters, 4 calculator)")
+    g.add_argument("--letters", default="a", help="letters the letter game asks for (one drawn per episode)")
+    g.add_argument("--max-staleness", type=int, default=None,
+                   help="play an episode again from its start when its first token is more than this many versions "
+                        "behind the newest push as a turn starts (with --async)")
+    g.add_argument("--tool-call-parser", default="default", help="read tool calls out of the text with this parser "
+                   "(rollout.tool_calls; hermes for calculator, none for letters by default)")
+    g.add_argument("--http-url", default=None, help="with --rollout-url and --transport openai: the front's URL")
+    g.add_argument("--max-context", type=int, default=1024, help="no turn starts that could not fit this (the sidecar's "
+                   "--max-model-len)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_agent_parser().parse_args(argv)
+    for name, value in DEFAULTS[args.env].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.tool_call_parser in ("default", "none"):
+        args.tool_call_parser = DEFAULTS[args.env]["tool_call_parser"] if args.tool_call_parser == "default" else None
+    if args.ray or args.async_ and args.minibatches > 1:
+        raise SystemExit("error: recipes.agent runs one local sidecar (no --ray), and --async with one minibatch")
+    args.task = f"agent-{args.env}"  # names the run
+    args.sidecar_args = []
+    if args.transport == "openai":
+        args.sidecar_args = ["--http-port", "0"]
+        if args.tool_call_parser:
+            args.sidecar_args += ["--tool-call-parser", args.tool_call_parser, "--enable-auto-tool-choice"]
+    return args
+
+
+def _env_factory(args, tokenizer):
+    from recipes.envs import env_factory
+
+    return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters)
+
+
+def turn_source(run):
+    """The episodes' event-loop thread and its source of turns (recipes/turns.py)."""
+    from recipes.turns import client_turns, openai_turns
+
+    args = run.args
+    if args.transport == "openai":
+        url = args.http_url or (run.sidecar.http_url if run.sidecar is not None else None)
+        if url is None:
+            raise SystemExit("error: --transport openai with --rollout-url needs --http-url")
+        return openai_turns(url, args.token)
+    parser = None
+    if args.tool_call_parser:
+        from rollout.tool_calls import get_tool_parser
+
+        parser = get_tool_parser(args.tool_call_parser)
+    return client_turns(run.client.urls[0], args.token, run.tokenizer, parser)
+
+
+def _env_seed(run_seed: int, call: int, group: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"env:{run_seed}:{call}:{group}".encode()).digest()[:4], "big")
+
+
+class Episodes:
+    """Each step's episodes, played on the turn thread; with --async the next step's play meanwhile."""
+
+    def __init__(self, run, thread):
+        self.run, self.thread, self.calls, self.pending = run, thread, 0, None
+        a = run.args
+        self.settings = Settings(a.max_turns, a.max_tokens, a.temperature, a.max_context, a.max_staleness,
+                                 newest_version=lambda: run.version)
+
+    def _submit(self):
+        a, call = self.run.args, self.calls
+        self.calls += 1
+        n = a.prompts_per_step * a.group_size
+        seeds = [_env_seed(a.seed, call, i // a.group_size) for i in range(n)]
+        request_seeds = [request_seed(a.seed, call, i) for i in range(n)]
+        t0 = time.perf_counter()
+        future = self.thread.submit(run_episodes, self.run.task, seeds, request_seeds, self.settings)
+        return future, t0
+
+    def next(self, more: bool) -> tuple[list, float]:
+        future, t0 = self.pending or self._submit()
+        self.pending = self._submit() if self.run.args.async_ and more else None
+        episodes = future.result()
+        return episodes, time.perf_counter() - t0
+
+
+def agent_step(run, episodes_source: Episodes, step: int) -> dict:
+    """Episodes -> rewards -> update -> push; logs and returns the step's metrics."""
+    t_step = time.perf_counter()
+    episodes, t_gen = episodes_source.next(step + 1 < run.args.max_steps)
+    pad = run.tokenizer.pad_token_id or 0
+    for e in episodes:
+        if not e.prompt_token_ids:  # its environment raised in reset: one token to stand on, nothing trained
+            e.prompt_token_ids = [pad]
+    rewards = episode_rewards(episodes, run.args.group_size)
+    t_train = time.perf_counter()
+    metrics = update(run, episodes, rewards)
+    t_train = time.perf_counter() - t_train
+    run.version += 1
+    t_sync = push(run)
+    starts = [e.start_version for e in episodes if e.start_version is not None]
+    metrics.update({
+        "reward": rewards.mean().item(), "reward_std": rewards.std().item(), **episode_metrics(episodes),
+        "timing/generate": t_gen, "timing/train": t_train, "timing/weight_sync": t_sync,
+        "timing/step": time.perf_counter() - t_step, "episodes/per_second": len(episodes) / max(t_gen, 1e-9),
+        "staleness": run.version - 1 - min(starts) if starts else 0, "weight_version": run.version,
+        **push_metrics(run.pushed),
+    })
+    run.tracker.log(step + 1, metrics)
+    run.tracker.log_completions(step + 1, transcript_rows(episodes, rewards, run.args.log_completions,
+                                                          run.args.group_size))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = setup(GRPO(args), args, make_task=_env_factory)
+    thread = None
+    try:
+        if run.accelerator.num_processes > 1:
+            raise SystemExit("error: recipes.agent trains on one process")
+        thread = turn_source(run)
+        source = Episodes(run, thread)
+        push(run)
+        bar = tqdm(range(args.max_steps), desc="agent", unit="step")
+        with logging_redirect_tqdm():
+            for step in bar:
+                m = agent_step(run, source, step)
+                bar.set_postfix(reward=f"{m['reward']:.3f}", turns=f"{m['episodes/turns']:.1f}")
+        out = finish(run)
+        log.info("episodes: %s", Path(args.output_dir) / "completions.jsonl")
+        return out
+    finally:
+        if thread is not None:
+            thread.close()
+        close(run)
+
+
+if __name__ == "__main__":
+    main()

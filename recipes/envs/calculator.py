@@ -1,0 +1,120 @@
+"""`Calculator`: arithmetic a small chat model cannot do in its head (SmolLM2-135M multiplies 3- and
+4-digit numbers wrong nearly always), with a calculator tool it can call.
+
+The environment reads the tool calls from the assistant's message dict (`tool_calls`, as a tool-call
+parser such as `rollout.serve --tool-call-parser hermes` or vLLM's put them), runs each, and answers
+one `tool` message per call (with its `tool_call_id`). A turn without tool calls is the answer: the
+episode ends and scores 1.0 when its final number (recipes/answers.py) is the right one. Each episode
+also earns `call_bonus` once, for its first well-formed call. A call that is malformed (arguments not
+JSON, no `expression`, an unknown tool, an expression the calculator refuses) is answered with the
+error as the tool's reply and counted in `Step.tool_errors`.
+
+The tools go in the request (`Reset.tools`) and, for chat templates that do not render tools
+(SmolLM2's), in the system prompt too, in the Hermes format Qwen2.5's template writes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+
+from recipes.answers import extract_answer, same_number
+from recipes.envs.base import Reset, Step
+
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression: + - * / // % ** and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string",
+                                                                  "description": "for example 123 * (45 + 6)"}},
+                   "required": ["expression"]}}}
+
+SYSTEM = ("You are a careful assistant. You cannot do arithmetic in your head: use the calculator.\n\n"
+          "You may call one or more functions to assist with the user query.\n\n"
+          "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+          "For each function call, return a json object with function name and arguments within "
+          "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+          "<args-json-object>}}\n</tool_call>\n\nWhen you know the result, answer with #### followed by the number.")
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+MAX_EXPONENT = 64  # 2 ** 64 is fine; 9 ** 9 ** 9 would hang the run
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses (its text goes back to the model as the tool's reply)."""
+
+
+def calculate(expression: str) -> int | float:
+    """The value of an arithmetic expression of numbers, + - * / // % ** and parentheses; anything
+    else (names, calls, attributes) raises CalculatorError. Never `eval`."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise CalculatorError(f"not an arithmetic expression: {expression!r}") from e
+    return _value(tree.body)
+
+
+def _value(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _value(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise CalculatorError(f"exponent {right} is too large")
+        try:
+            return _OPS[type(node.op)](left, right)
+        except ZeroDivisionError as e:
+            raise CalculatorError("division by zero") from e
+    raise CalculatorError(f"the calculator takes numbers and + - * / // % ** only, not {ast.unparse(node)!r}")
+
+
+def make_question(rng: random.Random) -> tuple[str, int]:
+    a, b, c = rng.randint(100, 9999), rng.randint(12, 999), rng.randint(10, 999)
+    if rng.random() < 0.5:
+        return f"What is {a} * {b}?", a * b
+    return f"What is {a} * {b} + {c}?", a * b + c
+
+
+class Calculator:
+    def __init__(self, call_bonus: float = 0.2, tools_in_prompt: bool = True):
+        self.call_bonus, self.tools_in_prompt = call_bonus, tools_in_prompt
+        self.answer: int | None = None
+        self.bonus_paid = False
+
+    def reset(self, seed: int) -> Reset:
+        question, self.answer = make_question(random.Random(seed))
+        self.bonus_paid = False
+        messages = [{"role": "user", "content": question}]
+        if self.tools_in_prompt:
+            messages.insert(0, {"role": "system", "content": SYSTEM.format(tools=json.dumps(TOOL["function"]))})
+        return Reset(messages, tools=[TOOL])
+
+    def step(self, message: dict, token_ids: list[int]) -> Step:
+        calls = message.get("tool_calls") or []
+        if not calls:  # the answer
+            right = same_number(extract_answer(message.get("content") or ""), str(self.answer))
+            return Step(reward=float(right), done=True)
+        replies = [self._call(c) for c in calls]
+        errors = sum(not ok for _, ok in replies)
+        reward = 0.0
+        if errors < len(calls) and not self.bonus_paid:
+            reward, self.bonus_paid = self.call_bonus, True
+        return Step([m for m, _ in replies], reward=reward, tool_calls=len(calls), tool_errors=errors)
+
+    def _call(self, call: dict) -> tuple[dict, bool]:
+        """One tool call -> (its `tool` message, whether it was well-formed and ran)."""
+        fn = call.get("function") or {}
+        reply = {"role": "tool", "tool_call_id": call.get("id", ""), "name": fn.get("name", "")}
+        try:
+            if fn.get("name") != "calculator":
+                raise CalculatorError(f"unknown tool {fn.get('name')!r}: the only tool is 'calculator'")
+            args = json.loads(fn.get("arguments") or "{}")
+            if not isinstance(args, dict) or not isinstance(args.get("expression"), str):
+                raise CalculatorError('arguments must be {"expression": "..."}')
+            value = calculate(args["expression"])
+        except (CalculatorError, json.JSONDecodeError) as e:
+            return {**reply, "content": json.dumps({"error": str(e)})}, False
+        return {**reply, "content": json.dumps({"result": value})}, True

@@ -1,0 +1,143 @@
+"""Where an episode's assistant turns come from: the sidecar through `AsyncRolloutClient` (no HTTP)
+or through its OpenAI-compatible front with the official `openai` client (what any agent framework
+would use in its place). Both send the conversation with every earlier assistant turn carrying its
+sampled `token_ids` (rollout/openai_front/chat_prompt.py: spliced in as sampled, never re-tokenised),
+and both answer a `Turn`: the prompt's ids, the turn's ids, the engine's logprob and weight version
+of each token, and the turn as an OpenAI message dict.
+
+`TurnThread` runs one of them on its own event loop thread, so a trainer's blocking loop can push
+weights while episodes are in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+from engine import SamplingParams
+
+
+@dataclass
+class Turn:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+    message: dict  # {"role": "assistant", "content", optional "tool_calls"}: what the environment reads
+
+
+def history_message(turn: Turn) -> dict:
+    """The turn as sent back in the next request: its message with its `token_ids` (a template
+    that cannot render a None content gets "")."""
+    return {**turn.message, "content": turn.message.get("content") or "", "token_ids": turn.token_ids}
+
+
+def parsed_message(text: str, parser) -> dict:
+    """The assistant message of `text`: with `parser` (rollout.tool_calls' `extract`), the tool calls
+    read out of it in OpenAI's shape; without, the text alone."""
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    found = parser.extract(text)
+    message = {"role": "assistant", "content": found.content}
+    if found.tools_called:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in found.tool_calls]
+    return message
+
+
+class ClientTurns:
+    """Turns through `AsyncRolloutClient`: the prompt built here with the HTTP front's own function
+    (rollout.openai_front.chat_prompt), so both paths give the same ids for the same conversation."""
+
+    def __init__(self, client, tokenizer, parser=None):
+        self.client, self.tokenizer, self.parser = client, tokenizer, parser
+        self.takes_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        from rollout.openai_front.chat_prompt import chat_prompt_ids
+        from rollout.openai_front.schema import ChatMessage
+
+        return chat_prompt_ids([ChatMessage.model_validate(m) for m in messages], self.tokenizer,
+                               tools if self.takes_tools else None)
+
+    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
+        ids = self.prompt_ids(messages, tools)
+        params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, seed=seed)
+        (r,), = await self.client.generate([ids], params)
+        return Turn(r.prompt_token_ids, r.token_ids, r.logprobs, r.weight_versions, r.finish_reason,
+                    parsed_message(r.text, self.parser))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAITurns:
+    """Turns through the sidecar's OpenAI front (`rollout.serve --http-port`) with `openai.AsyncOpenAI`;
+    tool calls as the front parsed them (`--tool-call-parser`)."""
+
+    def __init__(self, client, model: str):
+        self.client, self.model = client, model
+
+    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
+        extra = {"tools": tools} if tools else {}
+        r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                      temperature=temperature, seed=seed, logprobs=True, **extra)
+        c = r.choices[0]
+        message = {"role": "assistant", "content": c.message.content}
+        if c.message.tool_calls:
+            message["tool_calls"] = [t.model_dump(exclude_none=True) for t in c.message.tool_calls]
+        return Turn(r.prompt_token_ids, c.token_ids, [t.logprob for t in c.logprobs.content], c.weight_versions,
+                    c.finish_reason, message)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class TurnThread:
+    """An event loop on a thread of its own, holding a turn source built on it by `make()` (an async
+    function); `submit(coro_fn, *args)` runs `coro_fn(turns, *args)` there and returns a
+    concurrent.futures.Future."""
+
+    def __init__(self, make):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="episodes", daemon=True)
+        self.thread.start()
+        self.turns = self._wait(make())
+
+    def _wait(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def submit(self, coro_fn, *args) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro_fn(self.turns, *args), self.loop)
+
+    def close(self) -> None:
+        try:
+            self._wait(self.turns.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+            self.loop.close()
+
+
+def client_turns(url: str, token: str, tokenizer, parser=None) -> TurnThread:
+    from rollout import AsyncRolloutClient
+
+    async def make():
+        return ClientTurns(AsyncRolloutClient(url, token=token), tokenizer, parser)
+
+    return TurnThread(make)
+
+
+def openai_turns(base_url: str, token: str, timeout_s: float = 600.0) -> TurnThread:
+    """`base_url`: the front's root (LocalSidecar.http_url); the served model's name is asked once."""
+    import openai
+
+    async def make():
+        client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=token or "none",
+                                    max_retries=0, timeout=timeout_s)
+        model = (await client.models.list()).data[0].id
+        return OpenAITurns(client, model)
+
+    return TurnThread(make)

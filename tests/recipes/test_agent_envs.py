@@ -1,0 +1,192 @@
+"""The agent recipe's environments (recipes/envs), their adapters, and how an episode is stitched and
+rewarded: pure code, no sidecar (tests/recipes/test_agent_episodes.py runs them against one)."""
+
+import json
+import re
+import uuid
+
+import pytest
+import torch
+
+from recipes.batch import build_batch
+from recipes.envs import Calculator, Environment, FromGymnasium, FromSkyRL, env_factory
+from recipes.envs.calculator import CalculatorError, calculate
+from recipes.episode_metrics import episode_metrics, episode_rewards
+from recipes.episodes import Episode, StitchError
+from recipes.turns import Turn
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen2_dir)
+
+
+def _hermes_message(text: str) -> dict:
+    """TO BE REPLACED by `rollout.tool_calls.get_tool_parser("hermes").extract` (issue 50's parser, not on
+    main when this was written): the Hermes tool calls of `text` as an OpenAI assistant message."""
+    calls = []
+    for body in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
+        try:
+            d = json.loads(body)
+        except json.JSONDecodeError:
+            return {"role": "assistant", "content": text}  # malformed: plain content, as vLLM's parser
+        calls.append({"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
+                      "function": {"name": d.get("name"), "arguments": json.dumps(d.get("arguments", {}))}})
+    content = re.split(r"<tool_call>", text)[0].strip() or None
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def test_the_letter_game_scores_each_turn_and_gives_feedback(tokenizer):
+    make = env_factory("letters", tokenizer, turns=3, letters="a")
+    env = make()
+    assert isinstance(env, Environment)
+    first = env.reset(seed=1)
+    assert first.messages[0]["role"] == "user" and "a" in first.messages[0]["content"] and first.tools is None
+    a_ids = tokenizer(" ka sa ta", add_special_tokens=False)["input_ids"]
+    o_ids = tokenizer(" mo ru ti", add_special_tokens=False)["input_ids"]
+    s1 = env.step({"role": "assistant", "content": " ka sa ta"}, a_ids)
+    assert s1.reward == pytest.approx(1 / 3) and not s1.done
+    assert s1.messages[0]["content"].startswith(f"{len(a_ids)} of {len(a_ids)} tokens had a")
+    s2 = env.step({"role": "assistant", "content": " mo ru ti"}, o_ids)
+    assert s2.reward == 0.0 and not s2.done
+    s3 = env.step({"role": "assistant", "content": ""}, [tokenizer.eos_token_id])  # only special tokens: 0
+    assert s3.done and s3.reward == 0.0 and s3.messages == []
+
+
+def test_the_letter_game_draws_its_letter_from_the_seed(tokenizer):
+    make = env_factory("letters", tokenizer, letters="ae")
+    drawn = {make().reset(seed).messages[0]["content"].split()[3].rstrip(",") for seed in range(20)}
+    assert drawn == {"a", "e"}
+    again = make()
+    assert again.reset(7).messages == make().reset(7).messages
+
+
+def test_the_calculator_evaluates_arithmetic_and_refuses_anything_else():
+    assert calculate("123 * (45 + 6)") == 6273
+    assert calculate("-2 ** 10 + 7 // 2 % 5") == -1021
+    for bad in ["__import__('os')", "x + 1", "2 ** 999", "1 / 0", "3 +", "[1, 2]"]:
+        with pytest.raises(CalculatorError):
+            calculate(bad)
+
+
+def test_a_hermes_tool_call_in_the_text_reaches_the_calculator_and_the_answer_ends_the_episode():
+    env = Calculator(call_bonus=0.2)
+    first = env.reset(seed=3)
+    assert first.messages[0]["role"] == "system" and "<tools>" in first.messages[0]["content"]
+    assert first.tools[0]["function"]["name"] == "calculator"
+    a, b = map(int, re.findall(r"\d+", first.messages[1]["content"])[:2])
+    expr = first.messages[1]["content"].removeprefix("What is ").rstrip("?")
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+    msg = _hermes_message(f"Let me compute.\n<tool_call>\n{call}\n</tool_call>")
+    s = env.step(msg, [1, 2, 3])
+    assert (s.tool_calls, s.tool_errors, s.done, s.reward) == (1, 0, False, 0.2)
+    reply = s.messages[0]
+    assert reply["role"] == "tool" and reply["tool_call_id"] == msg["tool_calls"][0]["id"]
+    value = json.loads(reply["content"])["result"]
+    assert value == calculate(expr) and value >= a * b
+    again = env.step(_hermes_message(f"<tool_call>{call}</tool_call>"), [1])
+    assert again.reward == 0.0  # the call bonus is paid once per episode
+    right = env.step({"role": "assistant", "content": f"So the answer is #### {value}"}, [4])
+    assert right.done and right.reward == 1.0
+    env.reset(seed=3)
+    wrong = env.step({"role": "assistant", "content": "#### 12"}, [4])
+    assert wrong.done and wrong.reward == 0.0
+
+
+def test_malformed_tool_calls_are_answered_with_their_error_and_counted():
+    env = Calculator()
+    env.reset(seed=0)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{not json"}},
+             {"id": "c2", "type": "function", "function": {"name": "search", "arguments": "{}"}},
+             {"id": "c3", "type": "function", "function": {"name": "calculator", "arguments": '{"expr": "1"}'}},
+             {"id": "c4", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "os"}'}}]
+    s = env.step({"role": "assistant", "content": None, "tool_calls": calls}, [1])
+    assert (s.tool_calls, s.tool_errors, s.reward, s.done) == (4, 4, 0.0, False)
+    assert [m["tool_call_id"] for m in s.messages] == ["c1", "c2", "c3", "c4"]
+    assert all("error" in json.loads(m["content"]) for m in s.messages)
+    # text that only looks like a call (the parser leaves it as content) is an answer, not a call
+    plain = _hermes_message("<tool_call>{oops</tool_call>")
+    assert "tool_calls" not in plain and env.step(plain, [1]).done
+
+
+class _SkyRLCounter:
+    """A SkyRL-gym-shaped text environment (init / step -> observations dict / close)."""
+
+    def __init__(self, target: int):
+        self.target, self.closed = target, False
+
+    def init(self, prompt):
+        return prompt, {"target": self.target}
+
+    def step(self, action: str):
+        done = str(self.target) in action
+        return {"observations": [] if done else [{"role": "user", "content": "no, again"}],
+                "reward": float(done), "done": done, "metadata": {}}
+
+    def close(self):
+        self.closed = True
+
+
+class _GymGuess:
+    """A Gymnasium-shaped text environment (reset(seed=) -> (obs, info); five-tuple step)."""
+
+    def reset(self, seed=None):
+        self.target = seed % 10
+        return f"guess a digit ({seed})", {}
+
+    def step(self, action: str):
+        right = str(self.target) in action
+        return ("right" if right else "higher or lower?"), float(right), right, False, {}
+
+
+def test_skyrl_and_gymnasium_text_environments_plug_in_through_the_adapters(tokenizer):
+    made = []
+
+    def make(seed):
+        made.append(_SkyRLCounter(seed))
+        return made[-1], [{"role": "user", "content": f"say {seed}"}]
+
+    sky = FromSkyRL(make, tokenizer)
+    assert isinstance(sky, Environment) and sky.reset(42).messages == [{"role": "user", "content": "say 42"}]
+    ids = tokenizer("no idea", add_special_tokens=False)["input_ids"]
+    s = sky.step({"role": "assistant", "content": "ignored: the raw text is decoded"}, ids)
+    assert (s.done, s.reward, s.messages) == (False, 0.0, [{"role": "user", "content": "no, again"}])
+    s = sky.step({"role": "assistant", "content": ""}, tokenizer("it is 42", add_special_tokens=False)["input_ids"])
+    assert s.done and s.reward == 1.0 and made[0].closed
+
+    gym = FromGymnasium(_GymGuess(), tokenizer, system="play")
+    assert [m["role"] for m in gym.reset(13).messages] == ["system", "user"]
+    s = gym.step({}, tokenizer("5", add_special_tokens=False)["input_ids"])
+    assert s.messages == [{"role": "user", "content": "higher or lower?"}] and not s.done
+    s = gym.step({}, tokenizer("3", add_special_tokens=False)["input_ids"])
+    assert s.done and s.reward == 1.0 and s.messages == []
+
+
+def _turn(prompt, ids, version=0):
+    return Turn(prompt, ids, [-1.0] * len(ids), [version] * len(ids), "length", {"role": "assistant", "content": ""})
+
+
+def test_an_episode_stitches_turns_and_masks_everything_but_the_policy():
+    ep = Episode()
+    ep.add_turn(_turn([1, 2, 3], [10, 11]))
+    ep.add_turn(_turn([1, 2, 3, 10, 11, 4, 5], [12], version=1))
+    assert ep.prompt_token_ids == [1, 2, 3] and ep.token_ids == [10, 11, 4, 5, 12]
+    assert ep.policy_mask == [1, 1, 0, 0, 1] and ep.weight_versions == [0, 0, -1, -1, 1]
+    assert ep.logprobs == [-1.0, -1.0, 0.0, 0.0, -1.0] and ep.start_version == 0 and ep.turns == 2
+    with pytest.raises(StitchError, match="does not extend"):
+        ep.add_turn(_turn([1, 2, 3, 10, 99], [13]))  # a re-tokenised earlier turn
+    failed = Episode(prompt_token_ids=[1], token_ids=[5, 6], policy_mask=[1, 1], logprobs=[0.0, 0.0],
+                     weight_versions=[0, 0], error="ValueError: boom")
+    batch = build_batch([ep, failed], pad_id=0)
+    assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [0, 0, 0, 0, 0]]
+    assert batch.targets[0].tolist() == [10, 11, 4, 5, 12]
+
+
+def test_a_failed_episode_takes_its_groups_mean_reward():
+    eps = [Episode(reward=r, error=e) for r, e in [(1.0, None), (0.0, "boom"), (0.5, None), (0.0, None)]]
+    assert episode_rewards(eps, group_size=2).tolist() == [1.0, 1.0, 0.5, 0.0]
+    m = episode_metrics(eps)
+    assert m["episodes/errors"] == 1 and m["episodes/well_formed_calls"] == 0.0
+    assert torch.isfinite(torch.tensor(list(m.values()), dtype=torch.float)).all()

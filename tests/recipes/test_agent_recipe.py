@@ -1,0 +1,67 @@
+"""`python -m recipes.agent` end to end: its own sidecar, episodes through either transport, a real
+update and push each step, wandb (offline), the curve and the transcripts."""
+
+import json
+
+import pytest
+
+from recipes import agent
+from tests.recipes import wandb_log
+from tests.recipes.test_recipes_e2e import _mean_logprob_tolerance
+
+pytestmark = pytest.mark.timeout(600)
+
+AGENT_METRICS = ["reward", "episodes/turns", "episodes/tool_calls", "episodes/tool_errors", "episodes/errors",
+                 "episodes/spanning_push", "tokens/policy", "tokens/context", "staleness", "timing/generate",
+                 "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"]
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("transport", ["client", "openai"])
+def test_the_agent_recipe_trains_on_episodes_through_either_transport(qwen2_dir, tmp_path, transport):
+    """Three steps of 2 groups x 4 letter-game episodes of 3 turns; the openai run with --async, so the
+    next step's episodes play while this step trains and its push lands among them."""
+    out = tmp_path / transport
+    extra = ["--async"] if transport == "openai" else []
+    result = agent.main(["--model", qwen2_dir, "--max-steps", "3", "--prompts-per-step", "2", "--group-size", "4",
+                         "--max-tokens", "8", "--transport", transport, "--output-dir", str(out),
+                         "--report-to", "wandb", "--check-sync", *extra])
+    rows = _rows(out)
+    assert result["steps"] == 3 and len(rows) == 3 and all(m in rows[0] for m in AGENT_METRICS)
+    assert all(r["episodes/turns"] == 3 and r["episodes/errors"] == 0 and r["episodes/tool_calls"] == 0
+               for r in rows)
+    assert all(0 < r["tokens/policy"] <= 3 * 8 and r["tokens/context"] > 0 for r in rows)
+    # the trainer's forward gives the engine's logprobs back on the policy's tokens (fp32); with
+    # --async a step trains on episodes the previous push may have landed in: staleness at most 1
+    tol = _mean_logprob_tolerance(out / "checkpoint-final")
+    if transport == "client":
+        assert all(r["sampling/sampling_logp_difference/mean"] <= tol and r["staleness"] == 0 for r in rows), tol
+    else:
+        assert all(r["staleness"] <= 1 for r in rows) and rows[0]["staleness"] == 0
+        assert rows[0]["sampling/sampling_logp_difference/mean"] <= tol
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = wandb_log.history(run_file)
+    assert [h["episodes/turns"] for h in logged] == [r["episodes/turns"] for r in rows]
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    transcripts = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert transcripts and [m["role"] for m in transcripts[0]["messages"]] == ["user", "assistant"] * 3
+
+
+def test_the_agent_recipe_says_what_it_cannot_do(capsys):
+    with pytest.raises(SystemExit) as e:
+        agent.main(["--help"])
+    assert e.value.code == 0 and "--transport" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no --ray"):
+        agent.main(["--ray"])
+
+
+@pytest.mark.slow  # ~15 min on 2 shared cores; README "Agents" has the measured run
+@pytest.mark.timeout(3600)
+def test_the_tiny_model_learns_the_letter_game(tmp_path):
+    """The defaults (40 steps of 8 x 8 episodes of 3 turns): the mean reward of the last 10 steps
+    beats the first 10's by a margin no noise gives (a random model: ~0.37, std of a step ~0.01)."""
+    result = agent.main(["--output-dir", str(tmp_path / "learn")])
+    assert result["last_reward"] > result["first_reward"] + 0.1, result
