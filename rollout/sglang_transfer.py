@@ -259,8 +259,14 @@ class SglangTransfer:
         self.paused_mode = mode
 
     async def resume(self) -> dict:
-        """/continue_generation: an update still held is whole now (the trainer says so), then the engines go on."""
-        out = await self._commit() if self.update is not None else {}
+        """/continue_generation: an update still held is whole now (its trainer says so), then the
+        engines go on. Held by a trainer that is gone (another process continues), it is dropped."""
+        out = {}
+        if self.update is not None and self._owner is not None and await self._owner.alive():
+            out = await self._commit()
+        elif self.update is not None:
+            log.warning("the trainer of the update held for version %d is gone: dropped", self.update.version)
+            await self._leave()
         await asyncio.gather(*(e.resume_generation() for e in self.manager.up_engines()))
         self.paused_mode = None
         return out

@@ -100,7 +100,8 @@ class SGLangServer:
         if load_format is not None:
             payload["load_format"] = load_format
         if areal:  # AReaL's build_distributed_weight_update_requests
-            payload = {k: payload[k] for k in ("names", "dtypes", "shapes", "group_name")} | {"abort_all_requests": True}
+            keep = ("names", "dtypes", "shapes", "group_name", "load_format")
+            payload = {k: v for k, v in payload.items() if k in keep} | {"abort_all_requests": True}
         return self._make_request("update_weights_from_distributed", payload)
 
     def pause_generation(self):
@@ -173,6 +174,9 @@ def push(args) -> dict:
             if sent == args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         engine.continue_generation()
+    # slime's disconnect_rollout_engines_from_distributed: the trainer is done with its group
+    engine._make_request("destroy_weights_update_group", {"group_name": group_name})
+    dist.destroy_process_group(group)
     return {"buckets": sent, "world_size": world_size}
 
 
