@@ -3,7 +3,7 @@
 routes are rollout/openai_front/sglang_routes.py; this is what they do, a front end over the sidecar's one
 staged push (rollout/push_coordinator.py), with its guarantees:
 
-- `init`: every engine's workers join the trainer's group (weight_sync/sglang/group.py) at the trainer's
+- `init`: every engine's workers join the trainer's group (weight_sync/common/sglang_group.py) at the trainer's
   `rank_offset` (the workers before them added, as SGLang's TP workers take `rank_offset + tp_rank`). One
   trainer owns the sidecar's weight sync at a time.
 - `update_distributed`: each call names a bucket of the update; its names, dtypes and shapes are checked
@@ -29,8 +29,8 @@ from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, Sta
 from rollout.vllm_transfer import TransferError
 from weight_sync.common.votes import WeightSyncError
 from weight_sync.engine_side.engines import rank_offsets, workers_of
-from weight_sync.sglang.group import BACKENDS
-from weight_sync.sglang.wire import update_manifest
+from weight_sync.common.sglang_group import BACKENDS
+from weight_sync.common.sglang_wire import update_manifest
 
 if TYPE_CHECKING:
     from rollout.manager import RolloutManager

@@ -137,15 +137,18 @@ def push(args) -> dict:
         sock.bind(("", 0))
         master_port = sock.getsockname()[1]
     world_size, group_name = tp + 1, "slime-pp_0"
+    backend = getattr(args, "backend", "gloo")  # slime's accelerator.weight_update_backend(): nccl on CUDA
+    if backend == "nccl":
+        model.to("cuda")
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     if args.wrong_shape:
         named[-1] = (named[-1][0], named[-1][1][:-1])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         joined = pool.submit(engine.init_weights_update_group, "127.0.0.1", master_port, 1, world_size, group_name,
-                             "gloo", areal=args.areal)
+                             backend, areal=args.areal)
         if getattr(args, "exit_on_refusal", False):
             joined.add_done_callback(_exit_if_failed)  # a process of its own: else it waits in the rendezvous
-        group = init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{master_port}",
+        group = init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{master_port}",
                                    world_size=world_size, rank=0, group_name=group_name,
                                    timeout=timedelta(seconds=60))
         joined.result()
@@ -190,7 +193,8 @@ def _exit_if_failed(init) -> None:
 def push_here(url: str, model: str, **options) -> dict:
     """The same trainer, in this process; options as the flags."""
     args = argparse.Namespace(url=url, model=model, seed=1, buffer_bytes=1 << 20, version=None, wrong_shape=False,
-                              die_after=None, hold=False, token="", flattened=False, areal=False)
+                              die_after=None, hold=False, token="", flattened=False, areal=False,
+                              backend="gloo")
     vars(args).update(options)
     return push(args)
 
@@ -208,6 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--flattened", action="store_true", help="load_format flattened_bucket")
     p.add_argument("--areal", action="store_true", help="AReaL's payloads")
     p.add_argument("--token", default="")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     args = p.parse_args(argv)
     args.exit_on_refusal = True
     try:

@@ -126,10 +126,10 @@ class WeightSyncExtension:
 
     def join_sglang_group(self, host: str, port: int, world_size: int, rank: int, group_name: str,
                           backend: str, timeout_s: float = 120.0) -> dict:
-        """Join the group a trainer written for SGLang formed (weight_sync/sglang/group.py) as rank
+        """Join the group a trainer written for SGLang formed (weight_sync/common/sglang_group.py) as rank
         `rank + i` for worker i, in the slot of a foreign trainer's group (vLLM's or SGLang's, one
         at a time): begin_receive_vllm then receives over it. Any previous such group is left."""
-        from weight_sync.sglang.group import SglangTrainerGroup
+        from weight_sync.common.sglang_group import SglangTrainerGroup
 
         r = self._receiver()
         self.close_vllm_group()
