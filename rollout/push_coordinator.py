@@ -1,5 +1,5 @@
 """One staged push on the sidecar, whatever front end carries it (the ZMQ protocol: rollout/weights.py;
-vLLM's RL routes: rollout/vllm_transfer.py; SGLang's routes next, DESIGN.md 7d). It holds who owns the
+vLLM's RL routes: rollout/vllm_transfer.py; SGLang's: rollout/sglang_transfer.py). It holds who owns the
 sidecar's weight sync, watches that trainer while its bytes arrive, and runs a push's steps in order:
 
 1. stage: the bytes arrive in staging while the engines generate; a trainer lost meanwhile gives the
@@ -35,6 +35,7 @@ from weight_sync.common.votes import WeightSyncError
 from weight_sync.engine_side.engines import commit_results, finish_on_engines, load_on_engines, stage_on_engines
 
 log = logging.getLogger(__name__)
+FINISH = "finish_staged_weights"  # the engines' commit of a staged push (commit_held_parts: of one in parts)
 
 
 class WeightSyncRefused(RuntimeError):
@@ -291,12 +292,11 @@ class PushCoordinator:
                                manifest.version, manifest.push_id)
         return Staged(manifest, engines, staged, timeout_s, t0, time.monotonic() - t0)
 
-    async def finish(self, staged: Staged, version: int, pause_mode: str | None, paused: bool = False) -> dict:
-        """Steps 2-5: the engines paused (`pause_mode`; `paused`: by the trainer already) for the
-        swap of the staged weights on every engine, `version` committed, the push counted."""
+    async def finish(self, staged: Staged, version: int, pause_mode: str | None, paused=False, method=FINISH) -> dict:
+        """Steps 2-5: engines paused (`pause_mode`; `paused`: by the trainer), the swap, `version`, the count."""
         async def swap() -> dict:
             t1 = time.monotonic()
-            results = await finish_on_engines(staged.engines, staged.results, commit=True, timeout=staged.timeout_s)
+            results = await finish_on_engines(staged.engines, staged.results, True, staged.timeout_s, method)
             out = await self._commit(staged.engines, results, version, staged.manifest.push_id)
             return {**out, "swap_seconds": time.monotonic() - t1, "transfer_seconds": staged.transfer_seconds}
 

@@ -203,10 +203,15 @@ async def _start_http(args, manager, server=None):
         from rollout.vllm_transfer import VllmTransfer
 
         transfer = VllmTransfer(manager, server.pushes)
+    sglang = None
+    if args.sglang_routes:
+        from rollout.sglang_transfer import SglangTransfer
+
+        sglang = SglangTransfer(manager, server.pushes)
     tools = ToolOptions(args.tool_call_parser, args.enable_auto_tool_choice)
     front = HttpFront(manager, args.http_host or args.host, args.http_port, name, token=args.token,
                       max_body_bytes=int(args.http_max_body_mb * 2**20), rl_transfer=transfer, tools=tools,
-                      chat_template=args.chat_template)
+                      chat_template=args.chat_template, sglang_transfer=sglang)
     try:
         print(f"HTTP {await front.start()}", flush=True)  # before READY: scripts read both
     except BaseException:

@@ -163,6 +163,11 @@ def _add_http_flags(p) -> None:
                         "written for `vllm serve` (HTTPVLLMWeightSyncClient) push weights here; they change the "
                         "model, so they are off by default. VLLM_SERVER_DEV_MODE=1 in the environment turns them "
                         "on too, as it does for `vllm serve`")
+    p.add_argument("--sglang-routes", action="store_true",
+                   help="also serve SGLang's RL routes and native /generate on --http-port "
+                        "(/init_weights_update_group, /update_weights_from_distributed, /pause_generation, "
+                        "/continue_generation, ...), so trainers written for SGLang servers (slime, AReaL) push "
+                        "weights here; off by default (they change the model)")
 
 
 VLLM_ENV_HELP = """\

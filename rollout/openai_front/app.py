@@ -63,7 +63,7 @@ class _Front:
 
 def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8 << 20,
               state: FrontState | None = None, rl_transfer=None, tools: ToolOptions | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, sglang_transfer=None) -> FastAPI:
     state = state or FrontState()
     front = _Front(manager, model_name, FrontMetrics(manager), tools, chat_template)
     app = FastAPI(title="rollout sidecar", docs_url=None, redoc_url=None, openapi_url=None)
@@ -77,6 +77,10 @@ def build_app(manager, model_name: str, token: str = "", max_body_bytes: int = 8
         from rollout.openai_front.rl_routes import add_rl_routes
 
         add_rl_routes(app, rl_transfer)
+    if sglang_transfer is not None:  # SGLang's RL routes and /generate (rollout/openai_front/sglang_routes.py)
+        from rollout.openai_front.sglang_routes import add_sglang_routes
+
+        add_sglang_routes(app, sglang_transfer, front, relabel=rl_transfer is None)
     return app
 
 

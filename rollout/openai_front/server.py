@@ -25,11 +25,13 @@ class _EmbeddedServer(uvicorn.Server):
 
 class HttpFront:
     def __init__(self, manager, host: str, port: int, model_name: str, token: str = "",
-                 max_body_bytes: int = 8 << 20, rl_transfer=None, tools=None, chat_template: str | None = None):
+                 max_body_bytes: int = 8 << 20, rl_transfer=None, tools=None, chat_template: str | None = None,
+                 sglang_transfer=None):
         self.state = FrontState()
         self.manager, self.host = manager, host
         app = build_app(manager, model_name, token=token, max_body_bytes=max_body_bytes, state=self.state,
-                        rl_transfer=rl_transfer, tools=tools, chat_template=chat_template)
+                        rl_transfer=rl_transfer, tools=tools, chat_template=chat_template,
+                        sglang_transfer=sglang_transfer)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=3, timeout_keep_alive=30)
         self.server = _EmbeddedServer(config)

@@ -127,6 +127,9 @@ class Manifest(msgspec.Struct, frozen=True):
     push_id: str = ""
     adapter: AdapterSpec | None = None  # set for a LoRA adapter push
     delta: DeltaSpec | None = None  # set for a delta push (weight_sync/common/delta_push.py)
+    # a part of an update that spans several pushes (SGLang's update_weights_from_distributed, one
+    # call per bucket): it need not cover every parameter (rollout/sglang_transfer.py commits the parts)
+    partial: bool = False
 
     # -- wire -------------------------------------------------------------------------------
     def to_wire(self) -> dict:
@@ -278,13 +281,13 @@ def validate_manifest(m: Manifest, params: Mapping[str, ParamInfo], aliases: Map
     `model.embed_tokens.weight`, and `lm_head.weight` is an alias). `aliases` maps alias ->
     canonical. A manifest may name a tied parameter by any of its names, but only once.
     """
-    return check_layout(m) + check_names(m.tensors, params, aliases)
+    return check_layout(m) + check_names(m.tensors, params, aliases, m.partial)
 
 
 def check_names(tensors: Sequence[TensorSpec], params: Mapping[str, ParamInfo],
-                aliases: Mapping[str, str] | None = None) -> list[str]:
-    """validate_manifest's checks of the tensors against the model: every parameter exactly once,
-    under a name it has, with its shape and a dtype it can take."""
+                aliases: Mapping[str, str] | None = None, partial: bool = False) -> list[str]:
+    """validate_manifest's checks of the tensors against the model: every parameter exactly once
+    (at most once for a `partial` push), under a name it has, with its shape and a dtype it can take."""
     aliases = aliases or {}
     problems: list[str] = []
     unknown, twice, shape_bad, dtype_bad = [], [], [], []
@@ -303,7 +306,7 @@ def check_names(tensors: Sequence[TensorSpec], params: Mapping[str, ParamInfo],
             shape_bad.append(f"{t.name} {list(t.shape)} != {list(info.shape)}")
         if t.dtype in _ITEMSIZE and not can_take(t.dtype, info.dtype):
             dtype_bad.append(f"{t.name} {t.dtype} -> {info.dtype}")
-    missing = [n for n in params if n not in covered]
+    missing = [] if partial else [n for n in params if n not in covered]
     if unknown:
         problems.append(_listing("unknown names", unknown))
     if missing:

@@ -62,3 +62,24 @@ def read_tensors(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
     m = read_manifest(path)
     with safe_open(os.path.join(os.fspath(path), WEIGHTS_FILE), framework="pt", device="cpu") as f:
         return [(t.name, f.get_tensor(t.name)) for t in m.tensors]
+
+
+def checkpoint_as_push(path: str | os.PathLike, version: int, into: str | os.PathLike) -> str:
+    """A push directory of the weights at `path`: `path` itself when it is one, else its safetensors
+    files (an HF checkpoint directory, SGLang's `update_weights_from_disk`) written into `into`."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    if os.path.exists(os.path.join(path, MANIFEST_FILE)):
+        return path
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors file and no {MANIFEST_FILE} in {path}")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+    write_tensors(tensors, into, version)
+    return os.fspath(into)
+

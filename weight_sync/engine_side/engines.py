@@ -70,14 +70,16 @@ async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout
     return [r if isinstance(r, BaseException) else r[0] for r in out]
 
 
-async def finish_on_engines(engines: Sequence, staged: list, commit: bool, timeout: float | None = None) -> list:
-    """`finish_staged_weights(commit)` on each engine that staged or failed (its error is raised
-    there, refusals as such); a call that failed before keeps its exception. One result (a list
-    of worker results) or exception per engine, as `commit_results` takes them."""
+async def finish_on_engines(engines: Sequence, staged: list, commit: bool, timeout: float | None = None,
+                            method: str = "finish_staged_weights") -> list:
+    """`finish_staged_weights(commit)` (or `method(commit)`: an update held in parts,
+    `commit_held_parts`) on each engine that staged or failed (its error is raised there, refusals
+    as such); a call that failed before keeps its exception. One result (a list of worker results)
+    or exception per engine, as `commit_results` takes them."""
     async def one(e, r):
         if isinstance(r, BaseException):
             return r
-        return await e.collective_rpc("finish_staged_weights", timeout=timeout, args=(commit,))
+        return await e.collective_rpc(method, timeout=timeout, args=(commit,))
 
     return list(await asyncio.gather(*(one(e, r) for e, r in zip(engines, staged)), return_exceptions=True))
 

@@ -124,6 +124,44 @@ class WeightSyncExtension:
                                         float(timeout_s), r.device, unique_id_b64)
         return {"rank": my_rank, "world_size": int(world_size)}
 
+    def join_sglang_group(self, host: str, port: int, world_size: int, rank: int, group_name: str,
+                          backend: str, timeout_s: float = 120.0) -> dict:
+        """Join the group a trainer written for SGLang formed (weight_sync/common/sglang_group.py) as rank
+        `rank + i` for worker i, in the slot of a foreign trainer's group (vLLM's or SGLang's, one
+        at a time): begin_receive_vllm then receives over it. Any previous such group is left."""
+        from weight_sync.common.sglang_group import SglangTrainerGroup
+
+        r = self._receiver()
+        self.close_vllm_group()
+        my_rank = int(rank) + r.local_rank
+        r.vllm_group = SglangTrainerGroup(host, int(port), int(world_size), my_rank, str(group_name), str(backend),
+                                          float(timeout_s), r.device)
+        return {"rank": my_rank, "world_size": int(world_size)}
+
+    def hold_staged_part(self) -> dict:
+        """The overlapped push just staged is a part of an update: kept, uncommitted (held_parts.py)."""
+        return self._held_parts().hold()
+
+    def commit_held_parts(self, commit: bool = True) -> dict:
+        """Every held part committed at once, between two steps (`commit=False`: dropped)."""
+        held = self._held_parts()
+        return held.commit() if commit else {"dropped": held.drop()}
+
+    def drop_held_parts(self) -> int:
+        return self._held_parts().drop()
+
+    def weight_names(self) -> list[str]:
+        """The names of the served weights (tied ones once), as a push names them."""
+        return [n for n, _ in self._receiver().target.served()]
+
+    def _held_parts(self):
+        from weight_sync.engine_side.held_parts import HeldParts
+
+        held = self.__dict__.get("_weight_parts")
+        if held is None:
+            held = self._weight_parts = HeldParts(self._overlapped())
+        return held
+
     def begin_receive_vllm(self, manifest):
         """As begin_receive_weights, over the vLLM trainer's group: answered once every chunk is
         staged (or failed); finish_staged_weights commits it."""
@@ -132,6 +170,7 @@ class WeightSyncExtension:
     def close_vllm_group(self) -> bool:
         r = self._receiver()
         g, r.vllm_group = r.vllm_group, None
+        self._held_parts().drop()  # an update in parts not committed: its trainer's group is gone
         staged = self._overlapped().staged
         if g is not None and staged is not None and staged.group is g and staged.thread.is_alive():
             self._overlapped()._give_up(staged)  # a transfer still arriving over it: its memory goes now

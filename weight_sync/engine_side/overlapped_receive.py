@@ -93,6 +93,19 @@ class OverlappedReceive:
             return {"dropped": staged.ready.m.version}
         return self.receiver.commit(staged.ready, "broadcast, overlapped")
 
+    def take_staged(self):
+        """The staged push, received and checked but not committed, handed to the caller (an
+        update in parts: weight_sync/engine_side/held_parts.py); raises as `finish` would."""
+        staged, self.staged = self.staged, None
+        if staged is None or (staged.thread.is_alive() and not staged.given_up):
+            self.staged = staged
+            raise RuntimeError("no received push to hold" if staged is None else "the push is still arriving")
+        if staged.error is not None:
+            raise staged.error
+        if staged.given_up or staged.ready is None:
+            raise RuntimeError("the push was given up (its group was left) before it was held")
+        return staged.ready
+
     def close(self, drop_staging: bool = True) -> None:
         """Leave the group (if any). An overlapped push still arriving over it is given up: its
         staging memory goes now. `drop_staging` frees kept staging memory too."""

@@ -62,7 +62,10 @@ class ParamsTarget:
         params, aliases = model_params(self.host.model)
         pairs = views(m, staging, lambda name: name if name in params else aliases[name])
         targets = [params[name] for name, _ in pairs]
-        swap = self.commit_mode == "swap" and all(p.dtype == v.dtype for p, (_, v) in zip(targets, pairs))
+        # NOTE: a part of an update is copied in: swapped, the weights would live in several staging
+        # buffers, and a commit would hand back as free a buffer that other weights still live in
+        swap = (self.commit_mode == "swap" and not m.partial
+                and all(p.dtype == v.dtype for p, (_, v) in zip(targets, pairs)))
         return CommitPlan(staging, pairs, targets, swap)
 
     def derive(self, m: Manifest, plan: CommitPlan, changed: set[int] | None = None) -> None:
@@ -70,7 +73,7 @@ class ParamsTarget:
         staged pairs now, on the receiving thread. A failure here costs no push: the commit then
         drops the copies and the next forward derives them, as before."""
         stage = getattr(self.host, "stage_derived_copies", None)
-        if stage is None or not plan.params:
+        if stage is None or not plan.params or m.partial:  # a part's: derived again at the first forward
             return
         unchanged = None
         if changed is not None and m.adapter is None:  # the pairs follow m.tensors (views)

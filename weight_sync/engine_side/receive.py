@@ -187,7 +187,8 @@ class PushReceiver:
         self.pool.give_back(freed)
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
-        self.digest = a.digest if a.m.adapter is None else NONE
+        # ... nor are a part's (the other parameters are another push's)
+        self.digest = a.digest if a.m.adapter is None and not a.m.partial else NONE
         out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds, a.derive_seconds)
         if a.wire_bytes is not None:
             self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))

@@ -1,0 +1,289 @@
+"""SGLang's RL weight API, spoken by the sidecar (issue 51), so that trainers written for SGLang servers
+(slime, miles, AReaL, verl's SGLang rollouts, TorchRL's SGLang weight sync) drive it unchanged. The HTTP
+routes are rollout/openai_front/sglang_routes.py; this is what they do, a front end over the sidecar's one
+staged push (rollout/push_coordinator.py), with its guarantees:
+
+- `init`: every engine's workers join the trainer's group (weight_sync/common/sglang_group.py) at the trainer's
+  `rank_offset` (the workers before them added, as SGLang's TP workers take `rank_offset + tp_rank`). One
+  trainer owns the sidecar's weight sync at a time.
+- `update_distributed`: each call names a bucket of the update; its names, dtypes and shapes are checked
+  against the model before any byte is read (a wrong one is a 400 naming it, nothing changed, and the
+  engines leave the group so that the trainer's broadcast fails instead of waiting); its bytes land in
+  staging while the engines serve and are held there. The update commits, on every engine at one step,
+  once its calls have covered every weight, or at /continue_generation: never a mix of the update's
+  buckets and the weights before them. A trainer gone mid-update (even between calls) changes nothing.
+- `weight_version` (digits: ours are integers that go up; none: the current + 1) tags every token
+  generated after the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, Staged, TrainerLost, WeightSyncRefused
+from rollout.vllm_transfer import TransferError
+from weight_sync.common.votes import WeightSyncError
+from weight_sync.engine_side.engines import rank_offsets, workers_of
+from weight_sync.common.sglang_group import BACKENDS
+from weight_sync.common.sglang_wire import update_manifest
+
+if TYPE_CHECKING:
+    from rollout.manager import RolloutManager
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = {"abort": "abort", "retract": "abort", "in_place": "keep"}  # SGLang's -> ours (README: why)
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+def _field(body: dict, key: str, kind: type, default=None):
+    """body[key] as `kind` (a port may come as digits: AReaL sends it so, and SGLang's pydantic takes it)."""
+    value = body.get(key, default)
+    if kind is int and isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value is None or not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TransferError(400, f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def init_fields(body: dict) -> dict:
+    out = {k: _field(body, k, kind, default) for k, kind, default in
+           (("master_address", str, None), ("master_port", int, None), ("rank_offset", int, None),
+            ("world_size", int, None), ("group_name", str, DEFAULT_GROUP), ("backend", str, "nccl"))}
+    if out["backend"] not in BACKENDS:
+        raise TransferError(400, f"backend: {out['backend']!r} is not one of {sorted(BACKENDS)}")
+    if out["rank_offset"] < 1 or out["world_size"] < 2:
+        raise TransferError(400, "rank_offset: >= 1 (rank 0 is the trainer), world_size: >= 2")
+    return out
+
+
+def parse_version(weight_version, default: int) -> int:
+    if weight_version is None:
+        return default
+    if isinstance(weight_version, str) and weight_version.isdigit():
+        return int(weight_version)
+    raise TransferError(400, f"weight_version: {weight_version!r} is not digits (this sidecar's weight versions are "
+                             "integers that go up; leave it out for the current + 1)")
+
+
+@dataclass
+class _Update:
+    """An update whose calls are held, uncommitted, on every engine."""
+
+    version: int
+    engines: list
+    names: set[str] = field(default_factory=set)
+    t0: float = field(default_factory=time.monotonic)
+    transfer_s: float = 0.0
+    last: Staged | None = None
+
+
+class SglangTransfer:
+    """SGLang's weight calls. Its own: the trainer's init body, SGLang's group on the engines, the
+    update held in parts, and the pause a trainer asks for with /pause_generation."""
+
+    def __init__(self, manager: RolloutManager, pushes: PushCoordinator, timeout_s: float = 300.0):
+        self.manager, self.pushes, self.timeout_s = manager, pushes, timeout_s
+        self.info: dict | None = None
+        self._owner: Owner | None = None
+        self.update: _Update | None = None
+        self.paused_mode: str | None = None
+        self.weight_names: set[str] = set()
+
+    def world_size(self) -> int:
+        """The ranks this sidecar's workers take in a trainer's group (SGLang's tp_size)."""
+        return sum(workers_of(e) for e in self.manager.up_engines())
+
+    def _owns(self, group_name: str) -> bool:
+        return (self._owner is not None and self.pushes.owner is self._owner
+                and self.info is not None and self.info["group_name"] == group_name)
+
+    # -- the group ------------------------------------------------------------------------------
+    async def init(self, body: dict) -> None:
+        info = init_fields(body)
+        devices = {str(e.cfg.device).split(":")[0] for e in self.manager.up_engines()}
+        if devices != {BACKENDS[info["backend"]]}:
+            raise TransferError(400, f"backend: {info['backend']!r} cannot reach engines on {sorted(devices)}: use "
+                                     f"{'nccl' if devices == {'cuda'} else 'gloo'}")
+        if info["rank_offset"] + self.world_size() > info["world_size"]:
+            raise TransferError(400, f"world_size: {info['world_size']} ranks cannot hold rank_offset "
+                                     f"{info['rank_offset']} + this sidecar's {self.world_size()} workers")
+        where = f"{info['master_address']}:{info['master_port']}"
+        owner = Owner(f"sglang:{info['group_name']}@{where}", info["master_address"], info["master_port"],
+                      leave_sglang_group)
+        try:
+            engines = await self.pushes.take(owner, lambda engines: self._join(info, engines))
+        except OwnedElsewhere as e:
+            raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
+                                     f"{e.owner.group_name}), which still lives: it must "
+                                     "/destroy_weights_update_group first") from None
+        except BaseException:
+            self._forget()
+            raise
+        self.info, self._owner = info, owner
+        self.weight_names = set((await engines[0].collective_rpc("weight_names", timeout=self.timeout_s))[0])
+        log.info("joined an SGLang trainer's group %s at %s as ranks %d..%d of %d", info["group_name"], where,
+                 info["rank_offset"], info["rank_offset"] + self.world_size() - 1, info["world_size"])
+
+    async def _join(self, info: dict, engines: list) -> None:
+        self.update = None
+        await leave_sglang_group(engines)
+        offsets = rank_offsets(engines, info["rank_offset"])
+        joined = await asyncio.gather(*(e.collective_rpc(
+            "join_sglang_group", timeout=self.timeout_s,
+            args=(info["master_address"], info["master_port"], info["world_size"], off, info["group_name"],
+                  info["backend"], self.timeout_s)) for e, off in zip(engines, offsets)), return_exceptions=True)
+        errors = [str(r) for r in joined if isinstance(r, BaseException)]
+        if errors:
+            await leave_sglang_group(engines)
+            raise TransferError(502, "could not join the trainer's group: " + "; ".join(errors))
+
+    async def destroy(self, group_name: str) -> None:
+        if not self._owns(group_name):
+            raise TransferError(400, f"group {group_name!r} does not exist here")
+        await self._leave()
+
+    # -- the update -----------------------------------------------------------------------------
+    async def update_distributed(self, body: dict) -> dict:
+        group = body.get("group_name", DEFAULT_GROUP)
+        if not self._owns(group):
+            raise TransferError(400, f"group_name: group {group!r} does not exist here: /init_weights_update_group "
+                                     "first")
+        pending = self.update
+        version = parse_version(body.get("weight_version"), pending.version if pending else self.pushes.version + 1)
+        if pending is not None and pending.version != version:  # the trainer moved on: its update is done
+            await self._commit()
+        try:
+            m = update_manifest(body, version)
+        except ValueError as e:
+            await self._leave()  # the trainer broadcasts meanwhile: it must not wait
+            raise TransferError(400, f"{e}; nothing changed") from None
+        if self.update is None:
+            self._check_version(version)
+        if body.get("abort_all_requests"):
+            await self._abort_requests()
+        await self._stage(m)
+        out = {"weight_version": str(version), "committed": False}
+        if self.weight_names <= self.update.names:  # every weight arrived: the update is whole
+            out.update(await self._commit(), committed=True)
+        return out
+
+    def _check_version(self, version: int) -> None:
+        try:
+            self.pushes.check_version(version)
+        except WeightSyncRefused:
+            raise TransferError(400, f"weight_version {version} does not go up: this sidecar serves version "
+                                     f"{self.pushes.version}; nothing changed") from None
+
+    async def _stage(self, m) -> None:
+        """One call's bytes into staging on every engine, then held there with the update's others."""
+        where = f"{self.info['master_address']}:{self.info['master_port']}"
+        try:
+            engines = self.pushes.engines_for(None, self._owner.group_name)
+            staged = await self.pushes.stage(engines, m, self.timeout_s, method="begin_receive_vllm")
+            await asyncio.gather(*(e.collective_rpc("hold_staged_part", timeout=self.timeout_s) for e in engines))
+        except TrainerLost:
+            self._forget()
+            raise TransferError(502, f"the trainer at {where} is gone mid-update; nothing changed, the engines "
+                                     "serve on") from None
+        except WeightSyncRefused as e:
+            await self._leave()
+            raise TransferError(409, f"{e}; /init_weights_update_group again") from None
+        except WeightSyncError as e:
+            await self._leave()
+            said = "refused" if e.refused else "failed"
+            raise TransferError(400 if e.refused else 500, f"update {said}, nothing changed: "
+                                + " | ".join(e.reasons)) from None
+        u = self.update = self.update or _Update(m.version, engines)
+        u.names |= set(m.names)
+        u.transfer_s += staged.transfer_seconds
+        u.last = staged
+
+    async def _commit(self) -> dict:
+        """The held update swapped in on every engine at one step; version committed."""
+        u, self.update = self.update, None
+        if u is None:
+            return {}
+        staged = Staged(u.last.manifest, u.engines, ["staged"] * len(u.engines), self.timeout_s, u.t0, u.transfer_s)
+        try:
+            out = await self.pushes.finish(staged, u.version, "keep", paused=self.paused_mode is not None,
+                                           method="commit_held_parts")
+        except WeightSyncError as e:
+            raise TransferError(500, f"weight update failed: {e}") from None
+        return {"version": u.version, "seconds": out.get("seconds"), "swap_seconds": out.get("swap_seconds")}
+
+    async def update_from_disk(self, body: dict) -> dict:
+        """An HF checkpoint directory (or one of our push directories) loaded by every engine, all or
+        nothing, swapped in at one step (weight_sync/common/push_dir.py)."""
+        import tempfile
+
+        from weight_sync.common.push_dir import checkpoint_as_push
+
+        path = _field(body, "model_path", str)
+        version = parse_version(body.get("weight_version"), self.pushes.version + 1)
+        self._check_version(version)
+        if body.get("abort_all_requests"):
+            await self._abort_requests()
+        with tempfile.TemporaryDirectory(prefix="sglang-disk-") as tmp:
+            try:
+                push = await asyncio.to_thread(checkpoint_as_push, path, version, tmp)
+            except (OSError, ValueError) as e:
+                raise TransferError(400, f"model_path: {path!r} holds no weights to load ({e}); nothing changed") \
+                    from None
+            try:
+                out = await self.pushes.load(push, version, "keep")
+            except WeightSyncError as e:
+                said = "refused" if e.refused else "failed"
+                raise TransferError(400 if e.refused else 500, f"update {said}, nothing changed: "
+                                    + " | ".join(e.reasons)) from None
+        return {"weight_version": str(version), "seconds": out.get("seconds")}
+
+    async def _abort_requests(self) -> None:
+        """SGLang's abort_all_requests: requests in flight are cut; ours go on from their tokens after."""
+        engines = self.manager.up_engines()
+        await asyncio.gather(*(e.pause_generation(mode="abort", clear_cache=False) for e in engines))
+        if self.paused_mode is None:
+            await asyncio.gather(*(e.resume_generation() for e in engines))
+
+    # -- pause ----------------------------------------------------------------------------------
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise TransferError(400, f"mode: {mode!r} is not one of {sorted(PAUSE_MODES)}")
+        ours = PAUSE_MODES[mode]
+        await asyncio.gather(*(e.pause_generation(mode=ours, clear_cache=False) for e in self.manager.up_engines()))
+        self.paused_mode = mode
+
+    async def resume(self) -> dict:
+        """/continue_generation: an update still held is whole now (its trainer says so), then the
+        engines go on. Held by a trainer that is gone (another process continues), it is dropped."""
+        out = {}
+        if self.update is not None and self._owner is not None and await self._owner.alive():
+            out = await self._commit()
+        elif self.update is not None:
+            log.warning("the trainer of the update held for version %d is gone: dropped", self.update.version)
+            await self._leave()
+        await asyncio.gather(*(e.resume_generation() for e in self.manager.up_engines()))
+        self.paused_mode = None
+        return out
+
+    # -- leaving --------------------------------------------------------------------------------
+    def _forget(self) -> None:
+        self.update, self.info = None, None
+        if self._owner is not None:
+            self.pushes.release(self._owner)
+        self._owner = None
+
+    async def _leave(self) -> None:
+        self._forget()
+        await leave_sglang_group(self.manager.up_engines())
+
+
+async def leave_sglang_group(engines: Sequence, mid_push: bool = False) -> None:
+    """The engines leave an SGLang trainer's group; a transfer still arriving, and parts held, are given up."""
+    del mid_push  # the same either way
+    await asyncio.gather(*(e.collective_rpc("close_vllm_group", timeout=10) for e in engines), return_exceptions=True)
