@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine import native_decode
+from engine import native_decode, native_glue
 from engine.native_decode import NativeDecode
 
 ATTN_NAME = "rollout_paged"
@@ -217,6 +217,18 @@ def _rotate_sign(d: int, dtype, device) -> torch.Tensor:
     return _signs[key]
 
 
+def rotate_and_attend(layer: int, q, k, v, cos, sin_signed, scaling: float, rotate) -> torch.Tensor:
+    """The fused layers' attention of q [T, H, d], k and v [T, kvh, d] not yet rotated: on the CPU
+    the rotation and the cache writes in one C call (native_glue.rope_cache, torch's bits), else
+    `rotate(x, cos, sin_signed)` and `attend`."""
+    ctx = _ctx
+    assert ctx is not None, "paged attention called outside the engine's model runner"
+    done = native_glue.rope_cache(q, k, v, cos, sin_signed, ctx.slot_mapping, ctx.k_slots[layer], ctx.v_slots[layer])
+    if done is None:
+        return attend(layer, rotate(q, cos, sin_signed), rotate(k, cos, sin_signed), v, scaling)
+    return _attend_written(ctx, layer, done[0], done[1], v, scaling)
+
+
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
     """The fused layers' attention (engine/fused_layers.py): q [T, H, d], k and v [T, kvh, d]
     of this step's tokens; writes k, v into the cache, returns [T, H * d]-shaped output."""
@@ -224,6 +236,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     assert ctx is not None, "paged attention called outside the engine's model runner"
     ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k)
     ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v)
+    return _attend_written(ctx, layer, q, k, v, scaling)
+
+
+def _attend_written(ctx: AttnContext, layer: int, q, k, v, scaling: float) -> torch.Tensor:
     if not ctx.is_prefill:
         return _decode(ctx, layer, q, scaling)
     out = _prefill(ctx, layer, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -20,7 +20,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from engine import attention, fused_linears
+from engine import attention, fused_linears, native_glue
 
 ARCHS = ("llama", "qwen2", "mistral")
 
@@ -65,13 +65,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HF's Llama/Qwen2 RMSNorm (x in fp32 times rsqrt(mean(x^2) + eps), back to x's dtype, times the
-    weight) through `F.rms_norm`: one call from Python instead of eight. On the CPU torch 2.13
-    composes it of the same kernels HF's module runs (a profile shows them under aten::rms_norm),
-    hence the same bits, checked in tests; it saves dispatches, not arithmetic."""
+    weight). fp32 (and fp16) through `F.rms_norm`: one call from Python instead of eight; on the CPU
+    torch 2.13 composes it of the same kernels HF's module runs, hence the same bits, checked in
+    tests. bf16 on the CPU in one C pass (native_glue.add_rms_norm): HF's arithmetic but for the
+    order of the mean's fp32 sum, so within one bf16 rounding of HF's, also checked."""
+    return add_rms_norm(norm, x, None)[1]
+
+
+def add_rms_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """(h, rms_norm(h)) with h = x + residual (x itself when residual is None)."""
     w, eps = norm.weight, norm.variance_epsilon
-    if x.dtype == w.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    if x.dtype == torch.bfloat16:
+        n = x.shape[-1]
+        done = native_glue.add_rms_norm(x.reshape(-1, n), None if residual is None else residual.reshape(-1, n), w, eps)
+        if done is not None:
+            return done[0].view(x.shape), done[1].view(x.shape)
+    h = x if residual is None else x + residual
+    if h.dtype == w.dtype == torch.float32:
+        return h, F.rms_norm(h, (h.shape[-1],), w, eps)
+    return h, w * F.rms_norm(h.float(), (h.shape[-1],), None, eps).to(h.dtype)
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
@@ -82,9 +94,10 @@ def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
     q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
     cos, sin_signed = attention.rope_tables(position_embeddings)
-    out = attention.attend(attn.layer_idx, _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed), v, attn.scaling)
-    h = hidden_states + attn.o_proj(out.view(1, t, -1))
-    y = rms_norm(self.post_attention_layernorm, h)
+    out = attention.rotate_and_attend(attn.layer_idx, q, k, v, cos, sin_signed, attn.scaling, _rotate)
+    h, y = add_rms_norm(self.post_attention_layernorm, hidden_states, attn.o_proj(out.view(1, t, -1)))
     gate_up = fused_linears.project(mlp, y)
     gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
-    return h + mlp.down_proj(mlp.act_fn(gate) * up)
+    act = native_glue.silu_mul(gate[0], up[0]) if isinstance(mlp.act_fn, torch.nn.SiLU) else None
+    act = mlp.act_fn(gate) * up if act is None else act.view(gate.shape)
+    return h + mlp.down_proj(act)

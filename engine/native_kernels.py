@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "native")
 # -ffp-contract=fast: a * b + c as one FMA (these kernels reproduce no one's bits; -std=c11 alone turns it off)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
+EXTRA_FLAGS = {"layer_glue": ["-ffp-contract=off"]}  # its rotation reproduces torch's bits: no FMA
 ENV_SWITCH = "ROLLOUT_NATIVE_KERNELS"
 
 
@@ -76,14 +77,15 @@ def _build(name: str) -> str:
     with open(src, "rb") as f:
         code = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    flags = FLAGS + EXTRA_FLAGS.get(name, [])
+    key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))
     path = os.path.join(_cache_dir(), f"{name}-{key.hexdigest()[:16]}.so")
     if os.path.isfile(path):
         return path
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, src, "-lm"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *flags, "-o", tmp, src, "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed on {name}.c: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # atomic: a process loading it meanwhile sees the old file or the whole new one

@@ -1,0 +1,139 @@
+/* The decoder layer's elementwise steps between its GEMMs, one pass each instead of a torch op
+   per arithmetic step (in bf16 on 2 cores these ops took half of a 256-sequence decode step:
+   each widens, computes and rounds a whole tensor, and the rotation alone is four of them).
+
+   rope_cache: q and k rotated (HF's x * cos + rotate_half(x) * sin, every product and the sum
+   rounded to the model's dtype as torch rounds them: the same bits), k and v written into the
+   cache slots. Compiled with -ffp-contract=off (engine/native_kernels.py) for those bits.
+   add_rms_norm (bf16): h = x + r rounded to bf16, then HF's RMSNorm of h (widen, mean of squares,
+   times 1 / sqrt(mean + eps), round, times the weight, round): HF's arithmetic but for the order
+   of the mean's fp32 sum.
+   silu_mul (bf16): silu(gate) rounded, times up, rounded, as torch's two ops; e^x by Cephes' expf
+   (within an ulp of torch's) where torch uses SLEEF's. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_f32(float x) { return x; }
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline float store_f32(float x) { return x; }
+static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
+
+/* q [T, H*D] and k, v [T, KVH*D] with row strides (views of one q/k/v GEMM's output, or three
+   tensors); cos, sin_signed [T, D] (sin with rotate_half's sign folded in: -1 on the first half);
+   slots [T]; k_slots, v_slots [num_slots, KVH, D]; q_out [T, H, D], k_out [T, KVH, D]. */
+#define DEFINE_ROPE(NAME, T_, LOAD, ROUND, STORE)                                                     \
+    void NAME(const T_ *q, int64_t q_stride, const T_ *k, int64_t k_stride, const T_ *v,            \
+              int64_t v_stride, int64_t T, int64_t H, int64_t KVH, int64_t D, const T_ *cos,        \
+              const T_ *sin_signed, const int64_t *slots, T_ *k_slots, T_ *v_slots, T_ *q_out,       \
+              T_ *k_out) {                                                                           \
+        const int64_t half = D / 2;                                                                  \
+        _Pragma("omp parallel for schedule(static) if (T * (H + KVH) * D > 65536)")                  \
+        for (int64_t t = 0; t < T; t++) {                                                            \
+            const T_ *c = cos + t * D, *s = sin_signed + t * D;                                      \
+            for (int64_t h = 0; h < H + KVH; h++) {                                                  \
+                const T_ *x = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;     \
+                T_ *o = h < H ? q_out + (t * H + h) * D : k_out + (t * KVH + h - H) * D;             \
+                for (int64_t i = 0; i < half; i++) /* rotate_half: the second half's partner */    \
+                    o[i] = STORE(ROUND(LOAD(x[i]) * LOAD(c[i])) + ROUND(LOAD(x[i + half]) * LOAD(s[i]))); \
+                for (int64_t i = half; i < D; i++)                                                   \
+                    o[i] = STORE(ROUND(LOAD(x[i]) * LOAD(c[i])) + ROUND(LOAD(x[i - half]) * LOAD(s[i]))); \
+            }                                                                                        \
+            T_ *ks = k_slots + slots[t] * KVH * D, *vs = v_slots + slots[t] * KVH * D;               \
+            memcpy(ks, k_out + t * KVH * D, sizeof(T_) * KVH * D);                                   \
+            memcpy(vs, v + t * v_stride, sizeof(T_) * KVH * D);                                      \
+        }                                                                                            \
+    }
+
+DEFINE_ROPE(rope_cache_f32, float, load_f32, round_f32, store_f32)
+DEFINE_ROPE(rope_cache_bf16, uint16_t, load_bf16, round_bf16, store_bf16)
+
+/* x [T, N] (+ r [T, N] when r is not NULL: h = x + r written to h_out) -> out [T, N], bf16. */
+void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, const uint16_t *w, float eps,
+                       int64_t T, int64_t N, uint16_t *out) {
+    _Pragma("omp parallel for schedule(static) if (T * N > 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xr = x + t * N;
+        uint16_t *hr = h_out + t * N, *o = out + t * N;
+        float sum = 0.f;
+        if (r) {
+            const uint16_t *rr = r + t * N;
+            _Pragma("omp simd reduction(+ : sum)")
+            for (int64_t i = 0; i < N; i++) {
+                const uint16_t hb = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+                const float hf = bf16_to_f32(hb);
+                hr[i] = hb;
+                sum += hf * hf;
+            }
+        } else {
+            _Pragma("omp simd reduction(+ : sum)")
+            for (int64_t i = 0; i < N; i++) {
+                const float hf = bf16_to_f32(xr[i]);
+                sum += hf * hf;
+            }
+            hr = (uint16_t *)xr;
+        }
+        const float inv = 1.f / sqrtf(sum / (float)N + eps);
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < N; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(hr[i]) * inv));
+    }
+}
+
+/* e^x within about an ulp (Cephes' expf), x clamped to [-87.3, 88.3]: 16 lanes at a time. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f vexp(v16f x) {
+    const v16i lo = x < -87.3f, hi = x > 88.3f;
+    x = (v16f)(((v16i)x & ~(lo | hi)) | ((v16i)((v16f){0} - 87.3f) & lo) | ((v16i)((v16f){0} + 88.3f) & hi));
+    const v16f shift = (v16f){0} + 12582912.0f;
+    const v16f n = (x * 1.44269504088896341f + shift) - shift;
+    const v16f rr = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * rr + 1.3981999507e-3f;
+    p = p * rr + 8.3334519073e-3f;
+    p = p * rr + 4.1665795894e-2f;
+    p = p * rr + 1.6666665459e-1f;
+    p = p * rr + 5.0000001201e-1f;
+    p = p * rr * rr + rr + 1.0f;
+    return (v16f)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
+}
+
+/* gate_up [T, 2I] with row stride `stride` (gate in the first I columns, up in the next) -> out [T, I]. */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I, uint16_t *out) {
+    _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * stride, *u = g + I;
+        uint16_t *o = out + t * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            v16f gv = {0}, uv = {0};
+            for (int l = 0; l < 16; l++) gv[l] = bf16_to_f32(g[i + l]), uv[l] = bf16_to_f32(u[i + l]);
+            const v16f silu = gv / (1.0f + vexp(-gv));
+            for (int l = 0; l < 16; l++) o[i + l] = f32_to_bf16(round_bf16(silu[l]) * uv[l]);
+        }
+        for (; i < I; i++) {
+            const float gf = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gf / (1.0f + expf(-gf))) * bf16_to_f32(u[i]));
+        }
+    }
+}

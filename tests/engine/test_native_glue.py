@@ -1,0 +1,82 @@
+"""The decoder layer's elementwise steps in C (engine/native/layer_glue.c) against the torch ops they
+replace: the rotation and cache writes bit for bit, the bf16 norm and silu * up within the one bf16
+rounding their header names."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import native_glue
+from engine.attention import _rotate_sign
+from engine.fused_layers import _rotate
+
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+def _ready(dtype):
+    if native_glue._fn("rope_cache", dtype) is None:
+        pytest.skip("no C compiler here: the layers run torch's ops")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_and_cache_writes_are_torchs_bits(dtype):
+    _ready(dtype)
+    g = torch.Generator().manual_seed(0)
+    t, h, kvh, d, slots = 37, 9, 3, 64, 300
+    qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=g) * 4).to(dtype)  # one GEMM's output, as fused_linears'
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+    pos = torch.randint(0, 4000, (t,), generator=g).float()
+    freqs = pos[:, None] / 10000 ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype).view(t, 1, d), emb.sin().to(dtype).view(t, 1, d)
+    sin_signed = sin * _rotate_sign(d, dtype, torch.device("cpu"))
+    where = torch.randperm(slots, generator=g)[:t]
+    k_slots, v_slots = torch.zeros(slots, kvh, d, dtype=dtype), torch.zeros(slots, kvh, d, dtype=dtype)
+    q_rot, k_rot = native_glue.rope_cache(q, k, v, cos, sin_signed, where, k_slots, v_slots)
+    want_q, want_k = _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    want_ks, want_vs = torch.zeros_like(k_slots), torch.zeros_like(v_slots)
+    want_ks.index_copy_(0, where, want_k)
+    want_vs.index_copy_(0, where, v)
+    assert torch.equal(k_slots, want_ks) and torch.equal(v_slots, want_vs)
+
+
+def test_add_and_norm_in_bf16_within_one_rounding():
+    _ready(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(41, 576, generator=g) * torch.logspace(-2, 2, 41)[:, None]).to(torch.bfloat16)
+    r = torch.randn(41, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(576, generator=g).to(torch.bfloat16)
+    h, y = native_glue.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h, x + r)  # the residual add: one rounding, torch's
+    want = w * F.rms_norm(h.float(), (576,), None, 1e-5).to(torch.bfloat16)
+    ulp = BF16_EPS * want.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    assert ((y.float() - want.float()).abs() <= 2 * ulp).all()  # see test_llama_model's norm test
+    assert (y != want).float().mean().item() < 0.01
+    h2, y2 = native_glue.add_rms_norm(h, None, w, 1e-5)
+    assert h2 is h and torch.equal(y2, y)  # without a residual: the norm alone
+
+
+def test_silu_times_up_in_bf16_within_one_rounding():
+    """silu(gate) is rounded to bf16 once by each (their e^x differ within an fp32 ulp or two, so
+    the rounded silu differs by at most one bf16 ulp where it falls on a boundary), then times up,
+    rounded: at most 2 bf16 ulp apart."""
+    _ready(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(33, 2 * 1536, generator=g) * 6).to(torch.bfloat16)
+    gate, up = gate_up.split(1536, dim=-1)
+    got = native_glue.silu_mul(gate, up)
+    want = F.silu(gate) * up
+    ulp = BF16_EPS * want.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+    assert (got != want).float().mean().item() < 0.01
+    assert native_glue.silu_mul(gate.contiguous(), up.contiguous()) is None  # not one tensor's halves: torch's
+
+
+def test_what_the_kernels_do_not_take_goes_to_torch():
+    x = torch.randn(4, 64)
+    assert native_glue.add_rms_norm(x, None, torch.ones(64), 1e-5) is None  # fp32: torch's exact composite
+    assert native_glue.silu_mul(x[:, :32], x[:, 32:]) is None
+    q = torch.randn(4, 2, 16, dtype=torch.float16)
+    assert native_glue.rope_cache(q, q, q, q, q, torch.arange(4), q, q) is None
