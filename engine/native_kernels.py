@@ -2,7 +2,7 @@
 ctypes: no torch headers (a compile takes about a second, not the minutes of a torch extension),
 no pickle, nothing but raw pointers and sizes across the call.
 
-A build is cached by the hash of its source, the compiler's version, the flags and this CPU's
+A build is cached by the hash of its source (and the shared headers), the compiler's version, the flags and this CPU's
 feature flags (`-march=native` code must not run on another CPU sharing the cache), under
 $ROLLOUT_KERNEL_CACHE, else $XDG_CACHE_HOME/rollout-sidecar/kernels, else a temp dir. Processes
 starting together each compile into a file of their own and rename it into place: the same
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -74,8 +75,10 @@ def _build(name: str) -> str:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     src = os.path.join(SOURCE_DIR, f"{name}.c")
-    with open(src, "rb") as f:
-        code = f.read()
+    code = b""
+    for path in [src, *sorted(glob.glob(os.path.join(SOURCE_DIR, "*.h")))]:  # a header's change rebuilds too
+        with open(path, "rb") as f:
+            code += f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = FLAGS + EXTRA_FLAGS.get(name, [])
     key = hashlib.sha256(b"\0".join([code, version.encode(), " ".join(flags).encode(), _cpu_flags().encode()]))

@@ -11,27 +11,9 @@
    silu_mul (bf16): silu(gate) rounded, times up, rounded, as torch's two ops; e^x by Cephes' expf
    (within an ulp of torch's) where torch uses SLEEF's. */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "common.h"
 
 static inline float round_f32(float x) { return x; }
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 static inline float load_f32(float x) { return x; }
 static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
 static inline float store_f32(float x) { return x; }
@@ -96,26 +78,6 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
         for (int64_t i = 0; i < N; i++)
             o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(hr[i]) * inv));
     }
-}
-
-/* e^x within about an ulp (Cephes' expf), x clamped to [-87.3, 88.3]: 16 lanes at a time. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-static inline v16f vexp(v16f x) {
-    const v16i lo = x < -87.3f, hi = x > 88.3f;
-    x = (v16f)(((v16i)x & ~(lo | hi)) | ((v16i)((v16f){0} - 87.3f) & lo) | ((v16i)((v16f){0} + 88.3f) & hi));
-    const v16f shift = (v16f){0} + 12582912.0f;
-    const v16f n = (x * 1.44269504088896341f + shift) - shift;
-    const v16f rr = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * rr + 1.3981999507e-3f;
-    p = p * rr + 8.3334519073e-3f;
-    p = p * rr + 4.1665795894e-2f;
-    p = p * rr + 1.6666665459e-1f;
-    p = p * rr + 5.0000001201e-1f;
-    p = p * rr * rr + rr + 1.0f;
-    return (v16f)((v16i)p + (__builtin_convertvector(n, v16i) << 23));
 }
 
 /* gate_up [T, 2I] with row stride `stride` (gate in the first I columns, up in the next) -> out [T, I]. */

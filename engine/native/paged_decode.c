@@ -14,15 +14,9 @@
    Compiled at first use by engine/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
    threads are torch's own (the same libgomp, already loaded). */
 
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "common.h"
 
 #define MAX_HEADS 128
 #define MAX_VECS 16 /* head size up to 256 */
@@ -48,34 +42,6 @@ static inline float hsum(v16f x) {
     x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return x[0];
-}
-
-/* e^x for x <= 0, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial),
-   within about an ulp; below -87.3 (where e^x leaves fp32's normal range) exactly 0. A scalar
-   expf per score cost as much as the dot products. */
-static inline v16f vexp(v16f x) {
-    const v16i tiny = x < -87.3f;
-    x = (v16f)((v16i)x & ~tiny) + (v16f)((v16i)((v16f){0} - 87.3f) & tiny); /* clamp, masked out below */
-    const v16f shift = (v16f){0} + 12582912.0f;                               /* 1.5 * 2^23: rounds to integer */
-    const v16f n = (x * 1.44269504088896341f + shift) - shift;
-    const v16f r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v16i scaled = (v16i)p + (__builtin_convertvector(n, v16i) << 23);
-    return (v16f)(scaled & ~tiny);
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline void store_f32(float *o, float x) { *o = x; }

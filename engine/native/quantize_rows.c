@@ -5,16 +5,8 @@
    rounded to nearest, ties to even (nearbyintf in the default rounding mode), as torch.round. */
 
 #include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "common.h"
 
 #define DEFINE_QUANTIZE(NAME, T, LOAD)                                                                  \
     void NAME(const T *x, int64_t rows, int64_t cols, int8_t *q, float *scale) {                     \
@@ -39,14 +31,6 @@ DEFINE_QUANTIZE(quantize_rows_bf16, uint16_t, LOAD_BF16)
 
 /* out[r, :] *= scale[r] in place, in fp32 and rounded back once (torch's bf16.mul_(fp32) bits):
    the per-row activation scales multiplied into an int8 linear's output. */
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 void scale_rows_f32(float *out, int64_t rows, int64_t cols, const float *scale) {
     _Pragma("omp parallel for schedule(static) if (rows * cols > 65536)")
     for (int64_t r = 0; r < rows; r++) {

@@ -1,0 +1,51 @@
+/* What the engine's C kernels share: bf16 <-> fp32 as torch converts, 16-float vectors (GCC's
+   vector extensions: zmm on AVX512, pairs of ymm on AVX2) and a vectorised e^x. */
+#ifndef ROLLOUT_NATIVE_COMMON_H
+#define ROLLOUT_NATIVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t x) { /* exact: the high half of the bits */
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
+   about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
+   clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */
+static inline v16f vexp(v16f x) {
+    const v16i tiny = x < -87.3f, huge = x > 88.3f;
+    x = (v16f)(((v16i)x & ~(tiny | huge)) | ((v16i)((v16f){0} - 87.3f) & tiny) | ((v16i)((v16f){0} + 88.3f) & huge));
+    const v16f shift = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
+    const v16f n = (x * 1.44269504088896341f + shift) - shift;
+    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (v16f)(((v16i)p + (__builtin_convertvector(n, v16i) << 23)) & ~tiny);
+}
+
+#endif
