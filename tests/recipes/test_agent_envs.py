@@ -3,7 +3,6 @@ rewarded: pure code, no sidecar (tests/recipes/test_agent_episodes.py runs them 
 
 import json
 import re
-import uuid
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from recipes.envs import Calculator, Environment, FromGymnasium, FromSkyRL, env_
 from recipes.envs.calculator import CalculatorError, calculate
 from recipes.episode_metrics import episode_metrics, episode_rewards
 from recipes.episodes import Episode, StitchError
-from recipes.turns import Turn
+from recipes.turns import Turn, parsed_message
+from rollout.tool_calls import get_tool_parser
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +24,9 @@ def tokenizer(qwen2_dir):
 
 
 def _hermes_message(text: str) -> dict:
-    """TO BE REPLACED by `rollout.tool_calls.get_tool_parser("hermes").extract` (issue 50's parser, not on
-    main when this was written): the Hermes tool calls of `text` as an OpenAI assistant message."""
-    calls = []
-    for body in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
-        try:
-            d = json.loads(body)
-        except json.JSONDecodeError:
-            return {"role": "assistant", "content": text}  # malformed: plain content, as vLLM's parser
-        calls.append({"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
-                      "function": {"name": d.get("name"), "arguments": json.dumps(d.get("arguments", {}))}})
-    content = re.split(r"<tool_call>", text)[0].strip() or None
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+    """The assistant message the episode runner makes of a turn's text on the RolloutClient transport:
+    the Hermes tool calls read out of it by rollout.tool_calls' parser (as the OpenAI front's)."""
+    return parsed_message(text, get_tool_parser("hermes"))
 
 
 def test_the_letter_game_scores_each_turn_and_gives_feedback(tokenizer):
