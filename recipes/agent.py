@@ -58,6 +58,11 @@ def build_agent_parser():
                         "behind the newest push as a turn starts (with --async)")
     g.add_argument("--tool-call-parser", default="default", help="read tool calls out of the text with this parser "
                    "(rollout.tool_calls; hermes for calculator, none for letters by default)")
+    g.add_argument("--chat-template", default="auto", metavar="auto|model|FILE_OR_TEXT",
+                   help="the chat template of the episodes' prompts, on both transports (the sidecar gets it as "
+                        "--chat-template). auto: with a tool-call parser, rollout.tool_calls' Hermes ChatML template "
+                        "when the model's own renders no tools (the tiny model's, SmolLM2's), else the model's; "
+                        "model: the model's own")
     g.add_argument("--http-url", default=None, help="with --rollout-url and --transport openai: the front's URL")
     g.add_argument("--max-context", type=int, default=1024, help="no turn starts that could not fit this (the sidecar's "
                    "--max-model-len)")
@@ -75,6 +80,7 @@ def parse_args(argv=None):
         raise SystemExit("error: recipes.agent runs one local sidecar (no --ray), and --async with one minibatch")
     args.task = f"agent-{args.env}"  # names the run
     args.sidecar_args = []
+    args.chat_template_text = args.chat_template_source = None  # resolved with the tokenizer (_env_factory)
     if args.transport == "openai":
         args.sidecar_args = ["--http-port", "0"]
         if args.tool_call_parser:
@@ -83,9 +89,33 @@ def parse_args(argv=None):
 
 
 def _env_factory(args, tokenizer):
+    """The run's environments; first the chat template (setup calls this before it starts the sidecar,
+    which is given the same template)."""
     from recipes.envs import env_factory
+    from recipes.turns import takes_tools
 
-    return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters)
+    args.chat_template_text = _chat_template(args, tokenizer)
+    if args.chat_template_text is not None and args.transport == "openai":
+        args.sidecar_args += ["--chat-template", args.chat_template_source]
+    renders_tools = takes_tools(args.chat_template_text or tokenizer.chat_template)
+    return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters,
+                       tools_in_prompt=not renders_tools)
+
+
+def _chat_template(args, tokenizer) -> str | None:
+    """--chat-template's text, or None for the tokenizer's own (its source in args.chat_template_source)."""
+    from recipes.turns import takes_tools
+    from rollout.serve_checks import chat_template_text
+    from rollout.tool_calls import HERMES_CHAT_TEMPLATE
+
+    choice = args.chat_template
+    if choice == "model" or choice == "auto" and (not args.tool_call_parser or takes_tools(tokenizer.chat_template)):
+        return None
+    args.chat_template_source = str(HERMES_CHAT_TEMPLATE) if choice == "auto" else choice
+    try:
+        return chat_template_text(args.chat_template_source)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def turn_source(run):
@@ -103,7 +133,7 @@ def turn_source(run):
         from rollout.tool_calls import get_tool_parser
 
         parser = get_tool_parser(args.tool_call_parser)
-    return client_turns(run.client.urls[0], args.token, run.tokenizer, parser)
+    return client_turns(run.client.urls[0], args.token, run.tokenizer, parser, args.chat_template_text)
 
 
 def _env_seed(run_seed: int, call: int, group: int) -> int:

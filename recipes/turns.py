@@ -30,37 +30,46 @@ class Turn:
 
 def history_message(turn: Turn) -> dict:
     """The turn as sent back in the next request: its message with its `token_ids` (a template
-    that cannot render a None content gets "")."""
+    that cannot render a None content gets ""). A turn that called tools keeps its `tool_calls` (a
+    tool message's `tool_call_id` names one); the prompt renders it as its sampled ids all the same
+    (rollout/openai_front/chat_prompt.py), never the calls a second time."""
     return {**turn.message, "content": turn.message.get("content") or "", "token_ids": turn.token_ids}
 
 
+def takes_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders a request's `tools` (the front's own test: it names them)."""
+    return "tools" in (chat_template or "")
+
+
 def parsed_message(text: str, parser) -> dict:
-    """The assistant message of `text`: with `parser` (rollout.tool_calls' `extract`), the tool calls
-    read out of it in OpenAI's shape; without, the text alone."""
+    """The assistant message of `text`: with `parser` (`rollout.tool_calls.get_tool_parser(name)`), the
+    tool calls read out of it, in the shape the OpenAI front answers (content None when the calls are
+    all there is); without, the text alone."""
     if parser is None:
         return {"role": "assistant", "content": text}
     found = parser.extract(text)
     message = {"role": "assistant", "content": found.content}
     if found.tools_called:
-        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in found.tool_calls]
+        message["tool_calls"] = [c.as_openai() for c in found.tool_calls]
     return message
 
 
 class ClientTurns:
     """Turns through `AsyncRolloutClient`: the prompt built here with the HTTP front's own function
-    (rollout.openai_front.chat_prompt), so both paths give the same ids for the same conversation."""
+    (rollout.openai_front.chat_prompt), so both paths give the same ids for the same conversation;
+    `chat_template`: the one the front was given (`rollout.serve --chat-template`), else the
+    tokenizer's; `parser`: reads the tool calls out of each turn's text, as the front's does."""
 
-    def __init__(self, client, tokenizer, parser=None):
-        self.client, self.tokenizer, self.parser = client, tokenizer, parser
-        self.takes_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    def __init__(self, client, tokenizer, parser=None, chat_template: str | None = None):
+        self.client, self.tokenizer, self.parser, self.chat_template = client, tokenizer, parser, chat_template
+        self.takes_tools = takes_tools(chat_template or getattr(tokenizer, "chat_template", None))
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         from rollout.openai_front.chat_prompt import chat_prompt_ids
         from rollout.openai_front.schema import ChatMessage
 
         return chat_prompt_ids([ChatMessage.model_validate(m) for m in messages], self.tokenizer,
-                               tools if self.takes_tools else None)
+                               tools if self.takes_tools else None, chat_template=self.chat_template)
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
         ids = self.prompt_ids(messages, tools)
@@ -121,11 +130,11 @@ class TurnThread:
             self.loop.close()
 
 
-def client_turns(url: str, token: str, tokenizer, parser=None) -> TurnThread:
+def client_turns(url: str, token: str, tokenizer, parser=None, chat_template: str | None = None) -> TurnThread:
     from rollout import AsyncRolloutClient
 
     async def make():
-        return ClientTurns(AsyncRolloutClient(url, token=token), tokenizer, parser)
+        return ClientTurns(AsyncRolloutClient(url, token=token), tokenizer, parser, chat_template)
 
     return TurnThread(make)
 

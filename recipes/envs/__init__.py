@@ -17,12 +17,14 @@ __all__ = ["ENVIRONMENTS", "Calculator", "Environment", "FromGymnasium", "FromSk
            "env_factory"]
 
 
-def env_factory(name: str, tokenizer, turns: int = 3, letters: str = "a") -> Callable[[], Environment]:
+def env_factory(name: str, tokenizer, turns: int = 3, letters: str = "a",
+                tools_in_prompt: bool = True) -> Callable[[], Environment]:
     """A function that makes a fresh environment of `name` per episode (what is costly to build,
-    such as the letter game's token table, built once here)."""
+    such as the letter game's token table, built once here). `tools_in_prompt`: the calculator
+    writes its tool into the system prompt (for a chat template that renders no tools)."""
     if name == "letters":
         table = {c: tokens_with(tokenizer, c) for c in letters}
         return lambda: LetterGame(tokenizer, turns, letters, table)
     if name == "calculator":
-        return Calculator
+        return lambda: Calculator(tools_in_prompt=tools_in_prompt)
     raise ValueError(f"unknown environment {name!r}; expected one of {ENVIRONMENTS}")

@@ -9,8 +9,11 @@ also earns `call_bonus` once, for its first well-formed call. A call that is mal
 JSON, no `expression`, an unknown tool, an expression the calculator refuses) is answered with the
 error as the tool's reply and counted in `Step.tool_errors`.
 
-The tools go in the request (`Reset.tools`) and, for chat templates that do not render tools
-(SmolLM2's), in the system prompt too, in the Hermes format Qwen2.5's template writes."""
+The tools go in the request (`Reset.tools`) and, with `tools_in_prompt` (for chat templates that
+do not render tools, such as SmolLM2's own), in the system prompt too, in the Hermes format Qwen2.5's
+template writes. `python -m recipes.agent` serves such models with the Hermes ChatML template
+(rollout.tool_calls.HERMES_CHAT_TEMPLATE), which renders the request's tools: then they are not
+written twice."""
 
 from __future__ import annotations
 
@@ -28,12 +31,14 @@ TOOL = {"type": "function", "function": {
                                                                   "description": "for example 123 * (45 + 6)"}},
                    "required": ["expression"]}}}
 
-SYSTEM = ("You are a careful assistant. You cannot do arithmetic in your head: use the calculator.\n\n"
-          "You may call one or more functions to assist with the user query.\n\n"
-          "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-          "For each function call, return a json object with function name and arguments within "
-          "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-          "<args-json-object>}}\n</tool_call>\n\nWhen you know the result, answer with #### followed by the number.")
+INSTRUCTIONS = "You are a careful assistant. You cannot do arithmetic in your head: use the calculator."
+HERMES_TOOLS = ("You may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n"
+                "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}}\n</tool_call>")
+ANSWER_FORMAT = "When you know the result, answer with #### followed by the number."
+SYSTEM = f"{INSTRUCTIONS}\n\n{HERMES_TOOLS}\n\n{ANSWER_FORMAT}"  # .format(tools=...): HERMES_TOOLS' braces
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -87,10 +92,9 @@ class Calculator:
     def reset(self, seed: int) -> Reset:
         question, self.answer = make_question(random.Random(seed))
         self.bonus_paid = False
-        messages = [{"role": "user", "content": question}]
-        if self.tools_in_prompt:
-            messages.insert(0, {"role": "system", "content": SYSTEM.format(tools=json.dumps(TOOL["function"]))})
-        return Reset(messages, tools=[TOOL])
+        system = (SYSTEM.format(tools=json.dumps(TOOL["function"])) if self.tools_in_prompt
+                  else f"{INSTRUCTIONS}\n\n{ANSWER_FORMAT}")
+        return Reset([{"role": "system", "content": system}, {"role": "user", "content": question}], tools=[TOOL])
 
     def step(self, message: dict, token_ids: list[int]) -> Step:
         calls = message.get("tool_calls") or []

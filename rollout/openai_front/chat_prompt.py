@@ -32,7 +32,9 @@ def message_dicts(messages) -> list[dict]:
     for m in messages:
         d = m.model_dump(exclude_none=True, exclude={"token_ids"})
         content = d.get("content")
-        if isinstance(content, list):
+        if content is None:  # vLLM's rule: an absent content is "" (templates such as SmolLM2's add it to text)
+            d["content"] = ""
+        elif isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise ChatPromptError("only text content parts are served (no images or audio)")
             d["content"] = "".join(part.get("text", "") for part in content)

@@ -3,7 +3,6 @@ rewarded: pure code, no sidecar (tests/recipes/test_agent_episodes.py runs them 
 
 import json
 import re
-import uuid
 
 import pytest
 import torch
@@ -13,7 +12,10 @@ from recipes.envs import Calculator, Environment, FromGymnasium, FromSkyRL, env_
 from recipes.envs.calculator import CalculatorError, calculate
 from recipes.episode_metrics import episode_metrics, episode_rewards
 from recipes.episodes import Episode, StitchError
-from recipes.turns import Turn
+from recipes.turns import ClientTurns, Turn, history_message, parsed_message
+from rollout.openai_front.chat_prompt import chat_prompt_ids
+from rollout.openai_front.schema import ChatMessage
+from rollout.tool_calls import HERMES_CHAT_TEMPLATE, get_tool_parser
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +26,9 @@ def tokenizer(qwen2_dir):
 
 
 def _hermes_message(text: str) -> dict:
-    """TO BE REPLACED by `rollout.tool_calls.get_tool_parser("hermes").extract` (issue 50's parser, not on
-    main when this was written): the Hermes tool calls of `text` as an OpenAI assistant message."""
-    calls = []
-    for body in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
-        try:
-            d = json.loads(body)
-        except json.JSONDecodeError:
-            return {"role": "assistant", "content": text}  # malformed: plain content, as vLLM's parser
-        calls.append({"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
-                      "function": {"name": d.get("name"), "arguments": json.dumps(d.get("arguments", {}))}})
-    content = re.split(r"<tool_call>", text)[0].strip() or None
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+    """The assistant message the episode runner makes of a turn's text on the RolloutClient transport:
+    the Hermes tool calls read out of it by rollout.tool_calls' parser (as the OpenAI front's)."""
+    return parsed_message(text, get_tool_parser("hermes"))
 
 
 def test_the_letter_game_scores_each_turn_and_gives_feedback(tokenizer):
@@ -109,6 +102,85 @@ def test_malformed_tool_calls_are_answered_with_their_error_and_counted():
     # text that only looks like a call (the parser leaves it as content) is an answer, not a call
     plain = _hermes_message("<tool_call>{oops</tool_call>")
     assert "tool_calls" not in plain and env.step(plain, [1]).done
+
+
+# The shape of Qwen2.5's template (its tools block shortened): it renders an assistant turn's
+# `tool_calls` itself, after a newline of its own, not as the model wrote them.
+QWEN25_SHAPED = """{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}{%- for t in tools %}{{- t | tojson }}
+{%- endfor %}{{- '</tools><|im_end|>\n' }}{%- endif %}
+{%- for m in messages %}
+{%- if m.role == "assistant" and m.tool_calls %}{{- '<|im_start|>assistant' }}
+{%- if m.content %}{{- '\n' + m.content }}{%- endif %}
+{%- for c in m.tool_calls %}{{- '\n<tool_call>\n{"name": "' + c.function.name + '", "arguments": '
+    + (c.function.arguments | tojson) + '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}
+{%- elif m.role == "tool" %}{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+# SmolLM2-135M-Instruct's own template (its chat_template.jinja): content added to text, no tools
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+           "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _sampled(tokenizer, text: str) -> list[int]:
+    """Ids for `text` one character at a time, then EOS: a segmentation the model may sample and
+    re-tokenising the text never gives back."""
+    ids = [i for ch in text for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+    assert ids != tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids + [tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("template", ["hermes", "qwen2.5-shaped"])
+def test_a_tool_calling_episode_is_stitched_token_for_token(tokenizer, template):
+    """Three calculator turns on the RolloutClient transport (the front's own prompt function, the
+    Hermes parser): a call, two calls, the answer. Each turn is spliced into the next prompts as its
+    sampled ids, and rendered once, though both templates render `tool_calls` themselves."""
+    parser = get_tool_parser("hermes")
+    turns = ClientTurns(None, tokenizer, parser, HERMES_CHAT_TEMPLATE.read_text() if template == "hermes"
+                        else QWEN25_SHAPED)
+    env = Calculator(tools_in_prompt=False)  # the template renders the tools
+    first = env.reset(seed=3)
+    expr = first.messages[1]["content"].removeprefix("What is ").rstrip("?")
+
+    def call(e):
+        return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": e}}) + "\n</tool_call>"
+
+    said = [f"Let me compute.\n{call(expr)}", f"{call(expr)}\n{call('2 + 2')}", f"It is #### {calculate(expr)}"]
+    ep, messages = Episode(), list(first.messages)
+    for text in said:
+        ids = _sampled(tokenizer, text)
+        turn = Turn(turns.prompt_ids(messages, first.tools), ids, [-1.0] * len(ids), [0] * len(ids), "stop",
+                    parsed_message(tokenizer.decode(ids, skip_special_tokens=True), parser))
+        ep.add_turn(turn)  # StitchError unless the prompt extends the episode so far token for token
+        step = env.step(turn.message, turn.token_ids)
+        messages += [history_message(turn), *step.messages]
+        ep.reward += step.reward
+    assert step.done and ep.reward == pytest.approx(1.2) and ep.turns == 3
+    called = messages[2]
+    assert called["content"] == "Let me compute.\n" and called["token_ids"] == _sampled(tokenizer, said[0])
+    assert [set(c) for c in called["tool_calls"]] == [{"id", "type", "function"}]
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == [
+        c["id"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls", ())]
+    whole = turns.prompt_ids(messages, first.tools)  # the next turn's prompt: the whole episode as sampled
+    assert whole[:len(ep.prompt_token_ids) + len(ep.token_ids)] == ep.prompt_token_ids + ep.token_ids
+    text = tokenizer.decode(whole)
+    assert text.count('<tool_call>\n{"name": "calculator"') == 3 and text.count("<tool_response>") == 3
+    assert text.count("# Tools") == 1
+    assert sum(ep.policy_mask) == sum(len(_sampled(tokenizer, t)) for t in said)
+
+
+def test_an_assistant_turn_without_content_renders_under_smollm2s_template(tokenizer):
+    """An agent framework sends a tool-calling turn back as OpenAI writes it (content null, no
+    token_ids): rendered with "" as vLLM does, not refused by a template that adds content to text."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    ids = chat_prompt_ids([ChatMessage.model_validate(m) for m in messages], tokenizer, chat_template=SMOLLM2)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n"
+                                          "<|im_start|>assistant\n")
 
 
 class _SkyRLCounter:

@@ -65,3 +65,23 @@ def test_the_tiny_model_learns_the_letter_game(tmp_path):
     beats the first 10's by a margin no noise gives (a random model: ~0.37, std of a step ~0.01)."""
     result = agent.main(["--output-dir", str(tmp_path / "learn")])
     assert result["last_reward"] > result["first_reward"] + 0.1, result
+
+
+@pytest.mark.parametrize("transport", ["client", "openai"])
+def test_the_agent_recipe_runs_the_calculator_through_either_transport(qwen2_dir, tmp_path, transport):
+    """Two steps of `--env calculator` on the tiny model: its template renders no tools, so the run
+    serves the Hermes ChatML template (the openai transport's sidecar with --tool-call-parser hermes
+    --enable-auto-tool-choice --chat-template: a request with tools would be a 400 without them)."""
+    out = tmp_path / transport
+    args = ["--env", "calculator", "--model", qwen2_dir, "--max-steps", "2", "--prompts-per-step", "1",
+            "--group-size", "2", "--max-tokens", "8", "--max-turns", "2", "--transport", transport,
+            "--output-dir", str(out), "--report-to", "none"]
+    parsed = agent.parse_args(args)
+    assert parsed.tool_call_parser == "hermes" and parsed.chat_template == "auto"
+    result = agent.main(args)
+    rows = _rows(out)
+    assert result["steps"] == 2 and len(rows) == 2 and all(m in rows[0] for m in AGENT_METRICS)
+    assert all(r["episodes/errors"] == 0 and 1 <= r["episodes/turns"] <= 2 and r["tokens/policy"] > 0 for r in rows)
+    transcripts = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    system = transcripts[0]["messages"][0]
+    assert system["role"] == "system" and "<tools>" not in system["content"]  # the template renders them
