@@ -29,6 +29,45 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+/* 16 values at a time, widened to fp32 on load and rounded (to nearest even, as torch) on store. */
+static inline v16f load16_f32(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline v16f load16_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline v16f round16_bf16(v16f x) { /* to the nearest bf16 (ties even), kept in fp32 */
+    v16u u;
+    memcpy(&u, &x, sizeof u);
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    const v16i bits = ((v16i)rounded & ~nan) | ((v16i)u & nan);
+    v16f y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
+
+static inline void store16_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline void store16_bf16(uint16_t *p, v16f x) {
+    v16u u;
+    memcpy(&u, &x, sizeof u);
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16u quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
+    const v16h h = __builtin_convertvector((v16u)(((v16i)rounded & ~nan) | ((v16i)quiet & nan)), v16h);
+    memcpy(p, &h, sizeof h);
+}
+
 /* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
    about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
    clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */

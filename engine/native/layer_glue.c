@@ -82,16 +82,15 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
 
 /* gate_up [T, 2I] with row stride `stride` (gate in the first I columns, up in the next) -> out [T, I]. */
 void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I, uint16_t *out) {
-    _Pragma("omp parallel for schedule(static) if (T * I > 65536)")
+    _Pragma("omp parallel for schedule(static) if (T * I > 16384)")
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * stride, *u = g + I;
         uint16_t *o = out + t * I;
         int64_t i = 0;
         for (; i + 16 <= I; i += 16) {
-            v16f gv = {0}, uv = {0};
-            for (int l = 0; l < 16; l++) gv[l] = bf16_to_f32(g[i + l]), uv[l] = bf16_to_f32(u[i + l]);
+            const v16f gv = load16_bf16(g + i);
             const v16f silu = gv / (1.0f + vexp(-gv));
-            for (int l = 0; l < 16; l++) o[i + l] = f32_to_bf16(round_bf16(silu[l]) * uv[l]);
+            store16_bf16(o + i, round16_bf16(silu) * load16_bf16(u + i));
         }
         for (; i < I; i++) {
             const float gf = bf16_to_f32(g[i]);
