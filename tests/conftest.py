@@ -35,6 +35,13 @@ def qwen2_dir(model_dirs):
 
 
 @pytest.fixture(scope="session")
+def qwen2_tokenizer(qwen2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen2_dir)
+
+
+@pytest.fixture(scope="session")
 def hf_models(model_dirs):
     import torch
     from transformers import AutoModelForCausalLM

@@ -19,10 +19,8 @@ from rollout.tool_calls import HERMES_CHAT_TEMPLATE, get_tool_parser
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen2_dir)
+def tokenizer(qwen2_tokenizer):
+    return qwen2_tokenizer
 
 
 def _hermes_message(text: str) -> dict:

@@ -34,10 +34,8 @@ def sidecar(qwen2_dir):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen2_dir)
+def tokenizer(qwen2_tokenizer):
+    return qwen2_tokenizer
 
 
 def _taught_turns(tokenizer) -> list[tuple[list[int], list[int]]]:

@@ -32,3 +32,10 @@ def _environment(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def openai_client(side):
+    """The official openai client on a sidecar's HTTP front, as an agent framework makes it."""
+    import openai
+
+    return openai.OpenAI(base_url=side.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import SamplingParams
 from rollout import AsyncRolloutClient, RolloutClient
 from tests.engine.helpers import hf_greedy, random_prompts
-from tests.rollout.sidecar import TOKEN, Sidecar
+from tests.rollout.sidecar import TOKEN, Sidecar, openai_client
 from tests.rollout.test_engine_faults import _perturbed
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,7 +47,7 @@ def front(tools_dir):
 
 @pytest.fixture(scope="module")
 def oai(front):
-    c = openai.OpenAI(base_url=front.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    c = openai_client(front)
     yield c
     c.close()
 

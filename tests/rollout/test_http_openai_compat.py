@@ -4,12 +4,11 @@ context length), echo with prompt logprobs, and the engine's sampling parameters
 Driven by raw httpx and the official `openai` client against a real sidecar."""
 
 import httpx
-import openai
 import pytest
 
 from engine import SamplingParams
 from tests.engine.helpers import hf_logprobs, random_prompts
-from tests.rollout.sidecar import TOKEN, Sidecar
+from tests.rollout.sidecar import TOKEN, Sidecar, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,16 +35,14 @@ def http(front):
 
 @pytest.fixture(scope="module")
 def oai(front):
-    c = openai.OpenAI(base_url=front.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    c = openai_client(front)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen2_dir)
+def tokenizer(qwen2_tokenizer):
+    return qwen2_tokenizer
 
 
 def _complete(http, **body) -> dict:

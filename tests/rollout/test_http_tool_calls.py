@@ -13,7 +13,7 @@ import pytest
 
 from rollout import RolloutClient
 from rollout.tool_calls import HERMES_CHAT_TEMPLATE
-from tests.rollout.sidecar import TOKEN, Sidecar
+from tests.rollout.sidecar import TOKEN, Sidecar, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,16 +39,14 @@ def front(qwen2_dir):
 
 @pytest.fixture(scope="module")
 def oai(front):
-    c = openai.OpenAI(base_url=front.http_url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    c = openai_client(front)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(qwen2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen2_dir)
+def tokenizer(qwen2_tokenizer):
+    return qwen2_tokenizer
 
 
 @pytest.fixture(scope="module")
