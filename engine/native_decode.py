@@ -24,18 +24,12 @@ class NativeDecode:
     max_len: int
 
 
+_SIGNATURE = (_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float)
+
+
 def _entry(dtype: torch.dtype):
-    lib = native_kernels.library("paged_decode")
     name = _ENTRIES.get(dtype)
-    if lib is None or name is None:
-        return None
-    fn = getattr(lib, name)
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_fns: dict = {}
+    return None if name is None else native_kernels.function("paged_decode", name, _SIGNATURE, ctypes.c_int)
 
 
 MAX_HEADS, HEAD_DIMS = 128, (16, 32, 64, 128, 256)  # what the kernel takes (paged_decode.c)
@@ -45,16 +39,14 @@ def available(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: in
     """Whether decode attention of a `dtype` cache on `device` with these heads runs in the kernel."""
     if device.type != "cpu" or heads % kv_heads or heads > MAX_HEADS or head_dim not in HEAD_DIMS:
         return False
-    if dtype not in _fns:
-        _fns[dtype] = _entry(dtype)
-    return _fns[dtype] is not None
+    return _entry(dtype) is not None
 
 
 def attend(nd: NativeDecode, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
            scale: float) -> torch.Tensor | None:
     """q [B, H, d] -> [B, H, d], attending each row's `lengths` keys in the cache
     ([num_blocks, bs, kvh, d] per layer); None when the kernel does not take these shapes."""
-    fn = _fns.get(q.dtype)
+    fn = _entry(q.dtype)
     if fn is None or k_blocks.dtype != q.dtype:
         return None
     q = q.contiguous()

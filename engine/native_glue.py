@@ -13,22 +13,17 @@ from engine import native_kernels
 
 _I64, _PTR, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "rope_cache": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
-    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _F, _I64, _I64, _PTR],
-    "silu_mul": [_PTR, _I64, _I64, _I64, _PTR],
+    "rope_cache": (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
+    "add_rms_norm": (_PTR, _PTR, _PTR, _PTR, _F, _I64, _I64, _PTR),
+    "silu_mul": (_PTR, _I64, _I64, _I64, _PTR),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_fns: dict = {}
 
 
 def _fn(name: str, dtype: torch.dtype):
-    if (name, dtype) not in _fns:
-        lib = native_kernels.library("layer_glue")
-        fn = getattr(lib, f"{name}_{_SUFFIX[dtype]}", None) if lib is not None and dtype in _SUFFIX else None
-        if fn is not None:
-            fn.argtypes, fn.restype = _SIGNATURES[name], None
-        _fns[name, dtype] = fn
-    return _fns[name, dtype]
+    if dtype not in _SUFFIX:
+        return None
+    return native_kernels.function("layer_glue", f"{name}_{_SUFFIX[dtype]}", _SIGNATURES[name])
 
 
 def _rows(x: torch.Tensor) -> bool:

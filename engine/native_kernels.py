@@ -112,3 +112,20 @@ def library(name: str) -> ctypes.CDLL | None:
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, said once
         log.warning("native kernel %s unavailable (%s): using the torch path", name, e)
         return None
+
+
+@functools.cache
+def function(name: str, symbol: str, argtypes: tuple, restype=None):
+    """`symbol` of the kernel library `name`, with its C signature; None where the library is not."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def reset() -> None:
+    """Forget what was loaded (tests that change the environment the kernels are built under)."""
+    library.cache_clear()
+    function.cache_clear()

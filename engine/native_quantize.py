@@ -12,18 +12,13 @@ from engine import native_kernels
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_fns: dict = {}
+_SIGNATURES = {"quantize_rows": (_PTR, _I64, _I64, _PTR, _PTR), "scale_rows": (_PTR, _I64, _I64, _PTR)}
 
 
 def _fn(dtype: torch.dtype, name: str = "quantize_rows"):
-    if (dtype, name) not in _fns:
-        lib = native_kernels.library("quantize_rows")
-        fn = None if lib is None or dtype not in _SUFFIX else getattr(lib, f"{name}_{_SUFFIX[dtype]}")
-        if fn is not None:
-            fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR] if name == "quantize_rows" else [_PTR, _I64, _I64, _PTR]
-            fn.restype = None
-        _fns[dtype, name] = fn
-    return _fns[dtype, name]
+    if dtype not in _SUFFIX:
+        return None
+    return native_kernels.function("quantize_rows", f"{name}_{_SUFFIX[dtype]}", _SIGNATURES[name])
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

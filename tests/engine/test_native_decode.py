@@ -92,15 +92,13 @@ def test_shapes_it_does_not_take_stay_on_torch():
 def _fresh_kernels(monkeypatch, **env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    native_kernels.library.cache_clear()
-    native_decode._fns.clear()
+    native_kernels.reset()
 
 
 @pytest.fixture
 def restore_kernels():
     yield
-    native_kernels.library.cache_clear()
-    native_decode._fns.clear()
+    native_kernels.reset()
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
