@@ -22,6 +22,10 @@ accuracy (its u8 x s8 pairs saturate int16: 10% error where the exact int32 sum 
 `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA capped to it, `_int_mm` ran
 1.3-3.4x faster than oneDNN's int8), then to none: the engine refuses int8 there.
 
+On a CPU with AMX tiles (Sapphire Rapids and later) the first choice is engine/amx_linears.py's
+kernel: the same quantization and the same output bits as the oneDNN path (tested), with both
+scales applied in the kernel, 2.5x oneDNN's op on SmolLM2's linears at 32 rows.
+
 The copy is a derived copy (engine/derived_weights.py), as the prepacked linears' are: a push
 derives it from its staged weights while the engine serves and its commit swaps it in with them;
 each forward compares the weight's data pointer, version and shape with those it derived from
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import derived_weights, native_quantize, packed_linears
+from engine import amx_linears, derived_weights, native_quantize, packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,8 @@ log = logging.getLogger(__name__)
 # this order. 7-bit weights (63) are the fallback of a CPU without VNNI: its int8 dot product sums
 # u8 x s8 pairs in int16, which 255 * 127 * 2 overflows and 255 * 63 * 2 does not (fbgemm's
 # reduce_range, on the other side of the product).
-KERNELS = (("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
+# "amx": engine/amx_linears.py's tile kernel where the CPU has AMX (2.5x oneDNN's op at 32 rows).
+KERNELS = (("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
 
 # NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
 # log-probabilities one softmax away, and quantizing it too moved the share of SmolLM2's sampled
@@ -56,9 +61,9 @@ KEEP_FULL_PRECISION = ("lm_head",)
 @dataclass(frozen=True)
 class Int8Weight:
     """An int8 copy of a [N, K] weight: w ~ q * scale[:, None]. `packed`: q in `kernel`'s layout
-    (oneDNN's prepacked tensor, or q itself for _int_mm)."""
+    (oneDNN's prepacked tensor, the AMX kernel's AmxWeight, or q itself for _int_mm)."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | amx_linears.AmxWeight
     scale: torch.Tensor  # [N] fp32
     kernel: str
     shape: tuple[int, int]
@@ -97,7 +102,12 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8Weight:
-    packed = torch.ops.onednn.qlinear_prepack(q, None) if name == "onednn" else q
+    if name == "amx":
+        if not amx_linears.available():
+            raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
+        packed = amx_linears.pack(q)
+    else:
+        packed = torch.ops.onednn.qlinear_prepack(q, None) if name == "onednn" else q
     return Int8Weight(packed, scale, name, tuple(q.shape), qmax)
 
 
@@ -109,6 +119,8 @@ def _zero_points(n: int) -> torch.Tensor:
 def matmul(q: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """q [M, K] int8 @ w.T, times w's per-channel scales, in `out_dtype` (the per-row scales not
     applied)."""
+    if w.kernel == "amx":
+        return amx_linears.linear_s8(q, torch.ones(q.shape[0]), w.packed, w.scale, out_dtype)
     if w.kernel == "onednn":
         if q.shape[0] == 1:  # oneDNN's one-row int8 path ran 2.8 ms on a 192x576 weight, 2 rows 0.03 ms
             return matmul(q.expand(2, -1).contiguous(), w, out_dtype)[:1]
@@ -176,6 +188,11 @@ def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: tor
     """x through the int8 copy `w`: the module's own, or its group's (engine/fused_linears.py)."""
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    if w.kernel == "amx":  # both scales in the kernel, any row count: nothing to pad
+        out = amx_linears.linear_s8(q, scale, w.packed, w.scale, out_dtype)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype))
     if not native_quantize.scale_rows_(out, scale):
         out.mul_(scale)

@@ -40,7 +40,7 @@ import types
 
 import torch
 
-from engine import derived_weights
+from engine import amx_linears, derived_weights
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,11 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
-def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A full-precision weight reordered into oneDNN's blocked layout in `dtype`: the derived copy."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | amx_linears.AmxWeight:
+    """A full-precision weight reordered into oneDNN's blocked layout in `dtype`, or in bf16 on a
+    CPU with AMX into the tile kernel's (engine/amx_linears.py): the derived copy."""
+    if dtype == torch.bfloat16 and amx_linears.available():
+        return amx_linears.pack(weight.to(dtype))
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
 
 
@@ -131,7 +134,10 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
-    out = _blocked_linear(rows, packed, bias)
+    if isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
+        out = amx_linears.linear_bf16(rows, packed, bias)
+    else:
+        out = _blocked_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 

@@ -1,0 +1,120 @@
+"""Linears on Intel AMX tiles (engine/native/amx_linear.c) where the CPU has them: bf16 for the
+bf16 engine (packed_linears) and int8 for the int8 one (int8_linears), at a decode step's rows.
+
+oneDNN runs the same tile instructions, but through torch's op it costs a primitive lookup and
+its own blocking per call: on SmolLM2's linears at 32 rows it took 1.4x this kernel's time in
+bf16 and 2.5x in int8 (bench/amx_linears.py, bench/RESULTS.md). The kernel streams each weight
+once, in the order `pack_*` lays it out, and writes the output in the engine's dtype.
+
+Arithmetic: int8 products sum exactly in int32 and are scaled as int8_linears' oneDNN path scales
+them (the same bits, tested); bf16 products sum in fp32 in the tiles' order and round once, as a
+bf16 GEMM does (oneDNN's sums in another order: the last bit may differ).
+
+Off where the CPU lacks AMX-BF16/INT8 (AMD's, Intel's before Sapphire Rapids), where the kernel
+does not build or the OS refuses the tile state, and with ROLLOUT_AMX=0 (what bench.amx_linears
+compares against); the engine keeps oneDNN then."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine import native_kernels
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "ROLLOUT_AMX"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "amx_linear_s8_f32": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR),
+    "amx_linear_s8_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR),
+    "amx_linear_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR),
+}
+# K values per 64-byte tile row: 64 int8, 32 bf16
+_TILE_K = {torch.int8: 64, torch.bfloat16: 32}
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A [n, k] weight laid out for the kernel (`pack`), in int8 or bf16."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"amx_tile", "amx_int8", "amx_bf16"} <= set(flags)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the AMX kernels run here (probed once per process)."""
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or not _cpu_has_amx():
+        return False
+    init = native_kernels.function("amx_linear", "amx_init", (), ctypes.c_int)
+    if init is None:
+        return False
+    if init() != 0:
+        log.warning("the OS refused AMX's tile state (arch_prctl): linears stay on oneDNN")
+        return False
+    log.info("linears on AMX tiles (engine/native/amx_linear.c)")
+    return True
+
+
+def pack(weight: torch.Tensor) -> AmxWeight:
+    """`weight` [n, k] (int8 or bf16) in the kernel's layout: [n/32][k/TK][2][16][TK/e][16][e] with
+    e values of K per 4-byte pair (4 int8, 2 bf16), zero-padded to whole tiles. Pure."""
+    n, k = weight.shape
+    tk = _TILE_K[weight.dtype]
+    e = 4 // weight.element_size()
+    pn, kc = -(-n // 32), -(-k // tk)
+    padded = torch.zeros(pn * 32, kc * tk, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    tiles = padded.view(pn, 2, 16, kc, tk // e, e).permute(0, 3, 1, 4, 2, 5)
+    return AmxWeight(tiles.contiguous(), n, k)
+
+
+def _fn(symbol: str):
+    return native_kernels.function("amx_linear", symbol, _SIGNATURES[symbol], ctypes.c_int)
+
+
+def _run(symbol: str, *args) -> None:
+    if _fn(symbol)(*args) != 0:
+        raise MemoryError(f"{symbol}: no memory for the padded activations")
+
+
+def linear_bf16(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] bf16 @ w.T (+ bias [n] bf16) -> [m, n] bf16."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    _run("amx_linear_bf16", x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n,
+         None if b is None else b.data_ptr(), out.data_ptr())
+    return out
+
+
+def linear_s8(q: torch.Tensor, row_scale: torch.Tensor, w: AmxWeight, col_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """(q [m, k] int8 @ w.T) * col_scale [n], rounded to out_dtype, * row_scale [m], rounded again
+    (fp32 or bf16): int8_linears' oneDNN path's bits."""
+    q, row_scale = q.contiguous(), row_scale.float().contiguous()
+    out = torch.empty(q.shape[0], w.n, dtype=out_dtype)
+    symbol = "amx_linear_s8_bf16" if out_dtype == torch.bfloat16 else "amx_linear_s8_f32"
+    _run(symbol, q.data_ptr(), q.shape[0], w.k, w.packed.data_ptr(), w.n, col_scale.data_ptr(),
+         row_scale.data_ptr(), out.data_ptr())
+    return out

@@ -1,0 +1,190 @@
+/* Linears on Intel AMX tiles for the row counts of a decode step (1-256 rows): int8 x int8 -> int32
+   (TDPBSSD) for the int8 engine, bf16 x bf16 -> fp32 (TDPBF16PS) for the bf16 one. At these sizes a
+   linear is a stream of its weight through the cores: the tiles do a 32 x 32 block of outputs per
+   1 KB weight tile pair, so the kernel's job is to read each weight byte once, in order, and keep
+   the per-call work (no primitive lookup, no reorder) small.
+
+   Weights are packed once (amx_pack.py: the pure layout) into [N/32][K/TK][2][16][64 bytes]: for
+   each pair of 16-column tiles and each K chunk, the two B tiles side by side, so one linear's
+   weight is one sequential stream. Activations are [M, K] row-major; rows past M and columns past
+   K are read from a zero-padded copy when the shape asks for one.
+
+   Only built with -mamx-* and only called where the CPU has AMX (amx_kernels.py probes
+   /proc/cpuinfo) and the kernel asked the OS for the tile state (amx_init: Linux's
+   ARCH_REQ_XCOMP_PERM, once per process). */
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* 0 where this process may use the tiles (asked once; the OS keeps the grant). */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { /* every tile 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7 */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* A copy of `a` ([rows, cols] of `elem`-byte values) padded with zeros to [prows, pcols]. */
+static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, int64_t pcols, int elem) {
+    uint8_t *p = aligned_alloc(64, (size_t)(((prows * pcols * elem) + 63) / 64 * 64));
+    if (p == NULL) return NULL;
+    memset(p, 0, (size_t)(prows * pcols * elem));
+    for (int64_t r = 0; r < rows; r++) memcpy(p + r * pcols * elem, (const uint8_t *)a + r * cols * elem, (size_t)(cols * elem));
+    return p;
+}
+
+/* The 32 x 32 block of outputs at (m0, n0) from the four C tiles stored in c[2][2][16][16]
+   (row tile, column tile): `finish` turns a tile row of 16 into the output's values. */
+#define STORE_TILES(C_TYPE)                                          \
+    C_TYPE c[2][2][16][16] __attribute__((aligned(64)));             \
+    _tile_stored(0, c[0][0], 64);                                    \
+    _tile_stored(1, c[0][1], 64);                                    \
+    _tile_stored(2, c[1][0], 64);                                    \
+    _tile_stored(3, c[1][1], 64);
+
+/* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
+   values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16
+   outputs of row m from column n. */
+#define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE)                                                      \
+    const int64_t mp_count = (m + 31) / 32, np_count = (n + 31) / 32, kc_count = (k + TK - 1) / TK; \
+    const int64_t pm = mp_count * 32, pk = kc_count * TK;                                           \
+    const A_TYPE *a = x;                                                                            \
+    void *copy = NULL;                                                                              \
+    if (pm != m || pk != k) {                                                                       \
+        copy = padded(x, m, k, pm, pk, sizeof(A_TYPE));                                             \
+        if (copy == NULL) return -1;                                                                \
+        a = copy;                                                                                   \
+    }                                                                                               \
+    const int64_t stride = pk * (int64_t)sizeof(A_TYPE);                                            \
+    _Pragma("omp parallel") {                                                                       \
+        configure_tiles();                                                                          \
+        _Pragma("omp for schedule(static)")                                                         \
+        for (int64_t np = 0; np < np_count; np++) {                                                 \
+            const uint8_t *wb = (const uint8_t *)w + np * kc_count * 2048;                          \
+            for (int64_t mp = 0; mp < mp_count; mp++) {                                             \
+                const uint8_t *ab = (const uint8_t *)(a + mp * 32 * pk);                            \
+                _tile_zero(0);                                                                      \
+                _tile_zero(1);                                                                      \
+                _tile_zero(2);                                                                      \
+                _tile_zero(3);                                                                      \
+                for (int64_t kc = 0; kc < kc_count; kc++) {                                         \
+                    _tile_loadd(4, ab + kc * 64, stride);                                           \
+                    _tile_loadd(5, ab + 16 * stride + kc * 64, stride);                             \
+                    _tile_loadd(6, wb + kc * 2048, 64);                                             \
+                    _tile_loadd(7, wb + kc * 2048 + 1024, 64);                                      \
+                    DP(0, 4, 6);                                                                    \
+                    DP(1, 4, 7);                                                                    \
+                    DP(2, 5, 6);                                                                    \
+                    DP(3, 5, 7);                                                                    \
+                }                                                                                   \
+                STORE_TILES(C_TYPE)                                                                 \
+                for (int rt = 0; rt < 2; rt++)                                                      \
+                    for (int r = 0; r < 16; r++) {                                                  \
+                        const int64_t row = mp * 32 + rt * 16 + r;                                  \
+                        if (row >= m) break;                                                        \
+                        for (int ct = 0; ct < 2; ct++) {                                            \
+                            const int64_t col = np * 32 + ct * 16;                                  \
+                            if (col >= n) break;                                                    \
+                            EPILOGUE(row, col, c[rt][ct][r]);                                       \
+                        }                                                                           \
+                    }                                                                               \
+            }                                                                                       \
+        }                                                                                           \
+        _tile_release();                                                                            \
+    }                                                                                               \
+    free(copy);                                                                                     \
+    return 0;
+
+/* Writes the `cols` (<= 16) first of 16 values v to p, rounded to bf16 or as fp32. */
+static inline void put_f32(float *p, v16f v, int64_t cols) {
+    if (cols >= 16) store16_f32(p, v);
+    else for (int64_t i = 0; i < cols; i++) p[i] = v[i];
+}
+
+static inline void put_bf16(uint16_t *p, v16f v, int64_t cols) {
+    if (cols >= 16) store16_bf16(p, v);
+    else for (int64_t i = 0; i < cols; i++) p[i] = f32_to_bf16(v[i]);
+}
+
+static inline v16f load_cols(const float *p, int64_t cols) { /* 16 floats, zero past `cols` */
+    if (cols >= 16) return load16_f32(p);
+    v16f v = {0};
+    for (int64_t i = 0; i < cols; i++) v[i] = p[i];
+    return v;
+}
+
+static inline v16f int_row(const int32_t *c) {
+    v16i v;
+    memcpy(&v, c, sizeof v);
+    return __builtin_convertvector(v, v16f);
+}
+
+/* int8: out[r, j] = (c[r, j] * wscale[j], rounded to the output's dtype) * xscale[r], rounded again:
+   the bits of the oneDNN path it replaces (its output scaled per channel, then engine/native's
+   scale_rows per token). */
+#define EPI_S8_F32(row, col, crow)                                                                   \
+    do {                                                                                             \
+        const int64_t left = n - (col);                                                              \
+        const v16f v = (int_row(crow) * load_cols(wscale + (col), left)) * xscale[row];              \
+        put_f32(out_f32 + (row) * n + (col), v, left);                                               \
+    } while (0)
+
+#define EPI_S8_BF16(row, col, crow)                                                                  \
+    do {                                                                                             \
+        const int64_t left = n - (col);                                                              \
+        const v16f v = round16_bf16(int_row(crow) * load_cols(wscale + (col), left)) * xscale[row];  \
+        put_bf16(out_bf16 + (row) * n + (col), v, left);                                             \
+    } while (0)
+
+static inline v16f load_bias(const uint16_t *bias, int64_t col, int64_t cols) { /* zero without a bias */
+    v16f v = {0};
+    if (bias == NULL) return v;
+    if (cols >= 16) return load16_bf16(bias + col);
+    for (int64_t i = 0; i < cols; i++) v[i] = bf16_to_f32(bias[col + i]);
+    return v;
+}
+
+#define EPI_BF16(row, col, crow) \
+    put_bf16(out_bf16 + (row) * n + (col), load16_f32(crow) + load_bias(bias, col, n - (col)), n - (col))
+
+#define DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+
+/* q [m, k] int8 (per-row scales xscale [m]), w packed int8 with per-column scales wscale [n]. */
+int amx_linear_s8_f32(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
+                      const float *xscale, float *out_f32) {
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_F32)
+}
+
+int amx_linear_s8_bf16(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
+                       const float *xscale, uint16_t *out_bf16) {
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_BF16)
+}
+
+/* x [m, k] bf16, w packed bf16, bias [n] bf16 or NULL: out [m, n] bf16, each output the fp32 sum
+   (with its bias) rounded once, as a bf16 GEMM with a bias does. */
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const uint16_t *bias,
+                    uint16_t *out_bf16) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_BF16)
+}
