@@ -1,0 +1,129 @@
+"""The engine's linears on AMX tiles (engine/amx_linears.py) against oneDNN's op, side by side in
+one run: a whole model's linears swept in a forward's order (each layer's fused q/k/v, o, fused
+gate/up, down, then the lm_head), every layer its own weights, so they stream from memory as in a
+decode step rather than sitting in cache. bf16 (the bf16 engine's packed linears) and int8 (the
+int8 engine's, activations quantized per token, scales applied: what a forward pays).
+
+Each figure: ms per sweep, the weights' bytes per second, and that against this CPU's memory read
+probe (torch's sum over 1 GiB, the same threads): how far from the machine's limit a sweep is.
+
+    python -m bench.amx_linears                  # SmolLM2-135M, rows 1,8,32,64,256
+    python -m bench.amx_linears --rows 32 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from engine import amx_linears, int8_linears
+
+log = logging.getLogger("bench.amx_linears")
+
+
+def model_linears(model_name: str) -> list[torch.Tensor]:
+    """The model's linear weights in bf16, grouped as the engine serves them (fused_linears)."""
+    from engine.config import EngineConfig
+    from engine.model_loader import load_model
+    from engine.model_names import resolve_model_arg
+
+    cfg = EngineConfig(model=resolve_model_arg(model_name), dtype="bfloat16", prepack_linears=False)
+    model = load_model(cfg, torch.device("cpu"))
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight]
+    out.append(model.lm_head.weight)
+    return [w.detach().contiguous() for w in out]
+
+
+def read_bandwidth() -> float:
+    """Bytes per second torch reads a 1 GiB tensor at (sum), the best of 5."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = min(_seconds(lambda: x.sum()) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def sweeps(weights: list[torch.Tensor]) -> dict:
+    """way -> (fn(rows) running every linear once, bytes of weight it streams)."""
+    bf16_dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    bf16_amx = [amx_linears.pack(w) for w in weights]
+    body = weights[:-1]  # the int8 engine keeps the lm_head in bf16 (int8_linears.KEEP_FULL_PRECISION)
+    s8_dnn = [int8_linears.derive(w, ("onednn", 127)) for w in body]
+    s8_amx = [int8_linears.derive(w, ("amx", 127)) for w in body]
+    lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
+    dense = sum(w.numel() for w in weights) * 2
+    s8 = sum(w.numel() for w in body) + weights[-1].numel() * 2
+
+    def run(x_of, apply):
+        def sweep(rows: int):
+            for i, w in enumerate(weights):
+                apply(i, x_of(rows, w.shape[1]))
+        return sweep
+
+    xs = {}
+
+    def x_of(rows, k):
+        return xs.setdefault((rows, k), torch.randn(rows, k).bfloat16())
+
+    def dnn16(i, x):
+        torch.ops.mkldnn._linear_pointwise(x, bf16_dnn[i], None, "none", [], "")
+
+    def amx16(i, x):
+        amx_linears.linear_bf16(x, bf16_amx[i])
+
+    def int8(copies, head):
+        def apply(i, x):
+            if i < len(copies):
+                int8_linears._int8_apply(lin, x, copies[i], None)
+            else:
+                head(i, x)
+        return apply
+
+    return {"bf16 oneDNN": (run(x_of, dnn16), dense), "bf16 AMX": (run(x_of, amx16), dense),
+            "int8 oneDNN": (run(x_of, int8(s8_dnn, dnn16)), s8), "int8 AMX": (run(x_of, int8(s8_amx, amx16)), s8)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
+    ap.add_argument("--rows", default="1,8,32,64,256", help="rows per call (a decode step's sequences), comma-separated")
+    ap.add_argument("--repeats", type=int, default=10, help="sweeps per way and row count (the best is kept)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not amx_linears.available():
+        raise SystemExit("no AMX tiles on this CPU (or ROLLOUT_AMX=0): nothing to compare")
+    weights = model_linears(args.model)
+    bandwidth = read_bandwidth()
+    log.info("%s: %d linears, %.0f MB in bf16; memory read probe %.1f GB/s; %d threads", args.model, len(weights),
+             sum(w.numel() for w in weights) * 2 / 1e6, bandwidth / 1e9, torch.get_num_threads())
+    ways = sweeps(weights)
+    with torch.inference_mode():
+        for rows in map(int, args.rows.split(",")):
+            best = {}
+            for _ in range(args.repeats):  # the ways interleaved: a noisy neighbour hits each alike
+                for way, (fn, _) in ways.items():
+                    best[way] = min(best.get(way, float("inf")), _seconds(lambda: fn(rows)))
+            cells = [f"{way} {t * 1e3:.2f} ms ({ways[way][1] / t / 1e9:.1f} GB/s, {ways[way][1] / t / bandwidth:.0%})"
+                     for way, t in best.items()]
+            log.info("rows %3d: %s | AMX/oneDNN bf16 %.2fx, int8 %.2fx; int8/bf16 on AMX %.2fx", rows, " | ".join(cells),
+                     best["bf16 oneDNN"] / best["bf16 AMX"], best["int8 oneDNN"] / best["int8 AMX"],
+                     best["bf16 AMX"] / best["int8 AMX"])
+
+
+if __name__ == "__main__":
+    main()
