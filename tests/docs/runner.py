@@ -116,7 +116,7 @@ def serve_until_ready(cmd: list[str], env: dict[str, str], timeout_s: float = TI
 
 
 @contextmanager
-def sidecar(env: dict[str, str], http: bool):
+def sidecar(env: dict[str, str], http: bool, args: list[str] = ()):
     """A fresh loopback sidecar of the tiny model (no token), stopped afterwards."""
     from rollout.launcher import LocalSidecar
 
@@ -124,7 +124,7 @@ def sidecar(env: dict[str, str], http: bool):
     os.environ.update({k: env[k] for k in ("ROLLOUT_CACHE", "OMP_NUM_THREADS")})
     try:
         side = LocalSidecar("tiny", "--log-level", "WARNING", "--max-model-len", "512", "--warm-standby", "off",
-                            "--stats-interval", "0", *(["--http-port", "0"] if http else []))
+                            "--stats-interval", "0", *(["--http-port", "0"] if http else []), *args)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -12,7 +12,8 @@ Marks that keep a block from running (each needs that visible note, so a reader 
 (SmolLM2: the `real` extra), `vllm` (vLLM installed; tests/rl_routes and tests/vllm run these),
 `output` (what a command prints, not a command). Marks that say how a block runs:
 `sidecar` (a fresh sidecar of the tiny model stands at the block's `tcp://127.0.0.1:5555`),
-`http` (the same with its OpenAI front at `http://127.0.0.1:8000`), `continues` (the page's
+`http` (the same with its OpenAI front at `http://127.0.0.1:8000`; flags after the marks, as in
+`<!-- snippet: sidecar --dtype bfloat16 -->`, go to that sidecar's command line), `continues` (the page's
 previous python block runs first, in the same process), `serves` (a bash block of
 `python -m rollout.serve ...` lines: each is started, must print READY, and is stopped).
 `text` fences (pictures) are not code.
@@ -40,7 +41,7 @@ SIDECAR_URL = "tcp://127.0.0.1:5555"
 HTTP_URL = "http://127.0.0.1:8000"
 
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
-_MARK = re.compile(r"^\s*<!--\s*snippet:\s*([\w\- ]+?)\s*-->\s*$")
+_MARK = re.compile(r"^\s*<!--\s*snippet:\s*([\w\-. ]+?)\s*-->\s*$")
 _NOTE = re.compile(r"^\s*(\*|_|>)")
 
 
@@ -52,6 +53,7 @@ class Snippet:
     code: str
     marks: set[str] = field(default_factory=set)
     noted: bool = False  # a visible note line stands between the mark and the fence
+    sidecar_args: list[str] = field(default_factory=list)  # flags for the sidecar a `sidecar` block gets
     previous: Snippet | None = None  # the page's python block before this one (for `continues`)
 
     @property
@@ -89,8 +91,10 @@ def parse(path: Path, root: Path = ROOT) -> list[Snippet]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         body = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
-        marks, noted = _marks_before(lines, i)
-        snippet = Snippet(str(path.relative_to(root)), i + 1, lang, body + "\n", marks, noted, last_python)
+        words, noted = _marks_before(lines, i)
+        flags = next((k for k, w in enumerate(words) if w.startswith("--")), len(words))
+        snippet = Snippet(str(path.relative_to(root)), i + 1, lang, body + "\n", set(words[:flags]), noted,
+                          words[flags:], last_python)
         out.append(snippet)
         if lang == "python":
             last_python = snippet
@@ -98,8 +102,8 @@ def parse(path: Path, root: Path = ROOT) -> list[Snippet]:
     return out
 
 
-def _marks_before(lines: list[str], fence: int) -> tuple[set[str], bool]:
-    """The marks of the comment before line `fence`, and whether a note line stands between."""
+def _marks_before(lines: list[str], fence: int) -> tuple[list[str], bool]:
+    """The words of the comment before line `fence`, and whether a note line stands between."""
     j, noted = fence - 1, False
     while j >= 0 and not lines[j].strip():
         j -= 1
@@ -109,7 +113,7 @@ def _marks_before(lines: list[str], fence: int) -> tuple[set[str], bool]:
         while j >= 0 and not lines[j].strip():
             j -= 1
     m = _MARK.match(lines[j]) if j >= 0 else None
-    return (set(m.group(1).split()) if m else set()), noted
+    return (m.group(1).split() if m else []), noted
 
 
 def collect(root: Path = ROOT) -> list[Snippet]:
@@ -129,6 +133,8 @@ def problems(snippets: list[Snippet]) -> list[str]:
             out.append(f"{s.id}: marked {sorted(s.marks & SKIP_MARKS.keys())} without a visible note line before the fence")
         if "continues" in s.marks and s.previous is None:
             out.append(f"{s.id}: marked continues, but no python block comes before it on the page")
+        if s.sidecar_args and not s.marks & {"sidecar", "http"}:
+            out.append(f"{s.id}: sidecar flags {s.sidecar_args} without a sidecar or http mark")
         if s.lang in TEXT_LANGS and s.marks:
             out.append(f"{s.id}: a text block takes no marks")
     return out

@@ -15,9 +15,11 @@ SNIPPETS = [s for s in collect() if s.lang == "python"]
 def test_python_snippet_runs(snippet, snippet_env, tmp_path):
     if snippet.skip_reason:
         pytest.skip(snippet.skip_reason)
-    needs = snippet.marks | (snippet.previous.marks if "continues" in snippet.marks and snippet.previous else set())
-    if needs & {"sidecar", "http"}:
-        with runner.sidecar(snippet_env, http="http" in needs) as side:
+    first = snippet
+    while "continues" in first.marks and first.previous is not None:  # the sidecar is the first block's
+        first = first.previous
+    if first.marks & {"sidecar", "http"}:
+        with runner.sidecar(snippet_env, "http" in first.marks, first.sidecar_args) as side:
             done = runner.run(snippet, snippet_env, tmp_path, side.url, side.http_url)
     else:
         done = runner.run(snippet, snippet_env, tmp_path)
