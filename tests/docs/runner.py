@@ -50,7 +50,9 @@ def run(snippet: Snippet, env: dict[str, str], cwd: Path, url: str | None = None
         cmd = [sys.executable, str(script)]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", code]
-    return _run_group(cmd, env, cwd)
+    # bash runs from the repository's root, as a reader's shell in the clone (its blocks write under
+    # /tmp); python from a scratch directory
+    return _run_group(cmd, env, cwd if snippet.lang == "python" else ROOT)
 
 
 def _run_group(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
