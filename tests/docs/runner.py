@@ -134,3 +134,22 @@ def sidecar(env: dict[str, str], http: bool, args: list[str] = ()):
         yield side
     finally:
         side.stop()
+
+
+def check_python_snippet(snippet: Snippet, env: dict[str, str], cwd: Path) -> None:
+    """Run a python block (against a fresh sidecar when it, or the block it continues, asks for
+    one); skip it, with its reason, when it is marked as needing what is not here."""
+    import pytest
+
+    if snippet.skip_reason:
+        pytest.skip(snippet.skip_reason)
+    first = snippet
+    while "continues" in first.marks and first.previous is not None:  # the sidecar is the first block's
+        first = first.previous
+    if first.marks & {"sidecar", "http"}:
+        with sidecar(env, "http" in first.marks, first.sidecar_args) as side:
+            done = run(snippet, env, cwd, side.url, side.http_url)
+    else:
+        done = run(snippet, env, cwd)
+    assert done.returncode == 0, f"{snippet.id} failed ({done.returncode}):\n{done.stdout[-6000:]}"
+
