@@ -13,7 +13,7 @@ import pytest
 
 from rollout import RolloutClient
 from tests.engine.helpers import hf_greedy
-from tests.sglang_routes.torchrl_driver import policy
+from tests.sglang_routes.torchrl_driver import policy, sync_here
 from weight_sync import weights_checksum
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,8 +42,7 @@ def test_torchrls_sender_pushes_into_two_engines(sidecar, qwen2_dir):
     client = RolloutClient(sidecar.url)
     try:
         version = client.stats()["version"]
-        code, said = _driver(sidecar, qwen2_dir, "--seed", "3", "--steps", "2")
-        assert code == 0, said
+        said = sync_here(sidecar.http_url, qwen2_dir, seed=3, steps=2)
         assert said["world_size"] == 3 and said["policy_version"] == 2  # tp_size 2: the two engines' workers
         assert client.weights_checksums() == [said["checksum"]] * 2
         want = policy(qwen2_dir, 3, 2)
@@ -114,8 +113,7 @@ def test_a_trainer_killed_mid_update_leaves_the_weights_and_the_next_lands(sidec
         first.kill()  # SIGKILL between two of its broadcasts
         assert first.wait(timeout=30) == -9
         assert client.weights_checksums() == before and client.stats()["version"] == version
-        code, said = _driver(sidecar, qwen2_dir, "--seed", "8")
-        assert code == 0, said
+        said = sync_here(sidecar.http_url, qwen2_dir, seed=8)
         assert client.weights_checksums() == [said["checksum"]] * 2
         assert [e["version"] for e in client.health()["engine_states"]] == [version + 1] * 2
         out = httpx.post(sidecar.http_url + "/generate", timeout=60, json={

@@ -31,6 +31,7 @@ from tests.sglang_routes import torchrl_trainer as trl
 from weight_sync import weights_checksum
 
 ANSWERS: list[dict] = []
+TRANSPORTS: list[trl.SGLangCollectiveTransport] = []
 
 
 def policy(model_dir: str, seed: int, steps: int):
@@ -93,15 +94,22 @@ def make_scheme(url: str, master_address: str, timeout: float | None) -> trl.SGL
                                         master_port=trl.get_open_port(),
                                         num_gpus=info.get("tp_size", 1) * info.get("dp_size", 1),
                                         strategy="state_dict", device=0)
-    if timeout is not None:
-        create = scheme.create_transport
+    create = scheme.create_transport
 
-        def create_transport(**kwargs):
-            transport = create(**kwargs)
-            transport.timeout = timeout
-            return transport
-        scheme.create_transport = create_transport
+    def create_transport(**kwargs):  # kept, to wait for the HTTP answers it did not wait for
+        transport = create(**kwargs)
+        transport.timeout = transport.timeout if timeout is None else timeout
+        TRANSPORTS.append(transport)
+        return transport
+    scheme.create_transport = create_transport
     return scheme
+
+
+def answers() -> list[dict]:
+    """The server's non-2xx answers so far, once every call in flight is answered."""
+    for transport in TRANSPORTS:
+        transport._http_executor.shutdown(wait=True)
+    return list(ANSWERS)
 
 
 def sync(args, model, collector: Collector) -> trl.SGLangWeightSender:
@@ -135,7 +143,7 @@ def run(args) -> dict:
     except Exception as e:
         if not args.then_good:
             raise
-        failed = {"error": f"{type(e).__name__}: {e}", "answers": list(ANSWERS)}
+        failed = {"error": f"{type(e).__name__}: {e}", "answers": answers()}
         model.model.norm.weight = good
         sender = sync(args, model, collector)
         return {**_pushed(sender, model, collector), "failed_first": failed}
@@ -149,7 +157,13 @@ def _pushed(sender, model, collector: Collector) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def sync_here(url: str, model: str, **flags) -> dict:
+    """The same trainer, in this process (a good update only: a refused init leaves a thread waiting)."""
+    return run(_parser().parse_args(["--url", url, "--model", model,
+                                     *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items())]))
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--url", required=True)
     p.add_argument("--model", required=True)
@@ -161,12 +175,16 @@ def main(argv=None) -> int:
     p.add_argument("--wrong-shape", action="store_true")
     p.add_argument("--then-good", action="store_true")
     p.add_argument("--timeout", type=float, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     requests.post, requests.get = _recording(requests.post), _recording(requests.get)
     try:
         out, code = run(args), 0
     except Exception as e:
-        out, code = {"error": f"{type(e).__name__}: {e}", "answers": ANSWERS}, 1
+        out, code = {"error": f"{type(e).__name__}: {e}", "answers": answers()}, 1
     print(json.dumps(out), flush=True)
     os._exit(code)  # TorchRL's group thread of a refused init still waits in the rendezvous
 
