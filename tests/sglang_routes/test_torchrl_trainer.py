@@ -61,16 +61,19 @@ def test_torchrls_sender_pushes_into_two_engines(sidecar, qwen2_dir):
         client.close()
 
 
-def test_a_wrong_shape_is_refused_by_name_then_a_good_update_lands(sidecar, qwen2_dir):
+def test_a_wrong_shape_or_an_untied_weight_is_refused_by_name_then_a_good_update_lands(sidecar, qwen2_dir):
     client = RolloutClient(sidecar.url)
     try:
         before, version = client.weights_checksums(), client.stats()["version"]
-        code, said = _driver(sidecar, qwen2_dir, "--seed", "4", "--wrong-shape", "--then-good")
+        code, said = _driver(sidecar, qwen2_dir, "--seed", "4", "--spoil", "wrong-shape", "--spoil", "untied")
         assert code == 0, said
-        refused = [a for a in said["failed_first"]["answers"] if a["route"] == "update_weights_from_distributed"]
-        assert refused and refused[0]["status"] == 400, said
-        assert "model.norm.weight" in refused[0]["body"] and "nothing changed" in refused[0]["body"]
-        assert before != [said["checksum"]] * 2  # the refused update moved nothing; the good one then landed
+        shape, untied = ([a for a in r["answers"] if a["route"] == "update_weights_from_distributed"]
+                         for r in said["refused"])
+        assert shape and shape[0]["status"] == 400, said  # before any byte
+        assert "model.norm.weight" in shape[0]["body"] and "nothing changed" in shape[0]["body"]
+        assert untied and untied[0]["status"] == 400, said  # once its bytes arrived: they are not the embedding's
+        assert "lm_head.weight (tied to model.embed_tokens.weight)" in untied[0]["body"]
+        assert before != [said["checksum"]] * 2  # the refused updates moved nothing; the good one then landed
         assert client.weights_checksums() == [said["checksum"]] * 2
         assert client.stats()["version"] == version + 1
     finally:

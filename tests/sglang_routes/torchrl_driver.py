@@ -12,8 +12,9 @@ collector's), `group`, `world_size`; or `error` and `answers` (the server's non-
 raises its collective's error before it reads the HTTP answer). Test hooks, not TorchRL's:
 --stall-at K: the broadcast loop blocks before its K-th tensor, printing `{"stalled", "group"}`, until a
 line arrives on stdin (a trainer frozen mid-update; the test may SIGKILL it there);
---wrong-shape: the policy's model.norm.weight one element short (its metadata too, as TorchRL reads it);
---then-good: after a failed update, a fresh scheme and sender push the good policy (as a restarted trainer);
+--spoil wrong-shape|untied (repeatable): first a policy the engines cannot take (model.norm.weight one
+element short; lm_head.weight untied from the embedding), each through a fresh scheme and sender (as a
+restarted trainer), its failure reported in `refused`, then the good policy;
 --timeout T: the transport's timeout (TorchRL's default, 300 s, is how long a refused init waits).
 """
 
@@ -131,23 +132,37 @@ def sync(args, model, collector: Collector) -> trl.SGLangWeightSender:
     return sender
 
 
+def spoil(model, how: str):
+    """The policy made one the engines cannot take (TorchRL's metadata follows it); returns the undo."""
+    if how == "wrong-shape":  # model.norm.weight one element short
+        good = model.model.norm.weight
+        model.model.norm.weight = torch.nn.Parameter(good.detach()[:-1].clone())
+        return lambda: setattr(model.model, "norm", _with_weight(model.model.norm, good))
+    # "untied": lm_head.weight no longer the embedding (the engines tie them)
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach() + 0.01)
+    return lambda: setattr(model.lm_head, "weight", model.model.embed_tokens.weight)
+
+
+def _with_weight(module, weight):
+    module.weight = weight
+    return module
+
+
 def run(args) -> dict:
+    """Each --spoil'ed policy (each must fail: `refused` says how it did), then the good one."""
     trl.BACKEND = args.backend
     model = policy(args.model, args.seed, 1)
-    good = model.model.norm.weight
-    if args.wrong_shape:
-        model.model.norm.weight = torch.nn.Parameter(good.detach()[:-1].clone())
-    collector = Collector()
-    try:
-        sender = sync(args, model, collector)
-    except Exception as e:
-        if not args.then_good:
-            raise
-        failed = {"error": f"{type(e).__name__}: {e}", "answers": answers()}
-        model.model.norm.weight = good
-        sender = sync(args, model, collector)
-        return {**_pushed(sender, model, collector), "failed_first": failed}
-    return _pushed(sender, model, collector)
+    collector, refused = Collector(), []
+    for how in args.spoil:
+        undo = spoil(model, how)
+        try:
+            sync(args, model, collector).shutdown()
+            refused.append({"how": how, "error": "it landed"})
+        except Exception as e:
+            refused.append({"how": how, "error": f"{type(e).__name__}: {e}", "answers": answers()})
+            ANSWERS.clear()
+        undo()
+    return {**_pushed(sync(args, model, collector), model, collector), "refused": refused}
 
 
 def _pushed(sender, model, collector: Collector) -> dict:
@@ -172,8 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-address", default="127.0.0.1")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--stall-at", type=int, default=None)
-    p.add_argument("--wrong-shape", action="store_true")
-    p.add_argument("--then-good", action="store_true")
+    p.add_argument("--spoil", action="append", default=[], choices=("wrong-shape", "untied"))
     p.add_argument("--timeout", type=float, default=None)
     return p
 
