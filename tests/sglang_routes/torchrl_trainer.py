@@ -467,7 +467,9 @@ class SGLangCollectiveTransport:
         shapes = []
         for name, (dtype, shape) in self._model_metadata.items():
             if name not in weights:
-                raise ValueError(f"Weight '{name}' not found in weights. Available keys: {list(weights.keys())[:10]}...")
+                raise ValueError(
+                    f"Weight '{name}' not found in weights. Available keys: {list(weights.keys())[:10]}..."
+                )
             weight = weights[name]
             if weight.dtype != dtype or weight.shape != shape:
                 raise ValueError(
