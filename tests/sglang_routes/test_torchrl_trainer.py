@@ -85,7 +85,7 @@ def test_a_second_trainer_is_refused_while_the_firsts_update_is_in_flight(sideca
     before, version = client.weights_checksums(), client.stats()["version"]
     first, stalled = _stalled(sidecar, qwen2_dir, seed=5)
     try:
-        code, said = _driver(sidecar, qwen2_dir, "--seed", "6", "--timeout", "3")
+        code, said = _driver(sidecar, qwen2_dir, "--seed", "6", "--timeout", "2")
         assert code == 1 and "timed out" in said["error"]  # TorchRL's own words for a group that never formed
         refused = [a for a in said["answers"] if a["route"] == "init_weights_update_group"]
         assert refused and refused[0]["status"] == 409 and stalled["group"] in refused[0]["body"], said
