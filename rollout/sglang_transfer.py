@@ -25,12 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.errors import RefusedError
 from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, Staged, TrainerLost, WeightSyncRefused
 from rollout.vllm_transfer import TransferError
+from weight_sync.common.sglang_group import BACKENDS
+from weight_sync.common.sglang_wire import tied_aliases, update_parts
 from weight_sync.common.votes import WeightSyncError
 from weight_sync.engine_side.engines import rank_offsets, workers_of
-from weight_sync.common.sglang_group import BACKENDS
-from weight_sync.common.sglang_wire import update_manifest
 
 if TYPE_CHECKING:
     from rollout.manager import RolloutManager
@@ -54,8 +55,9 @@ def _field(body: dict, key: str, kind: type, default=None):
 def init_fields(body: dict) -> dict:
     out = {k: _field(body, k, kind, default) for k, kind, default in
            (("master_address", str, None), ("master_port", int, None), ("rank_offset", int, None),
-            ("world_size", int, None), ("group_name", str, DEFAULT_GROUP), ("backend", str, "nccl"))}
-    if out["backend"] not in BACKENDS:
+            ("world_size", int, None), ("group_name", str, DEFAULT_GROUP))}
+    out["backend"] = body.get("backend")  # none: the engines' own (SGLang's default, "nccl", is CUDA's)
+    if out["backend"] is not None and out["backend"] not in BACKENDS:
         raise TransferError(400, f"backend: {out['backend']!r} is not one of {sorted(BACKENDS)}")
     if out["rank_offset"] < 1 or out["world_size"] < 2:
         raise TransferError(400, "rank_offset: >= 1 (rank 0 is the trainer), world_size: >= 2")
@@ -94,6 +96,8 @@ class SglangTransfer:
         self.update: _Update | None = None
         self.paused_mode: str | None = None
         self.weight_names: set[str] = set()
+        self.receiving = 0  # update calls whose bytes are arriving now
+        self.tied: dict[str, str] = {}  # alias -> served name, tied weights a trainer may send twice
 
     def world_size(self) -> int:
         """The ranks this sidecar's workers take in a trainer's group (SGLang's tp_size)."""
@@ -103,10 +107,15 @@ class SglangTransfer:
         return (self._owner is not None and self.pushes.owner is self._owner
                 and self.info is not None and self.info["group_name"] == group_name)
 
+    def _busy(self) -> str:
+        return "mid-update" if self.update is not None or self.receiving else "between updates"
+
     # -- the group ------------------------------------------------------------------------------
     async def init(self, body: dict) -> None:
         info = init_fields(body)
         devices = {str(e.cfg.device).split(":")[0] for e in self.manager.up_engines()}
+        if info["backend"] is None:  # TorchRL's SGLangCollectiveTransport sends none
+            info["backend"] = "nccl" if devices == {"cuda"} else "gloo"
         if devices != {BACKENDS[info["backend"]]}:
             raise TransferError(400, f"backend: {info['backend']!r} cannot reach engines on {sorted(devices)}: use "
                                      f"{'nccl' if devices == {'cuda'} else 'gloo'}")
@@ -120,13 +129,14 @@ class SglangTransfer:
             engines = await self.pushes.take(owner, lambda engines: self._join(info, engines))
         except OwnedElsewhere as e:
             raise TransferError(409, f"the weight sync of this sidecar is owned by another trainer (group "
-                                     f"{e.owner.group_name}), which still lives: it must "
-                                     "/destroy_weights_update_group first") from None
+                                     f"{e.owner.group_name}, {self._busy()}), which still lives: it must "
+                                     "/destroy_weights_update_group first; nothing changed") from None
         except BaseException:
             self._forget()
             raise
         self.info, self._owner = info, owner
         self.weight_names = set((await engines[0].collective_rpc("weight_names", timeout=self.timeout_s))[0])
+        self.tied = tied_aliases(await asyncio.to_thread(_ties_embeddings, engines[0].cfg.model), self.weight_names)
         log.info("joined an SGLang trainer's group %s at %s as ranks %d..%d of %d", info["group_name"], where,
                  info["rank_offset"], info["rank_offset"] + self.world_size() - 1, info["world_size"])
 
@@ -151,6 +161,10 @@ class SglangTransfer:
     # -- the update -----------------------------------------------------------------------------
     async def update_distributed(self, body: dict) -> dict:
         group = body.get("group_name", DEFAULT_GROUP)
+        if not self._owns(group) and self.info is not None and await self._owner.alive():
+            raise TransferError(409, f"group_name: group {group!r} is not this sidecar's: its weight sync is owned "
+                                     f"by another trainer's group {self.info['group_name']!r} ({self._busy()}), "
+                                     "which still lives; nothing changed")
         if not self._owns(group):
             raise TransferError(400, f"group_name: group {group!r} does not exist here: /init_weights_update_group "
                                      "first")
@@ -159,7 +173,7 @@ class SglangTransfer:
         if pending is not None and pending.version != version:  # the trainer moved on: its update is done
             await self._commit()
         try:
-            m = update_manifest(body, version)
+            parts = update_parts(body, version, self.tied)
         except ValueError as e:
             await self._leave()  # the trainer broadcasts meanwhile: it must not wait
             raise TransferError(400, f"{e}; nothing changed") from None
@@ -167,7 +181,8 @@ class SglangTransfer:
             self._check_version(version)
         if body.get("abort_all_requests"):
             await self._abort_requests()
-        await self._stage(m)
+        for m in parts:  # one, or a tied weight's own (weight_sync/common/sglang_wire.py)
+            await self._stage(m)
         out = {"weight_version": str(version), "committed": False}
         if self.weight_names <= self.update.names:  # every weight arrived: the update is whole
             out.update(await self._commit(), committed=True)
@@ -185,8 +200,17 @@ class SglangTransfer:
         where = f"{self.info['master_address']}:{self.info['master_port']}"
         try:
             engines = self.pushes.engines_for(None, self._owner.group_name)
-            staged = await self.pushes.stage(engines, m, self.timeout_s, method="begin_receive_vllm")
-            await asyncio.gather(*(e.collective_rpc("hold_staged_part", timeout=self.timeout_s) for e in engines))
+            self.receiving += 1
+            try:
+                staged = await self.pushes.stage(engines, m, self.timeout_s, method="begin_receive_vllm")
+            finally:
+                self.receiving -= 1
+            await asyncio.gather(*(e.collective_rpc("hold_staged_part", timeout=self.timeout_s,
+                                                    args=({k: v for k, v in self.tied.items() if k in m.names},))
+                                   for e in engines))
+        except RefusedError as e:  # a held part refused: a tied weight's bytes not its parameter's
+            await self._leave()
+            raise TransferError(400, f"update refused, nothing changed: {e}") from None
         except TrainerLost:
             self._forget()
             raise TransferError(502, f"the trainer at {where} is gone mid-update; nothing changed, the engines "
@@ -281,6 +305,13 @@ class SglangTransfer:
     async def _leave(self) -> None:
         self._forget()
         await leave_sglang_group(self.manager.up_engines())
+
+
+def _ties_embeddings(model_dir: str) -> bool:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
 
 
 async def leave_sglang_group(engines: Sequence, mid_push: bool = False) -> None:

@@ -46,7 +46,7 @@ def add_sglang_routes(app: FastAPI, transfer: SglangTransfer, front, relabel: bo
     """`relabel`: also /update_weight_version (vLLM's routes serve their own at that path when both are on)."""
     _add_weight_routes(app, transfer)
     _add_control_routes(app, transfer, relabel)
-    _add_info_routes(app, transfer, front.model)
+    _add_info_routes(app, transfer, front.model, server_info=relabel)
     _add_generate_route(app, front)
 
 
@@ -123,7 +123,9 @@ def _add_control_routes(app: FastAPI, transfer: SglangTransfer, relabel: bool) -
             return await _answer(work(), "Weight version updated")
 
 
-def _add_info_routes(app: FastAPI, transfer: SglangTransfer, model: str) -> None:
+def _add_info_routes(app: FastAPI, transfer: SglangTransfer, model: str, server_info: bool = True) -> None:
+    """SGLang's newer paths too (/model_info, /server_info: TorchRL reads those); /server_info is
+    vLLM's own when its routes are on (`server_info` False)."""
     manager = transfer.manager
 
     @app.get("/get_weight_version")
@@ -131,18 +133,34 @@ def _add_info_routes(app: FastAPI, transfer: SglangTransfer, model: str) -> None
         return {"weight_version": str(manager.version)}
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info():
         return {"model_path": model, "tokenizer_path": model, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": str(manager.version),
                 "has_image_understanding": False, "has_audio_understanding": False}
 
-    @app.get("/get_server_info")
     async def get_server_info():
         engines = manager.up_engines() or manager.engines
         return {"model_path": model, "served_model_name": model, "tp_size": transfer.world_size(), "dp_size": 1,
                 "device": str(engines[0].cfg.device).split(":")[0], "dtype": engines[0].cfg.dtype,
                 "context_length": manager.max_model_len, "weight_version": str(manager.version),
                 "version": "rollout-sidecar", "internal_states": [{"weight_version": str(manager.version)}]}
+
+    app.get("/get_server_info")(get_server_info)
+    if server_info:
+        app.get("/server_info")(get_server_info)
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load per data-parallel rank (here one engine each): a paused engine runs none of
+        its requests (TorchRL polls this after /pause_generation until nothing runs)."""
+        loads = []
+        for i, engine in enumerate(manager.engines):
+            queued = manager.load[i]
+            running = 0 if engine.errored or await engine.is_paused() else queued
+            loads.append({"dp_rank": i, "num_reqs": queued, "num_running_reqs": running,
+                          "num_waiting_reqs": queued - running, "num_tokens": 0})
+        return loads
 
 
 def _add_generate_route(app: FastAPI, front) -> None:

@@ -8,6 +8,11 @@ tensors (`names`, `dtypes`, `shapes`); right after the call the trainer broadcas
   (SGLang's `FlattenedTensorBucket`): alignment 1, one bucket.
 
 Either way the manifest is `partial`: one call may carry a bucket of the update, not all of it.
+
+Tied weights: a trainer that sends its state dict (TorchRL) names a tied parameter twice
+(`lm_head.weight` and `model.embed_tokens.weight`); SGLang's loaders skip the tied `lm_head.weight`.
+`update_parts` gives such an alias a part of its own, so that each part names a parameter once; the
+engine then checks that its bytes equal the parameter's (weight_sync/engine_side/held_parts.py).
 """
 
 from __future__ import annotations
@@ -61,3 +66,35 @@ def update_manifest(body: dict, version: int = 0) -> Manifest:
     return Manifest(version=int(version), tensors=tensors, buckets=buckets, total_bytes=sum(sizes),
                     layout_bytes=layout, bucket_bytes=max(1, layout), alignment=alignment,
                     push_id=uuid.uuid4().hex, partial=True)
+
+
+def tied_aliases(tie_word_embeddings: bool, served: set[str]) -> dict[str, str]:
+    """SGLang's rule (its loaders skip `lm_head.weight` when the config ties word embeddings): the
+    tied output embedding -> the input embedding it is served as; {} when nothing is tied."""
+    embeds = [n for n in served if n.endswith("embed_tokens.weight")]
+    if not tie_word_embeddings or "lm_head.weight" in served or len(embeds) != 1:
+        return {}
+    return {"lm_head.weight": embeds[0]}
+
+
+def update_parts(body: dict, version: int, tied: dict[str, str]) -> list[Manifest]:
+    """The call's manifests in broadcast order: every tied alias (`tied`: alias -> the name the
+    engine serves it under) that the call names with its parameter alone in a part, so that no part
+    names a parameter twice. ValueError naming the field when the body cannot be read, or an
+    alias whose dtype or shape differs from its parameter's."""
+    problems = update_problems(body)
+    if problems:
+        raise ValueError("; ".join(problems))
+    names = body["names"]
+    spec = {n: (d.removeprefix("torch."), list(s)) for n, d, s in zip(names, body["dtypes"], body["shapes"])}
+    split = [n for n in names if n in tied and tied[n] in spec]
+    wrong = [f"{n} {spec[n][0]} {spec[n][1]} != {tied[n]} {spec[tied[n]][0]} {spec[tied[n]][1]}"
+             for n in split if spec[n] != spec[tied[n]]]
+    if wrong:
+        raise ValueError("shapes: tied weights that differ from the weight they are tied to: " + ", ".join(wrong))
+    if not split or body.get("load_format") == "flattened_bucket":  # one broadcast: one part
+        return [update_manifest(body, version)]
+    cuts = sorted({0, len(names)} | {i for i, n in enumerate(names) if n in split}
+                  | {i + 1 for i, n in enumerate(names) if n in split})
+    return [update_manifest({**body, **{k: body[k][a:b] for k in ("names", "dtypes", "shapes")}}, version)
+            for a, b in zip(cuts, cuts[1:])]

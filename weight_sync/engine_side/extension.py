@@ -138,9 +138,10 @@ class WeightSyncExtension:
                                           float(timeout_s), r.device)
         return {"rank": my_rank, "world_size": int(world_size)}
 
-    def hold_staged_part(self) -> dict:
-        """The overlapped push just staged is a part of an update: kept, uncommitted (held_parts.py)."""
-        return self._held_parts().hold()
+    def hold_staged_part(self, tied: dict[str, str] | None = None) -> dict:
+        """The overlapped push just staged is a part of an update: kept, uncommitted (held_parts.py;
+        `tied`: alias -> parameter, the tied weights the update names twice)."""
+        return self._held_parts().hold(tied)
 
     def commit_held_parts(self, commit: bool = True) -> dict:
         """Every held part committed at once, between two steps (`commit=False`: dropped)."""
