@@ -33,6 +33,7 @@ SKIP_MARKS = {
     "real": "needs SmolLM2 (the real extra)",
     "vllm": "needs vLLM (tests/rl_routes and tests/vllm run it)",
     "output": "shows output, not a command",
+    "torchrl": "needs TorchRL and its trainer (tests/sglang_routes runs TorchRL's own code)",
 }
 RUN_MARKS = {"sidecar", "http", "continues", "serves"}
 CODE_LANGS = {"python", "bash"}
