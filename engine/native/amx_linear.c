@@ -54,6 +54,14 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
     return p;
 }
 
+/* How far ahead of the tiles the weight stream is fetched: tile loads that miss the caches stall
+   the tile unit, and the hardware prefetcher follows them poorly. */
+#define PREFETCH_BYTES (8 * 2048)
+
+static inline void prefetch_weights(const uint8_t *p) { /* the 2 KB of one K chunk's tile pair */
+    for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* The 32 x 32 block of outputs at (m0, n0) from the four C tiles stored in c[2][2][16][16]
    (row tile, column tile): `finish` turns a tile row of 16 into the output's values. */
 #define STORE_TILES(C_TYPE)                                          \
@@ -89,6 +97,7 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
                 _tile_zero(2);                                                                      \
                 _tile_zero(3);                                                                      \
                 for (int64_t kc = 0; kc < kc_count; kc++) {                                         \
+                    if (mp == 0) prefetch_weights(wb + kc * 2048 + PREFETCH_BYTES);                 \
                     _tile_loadd(4, ab + kc * 64, stride);                                           \
                     _tile_loadd(5, ab + 16 * stride + kc * 64, stride);                             \
                     _tile_loadd(6, wb + kc * 2048, 64);                                             \
