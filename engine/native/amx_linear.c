@@ -96,19 +96,22 @@ static inline void prefetch_weights(const uint8_t *p) { /* the 2 KB of one K chu
                 _tile_zero(1);                                                                      \
                 _tile_zero(2);                                                                      \
                 _tile_zero(3);                                                                      \
+                const int row_tiles = m - mp * 32 > 16 ? 2 : 1; /* <= 16 rows left: half the work */ \
                 for (int64_t kc = 0; kc < kc_count; kc++) {                                         \
                     if (mp == 0) prefetch_weights(wb + kc * 2048 + PREFETCH_BYTES);                 \
                     _tile_loadd(4, ab + kc * 64, stride);                                           \
-                    _tile_loadd(5, ab + 16 * stride + kc * 64, stride);                             \
                     _tile_loadd(6, wb + kc * 2048, 64);                                             \
                     _tile_loadd(7, wb + kc * 2048 + 1024, 64);                                      \
                     DP(0, 4, 6);                                                                    \
                     DP(1, 4, 7);                                                                    \
-                    DP(2, 5, 6);                                                                    \
-                    DP(3, 5, 7);                                                                    \
+                    if (row_tiles == 2) {                                                           \
+                        _tile_loadd(5, ab + 16 * stride + kc * 64, stride);                         \
+                        DP(2, 5, 6);                                                                \
+                        DP(3, 5, 7);                                                                \
+                    }                                                                               \
                 }                                                                                   \
                 STORE_TILES(C_TYPE)                                                                 \
-                for (int rt = 0; rt < 2; rt++)                                                      \
+                for (int rt = 0; rt < row_tiles; rt++)                                              \
                     for (int r = 0; r < 16; r++) {                                                  \
                         const int64_t row = mp * 32 + rt * 16 + r;                                  \
                         if (row >= m) break;                                                        \
