@@ -56,6 +56,7 @@ class Episode:
     tool_errors: int = 0
     end: str = "max_turns"  # "done" | "max_turns" | "context" | "error"
     error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's Step.metrics, last values
     stale: bool = False
     restarts: int = 0
 
@@ -129,6 +130,7 @@ async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episod
         ep.reward += step.reward
         ep.tool_calls += step.tool_calls
         ep.tool_errors += step.tool_errors
+        ep.metrics.update(step.metrics)
         if step.done:
             ep.end = "done"
             break
