@@ -173,6 +173,9 @@ def agent_step(run, episodes_source: Episodes, step: int) -> dict:
     """Episodes -> rewards -> update -> push; logs and returns the step's metrics."""
     t_step = time.perf_counter()
     episodes, t_gen = episodes_source.next(step + 1 < run.args.max_steps)
+    if not any(e.trainable for e in episodes):  # some may fail (logged, counted); all: something is wrong
+        raise RuntimeError(f"step {step + 1}: none of its {len(episodes)} episodes can train; the first error: "
+                           f"{next((e.error for e in episodes if e.error), 'none')}")
     pad = run.tokenizer.pad_token_id or 0
     for e in episodes:
         if not e.prompt_token_ids:  # its environment raised in reset: one token to stand on, nothing trained
@@ -227,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         with logging_redirect_tqdm():
             for step in bar:
                 m = agent_step(run, source, step)
-                bar.set_postfix(reward=f"{m['reward']:.3f}", turns=f"{m['episodes/turns']:.1f}")
+                bar.set_postfix(reward=f"{m['reward']:.3f}", turns=f"{m['episodes/turns']:.1f}",
+                                failed=m["episodes/errors"])
         out = finish(run)
         out.update(_first_and_last(run.tracker.rows, ("env/correct", "episodes/called_well")))
         log.info("episodes: %s", Path(args.output_dir) / "completions.jsonl")

@@ -32,6 +32,7 @@ def episode_metrics(episodes: list) -> dict:
         # episodes with at least one call that ran (the share the calculator's learning shows)
         "episodes/called_well": sum(e.tool_calls > e.tool_errors for e in episodes) / n,
         "episodes/errors": sum(e.error is not None for e in episodes),
+        "episodes/turn_errors": sum(e.error_in == "turn" for e in episodes),  # requests the sidecar refused
         "episodes/done": sum(e.end == "done" for e in episodes) / n,
         "episodes/context_cut": sum(e.end == "context" for e in episodes) / n,
         "episodes/stale_restarts": sum(e.restarts for e in episodes),

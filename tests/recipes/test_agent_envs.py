@@ -296,3 +296,11 @@ def test_a_failed_episode_takes_its_groups_mean_reward():
     assert m["episodes/errors"] == 1 and m["episodes/well_formed_calls"] == 0.0
     assert torch.isfinite(torch.tensor(list(m.values()), dtype=torch.float)).all()
 
+
+def test_a_steps_metrics_count_calls_that_ran_refused_requests_and_the_environments_numbers():
+    eps = [Episode(tool_calls=2, tool_errors=1, metrics={"correct": 1.0}), Episode(tool_calls=1, tool_errors=1),
+           Episode(metrics={"correct": 0.0}), Episode(error="TurnError: HTTP 400", error_in="turn")]
+    m = episode_metrics(eps)
+    assert m["episodes/called_well"] == 0.25 and m["episodes/well_formed_calls"] == pytest.approx(1 / 3)
+    assert m["episodes/turn_errors"] == 1 == m["episodes/errors"] and m["env/correct"] == 0.25
+    assert "env/correct" not in episode_metrics([Episode()])
