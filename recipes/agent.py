@@ -101,8 +101,31 @@ def _env_factory(args, tokenizer):
     if args.chat_template_text is not None and args.transport == "openai":
         args.sidecar_args += ["--chat-template", args.chat_template_source]
     renders_tools = takes_tools(args.chat_template_text or tokenizer.chat_template)
-    return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters,
-                       tools_in_prompt=not renders_tools, examples=args.examples)
+
+    def make(examples: int):
+        return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters,
+                           tools_in_prompt=not renders_tools, examples=examples)
+
+    return make(_examples_that_fit(args, tokenizer, make) if args.env == "calculator" else args.examples)
+
+
+def _examples_that_fit(args, tokenizer, make) -> int:
+    """The most worked exchanges, up to --examples, whose first prompt leaves room for --max-turns
+    turns of --max-tokens in --max-context (a model whose tokenizer spends many tokens on them, such
+    as the embedded tiny model's, gets fewer)."""
+    from recipes.turns import ClientTurns
+
+    turns = ClientTurns(None, tokenizer, None, args.chat_template_text)
+
+    def fits(k: int) -> bool:
+        first = make(k)().reset(0)
+        return len(turns.prompt_ids(first.messages, first.tools)) + args.max_turns * args.max_tokens <= args.max_context
+
+    k = next((k for k in range(args.examples, 0, -1) if fits(k)), 0)
+    if k < args.examples:
+        log.warning("--examples %d: the first prompt would leave no room for the turns in --max-context %d; showing %d",
+                    args.examples, args.max_context, k)
+    return k
 
 
 def _chat_template(args, tokenizer) -> str | None:
