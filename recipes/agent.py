@@ -33,8 +33,12 @@ log = logging.getLogger("recipes")
 DEFAULTS = {
     "letters": {"max_steps": 40, "prompts_per_step": 8, "group_size": 8, "max_tokens": 16, "temperature": 1.0,
                 "lr": 2e-3, "max_turns": 3, "tool_call_parser": None, "model": None},
-    "calculator": {"max_steps": 60, "prompts_per_step": 4, "group_size": 8, "max_tokens": 96, "temperature": 0.7,
-                   "lr": 1e-5, "max_turns": 4, "tool_call_parser": "hermes", "model": "smollm2"},
+    # a call is ~30 tokens, an answer ~8: 3 turns of 64 fit beside the worked examples (~580) in 1024.
+    # Temperature 1: at 0.7 the examples leave SmolLM2 nearly greedy (entropy 0.002-0.02), whole groups
+    # alike, and GRPO without signal (README "Agents"). Episodes of ~700 tokens: with 16 a step,
+    # --minibatches 4 keeps the update's activations near 4 GiB
+    "calculator": {"max_steps": 18, "prompts_per_step": 4, "group_size": 4, "max_tokens": 64, "temperature": 1.0,
+                   "lr": 1e-5, "max_turns": 3, "tool_call_parser": "hermes", "model": "smollm2"},
 }
 
 
@@ -50,8 +54,10 @@ def build_agent_parser():
     g.add_argument("--transport", default="client", choices=["client", "openai"],
                    help="client: AsyncRolloutClient (ZMQ); openai: the sidecar's OpenAI front (--http-port) with "
                         "the openai client")
-    g.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode at most (default: 3 "
-                   "letters, 4 calculator)")
+    g.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode at most (default: 3)")
+    g.add_argument("--examples", type=int, default=3, choices=range(4), metavar="0-3",
+                   help="worked exchanges (question, call, reply, answer) the calculator shows before its question: "
+                        "SmolLM2-135M calls the tool under three, hardly under one")
     g.add_argument("--letters", default="a", help="letters the letter game asks for (one drawn per episode)")
     g.add_argument("--max-staleness", type=int, default=None,
                    help="play an episode again from its start when its first token is more than this many versions "
@@ -98,8 +104,31 @@ def _env_factory(args, tokenizer):
     if args.chat_template_text is not None and args.transport == "openai":
         args.sidecar_args += ["--chat-template", args.chat_template_source]
     renders_tools = takes_tools(args.chat_template_text or tokenizer.chat_template)
-    return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters,
-                       tools_in_prompt=not renders_tools)
+
+    def make(examples: int):
+        return env_factory(args.env, tokenizer, turns=args.max_turns, letters=args.letters,
+                           tools_in_prompt=not renders_tools, examples=examples)
+
+    return make(_examples_that_fit(args, tokenizer, make) if args.env == "calculator" else args.examples)
+
+
+def _examples_that_fit(args, tokenizer, make) -> int:
+    """The most worked exchanges, up to --examples, whose first prompt leaves room for --max-turns
+    turns of --max-tokens in --max-context (a model whose tokenizer spends many tokens on them, such
+    as the embedded tiny model's, gets fewer)."""
+    from recipes.turns import ClientTurns
+
+    turns = ClientTurns(None, tokenizer, None, args.chat_template_text)
+
+    def fits(k: int) -> bool:
+        first = make(k)().reset(0)
+        return len(turns.prompt_ids(first.messages, first.tools)) + args.max_turns * args.max_tokens <= args.max_context
+
+    k = next((k for k in range(args.examples, 0, -1) if fits(k)), 0)
+    if k < args.examples:
+        log.warning("--examples %d: the first prompt would leave no room for the turns in --max-context %d; showing %d",
+                    args.examples, args.max_context, k)
+    return k
 
 
 def _chat_template(args, tokenizer) -> str | None:
@@ -170,6 +199,9 @@ def agent_step(run, episodes_source: Episodes, step: int) -> dict:
     """Episodes -> rewards -> update -> push; logs and returns the step's metrics."""
     t_step = time.perf_counter()
     episodes, t_gen = episodes_source.next(step + 1 < run.args.max_steps)
+    if not any(e.trainable for e in episodes):  # some may fail (logged, counted); all: something is wrong
+        raise RuntimeError(f"step {step + 1}: none of its {len(episodes)} episodes can train; the first error: "
+                           f"{next((e.error for e in episodes if e.error), 'none')}")
     pad = run.tokenizer.pad_token_id or 0
     for e in episodes:
         if not e.prompt_token_ids:  # its environment raised in reset: one token to stand on, nothing trained
@@ -194,6 +226,21 @@ def agent_step(run, episodes_source: Episodes, step: int) -> dict:
     return metrics
 
 
+def _first_and_last(rows: list[dict], names) -> dict:
+    """first_NAME / last_NAME: the mean over the first and the last 10 steps (fewer in a short run),
+    as recipes.rl_train.finish gives the reward's; for the names the run logged."""
+    k = max(1, min(10, len(rows) // 2))
+    out = {}
+    for name in names:
+        if any(name in r for r in rows):
+            short = name.split("/")[-1]
+            out[f"first_{short}"] = sum(r.get(name, 0.0) for r in rows[:k]) / k
+            out[f"last_{short}"] = sum(r.get(name, 0.0) for r in rows[-k:]) / k
+            log.info("%s: first %d steps %.3f -> last %d steps %.3f", name, k, out[f"first_{short}"], k,
+                     out[f"last_{short}"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -209,8 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
         with logging_redirect_tqdm():
             for step in bar:
                 m = agent_step(run, source, step)
-                bar.set_postfix(reward=f"{m['reward']:.3f}", turns=f"{m['episodes/turns']:.1f}")
+                bar.set_postfix(reward=f"{m['reward']:.3f}", turns=f"{m['episodes/turns']:.1f}",
+                                failed=m["episodes/errors"])
         out = finish(run)
+        out.update(_first_and_last(run.tracker.rows, ("env/correct", "episodes/called_well")))
         log.info("episodes: %s", Path(args.output_dir) / "completions.jsonl")
         return out
     finally:

@@ -18,7 +18,8 @@ def episode_rewards(episodes: list, group_size: int) -> torch.Tensor:
 
 
 def episode_metrics(episodes: list) -> dict:
-    """Turns, tool calls and their failures, errors, staleness restarts and tokens, per episode."""
+    """Turns, tool calls and their failures, errors, staleness restarts and tokens, per episode; the
+    environments' own numbers (Step.metrics) as env/NAME."""
     n = len(episodes)
     calls = sum(e.tool_calls for e in episodes)
     errors = sum(e.tool_errors for e in episodes)
@@ -28,7 +29,10 @@ def episode_metrics(episodes: list) -> dict:
         "episodes/tool_calls": calls / n,
         "episodes/tool_errors": errors / n,
         "episodes/well_formed_calls": (calls - errors) / calls if calls else 0.0,
+        # episodes with at least one call that ran (the share the calculator's learning shows)
+        "episodes/called_well": sum(e.tool_calls > e.tool_errors for e in episodes) / n,
         "episodes/errors": sum(e.error is not None for e in episodes),
+        "episodes/turn_errors": sum(e.error_in == "turn" for e in episodes),  # requests the sidecar refused
         "episodes/done": sum(e.end == "done" for e in episodes) / n,
         "episodes/context_cut": sum(e.end == "context" for e in episodes) / n,
         "episodes/stale_restarts": sum(e.restarts for e in episodes),
@@ -38,6 +42,8 @@ def episode_metrics(episodes: list) -> dict:
                                       for e in episodes),
         "tokens/policy": sum(policy) / n,
         "tokens/context": sum(len(e.token_ids) for e in episodes) / n - sum(policy) / n,
+        **{f"env/{k}": sum(e.metrics.get(k, 0.0) for e in episodes) / n
+           for k in sorted({k for e in episodes for k in e.metrics})},
     }
 
 

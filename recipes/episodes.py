@@ -11,8 +11,10 @@ the policy never saw.
 Staleness across turns: an episode whose first token is more than `max_staleness` versions behind
 the newest pushed version when a turn starts is played again from its start (at most
 `max_stale_restarts` times, then kept and marked `stale`), as the rollout manager does for one
-request. An environment that raises ends its episode: the error is logged and kept in `error`,
-and the episode is left out of the loss.
+request. An environment that raises ends its episode, and so does a turn's request that the sidecar
+refuses or fails (recipes.turns.TurnError: an HTTP error status, the sidecar's refusal): the error
+is logged and kept in `error` (`error_in`: "environment" or "turn"), and the episode is left out of
+the loss.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from recipes.turns import history_message
+from recipes.turns import TurnError, history_message
 
 log = logging.getLogger("recipes.episodes")
 
@@ -56,6 +58,8 @@ class Episode:
     tool_errors: int = 0
     end: str = "max_turns"  # "done" | "max_turns" | "context" | "error"
     error: str | None = None
+    error_in: str | None = None  # "environment" | "turn" (the sidecar refused or failed a request)
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's Step.metrics, last values
     stale: bool = False
     restarts: int = 0
 
@@ -119,7 +123,10 @@ async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episod
                 and s.newest_version() - ep.start_version > s.max_staleness:
             ep.end = "stale"
             break
-        turn = await turns(messages, tools, s.max_tokens, s.temperature, request_seed + t)
+        try:
+            turn = await turns(messages, tools, s.max_tokens, s.temperature, request_seed + t)
+        except TurnError as e:  # this request's fault (a refused prompt, a bad message), not the run's
+            return _failed(ep, f"turn {t}", e, messages, "turn")
         ep.add_turn(turn)
         try:
             step = env.step(turn.message, turn.token_ids)
@@ -129,6 +136,7 @@ async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episod
         ep.reward += step.reward
         ep.tool_calls += step.tool_calls
         ep.tool_errors += step.tool_errors
+        ep.metrics.update(step.metrics)
         if step.done:
             ep.end = "done"
             break
@@ -136,10 +144,14 @@ async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episod
     return ep
 
 
-def _failed(ep: Episode, where: str, e: Exception, messages: list[dict] | None = None) -> Episode:
-    log.warning("the environment raised in %s; the episode ends there: %s: %s", where, type(e).__name__, e,
-                exc_info=e)
-    ep.error, ep.end, ep.messages = f"{type(e).__name__}: {e}", "error", messages or []
+def _failed(ep: Episode, where: str, e: Exception, messages: list[dict] | None = None,
+            error_in: str = "environment") -> Episode:
+    if error_in == "turn":
+        log.warning("the sidecar refused or failed the request of %s; the episode ends there: %s", where, e)
+    else:
+        log.warning("the environment raised in %s; the episode ends there: %s: %s", where, type(e).__name__, e,
+                    exc_info=e)
+    ep.error, ep.error_in, ep.end, ep.messages = f"{type(e).__name__}: {e}", error_in, "error", messages or []
     return ep
 
 

@@ -60,6 +60,12 @@ class Tracker:
             self.run.finish()
         return png
 
+    # shares an agent run logs beside its reward (recipes.agent): drawn when a run has them, not all 0
+    MORE_CURVES = ("env/correct", "episodes/called_well")
+
+    def _more_curves(self) -> list[str]:
+        return [n for n in self.MORE_CURVES if any(r.get(n) for r in self.rows)]
+
     def plot_reward(self) -> Path | None:
         if not self.rows:
             return None
@@ -76,8 +82,11 @@ class Tracker:
         smooth = [sum(reward[max(0, i - k + 1): i + 1]) / len(reward[max(0, i - k + 1): i + 1])
                   for i in range(len(reward))]
         ax.plot(steps, smooth, label=f"mean of last {k}")
+        more = self._more_curves()
+        for name in more:
+            ax.plot(steps, [r.get(name, 0.0) for r in self.rows], label=name, alpha=0.8)
         ax.set_xlabel("step")
-        ax.set_ylabel("reward")
+        ax.set_ylabel("reward, share of episodes" if more else "reward")
         ax.set_title(f"{self.run_name}: reward per step")
         ax.legend()
         ax.grid(alpha=0.3)

@@ -5,6 +5,11 @@ sampled `token_ids` (rollout/openai_front/chat_prompt.py: spliced in as sampled,
 and both answer a `Turn`: the prompt's ids, the turn's ids, the engine's logprob and weight version
 of each token, and the turn as an OpenAI message dict.
 
+A request the sidecar refuses or fails (a prompt over its max_model_len, a `tool_call_id` naming no
+call, a template that refuses the messages: any HTTP error status, or the sidecar's refusal on ZMQ)
+raises `TurnError`: the episode runner ends that episode and the run goes on. A sidecar that is gone
+(its connection lost) is not one episode's fault: that error stays as it is.
+
 `TurnThread` runs one of them on its own event loop thread, so a trainer's blocking loop can push
 weights while episodes are in flight."""
 
@@ -16,6 +21,15 @@ import threading
 from dataclasses import dataclass
 
 from engine import SamplingParams
+
+
+class TurnError(RuntimeError):
+    """The sidecar refused or failed one turn's request. `status`: the HTTP status (openai
+    transport), or the sidecar's error kind (rollout.protocol.ERROR_KINDS; client transport)."""
+
+    def __init__(self, message: str, status: int | str):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -72,9 +86,20 @@ class ClientTurns:
                                tools if self.takes_tools else None, chat_template=self.chat_template)
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
-        ids = self.prompt_ids(messages, tools)
+        from rollout.openai_front.chat_prompt import ChatPromptError
+        from rollout.sidecar_link import SidecarError
+
+        try:
+            ids = self.prompt_ids(messages, tools)
+        except ChatPromptError as e:  # what the front answers 400
+            raise TurnError(str(e), "invalid") from e
         params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, seed=seed)
-        (r,), = await self.client.generate([ids], params)
+        try:
+            (r,), = await self.client.generate([ids], params)
+        except SidecarError as e:
+            if e.kind == "gone":
+                raise
+            raise TurnError(str(e), e.kind) from e
         return Turn(r.prompt_token_ids, r.token_ids, r.logprobs, r.weight_versions, r.finish_reason,
                     parsed_message(r.text, self.parser))
 
@@ -90,9 +115,14 @@ class OpenAITurns:
         self.client, self.model = client, model
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
+        import openai
+
         extra = {"tools": tools} if tools else {}
-        r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
-                                                      temperature=temperature, seed=seed, logprobs=True, **extra)
+        try:
+            r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
+                                                          temperature=temperature, seed=seed, logprobs=True, **extra)
+        except openai.APIStatusError as e:  # a connection lost or timed out is no status: it stays as it is
+            raise TurnError(f"HTTP {e.status_code}: {e.message}", e.status_code) from e
         c = r.choices[0]
         message = {"role": "assistant", "content": c.message.content}
         if c.message.tool_calls:

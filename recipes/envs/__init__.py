@@ -18,13 +18,14 @@ __all__ = ["ENVIRONMENTS", "Calculator", "Environment", "FromGymnasium", "FromSk
 
 
 def env_factory(name: str, tokenizer, turns: int = 3, letters: str = "a",
-                tools_in_prompt: bool = True) -> Callable[[], Environment]:
+                tools_in_prompt: bool = True, examples: int = 3) -> Callable[[], Environment]:
     """A function that makes a fresh environment of `name` per episode (what is costly to build,
     such as the letter game's token table, built once here). `tools_in_prompt`: the calculator
-    writes its tool into the system prompt (for a chat template that renders no tools)."""
+    writes its tool into the system prompt (for a chat template that renders no tools); `examples`:
+    the worked exchanges it shows before the question (0 to 3)."""
     if name == "letters":
         table = {c: tokens_with(tokenizer, c) for c in letters}
         return lambda: LetterGame(tokenizer, turns, letters, table)
     if name == "calculator":
-        return lambda: Calculator(tools_in_prompt=tools_in_prompt)
+        return lambda: Calculator(tools_in_prompt=tools_in_prompt, examples=examples)
     raise ValueError(f"unknown environment {name!r}; expected one of {ENVIRONMENTS}")

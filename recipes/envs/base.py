@@ -9,7 +9,8 @@
     # token_ids: the ids the policy sampled for it (for token-level scores; never re-tokenise the text)
     # step.messages: what the environment answers (user or tool messages, OpenAI's shape), appended
     #          to the conversation before the next turn; step.reward: this turn's reward (an episode's
-    #          reward is the sum); step.done: the episode ends here
+    #          reward is the sum); step.done: the episode ends here; step.metrics: numbers for the logs
+    #          (the calculator's {"correct": 0.0 | 1.0}), logged per step as env/NAME
 
 The recipe runs the episode (recipes/episodes.py): it asks the sidecar for each assistant turn, calls
 `step`, and trains on the assistant's tokens only; whatever an environment writes is context, masked
@@ -36,13 +37,16 @@ class Reset:
 class Step:
     """What the environment answers to one assistant turn. `tool_calls`: the calls the turn made;
     `tool_errors`: how many of them failed (malformed arguments, an unknown tool, an error of the
-    tool itself): both only counted and logged, the reward says what they were worth."""
+    tool itself): both only counted and logged, the reward says what they were worth. `metrics`:
+    numbers for the logs (an episode keeps each name's last value; a step logs the mean over its
+    episodes as env/NAME, 0 for an episode that reported none)."""
 
     messages: list[dict] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     tool_calls: int = 0
     tool_errors: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @runtime_checkable

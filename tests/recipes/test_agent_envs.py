@@ -102,6 +102,41 @@ def test_malformed_tool_calls_are_answered_with_their_error_and_counted():
     assert "tool_calls" not in plain and env.step(plain, [1]).done
 
 
+def test_the_calculator_shows_worked_calls_as_the_template_renders_the_models_own(tokenizer):
+    """Three worked exchanges before the question: each call renders (Hermes ChatML template) as the
+    text the Hermes parser reads back as that call, each tool reply is the calculator's value of it
+    and names it, so the OpenAI front takes the conversation; the answer reports `correct`."""
+    from rollout.openai_front.chat_tools import check_tool_call_ids
+
+    parser = get_tool_parser("hermes")
+    env = Calculator(tools_in_prompt=False, examples=3)
+    first = env.reset(seed=3)
+    assert [m["role"] for m in first.messages] == ["system"] + ["user", "assistant", "tool", "assistant"] * 3 + ["user"]
+    assert first.messages[-1] == Calculator(tools_in_prompt=False).reset(seed=3).messages[-1]
+    check_tool_call_ids([ChatMessage.model_validate(m) for m in first.messages])  # no 400
+    ids = ClientTurns(None, tokenizer, parser, HERMES_CHAT_TEMPLATE.read_text()).prompt_ids(first.messages, first.tools)
+    text = tokenizer.decode(ids)
+    shown = re.findall(r"<\|im_start\|>assistant\n(<tool_call>.*?</tool_call>)<\|im_end\|>", text, re.DOTALL)
+    calls = [m["tool_calls"][0] for m in first.messages if m.get("tool_calls")]
+    assert len(shown) == len(calls) == 3 and text.count("<tool_response>") == 3
+    for rendered, call, reply in zip(shown, calls, [m for m in first.messages if m["role"] == "tool"]):
+        (read,) = _hermes_message(rendered)["tool_calls"]
+        assert read["function"] == call["function"] and reply["tool_call_id"] == call["id"]
+        expression = json.loads(call["function"]["arguments"])["expression"]
+        assert json.loads(reply["content"]) == {"result": calculate(expression)}
+    assert text.endswith(first.messages[-1]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    # a template that renders no tool calls (SmolLM2's own) shows them as the text all the same
+    plain = Calculator(tools_in_prompt=True, examples=3).reset(seed=3)
+    own = tokenizer.decode(chat_prompt_ids([ChatMessage.model_validate(m) for m in plain.messages], tokenizer,
+                                           chat_template=SMOLLM2))
+    assert own.count('<tool_call>\n{"name": "calculator", "arguments": {"expression": ') == 3
+    assert env.step({"role": "assistant", "content": f"#### {env.answer}"}, [1]).metrics == {"correct": 1.0}
+    env.reset(seed=3)
+    assert env.step({"role": "assistant", "content": "#### 1"}, [1]).metrics == {"correct": 0.0}
+    with pytest.raises(ValueError, match="0 to 3"):
+        Calculator(examples=4)
+
+
 # The shape of Qwen2.5's template (its tools block shortened): it renders an assistant turn's
 # `tool_calls` itself, after a newline of its own, not as the model wrote them.
 QWEN25_SHAPED = """{%- if tools %}{{- '<|im_start|>system\n# Tools\n<tools>' }}{%- for t in tools %}{{- t | tojson }}
@@ -260,3 +295,12 @@ def test_a_failed_episode_takes_its_groups_mean_reward():
     m = episode_metrics(eps)
     assert m["episodes/errors"] == 1 and m["episodes/well_formed_calls"] == 0.0
     assert torch.isfinite(torch.tensor(list(m.values()), dtype=torch.float)).all()
+
+
+def test_a_steps_metrics_count_calls_that_ran_refused_requests_and_the_environments_numbers():
+    eps = [Episode(tool_calls=2, tool_errors=1, metrics={"correct": 1.0}), Episode(tool_calls=1, tool_errors=1),
+           Episode(metrics={"correct": 0.0}), Episode(error="TurnError: HTTP 400", error_in="turn")]
+    m = episode_metrics(eps)
+    assert m["episodes/called_well"] == 0.25 and m["episodes/well_formed_calls"] == pytest.approx(1 / 3)
+    assert m["episodes/turn_errors"] == 1 == m["episodes/errors"] and m["env/correct"] == 0.25
+    assert "env/correct" not in episode_metrics([Episode()])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from recipes.envs import env_factory
+from recipes.episode_metrics import episode_metrics
 from recipes.episodes import Settings, run_episodes
 from recipes.turns import client_turns, openai_turns
 from rollout import RolloutClient
@@ -212,3 +213,56 @@ def test_an_environment_that_raises_ends_only_its_episode(sidecar, zmq, tokenize
     assert all(ep.error.startswith("KeyError") and ep.turns == 2 and not ep.trainable for ep in in_step)
     assert all(ep.error is None and ep.turns == TURNS for ep in after)
     assert caplog.text.count("the environment raised") == 4 and "no such level" in caplog.text
+
+
+class _Refused:
+    """A letter game whose requests the sidecar refuses for some seeds: a first prompt over the
+    sidecar's max_model_len (seed % 3 == 1) or, after the first turn, a tool message whose
+    `tool_call_id` names no call (seed % 3 == 2: the OpenAI front's 400; ZMQ renders it)."""
+
+    def __init__(self, game):
+        self.game, self.seed = game, None
+
+    def reset(self, seed):
+        self.seed = seed
+        first = self.game.reset(seed)
+        if seed % 3 == 1:
+            first.messages[0]["content"] += " a" * 600
+        return first
+
+    def step(self, message, token_ids):
+        step = self.game.step(message, token_ids)
+        if self.seed % 3 == 2:
+            step.messages.append({"role": "tool", "tool_call_id": "call_nowhere", "content": "{}"})
+        return step
+
+
+@pytest.mark.parametrize("transport", ["client", "openai"])
+def test_a_request_the_sidecar_refuses_ends_only_its_episode(sidecar, zmq, tokenizer, hf_models, transport, caplog):
+    _serve(zmq, hf_models["qwen2"])
+    game = env_factory("letters", tokenizer, turns=TURNS)
+    thread = (client_turns(sidecar.url, TOKEN, tokenizer) if transport == "client"
+              else openai_turns(sidecar.http_url, TOKEN))
+    settings = Settings(max_turns=TURNS, max_tokens=MAX_TOKENS, max_context=512)
+    try:
+        with caplog.at_level(logging.WARNING, logger="recipes.episodes"):
+            played = thread.submit(run_episodes, lambda: _Refused(game()), list(range(6)), list(range(6)),
+                                   settings).result(120)
+            after = _play(thread, game, 2, settings).result(120)  # the loop and the sidecar go on serving
+    finally:
+        thread.close()
+    too_long = [ep for seed, ep in enumerate(played) if seed % 3 == 1]
+    bad_id = [ep for seed, ep in enumerate(played) if seed % 3 == 2]
+    fine = [ep for seed, ep in enumerate(played) if seed % 3 == 0]
+    assert all(ep.end == "error" and ep.error_in == "turn" and ep.turns == 0 and not ep.trainable
+               and "max_model_len" in ep.error for ep in too_long)
+    if transport == "openai":  # a 400 naming the id, after the first turn was played
+        assert all(ep.end == "error" and ep.error_in == "turn" and ep.turns == 1 and not ep.trainable
+                   and "HTTP 400" in ep.error and "call_nowhere" in ep.error for ep in bad_id)
+        assert all("HTTP 400" in ep.error for ep in too_long)
+    else:
+        fine += bad_id
+    assert all(ep.error is None and ep.turns == TURNS and ep.trainable for ep in fine + after)
+    failed = len(played) - len(fine)
+    assert episode_metrics(played)["episodes/turn_errors"] == failed == episode_metrics(played)["episodes/errors"]
+    assert caplog.text.count("the sidecar refused or failed the request") == failed

