@@ -10,7 +10,7 @@ import torch
 from engine import amx_linears, int8_linears, native_kernels
 
 amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU")
-SHAPES = [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64)]
+SHAPES = [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64), (300, 64, 1536)]
 
 
 def _unpack(w: amx_linears.AmxWeight) -> torch.Tensor:
