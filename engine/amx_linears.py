@@ -2,9 +2,14 @@
 bf16 engine (packed_linears) and int8 for the int8 one (int8_linears), at a decode step's rows.
 
 oneDNN runs the same tile instructions, but through torch's op it costs a primitive lookup and
-its own blocking per call: on SmolLM2's linears at 32 rows it took 1.4x this kernel's time in
-bf16 and 2.5x in int8 (bench/amx_linears.py, bench/RESULTS.md). The kernel streams each weight
-once, in the order `pack_*` lays it out, and writes the output in the engine's dtype.
+its own blocking per call, and int8 two more passes (padding rows, scaling the output): on one of
+SmolLM2's linears kept in cache, at 32 rows, it took 1.4x this kernel's time in bf16 and 2.5x in
+int8. Streaming a whole model's weights from memory, as a decode step does, that saving is small
+beside the memory's time (bench.amx_linears, idle: bf16 1.11x / 1.04x / 0.93x oneDNN's speed at
+1 / 32 / 256 rows, int8 1.28x / 0.98-1.17x / 0.98-1.00x), and in the engine it gave the int8 engine
+1.07-1.17x and the bf16 one 1.06x at 32 sequences but 0.96x at 256 (bench/RESULTS.md). The kernel
+streams each weight once, in the order `pack` lays it out, and writes the output in the engine's
+dtype.
 
 Arithmetic: int8 products sum exactly in int32 and are scaled as int8_linears' oneDNN path scales
 them (the same bits, tested); bf16 products sum in fp32 in the tiles' order and round once, as a
