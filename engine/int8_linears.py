@@ -190,12 +190,10 @@ def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: tor
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     if w.kernel == "amx":  # both scales in the kernel, any row count: nothing to pad
         out = amx_linears.linear_s8(q, scale, w.packed, w.scale, out_dtype)
-        if bias is not None:
-            out += bias
-        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-    out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype))
-    if not native_quantize.scale_rows_(out, scale):
-        out.mul_(scale)
+    else:
+        out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype))
+        if not native_quantize.scale_rows_(out, scale):
+            out.mul_(scale)
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
