@@ -62,6 +62,8 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     body = weights[:-1]  # the int8 engine keeps the lm_head in bf16 (int8_linears.KEEP_FULL_PRECISION)
     s8_dnn = [int8_linears.derive(w, ("onednn", 127)) for w in body]
     s8_amx = [int8_linears.derive(w, ("amx", 127)) for w in body]
+    w8_amx = [int8_linears.derive(w, ("amx_w8", 127)) for w in body]
+    w8_head = int8_linears.derive(weights[-1], ("amx_w8", 127))
     lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
     dense = sum(w.numel() for w in weights) * 2
     s8 = sum(w.numel() for w in body) + weights[-1].numel() * 2
@@ -91,8 +93,15 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
                 head(i, x)
         return apply
 
+    def w8_with_head(i, x):
+        int8_linears._int8_apply(lin, x, w8_amx[i] if i < len(w8_amx) else w8_head, None)
+
+    w8_bytes = sum(w.nbytes for w in w8_amx)
+
     return {"bf16 oneDNN": (run(x_of, dnn16), dense), "bf16 AMX": (run(x_of, amx16), dense),
-            "int8 oneDNN": (run(x_of, int8(s8_dnn, dnn16)), s8), "int8 AMX": (run(x_of, int8(s8_amx, amx16)), s8)}
+            "int8 oneDNN": (run(x_of, int8(s8_dnn, dnn16)), s8), "int8 AMX": (run(x_of, int8(s8_amx, amx16)), s8),
+            "w8 AMX": (run(x_of, int8(w8_amx, amx16)), w8_bytes + weights[-1].numel() * 2),
+            "w8 AMX +head": (run(x_of, w8_with_head), w8_bytes + w8_head.nbytes)}
 
 
 def main() -> None:
@@ -126,9 +135,11 @@ def main() -> None:
             best = {way: best[way] for way in ways}
             cells = [f"{way} {t * 1e3:.2f} ms ({ways[way][1] / t / 1e9:.1f} GB/s, {ways[way][1] / t / bandwidth:.0%})"
                      for way, t in best.items()]
-            log.info("rows %3d: %s | AMX/oneDNN bf16 %.2fx, int8 %.2fx; int8/bf16 on AMX %.2fx", rows, " | ".join(cells),
+            log.info("rows %3d: %s | AMX/oneDNN bf16 %.2fx, int8 %.2fx; on AMX over bf16: int8 %.2fx, "
+                     "weight-only int8 %.2fx, with the lm_head %.2fx", rows, " | ".join(cells),
                      best["bf16 oneDNN"] / best["bf16 AMX"], best["int8 oneDNN"] / best["int8 AMX"],
-                     best["bf16 AMX"] / best["int8 AMX"])
+                     best["bf16 AMX"] / best["int8 AMX"], best["bf16 AMX"] / best["w8 AMX"],
+                     best["bf16 AMX"] / best["w8 AMX +head"])
 
 
 if __name__ == "__main__":

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
 
 log = logging.getLogger("bench.fidelity")
 
-ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too)
-    "fp32": ("float32", "none", False),
-    "bf16": ("bfloat16", "none", False),
-    "int8": ("float32", "int8", False),
-    "int8+lm_head": ("float32", "int8", True),
+ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 activations too)
+    "fp32": ("float32", "none", False, False),
+    "bf16": ("bfloat16", "none", False, False),
+    "int8": ("float32", "int8", False, False),  # the engine's int8: weight-only where the CPU has AMX
+    "int8+lm_head": ("float32", "int8", True, False),
+    "w8a8": ("float32", "int8", False, True),  # activations quantized per token as well
 }
 
 
@@ -32,13 +34,17 @@ def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, se
     """(prompt ids, completion ids, the engine's logprobs) per sample of engine `name`."""
     from engine import LLM, EngineConfig, SamplingParams, int8_linears
 
-    dtype, quantization, lm_head = ENGINES[name]
+    dtype, quantization, lm_head, activations = ENGINES[name]
     keep = int8_linears.KEEP_FULL_PRECISION
-    int8_linears.KEEP_FULL_PRECISION = () if lm_head else keep  # read when the engine loads
+    int8_linears.KEEP_FULL_PRECISION = () if lm_head else keep  # both read when the engine loads
+    os.environ[int8_linears.ENV_ACTIVATIONS] = "int8" if activations else "bf16"
     try:
         llm = LLM(EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed))
+        if quantization == "int8":
+            log.info("%s: int8 kernel %s", name, int8_linears.kernel())
     finally:
         int8_linears.KEEP_FULL_PRECISION = keep
+        del os.environ[int8_linears.ENV_ACTIVATIONS]
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -39,6 +39,8 @@ _SIGNATURES = {
     "amx_linear_s8_f32": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR),
     "amx_linear_s8_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR),
     "amx_linear_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR),
+    "amx_linear_w8_f32": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
+    "amx_linear_w8_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
 }
 # K values per 64-byte tile row: 64 int8, 32 bf16
 _TILE_K = {torch.int8: 64, torch.bfloat16: 32}
@@ -85,13 +87,32 @@ def pack(weight: torch.Tensor) -> AmxWeight:
     """`weight` [n, k] (int8 or bf16) in the kernel's layout: [n/32][k/TK][2][16][TK/e][16][e] with
     e values of K per 4-byte pair (4 int8, 2 bf16), zero-padded to whole tiles. Pure."""
     n, k = weight.shape
-    tk = _TILE_K[weight.dtype]
-    e = 4 // weight.element_size()
+    return AmxWeight(_tiles(weight, _TILE_K[weight.dtype], 4 // weight.element_size()).contiguous(), n, k)
+
+
+def _tiles(weight: torch.Tensor, tk: int, e: int) -> torch.Tensor:
+    """[n/32][k/tk][2][16][tk/e][16][e], zero-padded (a view of a padded copy)."""
+    n, k = weight.shape
     pn, kc = -(-n // 32), -(-k // tk)
     padded = torch.zeros(pn * 32, kc * tk, dtype=weight.dtype)
     padded[:n, :k] = weight
-    tiles = padded.view(pn, 2, 16, kc, tk // e, e).permute(0, 3, 1, 4, 2, 5)
-    return AmxWeight(tiles.contiguous(), n, k)
+    return padded.view(pn, 2, 16, kc, tk // e, e).permute(0, 3, 1, 4, 2, 5)
+
+
+W8_GROUP = 32  # values of K per scale of a weight-only int8 weight: one bf16 tile row's K
+
+
+def pack_w8(q: torch.Tensor, scale: torch.Tensor) -> AmxWeight:
+    """A weight-only int8 weight, q [n, k] int8 with scale [n, ceil(k/32)] (bf16: one per 32 values
+    of K), laid out for `linear_w8`: per 32 columns and 32 values of K a 1088-byte chunk of the 32
+    columns' scales then the two bf16 tiles' layout of q ([2][16][16][2]). Pure."""
+    n, k = q.shape
+    pn, kc = -(-n // 32), -(-k // W8_GROUP)
+    tiles = _tiles(q, W8_GROUP, 2).reshape(pn, kc, 1024)
+    s = torch.zeros(pn * 32, kc, dtype=torch.bfloat16)
+    s[:n] = scale
+    s = s.view(pn, 32, kc).transpose(1, 2).contiguous().view(torch.int8).view(pn, kc, 64)
+    return AmxWeight(torch.cat([s, tiles], dim=2).contiguous(), n, k)
 
 
 def _fn(symbol: str):
@@ -110,6 +131,16 @@ def linear_bf16(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     _run("amx_linear_bf16", x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n,
          None if b is None else b.data_ptr(), out.data_ptr())
+    return out
+
+
+def linear_w8(x: torch.Tensor, w: AmxWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """Weight-only int8: x [m, k] bf16 @ (w `pack_w8`ed: each weight q * scale, rounded to bf16).T,
+    summed in fp32 and rounded once to out_dtype (fp32 or bf16)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=out_dtype)
+    symbol = "amx_linear_w8_bf16" if out_dtype == torch.bfloat16 else "amx_linear_w8_f32"
+    _run(symbol, x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, out.data_ptr())
     return out
 
 

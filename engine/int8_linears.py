@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 from dataclasses import dataclass
 
@@ -48,8 +49,12 @@ log = logging.getLogger(__name__)
 # this order. 7-bit weights (63) are the fallback of a CPU without VNNI: its int8 dot product sums
 # u8 x s8 pairs in int16, which 255 * 127 * 2 overflows and 255 * 63 * 2 does not (fbgemm's
 # reduce_range, on the other side of the product).
-# "amx": engine/amx_linears.py's tile kernel where the CPU has AMX (the same bits as "onednn", faster).
-KERNELS = (("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
+# "amx_w8": engine/amx_linears.py's weight-only kernel where the CPU has AMX (int8 weights widened
+# to bf16 in the tiles, activations in bf16: no per-token rounding of the inputs, the policy moves
+# far less); "amx": its int8 x int8 kernel (the same bits as "onednn", faster).
+KERNELS = (("amx_w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
+WEIGHT_ONLY = ("amx_w8",)  # kernels that keep the activations in bf16
+ENV_ACTIVATIONS = "ROLLOUT_INT8_ACTIVATIONS"
 
 # NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
 # log-probabilities one softmax away, and quantizing it too moved the share of SmolLM2's sampled
@@ -64,7 +69,7 @@ class Int8Weight:
     (oneDNN's prepacked tensor, the AMX kernel's AmxWeight, or q itself for _int_mm)."""
 
     packed: torch.Tensor | amx_linears.AmxWeight
-    scale: torch.Tensor  # [N] fp32
+    scale: torch.Tensor  # [N] fp32; weight-only: [N, ceil(K/32)] bf16, one per group of K
     kernel: str
     shape: tuple[int, int]
     qmax: int = 127
@@ -72,7 +77,12 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         n, k = self.shape
-        return n * k + 4 * n
+        return n * k + self.scale.numel() * self.scale.element_size()
+
+    @property
+    def activations(self) -> str:
+        """What the linear's inputs are rounded to: "bf16" (weight-only int8) or "int8" (per token)."""
+        return "bf16" if self.kernel in WEIGHT_ONLY else "int8"
 
 
 def quantize_weight(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +90,17 @@ def quantize_weight(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, tor
     w = w.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / qmax
     return torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8), scale
+
+
+def quantize_groups(w: torch.Tensor, group: int = amx_linears.W8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale bf16 [N, ceil(K/group)]): symmetric per `group` values of K of each
+    output channel, the scale rounded to bf16 first (what the kernel reads) and |q| <= 127."""
+    w = w.detach().float()
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w, (0, -k % group)).view(n, -1, group)
+    scale = (padded.abs().amax(-1) / 127).to(torch.bfloat16).clamp_(min=torch.finfo(torch.bfloat16).tiny)
+    q = torch.round(padded / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, -1)[:, :k].contiguous(), scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,15 +118,15 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
     """The int8 copy of `weight` ([N, K], any float dtype) for `how` = (kernel, qmax) (default:
     `kernel()`). Pure: reads the weight, writes nothing."""
     name, qmax = how or kernel()
-    q, scale = quantize_weight(weight, qmax)
+    q, scale = quantize_groups(weight) if name in WEIGHT_ONLY else quantize_weight(weight, qmax)
     return _packed(q, scale, name, qmax)
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8Weight:
-    if name == "amx":
+    if name in ("amx", "amx_w8"):
         if not amx_linears.available():
             raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
-        packed = amx_linears.pack(q)
+        packed = amx_linears.pack_w8(q, scale) if name == "amx_w8" else amx_linears.pack(q)
     else:
         packed = torch.ops.onednn.qlinear_prepack(q, None) if name == "onednn" else q
     return Int8Weight(packed, scale, name, tuple(q.shape), qmax)
@@ -119,6 +140,8 @@ def _zero_points(n: int) -> torch.Tensor:
 def matmul(q: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """q [M, K] int8 @ w.T, times w's per-channel scales, in `out_dtype` (the per-row scales not
     applied)."""
+    if w.kernel == "amx_w8":  # an int8 value is exact in bf16 (and so q * a scale of 1)
+        return amx_linears.linear_w8(q.to(torch.bfloat16), w.packed, out_dtype)
     if w.kernel == "amx":
         return amx_linears.linear_s8(q, torch.ones(q.shape[0]), w.packed, w.scale, out_dtype)
     if w.kernel == "onednn":
@@ -129,10 +152,17 @@ def matmul(q: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tens
     return torch._int_mm(q, w.packed.t()).to(out_dtype).mul_(w.scale)
 
 
-@functools.cache
 def kernel() -> tuple[str, int] | None:
-    """The first of KERNELS that runs here and gives the exact integer product (probed once)."""
-    for name, qmax in KERNELS:
+    """The first of KERNELS that runs here and gives the exact integer product (probed once);
+    ROLLOUT_INT8_ACTIVATIONS=int8 passes over the weight-only kernels (what bench.fidelity and
+    bench.engines compare them with)."""
+    weight_only = os.environ.get(ENV_ACTIVATIONS, "bf16").lower() != "int8"
+    return _first_exact(tuple(k for k in KERNELS if weight_only or k[0] not in WEIGHT_ONLY))
+
+
+@functools.cache
+def _first_exact(kernels: tuple) -> tuple[str, int] | None:
+    for name, qmax in kernels:
         try:
             error = _probe_error(name, qmax)
         except (RuntimeError, AttributeError) as e:  # not in this build, or no kernel for this CPU
@@ -156,7 +186,8 @@ def _probe_error(name: str, qmax: int) -> float:
     q[:, :32], w[:, :32] = 127, qmax
     q[1, :32], w[1, :32] = -127, -qmax
     want = q.double() @ w.double().t()
-    got = matmul(q, _packed(w, torch.ones(16), name, qmax), torch.float32)
+    ones = torch.ones(16, 2, dtype=torch.bfloat16) if name in WEIGHT_ONLY else torch.ones(16)
+    got = matmul(q, _packed(w, ones, name, qmax), torch.float32)
     return (got.double() - want).abs().max().item()
 
 
@@ -165,12 +196,14 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
     through an int8 copy of its weight; returns how many. Raises RuntimeError where no int8 kernel
     runs exactly."""
     keep = KEEP_FULL_PRECISION if keep is None else keep
-    if kernel() is None:
+    how = kernel()
+    if how is None:
         raise RuntimeError(f"no int8 linear kernel runs exactly on this CPU (tried {KERNELS})")
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
-            derived_weights.attach(module, derive)  # in place of a prepacked copy, if it had one
+            # in place of a prepacked copy, if it had one; the kernel is fixed for the model's life
+            derived_weights.attach(module, functools.partial(derive, how=how))
             module._eight_bit = True  # model_loader.quantized_bytes counts these
             module._apply_derived = _int8_apply
             module.forward = types.MethodType(_int8_forward, module)
@@ -187,6 +220,9 @@ def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x through the int8 copy `w`: the module's own, or its group's (engine/fused_linears.py)."""
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    if w.kernel == "amx_w8":
+        out = amx_linears.linear_w8(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w.packed, out_dtype)
+        return _finish(out, x, bias)
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     if w.kernel == "amx":  # both scales in the kernel, any row count: nothing to pad
         out = amx_linears.linear_s8(q, scale, w.packed, w.scale, out_dtype)
@@ -194,6 +230,10 @@ def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: tor
         out = packed_linears.blocked(q, lambda block: matmul(block, w, out_dtype))
         if not native_quantize.scale_rows_(out, scale):
             out.mul_(scale)
+    return _finish(out, x, bias)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

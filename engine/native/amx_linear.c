@@ -14,6 +14,7 @@
    ARCH_REQ_XCOMP_PERM, once per process). */
 
 #include <immintrin.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -56,10 +57,37 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
 
 /* How far ahead of the tiles the weight stream is fetched: tile loads that miss the caches stall
    the tile unit, and the hardware prefetcher follows them poorly. */
-#define PREFETCH_BYTES (8 * 2048)
+#define PREFETCH_CHUNKS 8
 
-static inline void prefetch_weights(const uint8_t *p) { /* the 2 KB of one K chunk's tile pair */
-    for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K chunk's tile pair */
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* One chunk of a weight-only int8 weight to bf16 tiles: 32 bf16 scales (one per column of the
+   chunk's 32, for its 32 values of K) then the two B tiles' 1024 int8, each widened to fp32
+   (exact), times its scale, and rounded once to bf16. Every CPU with AMX has AVX512-BF16 (the one
+   path that runs); the other builds only so that the file compiles anywhere. */
+static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
+    const uint16_t *scales = (const uint16_t *)chunk;
+    const int8_t *q = (const int8_t *)(chunk + 64);
+#ifdef __AVX512BF16__
+    /* a tile row is 16 columns x 2 values of K: column j's scale twice, for 8 columns a half */
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+    for (int t = 0; t < 2; t++) {
+        const __m512 s = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * t))), 16));
+        const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
+        for (int i = 512 * t; i < 512 * (t + 1); i += 32) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
+            _mm512_store_si512((void *)(dst + i),
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
+        }
+    }
+#else
+    for (int i = 0; i < 1024; i++) dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
+#endif
 }
 
 /* The 32 x 32 block of outputs at (m0, n0) from the four C tiles stored in c[2][2][16][16]
@@ -71,25 +99,52 @@ static inline void prefetch_weights(const uint8_t *p) { /* the 2 KB of one K chu
     _tile_stored(2, c[1][0], 64);                                    \
     _tile_stored(3, c[1][1], 64);
 
+/* How many chunks ahead of the tiles the weights are widened: a tile load of bytes the vector
+   stores have just written waits for them to reach L1 (no store forwarding into tiles), which
+   took a quarter of the kernel's time when each chunk was widened right before its loads. */
+#define WIDEN_AHEAD 2
+
+/* The widened weights' buffer, kept between calls (a fresh one of this size is an mmap and its
+   page faults on every call): one at a time, as the engine runs one forward at a time. */
+static uint8_t *widen_buffer(int64_t bytes) {
+    static uint8_t *buffer = NULL;
+    static int64_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        capacity = buffer == NULL ? 0 : bytes;
+    }
+    return buffer;
+}
+
 /* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
    values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16
-   outputs of row m from column n. */
-#define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE)                                                      \
+   outputs of row m from column n. `WIDE`: the weight is int8 with scales (widen_chunk's 1088
+   bytes a chunk), widened to bf16 by the first row block's pass into a per-thread buffer that the
+   later row blocks read again from the caches (K/32 x 2 KB: 96 KB for K = 1536). */
+#define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE, WIDE)                                                \
     const int64_t mp_count = (m + 31) / 32, np_count = (n + 31) / 32, kc_count = (k + TK - 1) / TK; \
     const int64_t pm = mp_count * 32, pk = kc_count * TK;                                           \
+    const int64_t chunk = WIDE ? 1088 : 2048; /* bytes of packed weight per K chunk's tile pair */  \
     const A_TYPE *a = x;                                                                            \
     void *copy = NULL;                                                                              \
+    uint8_t *wide = NULL;                                                                           \
     if (pm != m || pk != k) {                                                                       \
         copy = padded(x, m, k, pm, pk, sizeof(A_TYPE));                                             \
         if (copy == NULL) return -1;                                                                \
         a = copy;                                                                                   \
     }                                                                                               \
+    if (WIDE && (wide = widen_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {           \
+        free(copy);                                                                                 \
+        return -1;                                                                                  \
+    }                                                                                               \
     const int64_t stride = pk * (int64_t)sizeof(A_TYPE);                                            \
     _Pragma("omp parallel") {                                                                       \
         configure_tiles();                                                                          \
+        uint8_t *mine = WIDE ? wide + omp_get_thread_num() * kc_count * 2048 : NULL;                \
         _Pragma("omp for schedule(static)")                                                         \
         for (int64_t np = 0; np < np_count; np++) {                                                 \
-            const uint8_t *wb = (const uint8_t *)w + np * kc_count * 2048;                          \
+            const uint8_t *wb = (const uint8_t *)w + np * kc_count * chunk;                         \
             for (int64_t mp = 0; mp < mp_count; mp++) {                                             \
                 const uint8_t *ab = (const uint8_t *)(a + mp * 32 * pk);                            \
                 _tile_zero(0);                                                                      \
@@ -97,11 +152,20 @@ static inline void prefetch_weights(const uint8_t *p) { /* the 2 KB of one K chu
                 _tile_zero(2);                                                                      \
                 _tile_zero(3);                                                                      \
                 const int row_tiles = m - mp * 32 > 16 ? 2 : 1; /* <= 16 rows left: half the work */ \
+                if (WIDE && mp == 0)                                                                \
+                    for (int64_t kw = 0; kw < WIDEN_AHEAD && kw < kc_count; kw++)                   \
+                        widen_chunk(wb + kw * chunk, (uint16_t *)(mine + kw * 2048));               \
                 for (int64_t kc = 0; kc < kc_count; kc++) {                                         \
-                    if (mp == 0) prefetch_weights(wb + kc * 2048 + PREFETCH_BYTES);                 \
+                    const uint8_t *wt = WIDE ? mine + kc * 2048 : wb + kc * 2048;                   \
+                    if (mp == 0) {                                                                  \
+                        prefetch_weights(wb + kc * chunk + PREFETCH_CHUNKS * chunk, chunk);         \
+                        if (WIDE && kc + WIDEN_AHEAD < kc_count)                                    \
+                            widen_chunk(wb + (kc + WIDEN_AHEAD) * chunk,                            \
+                                        (uint16_t *)(mine + (kc + WIDEN_AHEAD) * 2048));            \
+                    }                                                                               \
                     _tile_loadd(4, ab + kc * 64, stride);                                           \
-                    _tile_loadd(6, wb + kc * 2048, 64);                                             \
-                    _tile_loadd(7, wb + kc * 2048 + 1024, 64);                                      \
+                    _tile_loadd(6, wt, 64);                                                         \
+                    _tile_loadd(7, wt + 1024, 64);                                                  \
                     DP(0, 4, 6);                                                                    \
                     DP(1, 4, 7);                                                                    \
                     if (row_tiles == 2) {                                                           \
@@ -186,17 +250,31 @@ static inline v16f load_bias(const uint16_t *bias, int64_t col, int64_t cols) { 
 /* q [m, k] int8 (per-row scales xscale [m]), w packed int8 with per-column scales wscale [n]. */
 int amx_linear_s8_f32(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
                       const float *xscale, float *out_f32) {
-    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_F32)
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_F32, 0)
 }
 
 int amx_linear_s8_bf16(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
                        const float *xscale, uint16_t *out_bf16) {
-    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_BF16)
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_BF16, 0)
 }
 
 /* x [m, k] bf16, w packed bf16, bias [n] bf16 or NULL: out [m, n] bf16, each output the fp32 sum
    (with its bias) rounded once, as a bf16 GEMM with a bias does. */
 int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const uint16_t *bias,
                     uint16_t *out_bf16) {
-    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_BF16)
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_BF16, 0)
+}
+
+/* Weight-only int8: x [m, k] bf16, w int8 with a bf16 scale per 32 values of K of each column,
+   packed with them (widen_chunk). Each output is the fp32 sum of bf16 x bf16 products, the weight
+   being q * scale rounded once to bf16: out fp32, or rounded once more to bf16. */
+#define EPI_W8_F32(row, col, crow) put_f32(out_f32 + (row) * n + (col), load16_f32(crow), n - (col))
+#define EPI_W8_BF16(row, col, crow) put_bf16(out_bf16 + (row) * n + (col), load16_f32(crow), n - (col))
+
+int amx_linear_w8_f32(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *out_f32) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_W8_F32, 1)
+}
+
+int amx_linear_w8_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_W8_BF16, 1)
 }

@@ -1,6 +1,7 @@
-"""engine/amx_linears.py: the tile layout (pure, runs anywhere) and, where the CPU has AMX, the
+"""engine/amx_linears.py: the tile layouts (pure, run anywhere) and, where the CPU has AMX, the
 kernels: int8 bit for bit against the exact integer product scaled as the oneDNN path scales it,
-bf16 within a bf16 GEMM's error bound, and the int8 engine's logits unchanged by the kernel swap."""
+bf16 and weight-only int8 within a bf16 GEMM's error bound, and the int8 engine's logits unchanged
+by the kernel swap."""
 
 from __future__ import annotations
 
@@ -31,6 +32,43 @@ def test_pack_is_a_tile_layout_of_the_weight(dtype):
     assert whole[50:].abs().sum() == 0 and whole[:, 100:].abs().sum() == 0  # the padding is zeros
     # the first B tile's row r, column j holds w[j, e*r .. e*r + e): the pairs TDPB* multiplies
     assert torch.equal(packed.packed[0, 0, 0, 3, 5], w[5, 3 * e:4 * e])
+
+
+def test_pack_w8_is_each_chunks_scales_then_its_tiles():
+    q = torch.randint(-127, 128, (50, 100), dtype=torch.int8)
+    _, scale = int8_linears.quantize_groups(torch.randn(50, 100))
+    packed = amx_linears.pack_w8(q, scale).packed
+    assert packed.shape == (2, 4, 1088)  # 32 columns x 32 values of K a chunk, K padded to 128
+    tiles = packed[..., 64:].reshape(2, 4, 2, 16, 16, 2)
+    whole = tiles.permute(0, 2, 4, 1, 3, 5).reshape(64, 128)
+    assert torch.equal(whole[:50, :100], q) and whole[50:].abs().sum() == 0 and whole[:, 100:].abs().sum() == 0
+    scales = packed[..., :64].contiguous().view(torch.bfloat16)  # [column block][chunk][32 columns]
+    assert torch.equal(scales[0, 2], scale[:32, 2]) and torch.equal(scales[1, 3, :18], scale[32:, 3])
+
+
+def test_quantize_groups_keeps_each_group_within_its_scale():
+    w = torch.randn(40, 70) * torch.logspace(-3, 1, 70)  # groups of very different sizes
+    q, scale = int8_linears.quantize_groups(w)
+    assert q.shape == (40, 70) and scale.shape == (40, 3) and q.abs().max() <= 127
+    s = scale.float().repeat_interleave(32, dim=1)[:, :70]
+    # round to the nearest step, but where the bf16 scale rounded down and |w| / s passed 127 (clamped)
+    assert ((q.float() * s - w).abs() <= s * (0.5 + 127 * 2.0**-8)).all()
+
+
+@amx
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_kernel_multiplies_the_bf16_weights_q_times_scale(m, n, k, out_dtype):
+    g = torch.Generator().manual_seed(m + n * k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q, scale = int8_linears.quantize_groups(torch.randn(n, k, generator=g))
+    w = (q.float() * scale.float().repeat_interleave(32, dim=1)[:, :k]).bfloat16()  # what the kernel widens to
+    got = amx_linears.linear_w8(x, amx_linears.pack_w8(q, scale), out_dtype).double()
+    exact = x.double() @ w.double().t()
+    # as test_bf16_kernel's: k fp32 roundings of the exact products' sum, then the output's own
+    magnitude = x.double().abs() @ w.double().abs().t()
+    last = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-23
+    assert ((got - exact).abs() <= k * 2.0**-24 * magnitude + last * exact.abs() + 1e-30).all()
 
 
 @amx

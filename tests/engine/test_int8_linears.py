@@ -14,14 +14,24 @@ U32 = 2.0**-24
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """|int8 - exact| per output, [M, N]. x ~ sx (qx + ex), w ~ sw (qw + ew) with |e| <= 1/2,
-    sx = max|x_m| / 127, sw = max|w_n| / qmax; each product's error is sx sw |qx ew + ex qw + ex ew|
-    <= sx sw (127/2 + qmax/2 + 1/4); the int32 sum of K of them is exact, and the two fp32 scalings
-    and the fp32 reference add a few roundings of the largest possible sum K max|x_m| max|w_n|."""
-    qmax = int8_linears.kernel()[1]
+    """|int8 - exact| per output, [M, N], for the kernel this CPU runs.
+
+    Per token (W8A8): x ~ sx (qx + ex), w ~ sw (qw + ew) with |e| <= 1/2, sx = max|x_m| / 127,
+    sw = max|w_n| / qmax; each product's error is sx sw |qx ew + ex qw + ex ew| <= sx sw (127/2 +
+    qmax/2 + 1/4); the int32 sum of K of them is exact, and the two fp32 scalings and the fp32
+    reference add a few roundings of the largest possible sum K max|x_m| max|w_n|.
+
+    Weight-only (W8A16, groups of 32): x is rounded to bf16 (2^-9 of |x|); w to q s with s <=
+    max|w_n| (1 + 2^-8) / 127 (a bf16 scale) and |w - q s| <= s / 2 + 127 s 2^-8 (the clamp where
+    the scale rounded down), then q s to bf16 (2^-9); the K products sum in fp32."""
+    name, qmax = int8_linears.kernel()
     k = x.shape[-1]
     ax, aw = x.abs().amax(-1, keepdim=True), w.abs().amax(-1)
-    per_product = (0.5 / qmax + 0.5 / 127 + 0.25 / (127 * qmax)) + 4 * k * U32
+    if name in int8_linears.WEIGHT_ONLY:
+        s = (1 + 2.0**-8) / 127
+        per_product = (s * (0.5 + 127 * 2.0**-8) + 2.0**-9) * (1 + 2.0**-9) + 2.0**-9 + 4 * k * U32
+    else:
+        per_product = (0.5 / qmax + 0.5 / 127 + 0.25 / (127 * qmax)) + 4 * k * U32
     return k * ax * aw * per_product
 
 
