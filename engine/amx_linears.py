@@ -1,5 +1,7 @@
 """Linears on Intel AMX tiles (engine/native/amx_linear.c) where the CPU has them: bf16 for the
-bf16 engine (packed_linears) and int8 for the int8 one (int8_linears), at a decode step's rows.
+bf16 engine (packed_linears), and for the int8 one (int8_linears) weight-only int8 (`linear_w8`:
+int8 weights with a scale per 32 values of K, widened to bf16 tile by tile) or int8 x int8
+(`linear_s8`), at a decode step's rows.
 
 oneDNN runs the same tile instructions, but through torch's op it costs a primitive lookup and
 its own blocking per call, and int8 two more passes (padding rows, scaling the output): on one of
@@ -10,6 +12,10 @@ beside the memory's time (bench.amx_linears, idle: bf16 1.11x / 1.04x / 0.93x on
 1.07-1.17x and the bf16 one 1.06x at 32 sequences but 0.96x at 256 (bench/RESULTS.md). The kernel
 streams each weight once, in the order `pack` lays it out, and writes the output in the engine's
 dtype.
+
+Weight-only int8 streams about half the bf16 bytes but widens each weight (AVX512: to fp32, times
+its scale, to bf16) into a buffer the tiles then read: at 32 rows that work is about what the tile
+products cost, so it gains 1.12-1.16x over bf16 in the engine, not the 2x its bytes would allow.
 
 Arithmetic: int8 products sum exactly in int32 and are scaled as int8_linears' oneDNN path scales
 them (the same bits, tested); bf16 products sum in fp32 in the tiles' order and round once, as a

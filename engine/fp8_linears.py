@@ -80,7 +80,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] = KEEP_FULL_PRECISION)
         if (isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0):
             derived_weights.attach(module, derive)
-            module._eight_bit = True  # model_loader.quantized_bytes counts these
+            module._eight_bit_bytes = module.weight.numel() + 4 * module.weight.shape[0]  # and a scale a row
             module._apply_derived = _fp8_apply
             module.forward = types.MethodType(_fp8_forward, module)
             count += 1

@@ -2,29 +2,33 @@
 pushes (issue 49 item 4; `EngineConfig.quantization="int8"`).
 
 The full-precision parameter stays the truth: checksums, digests, deltas, host copies, healing,
-peer catch-up and LoRA read it. The int8 copy is a cache beside it, in the module's `_int8`
-attribute, made by the pure `derive(weight)`: symmetric per-output-channel scales (a row's largest
-|w| maps to 127). Activations are quantized per token (per row) at each forward, so a row's output
-depends on that row alone: a batch's other sequences, or the rows a bucket pads with, never move a
-sequence's logprobs (a per-tensor activation scale, what oneDNN's op and fbgemm's dynamic linear are
-made for, would: one sequence's outlier would coarsen every other's).
+peer catch-up and LoRA read it. The int8 copy is a cache beside it (the module's derived copy,
+engine/derived_weights.py), made by the pure `derive(weight)`. Two schemes, by the kernel this CPU runs (`kernel()`):
 
-The kernel, measured by bench/int8_linears.py (bench/RESULTS.md): oneDNN's int8 linear
+- **Weight-only** (first choice, where the CPU has AMX tiles: engine/amx_linears.py's `linear_w8`):
+  a bf16 scale per 32 values of K of each output channel (one tile row's K), the int8 weights widened
+  to bf16 (q times its scale, rounded once) inside the kernel, the activations kept in bf16. On
+  SmolLM2, 9.4% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the bf16
+  engine: 7.7%; bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences and
+  1.0x at 256 (bench/RESULTS.md).
+- **Per token** (W8A8; every other CPU, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
+  weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
+  forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
+  op and fbgemm's dynamic linear are made for, would let one sequence's outlier coarsen every
+  other's). Faster on AMX (1.21-1.25x bf16 at 32 sequences) but it moves the policy: 58.6% of
+  SmolLM2's sampled tokens leave [0.9, 1.1] (weights alone per channel: 21%; per group of 32: 9.4%),
+  and GRPO with it and TIS learned at one seed of three where the fp32 engine learned at all three.
+
+The per-token kernels, measured by bench/int8_linears.py (bench/RESULTS.md): oneDNN's int8 linear
 (`onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, activation scale 1, the per-token
 scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
-the same quantization at 8-256 rows on an AMX CPU, and 2.3-3.2x packed fp32 (but 0.5-0.7x packed
-bf16 on AMX); weight-only int8 (`_weight_int8pack_mm`) wins at 1 row but falls to 0.07-0.38x of
-packed bf16 from 8 rows. What it costs in fidelity (bench/fidelity.py): on SmolLM2 60% of sampled
-tokens leave [0.9, 1.1] in trainer/engine probability ratio (bf16: 7.5%), almost all of it from the
-per-token activations (weights alone: 21%). oneDNN's int8 on an AVX2-only CPU (no VNNI) lost
-accuracy (its u8 x s8 pairs saturate int16: 10% error where the exact int32 sum gives 1%), so
-`kernel()` probes once that a kernel gives the exact integer product and falls back to
-`torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA capped to it, `_int_mm` ran
-1.3-3.4x faster than oneDNN's int8), then to none: the engine refuses int8 there.
-
-On a CPU with AMX tiles (Sapphire Rapids and later) the first choice is engine/amx_linears.py's
-kernel: the same quantization and the same output bits as the oneDNN path (tested), with both
-scales applied in the kernel and no row padding (the int8 engine 1.07-1.17x faster with it).
+the same quantization; torch's weight-only op (`_weight_int8pack_mm`) wins at 1 row but falls to
+0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 waits for our AMX kernel.
+oneDNN's int8 on an AVX2-only CPU (no VNNI) lost accuracy (its u8 x s8 pairs saturate int16: 10%
+error where the exact int32 sum gives 1%), so `kernel()` probes once that a kernel gives the exact
+integer product and falls back to `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA
+capped to it, `_int_mm` ran 1.3-3.4x faster than oneDNN's int8), then to none: the engine refuses
+int8 there. On AMX, `amx` is the per-token scheme on the tiles: the oneDNN path's exact bits, faster.
 
 The copy is a derived copy (engine/derived_weights.py), as the prepacked linears' are: a push
 derives it from its staged weights while the engine serves and its commit swaps it in with them;
@@ -76,13 +80,19 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        n, k = self.shape
-        return n * k + self.scale.numel() * self.scale.element_size()
+        return copy_bytes(self.shape, self.kernel)
 
     @property
     def activations(self) -> str:
         """What the linear's inputs are rounded to: "bf16" (weight-only int8) or "int8" (per token)."""
         return "bf16" if self.kernel in WEIGHT_ONLY else "int8"
+
+
+def copy_bytes(shape: tuple[int, int], kernel_name: str) -> int:
+    """An int8 copy's memory: a byte a weight, and a 4-byte scale a row (a 2-byte one a group of 32
+    values of a row for the weight-only kernel)."""
+    n, k = shape
+    return n * k + (2 * n * -(-k // amx_linears.W8_GROUP) if kernel_name in WEIGHT_ONLY else 4 * n)
 
 
 def quantize_weight(w: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +214,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
             # in place of a prepacked copy, if it had one; the kernel is fixed for the model's life
             derived_weights.attach(module, functools.partial(derive, how=how))
-            module._eight_bit = True  # model_loader.quantized_bytes counts these
+            module._eight_bit_bytes = copy_bytes(tuple(module.weight.shape), how[0])  # quantized_bytes' count
             module._apply_derived = _int8_apply
             module.forward = types.MethodType(_int8_forward, module)
             count += 1

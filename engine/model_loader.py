@@ -63,5 +63,5 @@ def _load_hf(cfg: EngineConfig) -> torch.nn.Module:
 
 def quantized_bytes(model: torch.nn.Module) -> int:
     """The memory of the model's 8-bit copies (beside its full-precision weights), once derived: one
-    byte a weight and a 4-byte scale an output channel, int8 (CPU) or fp8 (CUDA) alike."""
-    return sum(m.weight.shape[0] * (m.weight.shape[1] + 4) for m in model.modules() if getattr(m, "_eight_bit", False))
+    byte a weight and its scales (each module's `_eight_bit_bytes`, set by int8_linears / fp8_linears)."""
+    return sum(getattr(m, "_eight_bit_bytes", 0) for m in model.modules())

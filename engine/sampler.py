@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import native_sampler
 from engine.logits_processors import LogitsEdits, apply_edits
 from engine.seeded_draws import counter_uniforms, mix32, seed_key  # noqa: F401 - sampling's names
 
@@ -153,6 +154,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torc
     likely tokens and the sampled one's rank, from the distribution the logprob is reported
     from; None when no row asked for logprobs.
     """
+    if _only_sampling(t):
+        native = native_sampler.sample_rows(logits, t.temperature, t.uniforms, block_size_for(logits.shape[-1]))
+        if native is not None:
+            return *native, None
     logits = logits.float()
     steered = apply_edits(logits, t.edits)
     if t.penalties is not None:
@@ -177,6 +182,14 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torc
     # the common case: only the sampled tokens' processed logprobs. A sampled token's probability
     # is far above float32's underflow, so its log loses nothing a log_softmax would keep.
     return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), None
+
+
+def _only_sampling(t: SamplingTensors) -> bool:
+    """Whether a step only samples (an RL rollout's: no processors, penalties, filters, greedy rows
+    or whole distributions asked), what engine/native_sampler.py does in one call."""
+    return (t.uniforms is not None and not t.any_greedy and t.edits is None and t.penalties is None
+            and t.min_p is None and t.top_k is None and t.top_p is None and t.num_top_logprobs is None
+            and not t.raw_logprobs)
 
 
 def _chosen(logprobs: torch.Tensor, tokens: torch.Tensor, k: int | None) -> tuple[torch.Tensor, TopLogprobs | None]:

@@ -1,15 +1,16 @@
 /* Linears on Intel AMX tiles for the row counts of a decode step (1-256 rows): int8 x int8 -> int32
-   (TDPBSSD) for the int8 engine, bf16 x bf16 -> fp32 (TDPBF16PS) for the bf16 one. At these sizes a
+   (TDPBSSD) and weight-only int8 (widened to bf16, then TDPBF16PS) for the int8 engine,
+   bf16 x bf16 -> fp32 (TDPBF16PS) for the bf16 one. At these sizes a
    linear is a stream of its weight through the cores: the tiles do a 32 x 32 block of outputs per
    1 KB weight tile pair, so the kernel's job is to read each weight byte once, in order, and keep
    the per-call work (no primitive lookup, no reorder) small.
 
-   Weights are packed once (amx_pack.py: the pure layout) into [N/32][K/TK][2][16][64 bytes]: for
+   Weights are packed once (amx_linears.py: the pure layouts) into [N/32][K/TK][2][16][64 bytes]: for
    each pair of 16-column tiles and each K chunk, the two B tiles side by side, so one linear's
    weight is one sequential stream. Activations are [M, K] row-major; rows past M and columns past
    K are read from a zero-padded copy when the shape asks for one.
 
-   Only built with -mamx-* and only called where the CPU has AMX (amx_kernels.py probes
+   Only built with -mamx-* and only called where the CPU has AMX (amx_linears.py probes
    /proc/cpuinfo) and the kernel asked the OS for the tile state (amx_init: Linux's
    ARCH_REQ_XCOMP_PERM, once per process). */
 

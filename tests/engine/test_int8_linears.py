@@ -141,11 +141,19 @@ def test_bad_quantizations_are_refused_by_name(qwen2_dir):
     assert EngineConfig(model=qwen2_dir, device="cuda", quantization="auto").quantization == "fp8"
 
 
-def test_the_copy_bytes_are_one_byte_a_weight_and_four_a_channel():
+def test_the_copy_bytes_are_one_byte_a_weight_and_its_scales():
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 16))
     model[0].requires_grad_(False)
     assert int8_linears.install(model) == 2
-    assert quantized_bytes(model) == 48 * 64 + 4 * 48 + 16 * 48 + 4 * 16
+    if int8_linears.kernel()[0] in int8_linears.WEIGHT_ONLY:  # a 2-byte scale a row's 32 values of K
+        scales = 2 * 48 * 2 + 2 * 16 * 2
+    else:  # a 4-byte scale a row
+        scales = 4 * 48 + 4 * 16
+    assert quantized_bytes(model) == 48 * 64 + 16 * 48 + scales
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        model(x)  # derives both copies: their own count agrees
+    assert sum(m._derived.nbytes for m in model) == quantized_bytes(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
