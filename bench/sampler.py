@@ -1,5 +1,6 @@
 """Sampler cost per decode step at real vocabulary sizes: ours (inverse-CDF from one uniform per
-row) against two anchors, in one run:
+row; an RL step's common case in one C call, engine/native_sampler.py) against the same in torch ops
+(what it ran before, and runs on a GPU) and two anchors, in one run:
 
   exp-race:    the sampler this project had before (argmax(p / E) with one Exp(1) draw per
                vocabulary entry per row, seeded rows from their own generators): O(B x V) draws;
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from engine.sampler import SamplingTensors, counter_uniforms, sample, uniform_noise
+from engine.sampler import SamplingTensors, counter_uniforms, sample, sample_with_torch, uniform_noise
 
 log = logging.getLogger("bench.sampler")
 
@@ -42,7 +43,7 @@ def exp_race(logits: torch.Tensor, generators: list, shared: torch.Generator) ->
     return tokens, raw.gather(-1, tokens.unsqueeze(-1))
 
 
-def ours(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
+def ours(logits: torch.Tensor, generators: list, shared: torch.Generator, how=sample) -> torch.Tensor:
     rows = logits.shape[0]
     u = uniform_noise(shared, rows, "cpu")
     seeded = torch.tensor([g is not None for g in generators])
@@ -50,7 +51,11 @@ def ours(logits: torch.Tensor, generators: list, shared: torch.Generator) -> tor
         drawn = counter_uniforms(np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
         u = torch.where(seeded, torch.from_numpy(drawn), u)
     t = SamplingTensors(torch.ones(rows), uniforms=u, any_greedy=False)
-    return sample(logits, t)[:2]
+    return how(logits, t)[:2]
+
+
+def ours_torch(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
+    return ours(logits, generators, shared, how=sample_with_torch)
 
 
 def multinomial(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
@@ -86,15 +91,19 @@ def parse_cases(doc: str, argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_cases(__doc__, argv)
     print(f"\nsampler ms per step, torch {torch.__version__}, {torch.get_num_threads()} threads, half the rows seeded")
-    print(f"{'vocab':>8}{'batch':>7}{'ours':>9}{'exp-race':>10}{'multinom':>10}{'ours/exp-race':>15}{'ours/multinom':>15}")
+    print(f"{'vocab':>8}{'batch':>7}{'dtype':>6}{'ours':>9}{'torch ops':>10}{'exp-race':>10}{'multinom':>10}"
+          f"{'ours/torch ops':>16}{'ours/exp-race':>15}{'ours/multinom':>15}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
-            logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab + batch)) * 4
-            shared = torch.Generator().manual_seed(0)
-            generators = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(batch)]
-            ms = {f.__name__: time_ms(f, logits, generators, shared, args.reps) for f in (ours, exp_race, multinomial)}
-            print(f"{vocab:>8}{batch:>7}{ms['ours']:>9.1f}{ms['exp_race']:>10.1f}{ms['multinomial']:>10.1f}"
-                  f"{ms['ours'] / ms['exp_race']:>15.2f}{ms['ours'] / ms['multinomial']:>15.2f}")
+            for dtype in (torch.float32, torch.bfloat16):  # the fp32 and the bf16 engines' logits
+                logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab + batch)) * 4).to(dtype)
+                shared = torch.Generator().manual_seed(0)
+                generators = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(batch)]
+                ms = {f.__name__: time_ms(f, logits, generators, shared, args.reps)
+                      for f in (ours, ours_torch, exp_race, multinomial)}
+                print(f"{vocab:>8}{batch:>7}{str(dtype)[6:]:>6}{ms['ours']:>9.1f}{ms['ours_torch']:>10.1f}"
+                      f"{ms['exp_race']:>10.1f}{ms['multinomial']:>10.1f}{ms['ours'] / ms['ours_torch']:>16.2f}"
+                      f"{ms['ours'] / ms['exp_race']:>15.2f}{ms['ours'] / ms['multinomial']:>15.2f}")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torc
         native = native_sampler.sample_rows(logits, t.temperature, t.uniforms, block_size_for(logits.shape[-1]))
         if native is not None:
             return *native, None
+    return sample_with_torch(logits, t)
+
+
+def sample_with_torch(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, TopLogprobs | None]:
+    """`sample` in torch ops, every option (what it runs on a GPU, and on the CPU for steps that ask
+    for more than sampling)."""
     logits = logits.float()
     steered = apply_edits(logits, t.edits)
     if t.penalties is not None:
