@@ -1,6 +1,7 @@
 """How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic
-prompts, sampled at temperature 1 from fp32, bf16 and int8 engines (the int8 one with its lm_head in
-full precision, as the engine serves it, and quantized, to show why it is not), and every sampled
+prompts, sampled at temperature 1 from fp32, bf16 and int8 engines (the int8 one as the engine
+serves it: weight-only on AMX, its lm_head in full precision; with the lm_head quantized too; and
+W8A8, activations per token, the scheme of CPUs without AMX), and every sampled
 token scored again by the trainer (transformers' model, fp32). The figure is the share of sampled
 tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated importance
 sampling has to correct), with the mean and largest |log ratio|.
