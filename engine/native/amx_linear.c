@@ -106,10 +106,10 @@ static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
 #define WIDEN_AHEAD 2
 
 /* The widened weights' buffer, kept between calls (a fresh one of this size is an mmap and its
-   page faults on every call): one at a time, as the engine runs one forward at a time. */
+   page faults on every call), one per calling thread (its OpenMP team shares it by slices). */
 static uint8_t *widen_buffer(int64_t bytes) {
-    static uint8_t *buffer = NULL;
-    static int64_t capacity = 0;
+    static __thread uint8_t *buffer = NULL;
+    static __thread int64_t capacity = 0;
     if (bytes > capacity) {
         free(buffer);
         buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
