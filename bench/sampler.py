@@ -31,6 +31,7 @@ log = logging.getLogger("bench.sampler")
 def exp_race(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
     """The previous sampler, kept here as the anchor: processed log-softmax, Exp(1) noise per
     entry (seeded rows from their own generator), argmax(p / E), and the token's logprob."""
+    logits = logits.float()  # bf16 logits too: sampled in fp32, as HF's generate does
     raw = torch.log_softmax(logits, dim=-1)
     processed = torch.log_softmax(logits, dim=-1)
     noise = torch.empty_like(logits)
@@ -59,7 +60,7 @@ def ours_torch(logits: torch.Tensor, generators: list, shared: torch.Generator) 
 
 
 def multinomial(logits: torch.Tensor, generators: list, shared: torch.Generator) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
     tokens = torch.multinomial(probs, 1, generator=shared).squeeze(-1)
     return tokens, probs.gather(-1, tokens.unsqueeze(-1)).log()
 
@@ -91,7 +92,7 @@ def parse_cases(doc: str, argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_cases(__doc__, argv)
     print(f"\nsampler ms per step, torch {torch.__version__}, {torch.get_num_threads()} threads, half the rows seeded")
-    print(f"{'vocab':>8}{'batch':>7}{'dtype':>6}{'ours':>9}{'torch ops':>10}{'exp-race':>10}{'multinom':>10}"
+    print(f"{'vocab':>8}{'batch':>7}{'dtype':>10}{'ours':>9}{'torch ops':>10}{'exp-race':>10}{'multinom':>10}"
           f"{'ours/torch ops':>16}{'ours/exp-race':>15}{'ours/multinom':>15}")
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                 generators = [torch.Generator().manual_seed(i) if i % 2 else None for i in range(batch)]
                 ms = {f.__name__: time_ms(f, logits, generators, shared, args.reps)
                       for f in (ours, ours_torch, exp_race, multinomial)}
-                print(f"{vocab:>8}{batch:>7}{str(dtype)[6:]:>6}{ms['ours']:>9.1f}{ms['ours_torch']:>10.1f}"
+                print(f"{vocab:>8}{batch:>7}{str(dtype)[6:]:>10}{ms['ours']:>9.1f}{ms['ours_torch']:>10.1f}"
                       f"{ms['exp_race']:>10.1f}{ms['multinomial']:>10.1f}{ms['ours'] / ms['ours_torch']:>16.2f}"
                       f"{ms['ours'] / ms['exp_race']:>15.2f}{ms['ours'] / ms['multinomial']:>15.2f}")
 

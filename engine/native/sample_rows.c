@@ -17,12 +17,24 @@
 #include "common.h"
 
 typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
 
-static inline double sum16(v16f x) { /* in float64: 16 fp32 values */
+/* acc += x, 16 fp32 values widened to float64 in two vectors of 8 (no dependent chain of scalar
+   adds: that cost 4 times the rest of the pass) */
+static inline void add_wide(v8d *acc, v16f x) {
+    acc[0] += __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), v8d);
+    acc[1] += __builtin_convertvector(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), v8d);
+}
+
+static inline double sum_wide(const v8d *acc) {
     double s = 0;
-    for (int i = 0; i < 16; i++) s += (double)x[i];
+    for (int i = 0; i < 8; i++) s += acc[0][i] + acc[1][i];
     return s;
 }
+
+/* l / t as torch divides (unit: t is 1) */
+#define SCALED16(LOAD16, p) (unit ? LOAD16(p) : LOAD16(p) / t)
+#define SCALED(LOAD, x) (unit ? LOAD(x) : LOAD(x) / t)
 
 #define DEFINE_SAMPLE(NAME, T, LOAD, LOAD16)                                                             \
     int NAME(const T *logits, int64_t rows, int64_t vocab, const float *temperature, const double *uniforms, \
@@ -34,23 +46,26 @@ static inline double sum16(v16f x) { /* in float64: 16 fp32 values */
         for (int64_t r = 0; r < rows; r++) {                                                             \
             const T *l = logits + r * vocab;                                                             \
             const float t = temperature[r];                                                              \
+            const int unit = t == 1.0f; /* x / 1 is x: no division, the step's costliest op */          \
             double *sums = sums_all + r * nblocks;                                                       \
             int64_t c = 0;                                                                               \
             v16f mv = (v16f){0} - INFINITY;                                                              \
             for (; c + 16 <= vocab; c += 16) {                                                           \
-                const v16f s = LOAD16(l + c) / t;                                                        \
+                const v16f s = LOAD16(l + c);                                                            \
                 const v16i gt = s > mv;                                                                  \
                 mv = (v16f)(((v16i)s & gt) | ((v16i)mv & ~gt));                                          \
             }                                                                                            \
             float m = -INFINITY;                                                                         \
             for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);                                            \
-            for (; c < vocab; c++) m = fmaxf(m, LOAD(l[c]) / t);                                         \
+            for (; c < vocab; c++) m = fmaxf(m, LOAD(l[c]));                                             \
+            m /= t; /* max(l / t) = max(l) / t: a correctly rounded division by t > 0 keeps the order */ \
             double total = 0;                                                                            \
             for (int64_t b = 0; b < nblocks; b++) {                                                      \
                 const int64_t end = b * block + block < vocab ? b * block + block : vocab;               \
-                double s = 0;                                                                            \
-                for (c = b * block; c + 16 <= end; c += 16) s += sum16(vexp(LOAD16(l + c) / t - m));    \
-                for (; c < end; c++) s += (double)vexp((v16f){0} + (LOAD(l[c]) / t - m))[0];            \
+                v8d acc[2] = {{0}, {0}};                                                                 \
+                for (c = b * block; c + 16 <= end; c += 16) add_wide(acc, vexp(SCALED16(LOAD16, l + c) - m)); \
+                double s = sum_wide(acc);                                                                \
+                for (; c < end; c++) s += (double)vexp((v16f){0} + (SCALED(LOAD, l[c]) - m))[0];            \
                 sums[b] = s;                                                                             \
                 total += s;                                                                              \
             }                                                                                            \
@@ -65,7 +80,7 @@ static inline double sum16(v16f x) { /* in float64: 16 fp32 values */
             float weight = 0;                                                                            \
             double cum = 0;                                                                              \
             for (c = start; c < end; c++) {                                                              \
-                const float e = vexp((v16f){0} + (LOAD(l[c]) / t - m))[0];                              \
+                const float e = vexp((v16f){0} + (SCALED(LOAD, l[c]) - m))[0];                              \
                 if (e > 0) {                                                                             \
                     pick = c; /* the last positive weight so far: where rounding overshoots the block */ \
                     weight = e;                                                                          \
@@ -81,6 +96,7 @@ static inline double sum16(v16f x) { /* in float64: 16 fp32 values */
     }
 
 static inline float load_f32(float x) { return x; }
+
 
 DEFINE_SAMPLE(sample_rows_f32, float, load_f32, load16_f32)
 DEFINE_SAMPLE(sample_rows_bf16, uint16_t, bf16_to_f32, load16_bf16)
