@@ -128,8 +128,15 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
     """The int8 copy of `weight` ([N, K], any float dtype) for `how` = (kernel, qmax) (default:
     `kernel()`). Pure: reads the weight, writes nothing."""
     name, qmax = how or kernel()
-    q, scale = quantize_groups(weight) if name in WEIGHT_ONLY else quantize_weight(weight, qmax)
-    return _packed(q, scale, name, qmax)
+    if name not in WEIGHT_ONLY:
+        return _packed(*quantize_weight(weight, qmax), name, qmax)
+    native = native_quantize.quantize_groups_packed(weight)  # the same bits in one pass
+    if native is None:
+        return _packed(*quantize_groups(weight), name, qmax)
+    if not amx_linears.available():
+        raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
+    n, k = weight.shape
+    return Int8Weight(amx_linears.AmxWeight(native[0], n, k), native[1], name, (n, k), qmax)
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8Weight:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import amx_linears, int8_linears, native_kernels
+from engine import amx_linears, int8_linears, native_kernels, native_quantize
 
 amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU")
 SHAPES = [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64), (300, 64, 1536)]
@@ -126,3 +126,18 @@ def test_switch_off_leaves_onednn(monkeypatch):
         monkeypatch.delenv(amx_linears.ENV_SWITCH)
         amx_linears.available.cache_clear()
         native_kernels.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(50, 100), (64, 64), (33, 576), (7, 31)])
+def test_the_one_pass_copy_has_the_torch_ways_bits(dtype, n, k):
+    """engine/native/quantize_groups.c against quantize_groups then pack_w8 (runs on any CPU)."""
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * torch.logspace(-3, 1, k)).to(dtype)
+    w[0, :32] = 0  # an all-zero group's scale: bf16's smallest normal
+    w[1, 0] = 1e4  # an outlier that takes its group's scale
+    native = native_quantize.quantize_groups_packed(w)
+    if native is None:
+        pytest.skip("no C compiler for the native kernels")
+    q, scale = int8_linears.quantize_groups(w)
+    assert torch.equal(native[1], scale)
+    assert torch.equal(native[0].view(-1), amx_linears.pack_w8(q, scale).packed.view(torch.uint8).view(-1))
