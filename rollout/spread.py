@@ -96,7 +96,8 @@ class Spread:
     async def call_ended(self, i: int, cid: int, msg) -> None:
         """Call (i, cid) ended: its sidecar went (its unfinished prompts are re-sent), it failed
         (raised here), or it finished (forgotten)."""
-        if isinstance(msg, P.Reply) and not msg.ok and msg.error_kind == "gone" and len(self.links.members(ACTIVE)) > 1:
+        others = [j for j in self.links.members(ACTIVE) if j != i]  # i may be dropped already (its heartbeats)
+        if isinstance(msg, P.Reply) and not msg.ok and msg.error_kind == "gone" and others:
             # the sidecar is shutting down or has no engine left: the others take its prompts
             self.links.drop(i, msg.error)
             msg = SidecarGoneError(self.links.url(i), msg.error)
