@@ -82,11 +82,6 @@ class Int8Weight:
     def nbytes(self) -> int:
         return copy_bytes(self.shape, self.kernel)
 
-    @property
-    def activations(self) -> str:
-        """What the linear's inputs are rounded to: "bf16" (weight-only int8) or "int8" (per token)."""
-        return "bf16" if self.kernel in WEIGHT_ONLY else "int8"
-
 
 def copy_bytes(shape: tuple[int, int], kernel_name: str) -> int:
     """An int8 copy's memory: a byte a weight, and a 4-byte scale a row (a 2-byte one a group of 32
