@@ -125,11 +125,11 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
     name, qmax = how or kernel()
     if name not in WEIGHT_ONLY:
         return _packed(*quantize_weight(weight, qmax), name, qmax)
+    if not amx_linears.available():  # before any work: the copy would be of no use here
+        raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
     native = native_quantize.quantize_groups_packed(weight)  # the same bits in one pass
     if native is None:
         return _packed(*quantize_groups(weight), name, qmax)
-    if not amx_linears.available():
-        raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
     n, k = weight.shape
     return Int8Weight(amx_linears.AmxWeight(native[0], n, k), native[1], name, (n, k), qmax)
 
