@@ -1,0 +1,184 @@
+"""A decode step's decoder layers in one C call (engine/native/decode_layers.c), where every
+kernel of engine/fused_layers.py's bf16 forward is native: AMX linears (bf16, or weight-only
+int8), the rotation and cache writes, decode attention, the norms and silu * up.
+
+Driven from Python, a 32-sequence bf16 decode step on 2 cores spent about a third of its main
+thread's time between those kernels (torch's dispatch, views, module calls), with the other core
+idle meanwhile. The C loop calls the same kernels in the same order on the same values, through
+the addresses of the functions loaded here, so its output has the Python forward's bits (tested).
+
+It runs only where all of that holds for the step; anything else (a prefill, fp32 hidden states,
+a linear on oneDNN, a bias outside q/k/v (or on an int8 copy), a LoRA hook on any module of a layer, gradients, no C compiler,
+ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
+are looked up per step through derived_weights, so a push's copies serve from the first step
+after its commit, as they do in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from engine import amx_linears, attention, derived_weights, fused_layers, native_kernels
+
+ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
+_PTR = ctypes.c_void_p
+_KERNELS = (  # Kernels' fields in decode_layers.c: (library, symbol)
+    ("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("layer_glue", "rope_cache_bf16"),
+    ("layer_glue", "add_rms_norm_bf16"), ("layer_glue", "silu_mul_bf16"), ("paged_decode", "paged_decode_bf16"),
+)
+LAYER_FIELDS = 16  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches
+BF16, W8 = 0, 1  # Linear.kind
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "T", "hidden", "heads", "kv_heads", "head_dim",
+                                               "intermediate", "block_size", "max_len", "table_stride")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_SCRATCH = ("x", "qkv", "q", "k", "attn", "o", "h", "h2", "gate_up", "act", "down")
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(n, _PTR) for n in _SCRATCH]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+
+
+_kernels_cache: list = []
+
+
+def _kernels() -> ctypes.Array | None:
+    """The kernels' addresses (Kernels in decode_layers.c), or None where one is not loaded."""
+    if not _kernels_cache:
+        libs = {name: native_kernels.library(name) for name in {lib for lib, _ in _KERNELS}}
+        entry = native_kernels.function("decode_layers", "decode_layers_bf16", (_PTR,) * 11, ctypes.c_int)
+        ok = entry is not None and amx_linears.available() and all(libs.values())
+        table = (ctypes.c_int64 * len(_KERNELS))(
+            *[ctypes.cast(getattr(libs[lib], sym), _PTR).value for lib, sym in _KERNELS]) if ok else None
+        _kernels_cache.append((entry, table))
+    return _kernels_cache[0] if _kernels_cache[0][1] is not None else None
+
+
+def reset() -> None:
+    """Forget the loaded kernels (tests that change the environment they are built under)."""
+    _kernels_cache.clear()
+
+
+def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
+    """(address, kind, n, k) of the AMX copy serving `linear` (its group's when it has one)."""
+    copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
+    if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
+        return copy.packed.data_ptr(), BF16, copy.n, copy.k
+    amx = getattr(copy, "packed", None)
+    if getattr(copy, "kernel", None) == "amx_w8" and isinstance(amx, amx_linears.AmxWeight):
+        return amx.packed.data_ptr(), W8, amx.n, amx.k
+    return None
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | None:
+    """The layer's row of LAYER_FIELDS, or None when some part of it must run in Python; `keep`
+    holds the tensors made for it (its q/k/v bias) until the call."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_group, gate_up_group = getattr(attn, "_fused", None), getattr(mlp, "_fused", None)
+    if qkv_group is None or gate_up_group is None or _hooked(layer):
+        return None
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(m.bias is not None for m in linears[3:]) or not all(hasattr(m, "_derive") for m in linears):
+        return None  # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.weight.dtype != torch.bfloat16 or n.variance_epsilon != shape["eps"] for n in norms):
+        return None
+    h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
+        shape["intermediate"]
+    row = [norms[0].weight.data_ptr(), norms[1].weight.data_ptr()]
+    for linear, group, n, k in ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q),
+                                (None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i)):
+        copy = _copy(linear, group)
+        if copy is None or copy[2:] != (n, k):
+            return None
+        bias = 0
+        if group is qkv_group and attn.q_proj.bias is not None:
+            if copy[1] != BF16:
+                return None
+            b = torch.cat([m.bias for m in group.members]).to(torch.bfloat16)
+            keep.append(b)
+            bias = b.data_ptr()
+        row += [*copy[:2], bias]
+    k_cache, v_cache = ctx.k_blocks[index], ctx.v_blocks[index]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return row + [k_cache.data_ptr(), v_cache.data_ptr()]
+
+
+def _shape(model) -> dict | None:
+    """The model's sizes, or None when it is not one this runs (its layers not fused_layers')."""
+    layers = model.layers
+    if not len(layers) or any(getattr(layer.forward, "__func__", None) is not fused_layers._layer_forward
+                              for layer in layers):
+        return None
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    heads = attn.q_proj.weight.shape[0] // attn.head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
+            "intermediate": mlp.gate_proj.weight.shape[0], "eps": model.norm.variance_epsilon,
+            "scale": attn.scaling}
+
+
+def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
+    """The decoder model's layers and final norm over `hidden` [1, T, H] (the step's embeddings,
+    overwritten) at a decode step: the normed hidden states, or None when Python must run them."""
+    ctx = attention._ctx
+    if (ctx is None or ctx.is_prefill or ctx.native is None or hidden.dtype != torch.bfloat16
+            or torch.is_grad_enabled() or not enabled()):
+        return None
+    loaded = _kernels()
+    shape = _shape(model)
+    if loaded is None or shape is None or model.norm.weight.dtype != torch.bfloat16 or _hooked(model.norm):
+        return None
+    t = hidden.shape[1]
+    nd = ctx.native
+    if nd.block_table.shape[0] != t or not hidden.is_contiguous():
+        return None
+    rows, keep = [], []
+    for index, layer in enumerate(model.layers):
+        row = _layer_row(layer, ctx, index, shape, keep)
+        if row is None:
+            return None
+        rows.append(row)
+    cos, sin_signed = attention.rope_tables(position_embeddings)
+    if cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+        return None
+    entry, kernels = loaded
+    table = torch.tensor(rows, dtype=torch.int64)
+    bs = ctx.k_blocks[0].shape[1]
+    s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
+               **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
+    h, d, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["intermediate"]
+    kv = shape["kv_heads"] * shape["head_dim"]
+    widths = {"x": h, "qkv": d + 2 * kv, "q": d, "k": kv, "attn": d, "o": h, "h": h, "h2": h, "gate_up": 2 * i,
+              "act": i, "down": h}
+    buffer = torch.empty(t * sum(widths.values()), dtype=torch.bfloat16)
+    pointers, offset = {}, 0
+    for name in _SCRATCH:
+        pointers[name] = buffer.data_ptr() + 2 * offset
+        offset += t * widths[name]
+    scratch = _Scratch(**pointers)
+    slots = ctx.slot_mapping
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        return None
+    rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
+               cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
+               nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"decode_layers_bf16 failed ({rc}): out of memory, or a shape its kernels refuse")
+    return hidden
