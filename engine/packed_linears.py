@@ -40,7 +40,7 @@ import types
 
 import torch
 
-from engine import amx_linears, derived_weights
+from engine import amx_linears, derived_weights, f32_linears
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,14 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
-def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | amx_linears.AmxWeight:
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype):
     """A full-precision weight reordered into oneDNN's blocked layout in `dtype`, or in bf16 on a
-    CPU with AMX into the tile kernel's (engine/amx_linears.py): the derived copy."""
+    CPU with AMX into the tile kernel's (engine/amx_linears.py), or in fp32 on a CPU with AVX-512
+    into our kernel's (engine/f32_linears.py): the derived copy."""
     if dtype == torch.bfloat16 and amx_linears.available():
         return amx_linears.pack(weight.to(dtype))
+    if dtype == torch.float32 and f32_linears.available():
+        return f32_linears.pack(weight.to(dtype))
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
 
 
@@ -136,6 +139,8 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
         bias = bias.to(dtype)
     if isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
         out = amx_linears.linear_bf16(rows, packed, bias)
+    elif isinstance(packed, f32_linears.F32Weight):
+        out = f32_linears.linear(rows, packed, bias)
     else:
         out = _blocked_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)

@@ -1,0 +1,78 @@
+"""The fp32 engine's linears on our kernel (engine/f32_linears.py) against oneDNN's prepacked op
+(what the engine ran before, and still runs without AVX-512) and torch's `F.linear` (MKL), side by
+side in one run: a whole model's linears swept in a forward's order (each layer's fused q/k/v, o,
+fused gate/up, down, then the lm_head), every layer its own weights, as a decode step streams them.
+
+Each figure: ms per sweep and GFLOP/s, against this CPU's fp32 matmul probe (bench.engines'
+probe_peak: how far from the machine's limit) and the weights' bytes per second against the memory
+read probe (at 32 rows a sweep streams 538 MB of SmolLM2's weights as much as it computes).
+
+    python -m bench.f32_linears                  # SmolLM2-135M, rows 1,32,256
+    python -m bench.f32_linears --rows 32 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from bench.amx_linears import _seconds, model_linears, read_bandwidth
+from bench.engines import probe_peak
+from engine import f32_linears
+
+log = logging.getLogger("bench.f32_linears")
+
+
+def sweeps(weights: list[torch.Tensor]) -> dict:
+    """way -> fn(rows) running every linear once."""
+    dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    ours = [f32_linears.pack(w) for w in weights]
+    xs = {}
+
+    def x_of(rows, k):
+        return xs.setdefault((rows, k), torch.randn(rows, k))
+
+    def run(apply):
+        def sweep(rows: int):
+            for i, w in enumerate(weights):
+                apply(i, x_of(rows, w.shape[1]))
+        return sweep
+
+    return {"ours": run(lambda i, x: f32_linears.linear(x, ours[i])),
+            "oneDNN packed": run(lambda i, x: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")),
+            "F.linear (MKL)": run(lambda i, x: torch.nn.functional.linear(x, weights[i]))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
+    ap.add_argument("--rows", default="1,32,256", help="rows per call (a decode step's sequences), comma-separated")
+    ap.add_argument("--repeats", type=int, default=5, help="sweeps per way, row count and round (the best is kept)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not f32_linears.available():
+        raise SystemExit("the fp32 kernel does not serve here (no AVX-512, or ROLLOUT_F32_KERNEL=0): nothing to compare")
+    weights = [w.float() for w in model_linears(args.model)]
+    params = sum(w.numel() for w in weights)
+    bandwidth, peak = read_bandwidth(), probe_peak("float32")
+    log.info("%s: %d linears, %.0f MB in fp32; fp32 matmul probe %.1f GFLOP/s, memory read probe %.1f GB/s; %d threads",
+             args.model, len(weights), params * 4 / 1e6, peak / 1e9, bandwidth / 1e9, torch.get_num_threads())
+    ways = sweeps(weights)
+    with torch.inference_mode():
+        for rows in map(int, args.rows.split(",")):
+            best = {}
+            for order in (list(ways), list(ways)[::-1]):  # two rounds in opposite orders: a neighbour hits each alike
+                for way in order:
+                    for _ in range(args.repeats):
+                        best[way] = min(best.get(way, float("inf")), _seconds(lambda: ways[way](rows)))
+            best = {way: best[way] for way in ways}
+            cells = [f"{way} {t * 1e3:.2f} ms ({2 * rows * params / t / 1e9:.0f} GFLOP/s = {2 * rows * params / t / peak:.0%} "
+                     f"of the probe, {params * 4 / t / bandwidth:.0%} of the read probe)" for way, t in best.items()]
+            log.info("rows %3d: %s | ours / oneDNN %.2fx, ours / F.linear %.2fx", rows, " | ".join(cells),
+                     best["oneDNN packed"] / best["ours"], best["F.linear (MKL)"] / best["ours"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+/* An fp32 linear, out [m, n] = x [m, k] . w^T (+ bias), over a weight packed once into panels of
+   32 output columns: [n/32][k][32] floats, zero-padded to whole panels (engine/f32_linears.py).
+
+   oneDNN's fp32 matmul, through torch's op, costs a primitive lookup and its own blocking per call
+   and MKL's packed GEMM pads every weight's copy to at least 8 MB (2 GB for SmolLM2's 538 MB); a
+   decode step's GEMMs are small (32-256 rows), so one panel of 32 columns at a time, 8 rows x 32
+   columns of accumulators held in 16 vector registers, each weight row of the panel (128 bytes)
+   read once per 8 rows from the caches. Threads take whole panels.
+
+   Arithmetic: each output is the fp32 sum of its k products in order of k (FMA: each product added
+   exact, one rounding per step), then its bias added: a plain fp32 GEMM's error bound. */
+
+#include <stdlib.h>
+
+#include "common.h"
+
+/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB): the
+   first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
+#define PREFETCH_FLOATS 1024
+#define MR 8 /* rows a block: 16 accumulators of the 32 vector registers on AVX-512 */
+
+/* rows (1..MR) rows from x (row stride k) times one panel ([k][32]) into acc[rows][2]. */
+#define PANEL_ROWS(R)                                                                 \
+    static inline void panel_##R(const float *x, int64_t k, const float *p, v16f *acc) { \
+        v16f c[R][2];                                                                 \
+        for (int r = 0; r < R; r++) c[r][0] = c[r][1] = (v16f){0};                   \
+        for (int64_t kk = 0; kk < k; kk++) {                                          \
+            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS);                        \
+            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + 16);                   \
+            const v16f b0 = load16_f32(p + kk * 32), b1 = load16_f32(p + kk * 32 + 16); \
+            for (int r = 0; r < R; r++) {                                             \
+                const float a = x[r * k + kk];                                        \
+                c[r][0] += a * b0;                                                    \
+                c[r][1] += a * b1;                                                    \
+            }                                                                         \
+        }                                                                             \
+        for (int r = 0; r < R; r++) acc[2 * r] = c[r][0], acc[2 * r + 1] = c[r][1];   \
+    }
+
+PANEL_ROWS(1)
+PANEL_ROWS(2)
+PANEL_ROWS(3)
+PANEL_ROWS(4)
+PANEL_ROWS(5)
+PANEL_ROWS(6)
+PANEL_ROWS(7)
+PANEL_ROWS(8)
+
+static void panel(int rows, const float *x, int64_t k, const float *p, v16f *acc) {
+    switch (rows) {
+    case 1: panel_1(x, k, p, acc); break;
+    case 2: panel_2(x, k, p, acc); break;
+    case 3: panel_3(x, k, p, acc); break;
+    case 4: panel_4(x, k, p, acc); break;
+    case 5: panel_5(x, k, p, acc); break;
+    case 6: panel_6(x, k, p, acc); break;
+    case 7: panel_7(x, k, p, acc); break;
+    default: panel_8(x, k, p, acc); break;
+    }
+}
+
+/* x [m, k], w packed [ceil(n/32)][k][32], bias [n] or NULL: out [m, n], all fp32 and contiguous. */
+void f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {
+    const int64_t panels = (n + 31) / 32;
+    _Pragma("omp parallel for schedule(static) if (m * n * k > 32768)")
+    for (int64_t np = 0; np < panels; np++) {
+        const float *p = w + np * k * 32;
+        const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
+        float b[32] = {0};
+        if (bias)
+            for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
+        for (int64_t m0 = 0; m0 < m; m0 += MR) {
+            const int rows = m - m0 < MR ? (int)(m - m0) : MR;
+            v16f acc[2 * MR];
+            panel(rows, x + m0 * k, k, p, acc);
+            for (int r = 0; r < rows; r++) {
+                float *o = out + (m0 + r) * n + n0;
+                if (cols == 32) {
+                    store16_f32(o, acc[2 * r] + load16_f32(b));
+                    store16_f32(o + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                } else {
+                    float v[32];
+                    store16_f32(v, acc[2 * r] + load16_f32(b));
+                    store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                    for (int64_t j = 0; j < cols; j++) o[j] = v[j];
+                }
+            }
+        }
+    }
+}

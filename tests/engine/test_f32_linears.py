@@ -1,0 +1,35 @@
+"""engine/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512,
+the kernel within a plain fp32 GEMM's error bound, with and without a bias, at any row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import f32_linears
+
+avx512 = pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel serves only on AVX-512 CPUs")
+
+
+def test_pack_is_panels_of_32_columns():
+    w = torch.randn(50, 100)
+    p = f32_linears.pack(w)
+    assert p.packed.shape == (2, 100, 32) and (p.n, p.k) == (50, 100)
+    assert torch.equal(p.packed[0, 7, 5], w[5, 7]) and torch.equal(p.packed[1, 3, 17], w[49, 3])
+    assert p.packed[1, :, 18:].abs().sum() == 0  # the padding columns are zeros
+
+
+@avx512
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64),
+                                   (300, 70, 1536), (9, 31, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    got = f32_linears.linear(x, f32_linears.pack(w), bias).double()
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    # k sequential FMAs, each rounding once (relative 2^-24), then the bias: |error| <= (k + 1) u sum|terms|
+    magnitude = x.double().abs() @ w.double().abs().t() + (0 if bias is None else bias.double().abs())
+    assert ((got - exact).abs() <= (k + 1) * 2.0**-24 * magnitude + 1e-30).all()
+    assert (got - exact).abs().max() > 0  # it did round: the bound is what holds it
