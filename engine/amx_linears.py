@@ -89,6 +89,9 @@ def available() -> bool:
     return True
 
 
+native_kernels.forget_with_kernels(available.cache_clear)
+
+
 def pack(weight: torch.Tensor) -> AmxWeight:
     """`weight` [n, k] (int8 or bf16) in the kernel's layout: [n/32][k/TK][2][16][TK/e][16][e] with
     e values of K per 4-byte pair (4 int8, 2 bf16), zero-padded to whole tiles. Pure."""

@@ -68,6 +68,10 @@ def available() -> bool:
     return True
 
 
+native_kernels.forget_with_kernels(available.cache_clear)
+
+
+
 def pack(weight: torch.Tensor) -> F32Weight:
     """`weight` [n, k] in panels (fp32). Pure."""
     n, k = weight.shape

@@ -127,7 +127,18 @@ def function(name: str, symbol: str, argtypes: tuple, restype=None):
     return fn
 
 
+_dependents: list = []  # what other modules decided from the libraries (their probes): cleared with them
+
+
+def forget_with_kernels(clear) -> None:
+    """Call `clear()` at every `reset` (a module's cached probe of whether its kernel runs)."""
+    _dependents.append(clear)
+
+
 def reset() -> None:
-    """Forget what was loaded (tests that change the environment the kernels are built under)."""
+    """Forget what was loaded (tests that change the environment the kernels are built under), and
+    every probe made from it."""
     library.cache_clear()
     function.cache_clear()
+    for clear in _dependents:
+        clear()

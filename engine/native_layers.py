@@ -1,14 +1,18 @@
 """A decode step's decoder layers in one C call (engine/native/decode_layers.c), where every
-kernel of engine/fused_layers.py's bf16 forward is native: AMX linears (bf16, or weight-only
-int8), the rotation and cache writes, decode attention, the norms and silu * up.
+kernel of engine/fused_layers.py's forward is native: in bf16, AMX linears (bf16, or weight-only
+int8), the rotation and cache writes, decode attention, the norms and silu * up; in fp32, the
+linears on engine/native/f32_linear.c (AVX-512) and the same glue in fp32.
 
 Driven from Python, a 32-sequence bf16 decode step on 2 cores spent about a third of its main
 thread's time between those kernels (torch's dispatch, views, module calls), with the other core
 idle meanwhile. The C loop calls the same kernels in the same order on the same values, through
-the addresses of the functions loaded here, so its output has the Python forward's bits (tested).
+the addresses of the functions loaded here, so in bf16 its output has the Python forward's bits
+(tested). In fp32 its norm and silu are C's where Python runs torch's (an ulp or so apart a value):
+the fp32 engine's tests hold it to HF's greedy tokens and, within the bound derived from fp32's
+rounding, to HF's logprobs, as they hold the Python forward.
 
-It runs only where all of that holds for the step; anything else (a prefill, fp32 hidden states,
-a linear on oneDNN, a bias outside q/k/v (or on an int8 copy), a LoRA hook on any module of a layer, gradients, no C compiler,
+It runs only where all of that holds for the step; anything else (a prefill, an int8 engine fed
+fp32, a linear on oneDNN, a bias outside q/k/v (or on an int8 copy), a LoRA hook on any module of a layer, gradients, no C compiler,
 ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
 are looked up per step through derived_weights, so a push's copies serve from the first step
 after its commit, as they do in Python.
@@ -21,16 +25,24 @@ import os
 
 import torch
 
-from engine import amx_linears, attention, derived_weights, fused_layers, native_kernels
+from engine import amx_linears, attention, derived_weights, f32_linears, fused_layers, native_kernels
 
 ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
 _PTR = ctypes.c_void_p
-_KERNELS = (  # Kernels' fields in decode_layers.c: (library, symbol)
-    ("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("layer_glue", "rope_cache_bf16"),
-    ("layer_glue", "add_rms_norm_bf16"), ("layer_glue", "silu_mul_bf16"), ("paged_decode", "paged_decode_bf16"),
-)
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _kernel_names(dtype: torch.dtype) -> tuple:
+    """Kernels' fields in decode_layers.c, (library, symbol) each: the linears, then the loop's dtype's."""
+    x = _SUFFIX[dtype]
+    return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
+            ("layer_glue", f"rope_cache_{x}"), ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"),
+            ("paged_decode", f"paged_decode_{x}"))
+
+
 LAYER_FIELDS = 16  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches
-BF16, W8 = 0, 1  # Linear.kind
+BF16, W8, F32 = 0, 1, 2  # Linear.kind
+_KINDS = {torch.bfloat16: (BF16, W8), torch.float32: (F32,)}  # the linears each loop takes
 
 
 class _Shape(ctypes.Structure):
@@ -50,24 +62,31 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
 
 
-_kernels_cache: list = []
+_kernels_cache: dict = {}
 
 
-def _kernels() -> ctypes.Array | None:
-    """The kernels' addresses (Kernels in decode_layers.c), or None where one is not loaded."""
-    if not _kernels_cache:
-        libs = {name: native_kernels.library(name) for name in {lib for lib, _ in _KERNELS}}
-        entry = native_kernels.function("decode_layers", "decode_layers_bf16", (_PTR,) * 11, ctypes.c_int)
-        ok = entry is not None and amx_linears.available() and all(libs.values())
-        table = (ctypes.c_int64 * len(_KERNELS))(
-            *[ctypes.cast(getattr(libs[lib], sym), _PTR).value for lib, sym in _KERNELS]) if ok else None
-        _kernels_cache.append((entry, table))
-    return _kernels_cache[0] if _kernels_cache[0][1] is not None else None
+def _kernels(dtype: torch.dtype):
+    """(the loop's entry, the kernels' addresses: Kernels in decode_layers.c) for `dtype`, or None
+    where a kernel it needs does not run here."""
+    if dtype not in _kernels_cache:
+        names = _kernel_names(dtype)
+        libs = {name: native_kernels.library(name) for name in {lib for lib, _ in names}}
+        entry = native_kernels.function("decode_layers", f"decode_layers_{_SUFFIX[dtype]}", (_PTR,) * 11,
+                                        ctypes.c_int)
+        linears = amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()
+        ok = entry is not None and linears and all(libs.values())
+        table = (ctypes.c_int64 * len(names))(
+            *[ctypes.cast(getattr(libs[lib], sym), _PTR).value for lib, sym in names]) if ok else None
+        _kernels_cache[dtype] = (entry, table) if ok else None
+    return _kernels_cache[dtype]
 
 
 def reset() -> None:
-    """Forget the loaded kernels (tests that change the environment they are built under)."""
+    """Forget the loaded kernels (with native_kernels.reset)."""
     _kernels_cache.clear()
+
+
+native_kernels.forget_with_kernels(reset)
 
 
 def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
@@ -75,6 +94,8 @@ def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
     copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
     if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
         return copy.packed.data_ptr(), BF16, copy.n, copy.k
+    if isinstance(copy, f32_linears.F32Weight):
+        return copy.packed.data_ptr(), F32, copy.n, copy.k
     amx = getattr(copy, "packed", None)
     if getattr(copy, "kernel", None) == "amx_w8" and isinstance(amx, amx_linears.AmxWeight):
         return amx.packed.data_ptr(), W8, amx.n, amx.k
@@ -96,7 +117,8 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     if any(m.bias is not None for m in linears[3:]) or not all(hasattr(m, "_derive") for m in linears):
         return None  # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(n.weight.dtype != torch.bfloat16 or n.variance_epsilon != shape["eps"] for n in norms):
+    dtype = shape["dtype"]
+    if any(n.weight.dtype != dtype or n.variance_epsilon != shape["eps"] for n in norms):
         return None
     h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
         shape["intermediate"]
@@ -104,13 +126,13 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     for linear, group, n, k in ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q),
                                 (None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i)):
         copy = _copy(linear, group)
-        if copy is None or copy[2:] != (n, k):
+        if copy is None or copy[2:] != (n, k) or copy[1] not in _KINDS[dtype]:
             return None
         bias = 0
         if group is qkv_group and attn.q_proj.bias is not None:
-            if copy[1] != BF16:
-                return None
-            b = torch.cat([m.bias for m in group.members]).to(torch.bfloat16)
+            if copy[1] == W8:
+                return None  # Python adds it after the rounding
+            b = torch.cat([m.bias for m in group.members]).to(dtype)
             keep.append(b)
             bias = b.data_ptr()
         row += [*copy[:2], bias]
@@ -120,7 +142,7 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     return row + [k_cache.data_ptr(), v_cache.data_ptr()]
 
 
-def _shape(model) -> dict | None:
+def _shape(model, dtype: torch.dtype) -> dict | None:
     """The model's sizes, or None when it is not one this runs (its layers not fused_layers')."""
     layers = model.layers
     if not len(layers) or any(getattr(layer.forward, "__func__", None) is not fused_layers._layer_forward
@@ -131,19 +153,20 @@ def _shape(model) -> dict | None:
     kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
     return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
             "intermediate": mlp.gate_proj.weight.shape[0], "eps": model.norm.variance_epsilon,
-            "scale": attn.scaling}
+            "scale": attn.scaling, "dtype": dtype}
 
 
 def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
     """The decoder model's layers and final norm over `hidden` [1, T, H] (the step's embeddings,
     overwritten) at a decode step: the normed hidden states, or None when Python must run them."""
     ctx = attention._ctx
-    if (ctx is None or ctx.is_prefill or ctx.native is None or hidden.dtype != torch.bfloat16
-            or torch.is_grad_enabled() or not enabled()):
+    dtype = hidden.dtype
+    if (ctx is None or ctx.is_prefill or ctx.native is None or dtype not in _SUFFIX or torch.is_grad_enabled()
+            or not enabled()):
         return None
-    loaded = _kernels()
-    shape = _shape(model)
-    if loaded is None or shape is None or model.norm.weight.dtype != torch.bfloat16 or _hooked(model.norm):
+    loaded = _kernels(dtype)
+    shape = _shape(model, dtype)
+    if loaded is None or shape is None or model.norm.weight.dtype != dtype or _hooked(model.norm):
         return None
     t = hidden.shape[1]
     nd = ctx.native
@@ -156,7 +179,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
             return None
         rows.append(row)
     cos, sin_signed = attention.rope_tables(position_embeddings)
-    if cos.dtype != torch.bfloat16 or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+    if cos.dtype != dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()):
         return None
     entry, kernels = loaded
     table = torch.tensor(rows, dtype=torch.int64)
@@ -167,10 +190,10 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     kv = shape["kv_heads"] * shape["head_dim"]
     widths = {"x": h, "qkv": d + 2 * kv, "q": d, "k": kv, "attn": d, "o": h, "h": h, "h2": h, "gate_up": 2 * i,
               "act": i, "down": h}
-    buffer = torch.empty(t * sum(widths.values()), dtype=torch.bfloat16)
+    buffer = torch.empty(t * sum(widths.values()), dtype=dtype)
     pointers, offset = {}, 0
     for name in _SCRATCH:
-        pointers[name] = buffer.data_ptr() + 2 * offset
+        pointers[name] = buffer.data_ptr() + buffer.element_size() * offset
         offset += t * widths[name]
     scratch = _Scratch(**pointers)
     slots = ctx.slot_mapping
@@ -180,5 +203,5 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
                cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
                nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"decode_layers_bf16 failed ({rc}): out of memory, or a shape its kernels refuse")
+        raise RuntimeError(f"decode_layers_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
     return hidden

@@ -98,3 +98,40 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I
         }
     }
 }
+
+/* fp32 (the C decode loop's, engine/native/decode_layers.c): h = x + r (when r is not NULL, written
+   to h_out), then HF's RMSNorm of h, w * (h * (1 / sqrt(mean(h^2) + eps))): HF's arithmetic but for
+   the order of the mean's sum and a division for torch's rsqrt (each within an ulp or so). */
+void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float *w, float eps, int64_t T, int64_t N,
+                      float *out) {
+    _Pragma("omp parallel for schedule(static) if (T * N > 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * N;
+        float *hr = r ? h_out + t * N : (float *)xr, *o = out + t * N;
+        float sum = 0.f;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t i = 0; i < N; i++) {
+            const float h = r ? xr[i] + r[t * N + i] : xr[i];
+            if (r) hr[i] = h;
+            sum += h * h;
+        }
+        const float inv = 1.f / sqrtf(sum / (float)N + eps);
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < N; i++) o[i] = w[i] * (hr[i] * inv);
+    }
+}
+
+/* fp32: silu(gate) * up, gate_up [T, 2I] with row stride `stride` -> out [T, I]. */
+void silu_mul_f32(const float *gate_up, int64_t stride, int64_t T, int64_t I, float *out) {
+    _Pragma("omp parallel for schedule(static) if (T * I > 16384)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * stride, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const v16f gv = load16_f32(g + i);
+            store16_f32(o + i, gv / (1.0f + vexp(-gv)) * load16_f32(u + i));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -1,20 +1,22 @@
 """engine/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
-and the weight-only int8 one, on Llama's shape and Qwen2's (q/k/v biases); what the C loop does not
-take (a LoRA hook on a layer, the switch off) runs in Python."""
+and the weight-only int8 one, on Llama's shape and Qwen2's (q/k/v biases); in fp32 (C's norm and
+silu where Python runs torch's) HF's greedy tokens and its logprobs within fp32's rounding bound;
+what the C loop does not take (a LoRA hook on a layer, the switch off) runs in Python."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import amx_linears, native_layers
+from engine import amx_linears, f32_linears, native_layers
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-pytestmark = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: the C loop needs them")
+amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: the bf16 C loop needs them")
+avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
 
 
 @pytest.fixture
@@ -50,6 +52,7 @@ def _run(llm: LLM, monkeypatch, switch: str):
     return outs
 
 
+@amx
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, quantization):
@@ -67,6 +70,7 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, mo
     assert native == python
 
 
+@amx
 def test_a_hook_on_a_layer_keeps_the_python_forward(model_dirs, monkeypatch, calls):
     llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
     model = llm.core.worker.model
@@ -82,6 +86,7 @@ def test_a_hook_on_a_layer_keeps_the_python_forward(model_dirs, monkeypatch, cal
     assert calls["native"] == 0 and len(seen) > 0  # every decode step ran the hooked module in Python
 
 
+@amx
 def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, calls):
     """The C loop reads the weights' current copies each step: a weight written between two
     generates (as a commit writes it) changes the next step's output, as in Python."""
@@ -94,3 +99,20 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
     python = _run(llm, monkeypatch, "0")
     native = _run(llm, monkeypatch, "1")
     assert native == python != before
+
+
+@avx512
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(model_dirs, hf_models, monkeypatch, calls, arch):
+    monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
+    llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=256))
+    prompts = random_prompts(6, 3, 40, 400, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert calls["native"] > 0
+    hf = hf_models[arch]
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        assert c.token_ids == hf_greedy(hf, p, 16, ignore_eos=True)
+        tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + c.token_ids))
+        assert [_plain(d) for d in c.logprobs] == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)
