@@ -23,6 +23,10 @@ import torch.nn.functional as F
 from engine import attention, fused_linears, native_glue
 
 ARCHS = ("llama", "qwen2", "mistral")
+# Set on a norm or an MLP whose fp32 glue runs in C (native_glue) rather than torch's ops: a quantized
+# engine's (int8_linears.install), whose C decode loop (native_layers) runs the same, so both give
+# the same bits. The full-precision fp32 engine keeps torch's ops here: HF's arithmetic op for op.
+C_GLUE = "_c_glue"
 
 
 def unsupported(model) -> str | None:
@@ -75,7 +79,7 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def add_rms_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
     """(h, rms_norm(h)) with h = x + residual (x itself when residual is None)."""
     w, eps = norm.weight, norm.variance_epsilon
-    if x.dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16 or getattr(norm, C_GLUE, False):
         n = x.shape[-1]
         done = native_glue.add_rms_norm(x.reshape(-1, n), None if residual is None else residual.reshape(-1, n), w, eps)
         if done is not None:
@@ -98,6 +102,7 @@ def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     h, y = add_rms_norm(self.post_attention_layernorm, hidden_states, attn.o_proj(out.view(1, t, -1)))
     gate_up = fused_linears.project(mlp, y)
     gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
-    act = native_glue.silu_mul(gate[0], up[0]) if isinstance(mlp.act_fn, torch.nn.SiLU) else None
+    native = isinstance(mlp.act_fn, torch.nn.SiLU) and (gate.dtype == torch.bfloat16 or getattr(mlp, C_GLUE, False))
+    act = native_glue.silu_mul(gate[0], up[0]) if native else None
     act = mlp.act_fn(gate) * up if act is None else act.view(gate.shape)
     return h + mlp.down_proj(act)

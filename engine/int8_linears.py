@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import amx_linears, derived_weights, native_quantize, packed_linears
+from engine import amx_linears, derived_weights, fused_layers, native_quantize, packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,8 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
                     "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX: 9%%; bench.fidelity)", how[0])
     count = 0
     for name, module in model.named_modules():
+        if hasattr(module, "variance_epsilon") or hasattr(module, "act_fn"):  # a norm, an MLP
+            setattr(module, fused_layers.C_GLUE, True)  # fp32 glue in C, as the C decode loop runs it
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
             # in place of a prepacked copy, if it had one; the kernel is fixed for the model's life
             derived_weights.attach(module, functools.partial(derive, how=how))

@@ -1,6 +1,7 @@
 """The decoder layer's elementwise steps through engine/native/layer_glue.c (see its header):
-the rotation and the cache writes in one call (both dtypes, torch's bits), and in bf16 the
-residual add with the norm, and silu times up. Each returns None where it does not run (no C
+the rotation and the cache writes in one call (both dtypes, torch's bits), and the residual add
+with the norm, and silu times up (bf16; fp32 where a layer asks for them: a quantized engine's,
+whose C decode loop runs the same, engine/native_layers.py). Each returns None where it does not run (no C
 compiler, another device or dtype), and the caller takes torch's ops."""
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def rope_cache(q, k, v, cos, sin_signed, slots, k_slots, v_slots):
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """bf16 [T, N]: (h, norm(h)) with h = x + residual (x itself without one), or None."""
-    fn = _fn("add_rms_norm", x.dtype) if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 else None
+    """bf16 or fp32 [T, N]: (h, norm(h)) with h = x + residual (x itself without one), or None."""
+    fn = _fn("add_rms_norm", x.dtype) if weight.dtype == x.dtype else None
     if fn is None or not x.is_contiguous() or x.dim() != 2 or x.device.type != "cpu":
         return None
     if residual is not None and not (residual.is_contiguous() and residual.shape == x.shape):
@@ -68,9 +69,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """bf16: silu(gate) * up, where gate and up are the two halves of one [T, 2I] tensor's rows
-    (fused_linears' gate/up output), or None."""
-    fn = _fn("silu_mul", gate.dtype) if gate.dtype == torch.bfloat16 else None
+    """bf16 or fp32: silu(gate) * up, where gate and up are the two halves of one [T, 2I] tensor's
+    rows (fused_linears' gate/up output), or None."""
+    fn = _fn("silu_mul", gate.dtype)
     if fn is None or gate.dim() != 2 or not (_rows(gate) and _rows(up)) or gate.stride(0) != up.stride(0):
         return None
     t, i = gate.shape

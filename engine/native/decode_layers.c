@@ -13,19 +13,19 @@
    The residual add that ends a layer (h + down) is done by the next norm's add (add_rms_norm's
    h = x + r, rounded to bf16 as torch's add rounds it), the last one by the final norm's. */
 
-#include <stddef.h>
-#include <stdint.h>
+#include "common.h"
 
 typedef int (*linear_bf16_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n,
                               const uint16_t *bias, uint16_t *out);
 typedef int (*linear_w8_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, uint16_t *out);
 typedef void (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
                               float *out);
+typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, float *out);
 
 /* The kernels, as engine/native_layers.py lists their addresses: the linears, then the glue and the
    attention in the loop's dtype (layer_glue.c's and paged_decode.c's _bf16 or _f32). */
 typedef struct {
-    int64_t linear_bf16, linear_w8, linear_f32, rope_cache, add_rms_norm, silu_mul, paged_decode;
+    int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, rope_cache, add_rms_norm, silu_mul, paged_decode;
 } Kernels;
 
 /* A linear's packed weight, its kernel (LINEAR_*) and its bias (0: none; in the loop's dtype, added
@@ -56,10 +56,23 @@ static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m
     return -3;
 }
 
-static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, int64_t k, int64_t n, float *out) {
-    if (w.kind != LINEAR_F32) return -3;
-    ((linear_f32_fn)kn->linear_f32)(x, m, k, (const float *)w.weight, n, (const float *)w.bias, out);
-    return 0;
+/* fp32 hidden states: our fp32 kernel, or weight-only int8 (an int8 engine fed fp32 pushes) on the
+   input rounded to bf16 (as torch's .to(bfloat16) rounds: to nearest even) into `x16`, out in fp32. */
+static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, int64_t k, int64_t n, float *out,
+                      uint16_t *x16) {
+    if (w.kind == LINEAR_F32) {
+        ((linear_f32_fn)kn->linear_f32)(x, m, k, (const float *)w.weight, n, (const float *)w.bias, out);
+        return 0;
+    }
+    if (w.kind != LINEAR_W8 || w.bias) return -3;
+    for (int64_t i = 0; i < m * k; i++) x16[i] = f32_to_bf16(x[i]);
+    return ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);
+}
+
+static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
+                        uint16_t *out, uint16_t *x16) {
+    (void)x16;
+    return linear_bf16(kn, w, x, m, k, n, out);
 }
 
 /* The step's scratch, each [T, width] in the loop's dtype, allocated by the caller; hidden
@@ -69,6 +82,7 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
 #define DEFINE_DECODE(NAME, T_, LINEAR)                                                                        \
     typedef struct {                                                                                           \
         T_ *x, *qkv, *q, *k, *attn, *o, *h, *h2, *gate_up, *act, *down;                                        \
+        uint16_t *x16; /* [T, the widest input] bf16: a weight-only int8 linear's input in the fp32 loop */   \
     } NAME##_scratch;                                                                                          \
     typedef void (*NAME##_rope)(const T_ *, int64_t, const T_ *, int64_t, const T_ *, int64_t, int64_t, int64_t, \
                                 int64_t, int64_t, const T_ *, const T_ *, const int64_t *, T_ *, T_ *, T_ *, T_ *); \
@@ -87,7 +101,7 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
             const Layer *L = layers + l;                                                                       \
             norm(cur, res, b->h, (const T_ *)L->input_norm, s->eps, T, H, b->x);                               \
             const T_ *base = res ? b->h : cur;                                                                 \
-            int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv);                                             \
+            int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv, b->x16);                                             \
             if (rc) return rc;                                                                                 \
             T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                 \
             ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads, \
@@ -95,16 +109,16 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
             rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,  \
                                                     s->heads, s->kv_heads, D, s->block_size, s->max_len, s->scale); \
             if (rc) return rc;                                                                                 \
-            if ((rc = LINEAR(kn, L->o, b->attn, T, nq, H, b->o))) return rc;                                   \
+            if ((rc = LINEAR(kn, L->o, b->attn, T, nq, H, b->o, b->x16))) return rc;                                   \
             norm(base, b->o, b->h2, (const T_ *)L->post_norm, s->eps, T, H, b->x);                             \
-            if ((rc = LINEAR(kn, L->gate_up, b->x, T, H, 2 * I, b->gate_up))) return rc;                       \
+            if ((rc = LINEAR(kn, L->gate_up, b->x, T, H, 2 * I, b->gate_up, b->x16))) return rc;                       \
             ((NAME##_silu)kn->silu_mul)(b->gate_up, 2 * I, T, I, b->act);                                      \
-            if ((rc = LINEAR(kn, L->down, b->act, T, I, H, b->down))) return rc;                               \
+            if ((rc = LINEAR(kn, L->down, b->act, T, I, H, b->down, b->x16))) return rc;                               \
             cur = b->h2, res = b->down;                                                                        \
         }                                                                                                      \
         norm(cur, res, b->h, final_norm, s->eps, T, H, hidden);                                                \
         return 0;                                                                                              \
     }
 
-DEFINE_DECODE(decode_layers_bf16, uint16_t, linear_bf16)
+DEFINE_DECODE(decode_layers_bf16, uint16_t, linear_bf16_)
 DEFINE_DECODE(decode_layers_f32, float, linear_f32)

@@ -55,23 +55,19 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xr = x + t * N;
         uint16_t *hr = h_out + t * N, *o = out + t * N;
-        float sum = 0.f;
         if (r) {
             const uint16_t *rr = r + t * N;
-            _Pragma("omp simd reduction(+ : sum)")
-            for (int64_t i = 0; i < N; i++) {
-                const uint16_t hb = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-                const float hf = bf16_to_f32(hb);
-                hr[i] = hb;
-                sum += hf * hf;
-            }
+            for (int64_t i = 0; i < N; i++) hr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
         } else {
-            _Pragma("omp simd reduction(+ : sum)")
-            for (int64_t i = 0; i < N; i++) {
-                const float hf = bf16_to_f32(xr[i]);
-                sum += hf * hf;
-            }
             hr = (uint16_t *)xr;
+        }
+        /* one loop over h whether or not it was added here: one summation order, so the C decode loop
+           (which adds a layer's residual in the next norm) and Python (which adds it with torch) agree */
+        float sum = 0.f;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t i = 0; i < N; i++) {
+            const float hf = bf16_to_f32(hr[i]);
+            sum += hf * hf;
         }
         const float inv = 1.f / sqrtf(sum / (float)N + eps);
         _Pragma("omp simd")
@@ -108,13 +104,11 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
     for (int64_t t = 0; t < T; t++) {
         const float *xr = x + t * N;
         float *hr = r ? h_out + t * N : (float *)xr, *o = out + t * N;
-        float sum = 0.f;
+        if (r)
+            for (int64_t i = 0; i < N; i++) hr[i] = xr[i] + r[t * N + i];
+        float sum = 0.f; /* one loop over h whether or not it was added here: one summation order */
         _Pragma("omp simd reduction(+ : sum)")
-        for (int64_t i = 0; i < N; i++) {
-            const float h = r ? xr[i] + r[t * N + i] : xr[i];
-            if (r) hr[i] = h;
-            sum += h * h;
-        }
+        for (int64_t i = 0; i < N; i++) sum += hr[i] * hr[i];
         const float inv = 1.f / sqrtf(sum / (float)N + eps);
         _Pragma("omp simd")
         for (int64_t i = 0; i < N; i++) o[i] = w[i] * (hr[i] * inv);

@@ -74,9 +74,29 @@ def test_silu_times_up_in_bf16_within_one_rounding():
     assert native_glue.silu_mul(gate.contiguous(), up.contiguous()) is None  # not one tensor's halves: torch's
 
 
+def test_add_and_norm_and_silu_in_fp32_within_their_rounding():
+    """fp32 (what a quantized engine's layers and the fp32 C decode loop run): the residual add is
+    torch's; the norm differs from torch's only in its mean's summation order and a division for
+    rsqrt (|error| <= (N + 4) u |y|), silu in its e^x (Cephes' vs SLEEF's, an ulp or two: 8 u)."""
+    _ready(torch.float32)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(41, 576, generator=g) * torch.logspace(-2, 2, 41)[:, None]
+    r, w = torch.randn(41, 576, generator=g), torch.randn(576, generator=g)
+    h, y = native_glue.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h, x + r)
+    want = F.rms_norm(h, (576,), w, 1e-5)
+    assert ((y - want).abs() <= (576 + 4) * 2.0**-24 * want.abs() + 1e-30).all()
+    h2, y2 = native_glue.add_rms_norm(h, None, w, 1e-5)
+    assert h2 is h and torch.equal(y2, y)  # without a residual: the same sum, in the same order
+    gate_up = torch.randn(7, 2 * 300, generator=g) * 4
+    got = native_glue.silu_mul(gate_up[:, :300], gate_up[:, 300:])
+    want = F.silu(gate_up[:, :300]) * gate_up[:, 300:]
+    assert ((got - want).abs() <= 8 * 2.0**-24 * want.abs() + 1e-30).all()
+
+
 def test_what_the_kernels_do_not_take_goes_to_torch():
     x = torch.randn(4, 64)
-    assert native_glue.add_rms_norm(x, None, torch.ones(64), 1e-5) is None  # fp32: torch's exact composite
-    assert native_glue.silu_mul(x[:, :32], x[:, 32:]) is None
+    assert native_glue.add_rms_norm(x, None, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None  # mixed dtypes
+    assert native_glue.silu_mul(x[:, :32], x[:, 33:]) is None  # not one tensor's halves
     q = torch.randn(4, 2, 16, dtype=torch.float16)
     assert native_glue.rope_cache(q, q, q, q, q, torch.arange(4), q, q) is None

@@ -54,9 +54,11 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 @amx
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, quantization):
-    llm = LLM(EngineConfig(model=model_dirs[arch], dtype="bfloat16", max_num_seqs=8, max_model_len=256,
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
+def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, dtype,
+                                                                  quantization):
+    """bf16, and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in both loops)."""
+    llm = LLM(EngineConfig(model=model_dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
                            quantization=quantization))
     _run(llm, monkeypatch, "0")  # NOTE: the int8 engine's first generate in a process was seen to differ from the next ones
     calls["native"] = 0
