@@ -1,15 +1,15 @@
 """fp32 linears through engine/native/f32_linear.c where the CPU has AVX-512: each weight packed
-once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 8 rows x 32
-columns of fp32 accumulators in registers, the next weights prefetched.
+once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 12 rows x 32
+columns of fp32 accumulators in registers, K in chunks that stay in L1, the weights prefetched.
 
-On an Intel Xeon (AVX-512, 2 cores) at a decode step's rows it ran SmolLM2's linears 1.0-1.4x as
-fast as oneDNN's prepacked matmul at 32 rows and 0.96-1.1x at 256 (bench.f32_linears); oneDNN's
+On an Intel Xeon (AVX-512, 2 cores), swept over SmolLM2's linears as a decode step streams them, it
+ran 1.23x / 1.15x / 1.00x oneDNN's prepacked matmul at 1 / 32 / 256 rows (bench.f32_linears); oneDNN's
 op also costs a primitive lookup per call, and MKL's packed GEMM (faster still on some shapes)
 pads each weight's copy to at least 8 MB (2 GB for SmolLM2's 538 MB). Being ours, the decode
 step's C loop (engine/native_layers.py) can call it too, which it cannot do with torch's ops.
 
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
-its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 16
+its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 24
 accumulators would spill) and with ROLLOUT_F32_KERNEL=0, oneDNN stays."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _has_avx512() -> bool:
 
 
 def _fn():
-    return native_kernels.function("f32_linear", "f32_linear", (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR))
+    return native_kernels.function("f32_linear", "f32_linear", (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR), ctypes.c_int)
 
 
 @functools.cache
@@ -86,6 +86,7 @@ def linear(x: torch.Tensor, w: F32Weight, bias: torch.Tensor | None = None) -> t
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    _fn()(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, None if b is None else b.data_ptr(),
-          out.data_ptr())
+    if _fn()(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, None if b is None else b.data_ptr(),
+             out.data_ptr()) != 0:
+        raise MemoryError("f32_linear: no memory for its partial sums")
     return out

@@ -18,8 +18,8 @@
 typedef int (*linear_bf16_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n,
                               const uint16_t *bias, uint16_t *out);
 typedef int (*linear_w8_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, uint16_t *out);
-typedef void (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
-                              float *out);
+typedef int (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
+                             float *out);
 typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, float *out);
 
 /* The kernels, as engine/native_layers.py lists their addresses: the linears, then the glue and the
@@ -60,10 +60,8 @@ static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m
    input rounded to bf16 (as torch's .to(bfloat16) rounds: to nearest even) into `x16`, out in fp32. */
 static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, int64_t k, int64_t n, float *out,
                       uint16_t *x16) {
-    if (w.kind == LINEAR_F32) {
-        ((linear_f32_fn)kn->linear_f32)(x, m, k, (const float *)w.weight, n, (const float *)w.bias, out);
-        return 0;
-    }
+    if (w.kind == LINEAR_F32)
+        return ((linear_f32_fn)kn->linear_f32)(x, m, k, (const float *)w.weight, n, (const float *)w.bias, out);
     if (w.kind != LINEAR_W8 || w.bias) return -3;
     for (int64_t i = 0; i < m * k; i++) x16[i] = f32_to_bf16(x[i]);
     return ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);
