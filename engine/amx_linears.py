@@ -66,12 +66,7 @@ class AmxWeight:
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"amx_tile", "amx_int8", "amx_bf16"} <= set(flags)
+    return {"amx_tile", "amx_int8", "amx_bf16"} <= native_kernels.cpu_flags()
 
 
 @functools.cache

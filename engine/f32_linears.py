@@ -44,15 +44,6 @@ class F32Weight:
         return self.packed.numel() * self.packed.element_size()
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512f" in flags
-
-
 def _fn():
     return native_kernels.function("f32_linear", "f32_linear", (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR), ctypes.c_int)
 
@@ -60,7 +51,7 @@ def _fn():
 @functools.cache
 def available() -> bool:
     """Whether the kernel serves fp32 linears here (probed once per process)."""
-    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or not _has_avx512():
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or "avx512f" not in native_kernels.cpu_flags():
         return False
     if _fn() is None:
         return False

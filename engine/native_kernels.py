@@ -67,6 +67,11 @@ def _cache_dir() -> str:
     return fallback
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo's; empty where it cannot be read)."""
+    return set(_cpu_flags().split()[2:])
+
+
 def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
 
