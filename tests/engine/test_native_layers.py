@@ -60,7 +60,9 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, mo
     """bf16, and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in both loops)."""
     llm = LLM(EngineConfig(model=model_dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
                            quantization=quantization))
-    _run(llm, monkeypatch, "0")  # NOTE: the int8 engine's first generate in a process was seen to differ from the next ones
+    # NOTE: the first generate prefills the prompts fresh, the later ones on their cached prefixes,
+    # whose attention rounds differently in bf16 (0.01-0.03 on a logprob): compare two of the later ones
+    _run(llm, monkeypatch, "0")
     calls["native"] = 0
     python = _run(llm, monkeypatch, "0")
     assert calls["native"] == 0
