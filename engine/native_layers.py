@@ -11,9 +11,9 @@ the addresses of the functions loaded here, so in bf16 its output has the Python
 the fp32 engine's tests hold it to HF's greedy tokens and, within the bound derived from fp32's
 rounding, to HF's logprobs, as they hold the Python forward.
 
-It runs only where all of that holds for the step; anything else (a prefill, an int8 engine fed
-fp32, a linear on oneDNN, a bias outside q/k/v (or on an int8 copy), a LoRA hook on any module of a layer, gradients, no C compiler,
-ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
+It runs only where all of that holds for the step; anything else (a prefill, a linear on oneDNN,
+a bias outside q/k/v or on an int8 copy, a LoRA hook on any module of a layer, gradients, no C
+compiler, ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
 are looked up per step through derived_weights, so a push's copies serve from the first step
 after its commit, as they do in Python.
 """
@@ -36,8 +36,8 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
     """Kernels' fields in decode_layers.c, (library, symbol) each: the linears, then the loop's dtype's."""
     x = _SUFFIX[dtype]
     return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
-            ("amx_linear", "amx_linear_w8_f32"), ("layer_glue", f"rope_cache_{x}"), ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"),
-            ("paged_decode", f"paged_decode_{x}"))
+            ("amx_linear", "amx_linear_w8_f32"), ("layer_glue", f"rope_cache_{x}"),
+            ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
 
 
 LAYER_FIELDS = 16  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches
@@ -89,7 +89,8 @@ native_kernels.forget_with_kernels(reset)
 
 
 def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
-    """(address, kind, n, k) of the AMX copy serving `linear` (its group's when it has one)."""
+    """(address, kind, n, k) of the copy serving `linear` (its group's when it has one), or None when
+    it is not one of the loop's kernels'."""
     copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
     if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
         return copy.packed.data_ptr(), BF16, copy.n, copy.k
@@ -168,8 +169,9 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     if loaded is None or shape is None or model.norm.weight.dtype != dtype or _hooked(model.norm):
         return None
     t = hidden.shape[1]
-    nd = ctx.native
-    if nd.block_table.shape[0] != t or not hidden.is_contiguous():
+    nd, slots = ctx.native, ctx.slot_mapping
+    if (nd.block_table.shape[0] != t or not hidden.is_contiguous() or slots.dtype != torch.int64
+            or not slots.is_contiguous()):
         return None
     rows, keep = [], []
     for index, layer in enumerate(model.layers):
@@ -197,9 +199,6 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
         pointers[name] = buffer.data_ptr() + offset
         offset += -(-nbytes[name] // 64) * 64
     scratch = _Scratch(**pointers)
-    slots = ctx.slot_mapping
-    if slots.dtype != torch.int64 or not slots.is_contiguous():
-        return None
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
                cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
                nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())

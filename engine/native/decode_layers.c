@@ -1,5 +1,5 @@
 /* A decode step's decoder layers (Llama-shaped; bf16 hidden states on AMX linears, or fp32 ones on
-   engine/native/f32_linear.c) in one call.
+   engine/native/f32_linear.c; weight-only int8 linears in either) in one call.
 
    Driven layer by layer from Python, a 32-sequence bf16 decode step on 2 cores spent about a third
    of its main thread's time in the interpreter and torch's dispatch between the kernels (views,
