@@ -6,12 +6,13 @@
    splits, module calls, output allocations: ~20 per layer), while the other core waited. Here the
    same kernels run in the same order on the same buffers, called through the function pointers
    Python hands over (each kernel stays in its own library: engine/native_layers.py), so the
-   arithmetic, and in bf16 every bit of the result, is the Python forward's (engine/fused_layers.py).
-   In fp32 the norm and silu are C's (layer_glue.c's *_f32) where Python runs torch's ops: the same
-   arithmetic to within an ulp or so a value, held to HF's logprobs by the fp32 engine's tests.
+   arithmetic, and in bf16 and in an int8 engine every bit of the result, is the Python forward's
+   (engine/fused_layers.py). In the fp32 engine the norm and silu are C's (layer_glue.c's *_f32)
+   where Python runs torch's ops: the same arithmetic to within an ulp or so a value, held to HF's
+   logprobs by the fp32 engine's tests.
 
    The residual add that ends a layer (h + down) is done by the next norm's add (add_rms_norm's
-   h = x + r, rounded to bf16 as torch's add rounds it), the last one by the final norm's. */
+   h = x + r, rounded as torch's add rounds it), the last one by the final norm's. */
 
 #include "common.h"
 
