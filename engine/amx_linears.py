@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import native_kernels
+from engine import derived_weights, native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +53,8 @@ _TILE_K = {torch.int8: 64, torch.bfloat16: 32}
 
 
 @dataclass(frozen=True)
-class AmxWeight:
+class AmxWeight(derived_weights.PackedWeight):
     """A [n, k] weight laid out for the kernel (`pack`), in int8 or bf16."""
-
-    packed: torch.Tensor
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
 
 
 def _cpu_has_amx() -> bool:

@@ -36,6 +36,20 @@ log = logging.getLogger(__name__)
 Derive = Callable[[torch.Tensor], object]
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [n, k] weight laid out once for one of our kernels (amx_linears.AmxWeight,
+    f32_linears.F32Weight): the derived copy its forward reads."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
 def attach(module: torch.nn.Module, derive: Derive) -> None:
     """Serve `module`'s forward from `derive(module.weight)` (made at its first forward, `refresh`,
     or a push's `stage`)."""

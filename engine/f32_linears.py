@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import native_kernels
+from engine import derived_weights, native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +32,8 @@ PANEL = 32  # output columns a panel
 
 
 @dataclass(frozen=True)
-class F32Weight:
+class F32Weight(derived_weights.PackedWeight):
     """A [n, k] fp32 weight in panels of PANEL columns: [ceil(n/32), k, 32], zero-padded."""
-
-    packed: torch.Tensor
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
 
 
 def _fn():
