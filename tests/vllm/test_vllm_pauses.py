@@ -105,13 +105,19 @@ def test_tokens_sampled_before_a_pause_keep_their_version_however_late_they_are_
             assert r.finish == "abort" and r.versions == [old] * k
 
 
+# Tokens each rollout of the test under load asks for: enough that the rollouts outlast the first
+# pause at 0.4 s (24 of 40 tokens all ended before it once, on a fast run of this machine: then no
+# rollout spanned a version).
+UNDER_LOAD_TOKENS = 160
+
+
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_pauses_under_load_return_every_rollout_whole(engine, loop, mode):
     """The manager's pauses (a version change each, no weight change) under load: abort-mode cuts
     are resubmitted, wait mode lets each request end under one version, keep mode continues them."""
     manager = RolloutManager([engine], pause_mode=mode)
     prompts = random_prompts(6, 5, 30, 2000, seed=34)
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=UNDER_LOAD_TOKENS, ignore_eos=True)
 
     async def bump(version):
         await engine.set_weight_version(version)
@@ -131,7 +137,7 @@ def test_pauses_under_load_return_every_rollout_whole(engine, loop, mode):
     rollouts = [r for g in groups for r in g]
     assert len(rollouts) == 24 and all(sorted(r.index for r in g) == [0, 1, 2, 3] for g in groups)
     for r in rollouts:
-        assert len(r.token_ids) == len(r.logprobs) == len(r.weight_versions) == 40 and r.finish_reason == "length"
+        assert len(r.token_ids) == len(r.logprobs) == len(r.weight_versions) == UNDER_LOAD_TOKENS and r.finish_reason == "length"
         assert all(a <= b for a, b in zip(r.weight_versions, r.weight_versions[1:]))
         assert base <= r.weight_versions[0] and r.weight_versions[-1] <= base + 3
         if mode == "wait":  # every request ends before the pause it was submitted before
