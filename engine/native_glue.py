@@ -1,8 +1,8 @@
 """The decoder layer's elementwise steps through engine/native/layer_glue.c (see its header):
 the rotation and the cache writes in one call (both dtypes, torch's bits), and the residual add
 with the norm, and silu times up (bf16; fp32 where a layer asks for them: a quantized engine's,
-whose C decode loop runs the same, engine/native_layers.py). Each returns None where it does not run (no C
-compiler, another device or dtype), and the caller takes torch's ops."""
+whose C decode loop runs the same, engine/native_layers.py). Each returns None where it does not
+run (no C compiler, another device or dtype), and the caller takes torch's ops."""
 
 from __future__ import annotations
 

@@ -76,24 +76,30 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
     }
 }
 
-/* gate_up [T, 2I] with row stride `stride` (gate in the first I columns, up in the next) -> out [T, I]. */
-void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I, uint16_t *out) {
-    _Pragma("omp parallel for schedule(static) if (T * I > 16384)")
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = gate_up + t * stride, *u = g + I;
-        uint16_t *o = out + t * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const v16f gv = load16_bf16(g + i);
-            const v16f silu = gv / (1.0f + vexp(-gv));
-            store16_bf16(o + i, round16_bf16(silu) * load16_bf16(u + i));
-        }
-        for (; i < I; i++) {
-            const float gf = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gf / (1.0f + expf(-gf))) * bf16_to_f32(u[i]));
-        }
+/* gate_up [T, 2I] with row stride `stride` (gate in the first I columns, up in the next) -> out [T, I]:
+   silu(gate), rounded to the dtype, times up, rounded (bf16: torch's two ops; fp32: no rounding between). */
+static inline v16f keep16_f32(v16f x) { return x; }
+#define DEFINE_SILU(NAME, T_, LOAD16, ROUND16, STORE16, LOAD, ROUND, STORE)                 \
+    void NAME(const T_ *gate_up, int64_t stride, int64_t T, int64_t I, T_ *out) {           \
+        _Pragma("omp parallel for schedule(static) if (T * I > 16384)")                     \
+        for (int64_t t = 0; t < T; t++) {                                                   \
+            const T_ *g = gate_up + t * stride, *u = g + I;                                 \
+            T_ *o = out + t * I;                                                            \
+            int64_t i = 0;                                                                  \
+            for (; i + 16 <= I; i += 16) {                                                  \
+                const v16f gv = LOAD16(g + i);                                              \
+                const v16f silu = gv / (1.0f + vexp(-gv));                                  \
+                STORE16(o + i, ROUND16(silu) * LOAD16(u + i));                              \
+            }                                                                               \
+            for (; i < I; i++) {                                                            \
+                const float gf = LOAD(g[i]);                                                \
+                o[i] = STORE(ROUND(gf / (1.0f + expf(-gf))) * LOAD(u[i]));                  \
+            }                                                                               \
+        }                                                                                   \
     }
-}
+
+DEFINE_SILU(silu_mul_bf16, uint16_t, load16_bf16, round16_bf16, store16_bf16, load_bf16, round_bf16, store_bf16)
+DEFINE_SILU(silu_mul_f32, float, load16_f32, keep16_f32, store16_f32, load_f32, round_f32, store_f32)
 
 /* fp32 (the C decode loop's, engine/native/decode_layers.c): h = x + r (when r is not NULL, written
    to h_out), then HF's RMSNorm of h, w * (h * (1 / sqrt(mean(h^2) + eps))): HF's arithmetic but for
@@ -112,20 +118,5 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
         const float inv = 1.f / sqrtf(sum / (float)N + eps);
         _Pragma("omp simd")
         for (int64_t i = 0; i < N; i++) o[i] = w[i] * (hr[i] * inv);
-    }
-}
-
-/* fp32: silu(gate) * up, gate_up [T, 2I] with row stride `stride` -> out [T, I]. */
-void silu_mul_f32(const float *gate_up, int64_t stride, int64_t T, int64_t I, float *out) {
-    _Pragma("omp parallel for schedule(static) if (T * I > 16384)")
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = gate_up + t * stride, *u = g + I;
-        float *o = out + t * I;
-        int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            const v16f gv = load16_f32(g + i);
-            store16_f32(o + i, gv / (1.0f + vexp(-gv)) * load16_f32(u + i));
-        }
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
