@@ -81,6 +81,39 @@ def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtyp
     assert torch.equal(got[0].view(kv_heads, -1, d), v[nd.block_table[0, 0], 0].unsqueeze(1).expand(-1, heads // kv_heads, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, dtype):
+    """GRPO's n samples of a prompt share its cache blocks and go to one thread as a run (cut at 8
+    rows): 20 siblings of one prompt, 3 of another, then rows of their own. Each row's output must
+    be what the kernel gives that row alone, bit for bit: the run changes who reads, not the sums."""
+    g = torch.Generator().manual_seed(3)
+    bs, kvh, heads, d = 16, 3, 9, 64
+    prompts = [[0, 1, 2], [3, 4]]  # shared prompt blocks
+    tables, lengths, next_block = [], [], 5
+    for shared, siblings in ((prompts[0], 20), (prompts[1], 3), ([], 6)):
+        for _ in range(siblings):
+            own = int(torch.randint(1, 3, (1,), generator=g))
+            tables.append(shared + list(range(next_block, next_block + own)))
+            lengths.append(len(shared) * bs + (own - 1) * bs + int(torch.randint(1, bs + 1, (1,), generator=g)))
+            next_block += own
+    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = torch.tensor(t)
+    lens = torch.tensor(lengths)
+    k = torch.randn(next_block, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(next_block, bs, kvh, d, generator=g).to(dtype)
+    q = torch.randn(len(tables), heads, d, generator=g).to(dtype)
+    got = native_decode.attend(NativeDecode(table, lens, int(lens.max())), q, k, v, d**-0.5)
+    for r in range(len(tables)):
+        alone = native_decode.attend(NativeDecode(table[r : r + 1], lens[r : r + 1], int(lens[r])), q[r : r + 1], k, v,
+                                     d**-0.5)
+        assert torch.equal(got[r], alone[0]), f"row {r}"
+    ref, bound = _reference(q, k, v, NativeDecode(table, lens, int(lens.max())), d**-0.5)
+    if dtype == torch.bfloat16:
+        bound = bound + ref.abs().amax(dim=(1, 2)) * 2.0**-8
+    assert ((got.double() - ref).abs().amax(dim=(1, 2)) <= bound).all()
+
+
 def test_shapes_it_does_not_take_stay_on_torch():
     assert not native_decode.available(torch.float16, torch.device("cpu"), 9, 3, 64)
     assert not native_decode.available(torch.float32, torch.device("cpu"), 9, 2, 64)  # heads not a multiple
