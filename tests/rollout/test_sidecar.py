@@ -18,6 +18,7 @@ from engine import SamplingParams
 from rollout import AsyncRolloutClient, RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy, random_prompts
 from tests.procs import descendants
+from tests.rollout.in_flight import held
 from tests.rollout.sidecar import TOKEN, Sidecar
 
 pytestmark = pytest.mark.timeout(300)
@@ -151,14 +152,18 @@ def test_pushes_under_load_return_every_rollout_whole_once(sidecar, trainer, mod
 
 def test_a_generate_that_times_out_is_aborted_on_the_sidecar(sidecar, module_client):
     """A client whose call times out (or whose caller is cancelled) tells the sidecar, which aborts
-    the call's requests: nothing keeps decoding for nobody. The work sent would take far longer
-    than the bound below (64 prompts x 4 samples x 200 tokens)."""
+    the call's requests: nothing keeps decoding for nobody. `timeout_s` bounds the silence between
+    a call's answers, so the engine cores are held stopped while the call waits: no group can end
+    before the bound whatever the machine's speed (with the work alone, 64 prompts x 4 samples x
+    200 tokens, groups ended every second on a fast CPU and the call never fell silent). The work
+    (128 x 4 x 240 tokens: 10 s on a fast CPU) outlasts the 3 s the abort is given by far."""
     impatient = RolloutClient(sidecar.url, token=TOKEN, timeout_s=1)
     try:
-        with pytest.raises(TimeoutError):
-            impatient.generate(random_prompts(64, 4, 8, 2000, seed=5),
-                               SamplingParams(n=4, max_tokens=200, ignore_eos=True))
-        deadline = time.monotonic() + 5
+        cores = [e["pid"] for e in module_client.health()["engine_states"]]
+        with held(cores), pytest.raises(TimeoutError):
+            impatient.generate(random_prompts(128, 4, 8, 2000, seed=5),
+                               SamplingParams(n=4, max_tokens=240, ignore_eos=True))
+        deadline = time.monotonic() + 3
         while module_client.stats()["groups_in_flight"] > 0:
             assert time.monotonic() < deadline, "the sidecar is still generating for a caller that gave up"
             time.sleep(0.05)
