@@ -28,7 +28,6 @@ static inline v16f load_f32(const float *p) {
     return x;
 }
 
-
 static inline float hsum(v16f x) {
     x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -190,7 +189,7 @@ DEFINE_ROW(row_bf16, uint16_t, load16_bf16, store_bf16)
             return -1;                                                                                   \
         int64_t *runs = malloc(sizeof(int64_t) * (size_t)(B + 1)), count = 0;                            \
         if (runs == NULL) return -2;                                                                     \
-        for (int64_t b = 0; b < B; b++) /* see sibling_runs */                                           \
+        for (int64_t b = 0; b < B; b++) /* the sibling runs (above) */                                   \
             if (b == 0 || b - runs[count - 1] >= MAX_RUN || table[b * table_stride] != table[(b - 1) * table_stride]) \
                 runs[count++] = b;                                                                       \
         runs[count] = B;                                                                                 \
