@@ -1,6 +1,6 @@
 """fp32 linears through engine/native/f32_linear.c where the CPU has AVX-512: each weight packed
 once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 12 rows x 32
-columns of fp32 accumulators in registers, K in chunks that stay in L1, the weights prefetched.
+columns of fp32 accumulators in registers, K in chunks that stay in L2, the weights prefetched.
 
 On an Intel Xeon (AVX-512, 2 cores), swept over SmolLM2's linears as a decode step streams them, it
 ran 1.23x / 1.15x / 1.00x oneDNN's prepacked matmul at 1 / 32 / 256 rows (bench.f32_linears); oneDNN's

@@ -18,7 +18,10 @@
    first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
 #define PREFETCH_FLOATS 1024
 #define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
-#define KC 256 /* values of K a chunk: 32 KB of a panel, within L1 */
+/* Values of K a chunk: 96 KB of a panel, within L2. Chunks of 256 (32 KB, within L1) ran 6% slower
+   at 256 rows (SmolLM2's linears swept, bench/RESULTS.md): the hardware streams a panel's rows
+   into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
+#define KC 768
 
 /* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32]) into acc[rows][2],
    starting from acc's sums (`more`) or from zero. */
@@ -73,7 +76,7 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
 }
 
 /* x [m, k], w packed [ceil(n/32)][k][32], bias [n] or NULL: out [m, n], all fp32 and contiguous.
-   K runs in chunks of KC (a chunk of a panel, 32 KB, stays in L1 while every row block reads it):
+   K runs in chunks of KC (a chunk of a panel, 96 KB, stays in L2 while every row block reads it):
    each row block's sums are kept between chunks (stored and loaded exactly), so every output is
    still one sum in order of k. Returns 0, or -1 when out of memory. */
 int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {

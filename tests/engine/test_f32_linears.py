@@ -21,7 +21,7 @@ def test_pack_is_panels_of_32_columns():
 
 @avx512
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64),
-                                   (300, 70, 1536), (9, 31, 7), (13, 40, 257)])
+                                   (300, 70, 1536), (9, 31, 7), (13, 40, 257), (14, 33, 769)])  # K chunks of 768: an edge
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * n + k)
