@@ -6,8 +6,8 @@ On an Intel Xeon (AVX-512, 2 cores), swept over SmolLM2's linears as a decode st
 ran 1.20-1.31x / 1.15x / 1.01-1.05x oneDNN's prepacked matmul at 1 / 32 / 256 rows
 (bench.f32_linears); oneDNN's op also costs a primitive lookup per call, and MKL's packed GEMM
 (faster still on some shapes) pads each weight's copy to at least 8 MB (2 GB for SmolLM2's
-538 MB). Being ours, the decode
-step's C loop (engine/native_layers.py) can call it too, which it cannot do with torch's ops.
+538 MB). Being ours, the decode step's C loop (engine/native_layers.py) can call it too, which it
+cannot do with torch's ops.
 
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
 its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 24
