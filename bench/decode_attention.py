@@ -38,12 +38,12 @@ def grpo_batch(rows: int, n: int, prompt_lens: tuple[int, int], generated: tuple
     return sorted(out, key=lambda r: r[2])
 
 
-def block_tables(batch, bs: int, share: bool, seed: int):
+def block_tables(batch, bs: int, seed: int):
     """Block tables [rows, width] and the block count: a prompt's full blocks shared by its samples
-    when `share`, every other block the row's own, scattered as a block manager leaves them."""
+    (prefix caching), every other block the row's own, scattered as a block manager leaves them."""
     tables, shared, count = [], {}, 0
     for prompt, plen, length in batch:
-        full = plen // bs if share else 0
+        full = plen // bs
         if prompt not in shared:
             shared[prompt] = list(range(count, count + full))
             count += full
@@ -84,7 +84,7 @@ class Ours:
         from engine.native_decode import NativeDecode
 
         self.bs = 16
-        table, count = block_tables(batch, self.bs, share=True, seed=seed)
+        table, count = block_tables(batch, self.bs, seed=seed)
         lengths = torch.tensor([length for _, _, length in batch])
         self.nd = NativeDecode(table, lengths, int(lengths.max()))
         self.caches = []
@@ -118,7 +118,7 @@ class Vllm:
         # matmul before any attention runs (without it the "amx" kernel dies of SIGILL)
         torch._C._cpu._init_amx()
         self.isa = _get_attn_isa(dtype, self.bs, d)
-        table, count = block_tables(batch, self.bs, share=True, seed=seed)
+        table, count = block_tables(batch, self.bs, seed=seed)
         self.table = table.to(torch.int32)
         rows = len(batch)
         self.seq_lens = torch.tensor([length for _, _, length in batch], dtype=torch.int32)
