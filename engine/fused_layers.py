@@ -99,7 +99,9 @@ def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
     cos, sin_signed = attention.rope_tables(position_embeddings)
     out = attention.rotate_and_attend(attn.layer_idx, q, k, v, cos, sin_signed, attn.scaling, _rotate)
-    h, y = add_rms_norm(self.post_attention_layernorm, hidden_states, attn.o_proj(out.view(1, t, -1)))
+    # reshape: CUDA's attention hands back heads-major strides (a copy there, as HF's reshape makes);
+    # the CPU's kernels return it contiguous (a view)
+    h, y = add_rms_norm(self.post_attention_layernorm, hidden_states, attn.o_proj(out.reshape(1, t, -1)))
     gate_up = fused_linears.project(mlp, y)
     gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
     native = isinstance(mlp.act_fn, torch.nn.SiLU) and (gate.dtype == torch.bfloat16 or getattr(mlp, C_GLUE, False))
