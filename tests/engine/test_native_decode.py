@@ -57,6 +57,11 @@ def _reference(q, k, v, nd, scale):
     return torch.stack(outs), torch.tensor(bounds, dtype=torch.float64)
 
 
+def _with_output_rounding(bound, ref, dtype):
+    """A bf16 output is the fp32 result rounded once: at most half an ulp more, 2^-8 relative."""
+    return bound + ref.abs().amax(dim=(1, 2)) * 2.0**-8 if dtype == torch.bfloat16 else bound
+
+
 @pytest.fixture(scope="module")
 def kernel_ready():
     if not native_decode.available(torch.float32, torch.device("cpu"), 9, 3, 64):
@@ -73,8 +78,7 @@ def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtyp
     got = native_decode.attend(nd, q, k, v, scale)
     ref, bound = _reference(q, k, v, nd, scale)
     err = (got.double() - ref).abs().amax(dim=(1, 2))
-    if dtype == torch.bfloat16:  # the fp32 result rounded once to bf16: at most half an ulp, 2^-8 relative
-        bound = bound + ref.abs().amax(dim=(1, 2)) * 2.0**-8
+    bound = _with_output_rounding(bound, ref, dtype)
     assert (err <= bound).all(), f"rows over their bound: {(err / bound).max().item():.2f}x"
     assert err.max().item() > 0 or dtype == torch.float32  # bf16 rounds: a kernel that returned ref would be odd
     # a single key: the output is that key's value, exactly
@@ -88,9 +92,8 @@ def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, d
     be what the kernel gives that row alone, bit for bit: the run changes who reads, not the sums."""
     g = torch.Generator().manual_seed(3)
     bs, kvh, heads, d = 16, 3, 9, 64
-    prompts = [[0, 1, 2], [3, 4]]  # shared prompt blocks
-    tables, lengths, next_block = [], [], 5
-    for shared, siblings in ((prompts[0], 20), (prompts[1], 3), ([], 6)):
+    tables, lengths, next_block = [], [], 5  # blocks 0-4: the two prompts' shared blocks
+    for shared, siblings in (([0, 1, 2], 20), ([3, 4], 3), ([], 6)):
         for _ in range(siblings):
             own = int(torch.randint(1, 3, (1,), generator=g))
             tables.append(shared + list(range(next_block, next_block + own)))
@@ -103,15 +106,14 @@ def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, d
     k = torch.randn(next_block, bs, kvh, d, generator=g).to(dtype)
     v = torch.randn(next_block, bs, kvh, d, generator=g).to(dtype)
     q = torch.randn(len(tables), heads, d, generator=g).to(dtype)
-    got = native_decode.attend(NativeDecode(table, lens, int(lens.max())), q, k, v, d**-0.5)
+    nd = NativeDecode(table, lens, int(lens.max()))
+    got = native_decode.attend(nd, q, k, v, d**-0.5)
     for r in range(len(tables)):
         alone = native_decode.attend(NativeDecode(table[r : r + 1], lens[r : r + 1], int(lens[r])), q[r : r + 1], k, v,
                                      d**-0.5)
         assert torch.equal(got[r], alone[0]), f"row {r}"
-    ref, bound = _reference(q, k, v, NativeDecode(table, lens, int(lens.max())), d**-0.5)
-    if dtype == torch.bfloat16:
-        bound = bound + ref.abs().amax(dim=(1, 2)) * 2.0**-8
-    assert ((got.double() - ref).abs().amax(dim=(1, 2)) <= bound).all()
+    ref, bound = _reference(q, k, v, nd, d**-0.5)
+    assert ((got.double() - ref).abs().amax(dim=(1, 2)) <= _with_output_rounding(bound, ref, dtype)).all()
 
 
 def test_shapes_it_does_not_take_stay_on_torch():
