@@ -30,7 +30,7 @@ from engine import EngineClient
 from engine.errors import EngineUnhealthyError
 from rollout.sidecar_state import SidecarState
 from weight_sync.common.manifest import Manifest
-from weight_sync.common.progress import FAILED_MARK, WITHDRAWN_MARK, PushProgress
+from weight_sync.common.progress import FAILED_MARK, SENT_MARK, WITHDRAWN_MARK, PushProgress
 from weight_sync.common.votes import WeightSyncError
 from weight_sync.engine_side.engines import commit_results, finish_on_engines, load_on_engines, stage_on_engines
 
@@ -135,12 +135,14 @@ class Staged:
 
 
 class _ProgressMarks:
-    """A push's progress as its trainer marks it in its store, read one at a time: a frozen
-    trainer's store may never answer, and then reads as no progress."""
+    """A push's progress as its trainer marks it in its store (weight_sync/trainer/progress_marks.py),
+    read one at a time: a frozen trainer's store may never answer, and then reads as no progress.
+    `sent`: the trainer's part is over (every byte out, the commit vote passed)."""
 
     def __init__(self, store: dict, push_id: str, period_s: float, stall_s: float):
         self.progress, self.period_s, self.stall_s = PushProgress(store, push_id, timeout_s=period_s), period_s, stall_s
         self.last, self.since, self.reading = None, time.monotonic(), None
+        self.sent = False
 
     async def lost(self) -> str | None:
         """How the push cannot finish ("gave the push up", "made no progress ..."), or None."""
@@ -153,6 +155,9 @@ class _ProgressMarks:
         now = time.monotonic()
         if mark == FAILED_MARK:
             return "gave the push up"
+        if mark == SENT_MARK:
+            self.sent = True
+            return None
         if mark is None or mark != self.last:
             self.last, self.since = mark, now
         elif now - self.since > self.stall_s:
@@ -170,12 +175,15 @@ async def trainer_lost(owner: Owner, push_id: str, stall_s: float, period_s: flo
     - the trainer is gone: its rendezvous port refuses twice in a row;
     - the trainer gave the push up (its broadcast failed: a peer of the group died): it marked
       the push failed (WeightSyncGroup.mark_progress);
-    - the trainer stalled (frozen, or its link): no bucket marked, or its store silent, for
-      `stall_s` once the transfer began (the wait for every worker before it is the trainer's,
-      bounded by its own timeout).
-    The last two only for an owner whose pushes mark their progress (`store`). An owner with no
-    port to watch is never seen lost here (NCCL's own error or the group's timeout ends the wait).
-    Returns how it was lost."""
+    - the trainer stalled (frozen, or its link): its progress mark stood still, or its store was
+      silent, for `stall_s` once the transfer began (the wait for every worker before it is the
+      trainer's, bounded by its own timeout). The mark moves while the trainer waits for the wire to
+      take its bytes, so a receiver that reads slowly does not look like a stalled trainer.
+    The last two only for an owner whose pushes mark their progress (`store`). Once the trainer
+    marked its part sent (every byte out, the commit vote passed), what is left is the engines'
+    own work (derived copies of the weights): the trainer is watched no more, whatever it does.
+    An owner with no port to watch is never seen lost here (NCCL's own error or the group's
+    timeout ends the wait). Returns how it was lost."""
     if owner.host is None:
         await asyncio.Event().wait()
     marks = None if owner.store is None else _ProgressMarks(owner.store, push_id, period_s, stall_s)
@@ -183,11 +191,17 @@ async def trainer_lost(owner: Owner, push_id: str, stall_s: float, period_s: flo
     try:
         while why is None:
             await asyncio.sleep(period_s)
+            why = marks and await marks.lost()
+            if marks is not None and marks.sent:
+                break
             missed = 0 if await owner.alive(period_s) else missed + 1
-            why = "is gone" if missed >= misses else marks and await marks.lost()
+            if missed >= misses:
+                why = "is gone"
     finally:
         if marks is not None:
             marks.close()
+    if why is None:
+        await asyncio.Event().wait()  # sent: nothing the trainer does can lose this push now
     return f"the trainer of group {owner.group_name} {why} mid-push"
 
 

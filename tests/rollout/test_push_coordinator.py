@@ -11,10 +11,12 @@ import torch
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.errors import EngineUnhealthyError
 from rollout.manager import RolloutManager
-from rollout.push_coordinator import OwnedElsewhere, Owner, PushCoordinator, TrainerLost, WeightSyncRefused
+from rollout.push_coordinator import (
+    OwnedElsewhere, Owner, PushCoordinator, TrainerLost, WeightSyncRefused, trainer_lost,
+)
 from tests.engine.helpers import hf_greedy
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
-from weight_sync.common.progress import FAILED_MARK
+from weight_sync.common.progress import FAILED_MARK, SENT_MARK
 from weight_sync.engine_side.engines import engines_checksums, join_engines
 from weight_sync.trainer.push import run_push
 
@@ -154,6 +156,29 @@ def test_a_push_its_trainer_gives_up_while_it_stages_is_given_up_on_every_engine
         assert loop.time() - started < TIMEOUT_S / 2
         assert group.left == [True] and manager.counters["failed_pushes"] == failed + 1
         assert loop.run_until_complete(engines_checksums(engines)) == served and not manager.state.pushing
+    finally:
+        sender.close_group()
+
+
+def test_a_trainer_is_watched_until_it_marks_its_part_sent(loop):
+    """A mark that stands still is a stalled trainer; once it marked every byte sent and the commit
+    vote passed (SENT_MARK), what is left is the engines' own work (their derived copies), and the
+    push is not given up whatever the trainer does next: here it closes its store and goes."""
+    sender = WeightSender(timeout_s=TIMEOUT_S)
+    group = Group(sender)
+    try:
+        sender.group.mark_progress("stuck", 5)
+        t0 = loop.time()
+        why = loop.run_until_complete(trainer_lost(group.owner, "stuck", stall_s=0.5, period_s=0.1))
+        assert "made no progress" in why and loop.time() - t0 < 5
+        sender.group.mark_progress("sent", 5)
+        sender.group.mark_progress("sent", SENT_MARK)
+        watch = asyncio.ensure_future(trainer_lost(group.owner, "sent", stall_s=0.5, period_s=0.1), loop=loop)
+        loop.run_until_complete(asyncio.sleep(1.0))
+        sender.close_group()  # the trainer goes: its port refuses, its store is silent
+        loop.run_until_complete(asyncio.wait({watch}, timeout=3.0))
+        assert not watch.done()
+        watch.cancel()
     finally:
         sender.close_group()
 

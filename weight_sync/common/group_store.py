@@ -101,12 +101,12 @@ class GroupStore:
     def worker_failed(self, push_id: str) -> bool:
         return self._prefix_store().check([f"mark/worker_failed/{push_id}"])
 
-    def mark_progress(self, push_id: str, buckets: int) -> None:
-        """The trainer: `buckets` of push `push_id` are out; FAILED_MARK: it gave the push up;
-        WITHDRAWN_MARK: it refuses the layout it reused, and pushes again on a fresh one. A
+    def mark_progress(self, push_id: str, mark: int) -> None:
+        """The trainer: push `push_id` moved (a count that grows while its bytes go out,
+        weight_sync/trainer/progress_marks.py) or ended (weight_sync/common/progress.py's marks). A
         sidecar's watchdog reads it (PushProgress) to tell a stalled or failed trainer from a slow
         one: its engines wait in the transfer, where nothing else can reach them."""
-        self._prefix_store().set(f"mark/progress/{push_id}", str(int(buckets)))
+        self._prefix_store().set(f"mark/progress/{push_id}", str(int(mark)))
 
 
 def _td(seconds: float) -> datetime.timedelta:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 FAILED_MARK = -1
 WITHDRAWN_MARK = -2
+SENT_MARK = -3  # every byte out and the commit vote passed: the rest of the push is the engines'
 
 
 class PushProgress:
@@ -18,8 +19,10 @@ class PushProgress:
         self._prefix = None  # the group's keys in the trainer's store, once connected
 
     def read(self) -> int | None:
-        """Buckets out so far (FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be
-        pushed again on a fresh layout); None before the transfer began. Raises when
+        """A count that moves while the trainer's push moves (weight_sync/trainer/progress_marks.py;
+        FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be pushed again on a
+        fresh layout; SENT_MARK: every byte is out and the commit vote passed); None before the
+        transfer began. Raises when
         the trainer's store does not answer within the timeout (a dead or frozen trainer)."""
         from weight_sync.common.group_store import TCPStore, _group_keys, _td  # torch: only once a push runs
 

