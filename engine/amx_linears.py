@@ -47,6 +47,7 @@ _SIGNATURES = {
     "amx_linear_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR),
     "amx_linear_w8_f32": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
     "amx_linear_w8_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
+    "amx_linear_bf16_rows": (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
 }
 # K values per 64-byte tile row: 64 int8, 32 bf16
 _TILE_K = {torch.int8: 64, torch.bfloat16: 32}
@@ -55,6 +56,39 @@ _TILE_K = {torch.int8: 64, torch.bfloat16: 32}
 @dataclass(frozen=True)
 class AmxWeight(derived_weights.PackedWeight):
     """A [n, k] weight laid out for the kernel (`pack`), in int8 or bf16."""
+
+
+@dataclass(frozen=True, eq=False)
+class AmxRows:
+    """A bf16 linear served from its weights as they are (`linear_bf16_rows`): the parameter's own
+    rows, or a group's members' rows one after the other (q/k/v, gate/up), read in place. No
+    bytes of its own: what a push or a LoRA merge writes is what it reads, and deriving it is
+    taking the pointers. `desc` is the segments as the kernels take them, [count, 3 pointers,
+    3 row counts] (int64, unused slots 0); `weights` keeps them alive."""
+
+    weights: tuple
+    desc: torch.Tensor
+    n: int
+    k: int
+    nbytes = 0
+
+
+def rows_fit(weights) -> bool:
+    """Whether `linear_bf16_rows` takes these weights: bf16 [n_i, k] each, k % 32 == 0, every
+    n_i % 16 == 0, at most three, on the CPU, rows contiguous."""
+    return (0 < len(weights) <= 3 and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu"
+                                          and w.shape[1] == weights[0].shape[1] and w.shape[0] % 16 == 0
+                                          and w.is_contiguous() for w in weights)
+            and weights[0].shape[1] % 32 == 0)
+
+
+def rows_of(weights) -> AmxRows:
+    """The in-place copy serving `weights` (a tensor, or a group's list of tensors)."""
+    weights = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+    pad = [0] * (3 - len(weights))
+    desc = torch.tensor([len(weights), *[w.data_ptr() for w in weights], *pad, *[w.shape[0] for w in weights], *pad],
+                        dtype=torch.int64)
+    return AmxRows(weights, desc, sum(w.shape[0] for w in weights), weights[0].shape[1])
 
 
 def _cpu_has_amx() -> bool:
@@ -127,6 +161,21 @@ def linear_bf16(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     _run("amx_linear_bf16", x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n,
          None if b is None else b.data_ptr(), out.data_ptr())
+    return out
+
+
+def linear_bf16_rows(x: torch.Tensor, w: AmxRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] bf16 @ (w's rows).T (+ bias [n] bf16) -> [m, n] bf16: `linear_bf16`'s bits, read from
+    the weights in place."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    d = w.desc.data_ptr()
+    rc = _fn("amx_linear_bf16_rows")(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights),
+                                     None if b is None else b.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise MemoryError("amx_linear_bf16_rows: no memory for the tiles' activations") if rc == -1 else \
+            ValueError(f"amx_linear_bf16_rows: shape {[tuple(t.shape) for t in w.weights]} not taken")
     return out
 
 

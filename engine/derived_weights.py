@@ -18,6 +18,11 @@ A group (`attach_group`: a layer's q/k/v projections, its gate/up) is served by 
 from its members' weights stacked by rows, so one GEMM does the work of three; it is staged,
 installed and dropped like a module's copy, and a member's own copy is made only if the member
 runs alone (a LoRA hook on it).
+
+A kind that reads the weights in place (`in_place`: the bf16 AMX kernel on the parameters' own
+rows, engine/amx_linears.AmxRows) is a copy of no bytes: deriving it takes pointers, and a group's
+is given its members' weights as they are, never stacked. A push stages none of them: its commit
+drops those of the weights it wrote, and the first forward after takes the new weights' pointers.
 """
 
 from __future__ import annotations
@@ -50,10 +55,11 @@ class PackedWeight:
         return self.packed.numel() * self.packed.element_size()
 
 
-def attach(module: torch.nn.Module, derive: Derive) -> None:
+def attach(module: torch.nn.Module, derive: Derive, in_place: bool = False) -> None:
     """Serve `module`'s forward from `derive(module.weight)` (made at its first forward, `refresh`,
-    or a push's `stage`)."""
+    or a push's `stage`). `in_place`: the copy reads the weight where it is (see the header)."""
     module._derive, module._derived, module._derived_key = derive, None, None
+    module._derive_in_place = in_place
 
 
 def derived_modules(model: torch.nn.Module):
@@ -68,13 +74,14 @@ class Group:
     derive: Derive
     copy: object = None
     key: tuple | None = None
+    in_place: bool = False  # derive takes the members' weights as they are, not stacked
 
     def stale(self) -> bool:
         return self.key != tuple(key(m.weight) for m in self.members)
 
 
 def attach_group(model: torch.nn.Module, members, derive: Derive) -> Group:
-    g = Group(tuple(members), derive)
+    g = Group(tuple(members), derive, in_place=all(in_place(m) for m in members))
     model._derived_groups = [*groups(model), g]
     for m in g.members:
         m._group = g
@@ -90,9 +97,15 @@ def current_group(g: Group):
     """The group's copy, derived again if any member's weight changed since."""
     if g.stale():
         k = tuple(key(m.weight) for m in g.members)  # before the copy, as in `current`
-        g.copy = g.derive(torch.cat([m.weight.detach() for m in g.members]))
+        weights = [m.weight.detach() for m in g.members]
+        g.copy = g.derive(weights if g.in_place else torch.cat(weights))
         g.key = k
     return g.copy
+
+
+def in_place(m: torch.nn.Module) -> bool:
+    """Whether `m`'s copy reads its weight in place (nothing to stage for a push)."""
+    return getattr(m, "_derive_in_place", False)
 
 
 def _alone(m: torch.nn.Module) -> bool:
@@ -164,8 +177,8 @@ def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tens
     with torch.no_grad():
         for p, staged in pairs:
             for m in by_weight.get(id(p), ()):
-                if not _alone(m):
-                    continue  # served by its group's copy, staged below
+                if not _alone(m) or in_place(m):
+                    continue  # served by its group's copy, staged below; or nothing to stage
                 served_key = m._derived_key
                 copy = m._derived
                 if unchanged is not None and id(p) in unchanged and copy is not None and served_key == key(p):
@@ -184,7 +197,7 @@ def _stage_groups(model, staged_of: dict, unchanged: set | None, out: StagedCopi
     served weights of the others (a push writing one member of a group rebuilds the group's copy)."""
     for g in groups(model):
         ids = [id(m.weight) for m in g.members]
-        if not any(i in staged_of for i in ids):
+        if g.in_place or not any(i in staged_of for i in ids):
             continue
         if unchanged is not None and all(i in unchanged for i in ids if i in staged_of) and not g.stale():
             out.copies[g] = g.copy

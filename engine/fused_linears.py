@@ -21,7 +21,7 @@ GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "
 def _kind(m: torch.nn.Module) -> tuple:
     """What must agree for modules to share a copy: how they serve, in what, on what input."""
     return (getattr(m, "_apply_derived", None), getattr(m, "_packed_dtype", None), m.weight.dtype,
-            m.weight.shape[1], m.bias is None)
+            m.weight.shape[1], m.bias is None, derived_weights.in_place(m))
 
 
 def group(model: torch.nn.Module) -> int:

@@ -83,12 +83,22 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
+            if reads_in_place(module.weight, dtype):
+                derived_weights.attach(module, amx_linears.rows_of, in_place=True)
+            else:
+                derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
             module._packed_dtype = dtype
             module._apply_derived = _packed_apply
             module.forward = types.MethodType(_packed_forward, module)
             count += 1
     return count
+
+
+def reads_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a bf16 engine's linear runs on its weight as it is (the AMX kernel on the
+    parameter's rows, engine/amx_linears.AmxRows): no packed copy to hold or to derive."""
+    return dtype == torch.bfloat16 and weight.dtype == dtype and amx_linears.available() and \
+        amx_linears.rows_fit([weight])
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype):
@@ -137,7 +147,9 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
-    if isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
+    if isinstance(packed, amx_linears.AmxRows):  # the weights in place
+        out = amx_linears.linear_bf16_rows(rows, packed, bias)
+    elif isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
         out = amx_linears.linear_bf16(rows, packed, bias)
     elif isinstance(packed, f32_linears.F32Weight):
         out = f32_linears.linear(rows, packed, bias)

@@ -105,9 +105,10 @@ static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
    took a quarter of the kernel's time when each chunk was widened right before its loads. */
 #define WIDEN_AHEAD 2
 
-/* The widened weights' buffer, kept between calls (a fresh one of this size is an mmap and its
-   page faults on every call), one per calling thread (its OpenMP team shares it by slices). */
-static uint8_t *widen_buffer(int64_t bytes) {
+/* A call's scratch (the widened weights; the activations as tiles), kept between calls (a fresh
+   one of this size is an mmap and its page faults on every call), one per calling thread (its
+   OpenMP team shares it by slices); a call uses it only while it runs. */
+static uint8_t *scratch_buffer(int64_t bytes) {
     static __thread uint8_t *buffer = NULL;
     static __thread int64_t capacity = 0;
     if (bytes > capacity) {
@@ -135,7 +136,7 @@ static uint8_t *widen_buffer(int64_t bytes) {
         if (copy == NULL) return -1;                                                                \
         a = copy;                                                                                   \
     }                                                                                               \
-    if (WIDE && (wide = widen_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {           \
+    if (WIDE && (wide = scratch_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {           \
         free(copy);                                                                                 \
         return -1;                                                                                  \
     }                                                                                               \
@@ -278,4 +279,168 @@ int amx_linear_w8_f32(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w,
 
 int amx_linear_w8_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16) {
     AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_W8_BF16, 1)
+}
+
+/* ---- bf16 on the weight as the engine holds it: no packed copy ---------------------------------
+
+   The same tile products on the parameter itself ([n, k] row-major, possibly in up to three row
+   segments: a layer's q/k/v or gate/up, each its own tensor), so a bf16 engine keeps no second copy
+   of its linears and a push derives nothing for them. The weight rows are the tiles' A operand (16
+   rows x 32 values of K: each row's 64 bytes at its row stride) and the activations the B operand,
+   laid out per call in pairs of K (VNNI: each 16 x 16 block of 4-byte pairs transposed), which is
+   m * k values against the weight's n * k. A C tile is then 16 columns of the output by 16 rows of
+   x, transposed at the store. TDPBF16PS sums a pair's two products and adds them to the fp32
+   accumulator in the same order whichever operand is which, so each output has the packed kernel's
+   bits (tested). Needs k % 32 == 0 and each segment's rows % 16 == 0 (amx_linears.rows_fit). */
+
+/* dst[j][i] = src[i][j] for a 16 x 16 block of 4-byte values, src rows `stride` apart. */
+static inline void transpose16_u32(const uint32_t *src, int64_t stride, uint32_t *dst) {
+#ifdef __AVX512F__
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * stride));
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4g + c]'s lane L: rows 4g..4g+3 of column 4L + c; output row j = 4L + c takes lane L of
+       r[c], r[4 + c], r[8 + c], r[12 + c] */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + 16 * i), r[i]);
+#else
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) dst[j * 16 + i] = src[i * stride + j];
+#endif
+}
+
+/* The 64 bytes of K chunk `kc` of the 32 rows of tiles t0 and t0 + 1, or, past the rows' end, of
+   the next two tiles' (the panel this thread does next under a static schedule): the weights come
+   from memory once, and the tile loads stall on a miss. */
+static inline void prefetch_rows(const uint8_t **tiles, int64_t nt_count, int64_t t0, int64_t kc, int64_t kc_count,
+                                 int64_t stride) {
+    if (kc >= kc_count) {
+        t0 += 2;
+        kc -= kc_count;
+    }
+    for (int64_t t = t0; t < t0 + 2 && t < nt_count; t++)
+        for (int r = 0; r < 16; r++) _mm_prefetch((const char *)tiles[t] + r * stride + kc * 64, _MM_HINT_T0);
+}
+
+/* x [m, k] as B tiles: [m/32][k/32][2 row tiles][16 pairs][16 rows][2], rows past m zero. */
+static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint32_t *xv) {
+    const int64_t mt_count = (m + 15) / 16, kc_count = k / 32, pairs = k / 2;
+#pragma omp for schedule(static)
+    for (int64_t mt = 0; mt < mt_count; mt++) {
+        uint32_t block[16 * 16] __attribute__((aligned(64)));
+        const uint32_t *src = (const uint32_t *)x + mt * 16 * pairs;
+        const int64_t rows = m - mt * 16 < 16 ? m - mt * 16 : 16;
+        for (int64_t kc = 0; kc < kc_count; kc++) {
+            uint32_t *dst = xv + ((mt / 2) * kc_count + kc) * 512 + (mt % 2) * 256;
+            if (rows == 16) {
+                transpose16_u32(src + kc * 16, pairs, dst);
+                continue;
+            }
+            memset(block, 0, sizeof block);
+            for (int64_t r = 0; r < rows; r++) memcpy(block + r * 16, src + r * pairs + kc * 16, 64);
+            transpose16_u32(block, 16, dst);
+        }
+    }
+}
+
+/* out [m, n] bf16 = x [m, k] bf16 . w^T (+ bias [n] bf16, or NULL), w the rows of `nseg` (1-3)
+   segments: seg_ptr[s] a [seg_rows[s], k] bf16 weight. Each output is the fp32 sum of its products
+   in the packed kernel's order, plus its bias, rounded once to bf16. Returns -1 without memory, -2
+   for a shape it does not take. */
+int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                         int64_t nseg, const uint16_t *bias, uint16_t *out_bf16) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_rows[s] % 16) return -2;
+        n += seg_rows[s];
+    }
+    if (k % 32 || nseg < 1 || nseg > 3) return -2;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, mp_count = (m + 31) / 32, kc_count = k / 32;
+    const int64_t stride = k * 2; /* bytes between weight rows */
+    /* kept between calls, per calling thread (scratch_buffer): a decode step makes a few hundred calls */
+    static __thread const uint8_t **kept_tiles = NULL;
+    static __thread int64_t kept_cap = 0;
+    if (nt_count > kept_cap) {
+        free(kept_tiles);
+        kept_tiles = malloc((size_t)nt_count * sizeof *kept_tiles);
+        kept_cap = kept_tiles == NULL ? 0 : nt_count;
+    }
+    const uint8_t **tiles = kept_tiles; /* each 16-row tile's first row; a local: the team shares it */
+    uint32_t *xv = (uint32_t *)scratch_buffer(mp_count * kc_count * 2048);
+    if (tiles == NULL || xv == NULL) return -1;
+    for (int64_t s = 0, t = 0; s < nseg; s++)
+        for (int64_t r = 0; r < seg_rows[s]; r += 16) tiles[t++] = (const uint8_t *)seg_ptr[s] + r * stride;
+#pragma omp parallel
+    {
+        activations_as_b_tiles(x, m, k, xv);
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < np_count; np++) {
+            const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
+            for (int64_t mp = 0; mp < mp_count; mp++) {
+                const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
+                const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kc = 0; kc < kc_count; kc++) {
+                    if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
+                        prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, kc_count, stride);
+                    _tile_loadd(6, xb + kc * 2048, 64);
+                    _tile_loadd(4, w0 + kc * 64, stride);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_m) {
+                        _tile_loadd(7, xb + kc * 2048 + 1024, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (w1) {
+                        _tile_loadd(5, w1 + kc * 64, stride);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two_m) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
+                for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
+                    for (int mt = 0; mt < (two_m ? 2 : 1); mt++) {
+                        switch (nt * 2 + mt) { /* tile ids are immediates */
+                        case 0: _tile_stored(0, c, 64); break;
+                        case 1: _tile_stored(1, c, 64); break;
+                        case 2: _tile_stored(2, c, 64); break;
+                        default: _tile_stored(3, c, 64); break;
+                        }
+                        transpose16_u32((const uint32_t *)c, 16, (uint32_t *)ct); /* [16 rows of x][16 columns] */
+                        const int64_t col = np * 32 + nt * 16;
+                        for (int r = 0; r < 16; r++) {
+                            const int64_t row = mp * 32 + mt * 16 + r;
+                            if (row >= m) break;
+                            put_bf16(out_bf16 + row * n + col, load16_f32(ct + 16 * r) + load_bias(bias, col, 16), 16);
+                        }
+                    }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
 }

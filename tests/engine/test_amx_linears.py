@@ -1,7 +1,7 @@
 """engine/amx_linears.py: the tile layouts (pure, run anywhere) and, where the CPU has AMX, the
 kernels: int8 bit for bit against the exact integer product scaled as the oneDNN path scales it,
-bf16 and weight-only int8 within a bf16 GEMM's error bound, and the int8 engine's logits unchanged
-by the kernel swap."""
+bf16 and weight-only int8 within a bf16 GEMM's error bound, bf16 on the weights in place with the
+packed kernel's bits, and the int8 engine's logits unchanged by the kernel swap."""
 
 from __future__ import annotations
 
@@ -101,6 +101,45 @@ def test_bf16_kernel_within_a_bf16_gemms_error(m, n, k, with_bias):
     bound = k * 2.0**-24 * magnitude + 2.0**-8 * exact.abs() + 1e-30
     assert ((got - exact).abs() <= bound).all()
     assert (got - exact).abs().max() > 0 or m * n < 100  # it did round: the bound is what holds it
+
+
+@amx
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 64, 128), (33, 576, 1536), (300, 48, 64), (17, 16, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(n + k + m)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    want = amx_linears.linear_bf16(x, amx_linears.pack(w), bias)
+    assert torch.equal(amx_linears.linear_bf16_rows(x, amx_linears.rows_of(w), bias), want)
+
+
+@amx
+def test_a_groups_segments_are_read_where_each_weight_lies():
+    """q/k/v as three tensors of their own: the product with the rows stacked, without stacking them."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, 128, generator=g).bfloat16() for n in (64, 32, 16))
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    rows = amx_linears.rows_of([q, k, v])
+    assert rows.nbytes == 0 and [t.data_ptr() for t in rows.weights] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    want = amx_linears.linear_bf16(x, amx_linears.pack(torch.cat([q, k, v])))
+    assert torch.equal(amx_linears.linear_bf16_rows(x, rows), want)
+    with torch.no_grad():
+        k.mul_(2)  # written in place: read as it is now, no copy to make again
+    assert torch.equal(amx_linears.linear_bf16_rows(x, rows),
+                       amx_linears.linear_bf16(x, amx_linears.pack(torch.cat([q, k, v]))))
+
+
+def test_rows_fit_takes_bf16_rows_in_sixteens_and_k_in_thirty_twos():
+    bf = torch.bfloat16
+    assert amx_linears.rows_fit([torch.zeros(48, 64, dtype=bf)])
+    assert amx_linears.rows_fit([torch.zeros(16, 32, dtype=bf)] * 3)
+    assert not amx_linears.rows_fit([torch.zeros(16, 32, dtype=bf)] * 4)
+    assert not amx_linears.rows_fit([torch.zeros(40, 64, dtype=bf)])  # rows % 16
+    assert not amx_linears.rows_fit([torch.zeros(48, 48, dtype=bf)])  # k % 32
+    assert not amx_linears.rows_fit([torch.zeros(48, 64)])  # fp32
+    assert not amx_linears.rows_fit([torch.zeros(48, 64, dtype=bf), torch.zeros(16, 96, dtype=bf)])
+    assert not amx_linears.rows_fit([torch.zeros(64, 48, dtype=bf).t()])  # rows not contiguous
 
 
 @amx

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, f32_linears, packed_linears
+from engine import LLM, EngineConfig, SamplingParams, amx_linears, f32_linears, packed_linears
 from tests.engine.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not packed_linears.supported(torch.float32),
@@ -113,6 +113,20 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf_models["qwen2"], p, 16)
     assert math.isfinite(llm.core.worker.runner.forward_seconds)
+
+
+@pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: bf16 keeps a packed copy")
+def test_a_bf16_engine_on_amx_holds_no_copy_of_its_linears(model_dirs):
+    """Every linear, and each q/k/v and gate/up group, serves from the parameters' own memory: the
+    engine holds its weights once, and a push has nothing to derive for them."""
+    llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
+    model = llm.core.worker.model
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    params = {p.data_ptr() for p in model.parameters()}
+    copies = [m._group.copy if getattr(m, "_group", None) else m._derived
+              for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert copies and all(isinstance(c, amx_linears.AmxRows) and c.nbytes == 0 for c in copies)
+    assert all(w.data_ptr() in params for c in copies for w in c.weights)
 
 
 def test_any_row_count_runs_at_a_bucketed_one_and_keeps_each_rows_sum(monkeypatch):
