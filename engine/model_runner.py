@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from engine import attention, gpu_memory, native_decode, step_inputs, step_sampling
+from engine import attention, gpu_memory, native_decode, step_inputs, step_sampling, zero_pages
 from engine.config import EngineConfig
 from engine.kv_cache_size import bytes_per_block, num_kv_blocks
 from engine.model_loader import load_model
@@ -143,8 +143,8 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
         shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.cfg.torch_dtype, device=self.device)
+        self.k_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)  # CPU: resident as used
+        self.v_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)
         self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
 
     def free_kv_cache(self) -> None:

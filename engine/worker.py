@@ -31,6 +31,9 @@ class Worker:
         self.weights_released = False
         # The version of the weights this worker serves: 0 is the checkpoint's; pushes set it.
         self.weight_version = 0
+        ready = getattr(self, "_on_worker_ready", None)
+        if ready is not None:  # an extension's start-up work (weight sync makes its staging ready)
+            ready()
 
     @property
     def model(self) -> torch.nn.Module:

@@ -405,6 +405,9 @@ class PushCoordinator:
         for key in ("apply_seconds", "derive_seconds"):
             if seconds := [w[key] for w in workers if isinstance(w, dict) and key in w]:
                 out[key] = max(seconds)
+        phases = [w["phases"] for w in workers if isinstance(w, dict) and "phases" in w]
+        if phases:  # the slowest worker's steps (weight_sync/common/phases.py)
+            out["engine_phases"] = max(phases, key=lambda p: sum(p.values()))
         return {**out, **self.sidecar.serving(), "seconds": time.monotonic() - t0}
 
     async def _stop_stuck(self, engines: list[EngineClient], push_id: str) -> None:

@@ -102,8 +102,12 @@ def _engine_factory(args, model: str, devices: list[str]):
                                                   tensor_parallel_size=args.tensor_parallel_size)
     from engine import AsyncEngine
 
+    # overlapped pushes stage a copy of the weights: it is made ready at start (and, on CUDA, kept out
+    # of the KV cache's share), unless a staging limit says pushes may go in place
+    reserve = args.overlap_receive == "on" and args.staging_memory_limit_mb is None
+
     def make_engine(i: int, standby=None) -> AsyncEngine:
-        cfg = config(i, lora_versions=args.lora_versions, reserve_push_staging=args.overlap_receive == "on",
+        cfg = config(i, lora_versions=args.lora_versions, reserve_push_staging=reserve,
                      worker_extension_cls="weight_sync.engine_side.extension:WeightSyncExtension")
         return AsyncEngine(cfg, log_level=args.log_level, standby=standby)
 

@@ -13,6 +13,7 @@ import torch
 from weight_sync.common.digest import Digest
 from weight_sync.common.group import WeightSyncGroup
 from weight_sync.common.manifest import Manifest
+from weight_sync.common.phases import Phases
 
 
 class BucketsIn:
@@ -21,11 +22,12 @@ class BucketsIn:
     ones arrive (a delta's is of the weights it makes, taken after)."""
 
     def __init__(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor, max_inflight: int,
-                 hash_landed: bool):
+                 hash_landed: bool, phases: Phases | None = None):
         self.g, self.m, self.staging, self.max_inflight = g, m, staging, max_inflight
         self.inflight: deque = deque()  # (work, bucket, bytes) of the receives posted
         self.received = 0  # bytes in so far
         self.landed = Digest() if hash_landed else None
+        self.phases = phases or Phases()  # its waits on the wire and its hashing counted
 
     def receive(self, meanwhile: Callable[[], None]) -> None:
         """Every bucket in; `meanwhile()` is called once the first `max_inflight` are posted (and
@@ -48,12 +50,14 @@ class BucketsIn:
 
     def _retire(self) -> None:
         work, k, nbytes = self.inflight.popleft()
-        self.g.wait(work, f"receiving bucket {k}")
+        self.phases.timed("wire_wait", self.g.wait, work, f"receiving bucket {k}")
         if self.landed is not None:
-            b = self.m.buckets[k]
-            for t in self.m.tensors[b.first:b.last]:
-                self.landed.add(self.staging[t.offset:t.offset + t.nbytes])
+            self.phases.timed("hash", self._hash, self.m.buckets[k])
         self.received += nbytes
+
+    def _hash(self, b) -> None:
+        for t in self.m.tensors[b.first:b.last]:
+            self.landed.add(self.staging[t.offset:t.offset + t.nbytes])
 
 
 class Meanwhile:

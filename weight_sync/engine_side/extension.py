@@ -96,6 +96,13 @@ class WeightSyncExtension:
                 "spare_bytes": int(r.pool.spare.numel()) if r.pool.spare is not None else 0}
 
     # -- hooks the worker calls (private: not RPCs) ----------------------------------------
+    def _on_worker_ready(self) -> None:
+        """An engine that will take overlapped pushes (EngineConfig.reserve_push_staging: the
+        sidecar's, by default) makes its staging buffer ready now, off the first push's path."""
+        if self.cfg.reserve_push_staging:
+            r = self._receiver()
+            r.pool.prepare(r.target.full_push_bytes())
+
     def _health_problems(self) -> list[str]:
         return self._receiver().health_problems()
 

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import torch
 
-from weight_sync.common.manifest import Manifest, model_params, param_infos, validate_manifest
+from weight_sync.common.manifest import (
+    DEFAULT_BUCKET_BYTES, Manifest, build_manifest, dtype_name, model_params, param_infos, validate_manifest,
+)
 from weight_sync.engine_side.lora_target import LoraMergeTarget
 from weight_sync.engine_side.staging_memory import StagingPool, whole
 from weight_sync.engine_side.targets import CommitPlan, Pairs, sync_device, views
@@ -128,6 +130,12 @@ class ParamsTarget:
         if bank is None or not bank.active:
             return named
         return [(n, bank.merged(n.removesuffix(".weight"), p)) for n, p in named]
+
+    def full_push_bytes(self) -> int:
+        """The staging a full push of these weights in their own dtype takes (its manifest's layout)."""
+        params, _ = model_params(self.host.model)
+        specs = [(n, dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()]
+        return build_manifest(specs, 0, DEFAULT_BUCKET_BYTES).layout_bytes if specs else 0
 
     def base(self, m: Manifest) -> list[torch.Tensor]:
         params, aliases = model_params(self.host.model)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
@@ -34,6 +34,7 @@ from weight_sync.common.delta_push import full_manifest
 from weight_sync.common.digest import NONE, Digest, staged_digest
 from weight_sync.common.group import GroupError, WeightSyncGroup
 from weight_sync.common.manifest import Manifest
+from weight_sync.common.phases import Phases
 from weight_sync.common.votes import PushRefused, commit_vote, manifest_vote, mismatch_error
 from weight_sync.engine_side.bucket_receive import BucketsIn, Meanwhile, timed
 from weight_sync.engine_side.check_and_vote import check_push, refusal, serving, vote_status, wait_for_vote
@@ -60,6 +61,7 @@ class Arrived:
     wire_bytes: int | None = None  # the bytes that moved, when not the committed manifest's (a delta)
     delta_seconds: dict | None = None  # a delta's: copying the base in, applying it and taking its digest
     derive_seconds: float = 0.0  # the engine's derived copies made from the staged weights
+    phases: Phases = field(default_factory=Phases)  # where its seconds went, step by step
 
 
 class PushReceiver:
@@ -123,17 +125,21 @@ class PushReceiver:
     def arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         """Steps 1-4; `on_staging(staging)` is told the buffer as soon as it exists."""
         t0 = time.perf_counter()
-        m, staging, problems = self._check_and_stage(manifest)
+        phases = Phases()
+        m, staging, problems = self._check_and_stage(manifest, phases)
         if on_staging is not None:
             on_staging(staging)
         if group_name is not None and m is not None:
             self._wait_for_vote(g, m, staging)
+        phases.mark("gate")
         self._vote(g, m, staging, problems)
+        phases.mark("vote")
         t1 = time.perf_counter()
         if m.delta is not None:
-            return self._receive_delta(g, m, staging, t0, t1)
-        plan, plan_seconds, digest = self._receive_buckets(g, m, staging)
-        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest))
+            return self._receive_delta(g, m, staging, t0, t1, phases)
+        plan, plan_seconds, digest = self._receive_buckets(g, m, staging, phases)
+        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
+                                             phases=phases))
 
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
@@ -157,7 +163,8 @@ class PushReceiver:
         plan, plan_s = timed(self.target.plan, m, staging)
         return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging)))
 
-    def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float) -> Arrived:
+    def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float,
+                       phases: Phases) -> Arrived:
         """A delta push (weight_sync/common/delta_push.py): its payload into a buffer of its own
         while the served weights are copied into `result`, then applied there; the commit vote is
         on the result's digest."""
@@ -169,13 +176,15 @@ class PushReceiver:
             self.close_group(g)
             self.pool.give_back(result)
             raise
-        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, made.copy_base, made.digest_of,
+        plan, plan_seconds, digest = self._receive_buckets(g, m, payload, phases, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
         return _derived(self.target, Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
-                                             m.total_bytes, made.seconds), {p.tensor for p in m.delta.parts})
+                                             m.total_bytes, made.seconds, phases=phases),
+                        {p.tensor for p in m.delta.parts})
 
     def commit(self, a: Arrived, transport: str, buckets: int | None = None) -> dict:
         """Step 5, and the push's record (version, sizes, timings)."""
+        a.phases.mark("finish")  # staged until the engine's loop took the commit
         if not a.plan.swap:  # a copy commit writes the served weights in place
             self.wait_readers()
         try:
@@ -185,11 +194,15 @@ class PushReceiver:
             raise TornWeights(f"the commit of version {a.m.version} failed half way: {TORN}; this engine must be "
                               f"restarted ({e})") from None
         self.pool.give_back(freed)
+        if freed is None:  # the weights it replaced were no buffer of ours (the checkpoint's): the next
+            self.pool.prepare(a.m.layout_bytes)  # push's staging is made now, while the engine serves
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
         # ... nor are a part's (the other parameters are another push's)
         self.digest = a.digest if a.m.adapter is None and not a.m.partial else NONE
+        a.phases.mark("commit")
         out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds, a.derive_seconds)
+        out["phases"] = self.last["phases"] = a.phases.seconds
         if a.wire_bytes is not None:
             self.last.update(bytes=a.wire_bytes, delta=True, **(a.delta_seconds or {}))
             out = dict(self.last)
@@ -198,10 +211,13 @@ class PushReceiver:
     def _check(self, manifest) -> tuple[Manifest | None, list[str]]:
         return check_push(manifest, self.target, self.version, self.digest)
 
-    def _check_and_stage(self, manifest) -> tuple[Manifest | None, torch.Tensor | None, list[str]]:
+    def _check_and_stage(self, manifest, phases: Phases | None = None
+                         ) -> tuple[Manifest | None, torch.Tensor | None, list[str]]:
         """The manifest checked, and staging memory for it (a worker that cannot hold the push
         refuses it too); a delta's staging holds the weights it makes."""
+        phases = phases or Phases()
         m, problems = self._check(manifest)
+        phases.mark("check")
         staging = None
         if not problems:
             need = m.layout_bytes if m.delta is None else m.delta.full_bytes
@@ -209,6 +225,7 @@ class PushReceiver:
                 staging = self.pool.take(need)
             except Exception as e:
                 problems = [f"cannot allocate {need} bytes of staging memory: {e}"]
+        phases.mark("staging")
         return m, staging, problems
 
     def _wait_for_vote(self, g: WeightSyncGroup, m: Manifest, staging) -> None:
@@ -236,8 +253,8 @@ class PushReceiver:
             self.pool.give_back(staging)
             raise PushRefused(why)
 
-    def _receive_buckets(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor, meanwhile=None,
-                         digest_of=None, planner=None, keep: torch.Tensor | None = None
+    def _receive_buckets(self, g: WeightSyncGroup, m: Manifest, staging: torch.Tensor, phases: Phases,
+                         meanwhile=None, digest_of=None, planner=None, keep: torch.Tensor | None = None
                          ) -> tuple[CommitPlan, float, int]:
         """Every bucket into staging (`max_inflight` broadcasts in flight; the commit is planned
         while the first ones arrive, unless it needs the bytes), then the commit vote on the
@@ -247,14 +264,17 @@ class PushReceiver:
         planner = planner or (lambda: self.target.plan(m, staging))
         early = digest_of is None and not self.target.plan_needs_bytes(m)
         jobs = Meanwhile([meanwhile, early and planner], planner)  # done while the first buckets arrive
-        incoming = BucketsIn(g, m, staging, self.max_inflight, hash_landed=digest_of is None)
+        incoming = BucketsIn(g, m, staging, self.max_inflight, hash_landed=digest_of is None, phases=phases)
         try:
             incoming.receive(jobs.run)
+            phases.mark("buckets")
             digest = incoming.digest() if digest_of is None else digest_of(staging)
             # an adapter is merged once every byte is in, before the commit vote
             plan, plan_s = jobs.plan or timed(planner)
+            phases.mark("digest_and_plan")
             if bad := commit_vote(g, digest):  # commit only if every rank holds the bytes the trainer sent
                 raise GroupError(mismatch_error(m.version, bad))
+            phases.mark("commit_vote")
         except Exception as e:
             self._give_up_transfer(g, m, incoming, staging if keep is None else keep, e)
         return plan, plan_s, digest
@@ -363,4 +383,5 @@ def _derived(target: WeightTarget, a: Arrived, changed: set[int] | None = None) 
     """Step 4's end: the engine's derived copies made from the staged weights (`changed`: the
     indices of the tensors a delta changed), timed."""
     a.derive_seconds = timed(target.derive, a.m, a.plan, changed)[1]
+    a.phases.mark("derive")
     return a

@@ -14,6 +14,7 @@ import torch
 
 from weight_sync.common.digest import Digest
 from weight_sync.common.manifest import DTYPES, Manifest
+from weight_sync.common.phases import Phases
 from weight_sync.trainer.progress_marks import ProgressMarks
 from weight_sync.trainer.ranks import GATHER, has_peers, tell_peers
 from weight_sync.trainer.weights import full
@@ -30,6 +31,7 @@ class BucketSender:
         self.marks: ProgressMarks | None = None
         self.gathered = 0  # sharded tensors gathered by the push being sent (see trainer_ranks)
         self.digest = Digest()  # of the bytes the push being sent put on the wire (the commit vote's)
+        self.phases = Phases()  # the push being sent's: packing, hashing, waiting on the wire
 
     def reset(self) -> None:
         self.buffers = [None, None]
@@ -65,11 +67,14 @@ class BucketSender:
             return None
         return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (b.nbytes,))
 
-    def send(self, group, m: Manifest, tensors: list[torch.Tensor], progress, marks: ProgressMarks) -> None:
+    def send(self, group, m: Manifest, tensors: list[torch.Tensor], progress, marks: ProgressMarks,
+             phases: Phases | None = None) -> None:
         """Every bucket of `m` out (tensors in manifest order); a trainer's other ranks
         (weight_sync.trainer.ranks) take part in its gathers, and if it breaks off, this rank
-        finishes the gathers so none is left waiting."""
+        finishes the gathers so none is left waiting. `phases` counts its packing, hashing and
+        waits on the wire."""
         self.group, self.marks, self.gathered, self.digest = group, marks, 0, Digest()
+        self.phases = phases or Phases()
         if not has_peers():
             return self._send_buckets(m, tensors, progress)
         tell_peers(GATHER)
@@ -138,15 +143,13 @@ class BucketSender:
                 payload = self._buffer(slot, b.nbytes)
                 # Overlaps the broadcast still in flight. On CUDA the copy runs on the current
                 # stream, which ProcessGroupNCCL makes its own stream wait for.
-                self._pack(m, b, tensors, payload)
+                self.phases.timed("pack", self._pack, m, b, tensors, payload)
                 slot_busy[slot] = True
             else:
                 while len(inflight) >= self.max_inflight:
                     self._retire(inflight, slot_busy)
             inflight.append((g.fan_out(payload), payload, slot, k))
-            for spec in m.tensors[b.first:b.last]:  # while the bucket is on the wire
-                if spec.nbytes:
-                    self.digest.add(payload[spec.offset - b.start:spec.offset - b.start + spec.nbytes])
+            self.phases.timed("hash", self._hash, m, b, payload)  # while the bucket is on the wire
             if progress is not None:
                 progress(k + 1, n)
         while inflight:
@@ -154,10 +157,15 @@ class BucketSender:
         with self.marks.on_wire():
             g.synchronize()
 
+    def _hash(self, m: Manifest, b, payload: torch.Tensor) -> None:
+        for spec in m.tensors[b.first:b.last]:
+            if spec.nbytes:
+                self.digest.add(payload[spec.offset - b.start:spec.offset - b.start + spec.nbytes])
+
     def _retire(self, inflight: deque, slot_busy: list[bool]) -> None:
         work, _, slot, k = inflight.popleft()
         with self.marks.on_wire():
-            self.group.wait(work, f"broadcast of bucket {k}")
+            self.phases.timed("wire_wait", self.group.wait, work, f"broadcast of bucket {k}")
         self.marks.sent()
         if slot is not None:
             slot_busy[slot] = False

@@ -31,6 +31,7 @@ from weight_sync.common.devices import normalize_device
 from weight_sync.common.group import GroupError, WeightSyncGroup
 from weight_sync.common.lora import A_SUFFIX, B_SUFFIX
 from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, DeltaSpec, Manifest, build_manifest, dtype_name
+from weight_sync.common.phases import Phases
 from weight_sync.common.votes import (
     VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, WeightSyncError, commit_vote, manifest_vote, mismatch_error,
 )
@@ -287,10 +288,13 @@ class WeightSender:
             raise WeightSyncError("no weight-sync group: open_group() + join_group() first")
         m = prepared.manifest
         t0 = time.perf_counter()
+        phases = Phases()
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._device.on(g.device))
             named, status, problem = self._listed(prepared, stack)
+            phases.mark("list")
             _call_before_vote(before_vote, m)
+            phases.mark("gate")  # until every worker is ready for the vote
             marks = ProgressMarks(g, m.push_id)
             if status == VOTE_STALE:
                 marks.withdrawn()  # before the vote: a sidecar that sees it refused reads why
@@ -300,9 +304,11 @@ class WeightSender:
                 if e.refused:
                     self._forget_layout(prepared.layout_slot, m)
                 raise
-            meant = self._transfer(g, m, named, progress, marks)
+            phases.mark("vote")
+            meant = self._transfer(g, m, named, progress, marks, phases)
             self._after_commit_vote(prepared, named, meant)
-        return _sent(prepared, time.perf_counter() - t0)
+            phases.mark("keep")  # the next delta's base
+        return _sent(prepared, time.perf_counter() - t0, phases.seconds)
 
     def _listed(self, prepared: PreparedPush, stack: contextlib.ExitStack) -> tuple[list | None, int, str]:
         """The push's (name, tensor) pairs, listed now unless prepare() or walk() did (a reused
@@ -318,15 +324,18 @@ class WeightSender:
             status, problem = VOTE_UNREADABLE, f"the weights cannot be read: {type(e).__name__}: {e}"
         return named, status, problem
 
-    def _transfer(self, g: WeightSyncGroup, m: Manifest, named: list, progress, marks: ProgressMarks) -> int:
+    def _transfer(self, g: WeightSyncGroup, m: Manifest, named: list, progress, marks: ProgressMarks,
+                  phases: Phases) -> int:
         """Steps 2 and 3: the buckets, then the commit vote on the digest of what the trainer meant
         to send (returned). A failure marks the push failed and closes the group: WeightSyncError."""
         marks.start()
         try:
-            self._buckets.send(g, m, [t for _, t in named], progress, marks)
+            self._buckets.send(g, m, [t for _, t in named], progress, marks, phases)
+            phases.mark("buckets")
             meant = self._buckets.digest.value() if m.delta is None else m.delta.digest
             with marks.on_wire():  # the workers hash their last bucket meanwhile
                 bad = commit_vote(g, meant)
+            phases.mark("commit_vote")
             if bad:
                 raise GroupError(mismatch_error(m.version, bad))
             marks.done()
@@ -359,14 +368,15 @@ class WeightSender:
         if refused is not None:
             raise refused
 
-def _sent(prepared: PreparedPush, seconds: float) -> dict:
-    """A push's trainer result: its bytes on the wire beside the full weights' (a delta's are fewer)."""
+def _sent(prepared: PreparedPush, seconds: float, phases: dict) -> dict:
+    """A push's trainer result: its bytes on the wire beside the full weights' (a delta's are fewer),
+    and where its seconds went (`phases`: weight_sync/common/phases.py)."""
     m = prepared.manifest
     log.info("pushed %s%s in %.3fs (%.2f GB/s)", "a delta: " if m.delta else "", m.summary(), seconds,
              m.total_bytes / seconds / 1e9)
     full_bytes = m.total_bytes if m.delta is None else prepared.delta.full_bytes
     out = {"version": m.version, "bytes": m.total_bytes, "full_bytes": full_bytes, "delta": m.delta is not None,
-           "seconds": seconds, "buckets": len(m.buckets)}
+           "seconds": seconds, "buckets": len(m.buckets), "phases": phases}
     if prepared.delta is not None:
         out["encode_seconds"] = prepared.delta.seconds  # before the send, in prepare_delta
     return out
