@@ -116,20 +116,27 @@ def _tree(pid: int) -> list[int]:
 
 
 def sidecar_memory(pid: int) -> dict:
-    """Resident bytes of the sidecar's processes, and of the /dev/shm files its tree owns (the
-    host copy: written, not mapped, so no process's RSS counts them)."""
-    rss = 0
+    """Resident bytes of the sidecar's processes (VmRSS: shared files they map included), and of the
+    /dev/shm files its tree owns that none of them maps (a written host copy; a host copy that links
+    an engine's staging buffer is that buffer, counted once)."""
+    rss, mapped = 0, set()
     pids = _tree(pid)
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:
                 rss += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+            with open(f"/proc/{p}/maps") as f:
+                mapped |= {int(cols[4]) for cols in (line.split() for line in f)
+                           if len(cols) > 5 and cols[5].startswith("/dev/shm/")}
         except (OSError, StopIteration):
             pass
     shm = 0
     for root, _, files in os.walk("/dev/shm"):
-        if any(f"-{p}-" in root or root.endswith(f"-{p}") for p in pids):
-            shm += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        for name in files:
+            path = os.path.join(root, name)
+            if any(f"-{p}-" in path for p in pids):
+                st = os.stat(path)
+                shm += 0 if st.st_ino in mapped else st.st_size
     return {"rss": rss, "shm": shm}
 
 

@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine import derived_weights
 from engine.lora_bank import LoraBank
+from engine.memory_report import engine_memory
 from engine.model_loader import load_model, quantized_bytes
 from engine.model_runner import ModelRunner
 
@@ -71,7 +72,15 @@ class Worker:
         extra = getattr(self, "_health_problems", None)
         if extra is not None:
             problems += extra()
-        return {"ok": not problems, "problems": problems, "weight_version": self.weight_version}
+        return {"ok": not problems, "problems": problems, "weight_version": self.weight_version,
+                "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """Bytes by part (engine/memory_report.py), and an extension's parts (`_memory_report`: weight
+        sync's kept staging buffer)."""
+        out = engine_memory(self.model, self.runner.k_cache, self.runner.v_cache)
+        extra = getattr(self, "_memory_report", None)
+        return {**out, **(extra() if extra is not None else {})}
 
     def reload_weights(self) -> bool:
         """Load the weights from the model directory again (after sleep level 2, or to undo

@@ -276,7 +276,7 @@ class RolloutManager:
             if isinstance(r, BaseException):
                 state.state, state.reason = "dead", f"{type(r).__name__}: {r}"
             elif r is not None:
-                state.version = r["weight_version"]
+                state.version, state.memory = r["weight_version"], r.get("memory")
             elif sup.reasons[i]:
                 state.reason = sup.reasons[i]
             states.append(state)

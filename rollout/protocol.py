@@ -133,6 +133,9 @@ class EngineState(msgspec.Struct, omit_defaults=True):
     restarts: int
     pid: int
     reason: str = ""
+    # bytes by part, as its worker reports them when asked (engine/memory_report.py): weights,
+    # derived_copies, kv_cache (budget), kv_cache_resident, staging_kept; host_copy_links_weights
+    memory: dict[str, int] | None = None
 
 
 class HealthReply(msgspec.Struct, omit_defaults=True):

@@ -20,6 +20,7 @@ import sys
 from rollout.serve_args import build_parser, model_dir_or_exit, vllm_dev_mode
 from rollout.serve_engines import build_manager, engine_config, start_cores_early
 from rollout.serve_engines import host_copy_wanted  # noqa: F401 - importable from here, as before
+from weight_sync.common.shm_names import STAGING_PREFIX, sweep_orphans
 
 log = logging.getLogger("rollout.serve")
 
@@ -144,6 +145,7 @@ async def run(args, model: str, early_cores: list = ()) -> int:
     stats = StatsLogger(manager, args.stats_interval, args.wandb_project)
     stats.start()
     log.info("sidecar READY in %.2f s", time.perf_counter() - _STARTED)
+    said = asyncio.ensure_future(_say_memory(manager, args))
     # NOTE: as the engine cores do: start-up's heap (torch, transformers, the tokenizer) is kept
     # out of full collections, one of which held every stream's chunks for 164 ms.
     gc.collect()
@@ -153,6 +155,7 @@ async def run(args, model: str, early_cores: list = ()) -> int:
         await server.serve(stop)
         await _shut_down(manager, server, front)
     finally:
+        said.cancel()
         stats.stop()
         if front is not None:
             await front.close()
@@ -160,8 +163,21 @@ async def run(args, model: str, early_cores: list = ()) -> int:
         await manager.supervisor.close()
         for e in manager.engines:
             e.shutdown(timeout=getattr(e, "stop_grace_s", STOP_GRACE_S))
+        sweep_orphans((STAGING_PREFIX,))  # the engine cores' staging buffers (they end with os._exit)
     log.info("sidecar stopped")
     return 0
+
+
+async def _say_memory(manager, args) -> None:
+    """What each copy of the weights costs, once the engines answer (rollout/memory.py)."""
+    from rollout.memory import summary
+
+    try:
+        health = await manager.health(timeout=60.0)
+    except Exception as e:  # noqa: BLE001 - a log line only
+        log.debug("no memory report: %s", e)
+        return
+    log.info("%s", summary(health.engine_states, manager.supervisor.host_copy, args.warm_standby == "on"))
 
 
 def _start_serving(args, model: str, early_cores: list):

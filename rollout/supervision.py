@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from engine import EngineClient
 from engine.errors import EngineDeadError
 from rollout.sidecar_state import SidecarState
-from weight_sync.common.shm_names import owned_name, sweep_orphans
+from weight_sync.common.shm_names import STAGING_PREFIX, owned_name, sweep_orphans
 from weight_sync.engine_side.engines import load_on_engines
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,8 @@ class EngineSupervisor:
         its push lock keeps pushes out meanwhile, and deaths and restarts are counted there."""
         self.engines = engines
         self.state = state
-        for path in sweep_orphans((HOST_COPY_PREFIX, CATCH_UP_PREFIX), SHM_DIR):
-            log.info("removed %s, left by a sidecar that died", path)
+        for path in sweep_orphans((HOST_COPY_PREFIX, CATCH_UP_PREFIX, STAGING_PREFIX), SHM_DIR):
+            log.info("removed %s, left by a sidecar or an engine that died", path)
         self.factory = factory
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -201,7 +201,8 @@ class EngineSupervisor:
                         self._set(i, LIVE)
                 log.warning("engine %d restarted in %.1f s%s", i, time.monotonic() - t0,
                             "" if caught_up else "; it serves after the trainer's next push")
-                return
+                sweep_orphans((STAGING_PREFIX,), SHM_DIR)  # the dead core's staging buffers (a host copy links
+                return                                      # the one it needs)
             except Exception as e:  # noqa: BLE001 - a failed restart is retried within the budget
                 log.error("restart of engine %d failed: %s", i, e)
                 self.reasons[i] = f"restart failed: {e}"

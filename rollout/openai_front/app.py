@@ -95,6 +95,7 @@ def _add_info_routes(app: FastAPI, front: _Front) -> None:
 
     @app.get("/metrics")
     async def prometheus():
+        await front.metrics.refresh()
         body, content_type = front.metrics.render()
         return Response(body, media_type=content_type)
 

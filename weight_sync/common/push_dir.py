@@ -8,6 +8,11 @@ A push directory holds `weights.safetensors` and `manifest.json`. Both are writt
 names and renamed into place, the manifest last, so a reader never sees a half-written push: a
 directory without `manifest.json` is not a push (yet). Write each version to its own directory
 (e.g. `/dev/shm/ws/v{k}`) and delete old ones once every engine has loaded them.
+
+An engine's host copy is the raw form instead (`link_raw`): `weights.raw`, a hard link to the
+staging buffer the served weights live in, laid out as `manifest.json` says (the bytes of a push,
+alignment padding included), and `digest`, the push's content digest, which a reader checks what
+it read against (weight_sync/common/digest.py): no byte is copied to make it.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import os
 
 import torch
 
-from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, Manifest, build_manifest, dtype_name
+from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, DTYPES, Manifest, build_manifest, dtype_name
 
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "manifest.json"
+RAW_FILE = "weights.raw"  # the raw form: a push's layout as it lies in an engine's staging buffer
+DIGEST_FILE = "digest"  # ... and the digest of those bytes (weight_sync/common/digest.py), when known
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, version: int, ready=None) -> Manifest:
@@ -36,13 +43,62 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, ver
     tmp = os.path.join(path, f".{WEIGHTS_FILE}.tmp")
     save_file(tensors, tmp, metadata={"version": str(int(version)), "push_id": manifest.push_id})
     os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
+    _write_manifest(path, manifest)
+    return manifest
+
+
+def _write_manifest(path: str, manifest: Manifest) -> None:
     tmp = os.path.join(path, f".{MANIFEST_FILE}.tmp")
     with open(tmp, "wb") as f:
         f.write(manifest.to_json())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, MANIFEST_FILE))
-    return manifest
+
+
+def link_raw(path: str | os.PathLike, file: str, manifest: Manifest, digest: int | None = None) -> None:
+    """A push directory in the raw form over `file` (a buffer laid out as `manifest` says), linked,
+    not copied; its manifest last, as `write_tensors` writes it."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    os.link(file, os.path.join(path, RAW_FILE))
+    if digest is not None:
+        with open(os.path.join(path, DIGEST_FILE), "w") as f:
+            f.write(str(int(digest)))
+    _write_manifest(path, manifest)
+
+
+def withdraw(path: str | os.PathLike) -> None:
+    """`path` is no push any more (its manifest goes first), and its link to a buffer goes: what
+    an engine does before it writes the weights a host copy links in place."""
+    path = os.fspath(path)
+    for name in (MANIFEST_FILE, RAW_FILE):
+        try:
+            os.unlink(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def read_raw(path: str | os.PathLike, m: Manifest) -> torch.Tensor | None:
+    """A raw push directory's bytes (a read-only view of the file, `m.layout_bytes` long), or None
+    when `path` holds the safetensors form. Raises ValueError if the file is shorter than `m`."""
+    file = os.path.join(os.fspath(path), RAW_FILE)
+    if not os.path.isfile(file):
+        return None
+    size = os.path.getsize(file)
+    if size < m.layout_bytes:
+        raise ValueError(f"{file} holds {size} bytes, its manifest lays out {m.layout_bytes}")
+    if m.layout_bytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(file, shared=False, size=size, dtype=torch.uint8)[:m.layout_bytes]
+
+
+def read_digest(path: str | os.PathLike) -> int | None:
+    try:
+        with open(os.path.join(os.fspath(path), DIGEST_FILE)) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:
@@ -60,6 +116,9 @@ def read_tensors(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     m = read_manifest(path)
+    raw = read_raw(path, m)
+    if raw is not None:
+        return [(t.name, raw[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)) for t in m.tensors]
     with safe_open(os.path.join(os.fspath(path), WEIGHTS_FILE), framework="pt", device="cpu") as f:
         return [(t.name, f.get_tensor(t.name)) for t in m.tensors]
 

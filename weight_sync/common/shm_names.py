@@ -55,3 +55,6 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+STAGING_PREFIX = "rollout-staging-"  # an engine's staging buffers (weight_sync/engine_side/shared_buffers.py)

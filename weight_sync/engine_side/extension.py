@@ -36,11 +36,25 @@ class WeightSyncExtension:
 
     # -- the parts, made at first use -------------------------------------------------------
     def _new_receiver(self) -> PushReceiver:
-        pool = StagingPool(self.device, keep=self.device.type == "cpu")
+        # a sidecar's engine (its supervisor sweeps a dead engine's files) stages into /dev/shm files,
+        # so that its host copy links the served weights instead of copying them
+        cpu = self.device.type == "cpu"
+        pool = StagingPool(self.device, keep=cpu, shared=cpu and self._reserves_staging())
         pool.before_reuse = self._host_copies().wait_readers
         receiver = PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
-        receiver.wait_readers = self._host_copies().wait_readers
+        receiver.wait_readers = self._before_in_place_write
         return receiver
+
+    def _reserves_staging(self) -> bool:
+        """Our engine's EngineConfig.reserve_push_staging (a vLLM worker has no such config)."""
+        return bool(getattr(getattr(self, "cfg", None), "reserve_push_staging", False))
+
+    def _before_in_place_write(self) -> None:
+        """The served weights are about to be written where they lie: no host copy may read or
+        link them meanwhile."""
+        copies = self._host_copies()
+        copies.wait_readers()
+        copies.withdraw()
 
     def _new_target(self, pool: StagingPool):
         return ParamsTarget(self, pool)
@@ -98,10 +112,21 @@ class WeightSyncExtension:
     # -- hooks the worker calls (private: not RPCs) ----------------------------------------
     def _on_worker_ready(self) -> None:
         """An engine that will take overlapped pushes (EngineConfig.reserve_push_staging: the
-        sidecar's, by default) makes its staging buffer ready now, off the first push's path."""
-        if self.cfg.reserve_push_staging:
+        sidecar's, by default) keeps its weights in a buffer laid out as a push (`adopt`: the first
+        commit frees it whole for the next) and makes the first push's staging ready now, off its
+        path. Memory: the weights twice from the start, as after any push with keep_staging."""
+        if self._reserves_staging() and self.device.type == "cpu":
             r = self._receiver()
-            r.pool.prepare(r.target.full_push_bytes())
+            nbytes = r.target.adopt()
+            r.pool.prepare(nbytes)
+
+    def _memory_report(self) -> dict:
+        """The staging buffer kept for the next push (0: none), and whether the host copy links the
+        served weights (no bytes of its own) or is written (the weights' bytes again, in /dev/shm)."""
+        r = self._receiver()
+        spare = r.pool.spare
+        return {"staging_kept": 0 if spare is None else spare.numel(),
+                "host_copy_links_weights": bool(r.pool.shared)}
 
     def _health_problems(self) -> list[str]:
         return self._receiver().health_problems()
@@ -110,12 +135,14 @@ class WeightSyncExtension:
         r = self._receiver()
         r.pool.drop()
         r.target.forget()
-        r.digest = NONE
+        r.pool.keep_named(None)  # no buffer of the pool's holds the weights any more
+        r.digest = r.served_digest = NONE
 
     def _weights_reloaded(self) -> None:
         r = self._receiver()
-        r.version, r.digest = None, NONE  # the checkpoint's weights again, in storage of their own
+        r.version, r.digest, r.served_digest = None, NONE, NONE  # the checkpoint's weights again, in storage of their own
         r.target.forget()
+        r.pool.keep_named(None)
 
     # -- RPC: a trainer written for vLLM's RL routes (weight_sync/vllm/group.py) -----------------
     def join_vllm_group(self, host: str | None, port: int | None, world_size: int, rank: int,
@@ -198,12 +225,13 @@ class WeightSyncExtension:
     def zero_weights(self) -> bool:
         """Zero every weight (vLLM's /weight_checker "reset": a test that the next push writes them
         all). The weights are of no push now: a delta must not build on them."""
-        self._host_copies().wait_readers()
+        self._before_in_place_write()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.zero_()
         self.weights_written()
-        self._receiver().digest = NONE
+        r = self._receiver()
+        r.digest = r.served_digest = NONE
         return True
 
     def staging_room(self, nbytes: int, limit: int | None = None) -> dict:
@@ -259,7 +287,13 @@ class WeightSyncExtension:
         """Write this worker's served weights as a push directory that another engine can
         `load_weights_from_path` (weight_sync.engine_side.host_copy); `background=True` writes from a thread
         while the engine steps, and is answered once written (a Future)."""
-        return self._host_copies().save(self._receiver().target.served(), path, version, background)
+        r = self._receiver()
+        served = getattr(r.target, "served_whole", lambda: None)()
+        linked = self._host_copies().link(served, served and r.pool.file_of(served[1]), path, version,
+                                          None if r.served_digest == NONE else r.served_digest)
+        if linked is None:
+            return self._host_copies().save(r.target.served(), path, version, background)
+        return self._host_copies().saves[path] if background else linked
 
     def saved_weights(self, path: str) -> dict | None:
         """A background save_weights: None while it writes; its result once written; raises

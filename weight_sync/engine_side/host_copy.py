@@ -16,9 +16,10 @@ import os
 import threading
 import time
 
+import msgspec
 import torch
 
-from weight_sync.common.push_dir import write_tensors
+from weight_sync.common.push_dir import link_raw, withdraw, write_tensors
 
 log = logging.getLogger(__name__)
 BACKGROUND_NICE = 10  # a background write's thread yields the cores to the engine's steps
@@ -50,6 +51,32 @@ class HostCopies:
         self.saves: dict[str, concurrent.futures.Future] = {}  # path -> a background write's outcome
         # background writes reading the served weights (CPU), each with the storages it reads
         self.readers: list[tuple[threading.Thread, set[int]]] = []
+        self.links: list[str] = []  # push directories linking the served weights' buffer (`link`)
+
+    def link(self, served, file: str | None, path: str, version: int, digest: int | None) -> dict | None:
+        """The served weights as a push directory with no byte copied (push_dir.link_raw): when they
+        all lie in one staging buffer laid out as a push (`served`: (manifest, buffer), from
+        ParamsTarget.served_whole) whose /dev/shm `file` a link can name. None otherwise."""
+        if served is None or file is None:
+            return None
+        t0 = time.perf_counter()
+        m = msgspec.structs.replace(served[0], version=int(version))
+        link_raw(path, file, m, digest)
+        self.links = [p for p in self.links if os.path.isdir(p)] + [path]
+        out = {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0, "snapshot_seconds": 0.0,
+               "linked": True}
+        done = self.saves[path] = concurrent.futures.Future()  # as a background save answers: at once here
+        done.set_result(out)
+        return out
+
+    def withdraw(self) -> None:
+        """The served weights are about to be written in place (an in-place push, a copy commit,
+        zero_weights): the push directories that link them stop being pushes first, so that no
+        reader takes the half-written bytes for a version (a reader already reading them finds the
+        digest changed: weight_sync/engine_side/receive.py's load_from_path)."""
+        for path in self.links:
+            withdraw(path)
+        self.links = []
 
     def save(self, named, path: str, version: int, background: bool = False
              ) -> dict | concurrent.futures.Future:

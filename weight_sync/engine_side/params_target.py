@@ -36,6 +36,8 @@ class ParamsTarget:
         # the same layout and skips the walk over the model (a reload makes a new model object)
         self.validated: tuple | None = None
         self.current: tuple[int, int] | None = None  # (data_ptr, nbytes) of the staging buffer the weights live in
+        # (manifest, buffer) of the full push whose buffer the weights were swapped into, laid out by it
+        self.served_push: tuple[Manifest, torch.Tensor] | None = None
 
     def check(self, m: Manifest) -> list[str]:
         if getattr(self.host, "weights_released", False):
@@ -94,6 +96,7 @@ class ParamsTarget:
         derived, plan.derived = plan.derived, None
         self._written(derived)
         if m.adapter is not None:
+            self.served_push = None  # merged into new tensors
             self.adapter.committed(m, plan)
             if not m.adapter.with_base:
                 return plan.staging  # the factors are merged: the buffer is free for the next push
@@ -101,9 +104,10 @@ class ParamsTarget:
             self._new_weights()
         previous, self.current = self.current, None
         if not plan.swap:
-            return plan.staging  # copied out: free again
+            return plan.staging  # copied out: free again (the weights stay where they were)
         storage = plan.staging.untyped_storage()
         self.current = (storage.data_ptr(), storage.nbytes())
+        self.served_push = (m, whole(plan.staging)) if m.adapter is None and not m.partial else None
         if len(replaced) == 1:
             # the previous weights' storage is free memory only if it was our previous staging
             # buffer (never, say, a checkpoint's memory-mapped file)
@@ -131,18 +135,57 @@ class ParamsTarget:
             return named
         return [(n, bank.merged(n.removesuffix(".weight"), p)) for n, p in named]
 
-    def full_push_bytes(self) -> int:
-        """The staging a full push of these weights in their own dtype takes (its manifest's layout)."""
+    def own_layout(self) -> Manifest | None:
+        """A full push of these weights in their own dtypes: the layout the pushes that keep them
+        take (None: no parameters)."""
         params, _ = model_params(self.host.model)
         specs = [(n, dtype_name(p.dtype), tuple(p.shape)) for n, p in params.items()]
-        return build_manifest(specs, 0, DEFAULT_BUCKET_BYTES).layout_bytes if specs else 0
+        return build_manifest(specs, 0, DEFAULT_BUCKET_BYTES) if specs else None
+
+    def adopt(self) -> int:
+        """Move the weights into one buffer of the pool laid out as a full push of them, as a swap
+        commit would have put them: the first push's commit then frees a whole buffer, kept for
+        the next push, instead of the checkpoint's tensors one by one (a new buffer in their place
+        would fault its pages in again, seconds a gigabyte while the engine serves). Same values,
+        same dtypes; the derived copies follow at the next forward. Returns the buffer's bytes (0:
+        left as they are: a copy commit keeps the weights where they are)."""
+        m = self.own_layout()
+        if m is None or self.commit_mode != "swap" or self.host.device.type != "cpu" or self.current is not None:
+            return 0
+        params, _ = model_params(self.host.model)
+        buf = self.pool.fresh(m.layout_bytes)
+        plan = CommitPlan(buf, views(m, buf), [params[t.name] for t in m.tensors], swap=True)
+        with torch.no_grad():
+            for p, (_, view) in zip(plan.params, plan.pairs):
+                view.copy_(p)
+        assign(plan, self.host.device)
+        self._written()
+        storage = buf.untyped_storage()
+        self.current = (storage.data_ptr(), storage.nbytes())
+        self.served_push = (m, buf)
+        return m.layout_bytes
+
+    def served_whole(self) -> tuple[Manifest, torch.Tensor] | None:
+        """(manifest, buffer) when every weight lives in that buffer as that full push laid it out
+        (its bytes then are the served weights, in a push's layout: a host copy can link them);
+        None when some weight lives elsewhere (an adapter merged into new tensors, a checkpoint's)."""
+        if self.served_push is None:
+            return None
+        m, buf = self.served_push
+        params, aliases = model_params(self.host.model)
+        base = buf.data_ptr()
+        for t in m.tensors:
+            p = params[t.name] if t.name in params else params.get(aliases.get(t.name, ""))
+            if p is None or p.data_ptr() != base + t.offset or dtype_name(p.dtype) != t.dtype:
+                return None
+        return self.served_push
 
     def base(self, m: Manifest) -> list[torch.Tensor]:
         params, aliases = model_params(self.host.model)
         return [params[t.name if t.name in params else aliases[t.name]].detach() for t in m.tensors]
 
     def forget(self) -> None:
-        self.current = None
+        self.current = self.served_push = None
         self.adapter.forget()
 
     def _written(self, derived=None) -> None:

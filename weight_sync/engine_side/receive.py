@@ -73,6 +73,7 @@ class PushReceiver:
         self.group: WeightSyncGroup | None = None
         self.version: int | None = None  # last version committed by a push (None: the checkpoint's)
         self.digest = NONE  # the digest of those weights as pushed (a delta's base must have it)
+        self.served_digest = NONE  # of the served weights' bytes, when known (a host copy's check)
         self.last: dict | None = None
         self.max_inflight = 4  # broadcasts posted at once
         self.torn = False  # a commit failed half way: restart this engine
@@ -194,12 +195,17 @@ class PushReceiver:
             raise TornWeights(f"the commit of version {a.m.version} failed half way: {TORN}; this engine must be "
                               f"restarted ({e})") from None
         self.pool.give_back(freed)
+        served = getattr(self.target, "served_whole", lambda: None)()
+        self.pool.keep_named(served[1] if served else None)
         if freed is None:  # the weights it replaced were no buffer of ours (the checkpoint's): the next
             self.pool.prepare(a.m.layout_bytes)  # push's staging is made now, while the engine serves
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
         # ... nor are a part's (the other parameters are another push's)
         self.digest = a.digest if a.m.adapter is None and not a.m.partial else NONE
+        # ... and of the served weights' own bytes, where the commit swapped the pushed ones in (a copy
+        # commit may cast them): what a host copy linking the buffer says it holds
+        self.served_digest = self.digest if a.plan.swap else NONE
         a.phases.mark("commit")
         out = self._done(a.m, a.t0, a.t1, a.t2, transport, buckets, a.plan_seconds, a.derive_seconds)
         out["phases"] = self.last["phases"] = a.phases.seconds
@@ -334,7 +340,7 @@ class PushReceiver:
                 self.torn = True
             raise failure from None
         self.torn = False
-        self.digest = digest.value()
+        self.digest, self.served_digest = digest.value(), NONE
         return self._done(m, t0, t1, time.perf_counter(), "broadcast, in place", written[0])
 
     # -- no group: a trainer's shared buffer, a push directory ------------------------------
@@ -361,7 +367,7 @@ class PushReceiver:
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
         committed, so a bad or partial file changes nothing (ValueError)."""
-        from weight_sync.common.push_dir import read_manifest
+        from weight_sync.common.push_dir import read_digest, read_manifest
 
         t0 = time.perf_counter()
         m, problems = self._check(manifest if manifest is not None else read_manifest(path))
@@ -372,10 +378,13 @@ class PushReceiver:
         staging = self.pool.take(m.layout_bytes)
         try:
             fill_from_file(m, staging, path)
+            digest = staged_digest(m, staging)
+            if (meant := read_digest(path)) not in (None, NONE, digest):  # a host copy written meanwhile
+                raise ValueError(f"its bytes changed while they were read (digest {digest:x}, {meant:x} written)")
         except Exception as e:
             self.pool.give_back(staging)
             raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
-        a = Arrived(m, self.target.plan(m, staging), t0, t0, time.perf_counter(), 0.0, staged_digest(m, staging))
+        a = Arrived(m, self.target.plan(m, staging), t0, t0, time.perf_counter(), 0.0, digest)
         return self.commit(_derived(self.target, a), "safetensors", buckets=0)
 
 

@@ -3,6 +3,7 @@ between pushes (`StagingPool`) and how much of it would fit (`free_bytes`)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import mmap
@@ -13,6 +14,7 @@ import time
 import torch
 
 from weight_sync.common.devices import normalize_device
+from weight_sync.engine_side import shared_buffers
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +100,16 @@ class StagingPool:
     are slower than the network (weight_sync/README.md); on CUDA the caching allocator already
     reuses freed blocks."""
 
-    def __init__(self, device: torch.device, keep: bool):
+    def __init__(self, device: torch.device, keep: bool, shared: bool = False):
         self.device = device
         self.keep = keep
         self.spare: torch.Tensor | None = None
+        # CPU: buffers are files in /dev/shm (weight_sync/engine_side/shared_buffers.py), so that the one
+        # the weights live in can be linked as a host copy; `files` names those still named, by address
+        self.shared = shared and normalize_device(device).type == "cpu" and shared_buffers.available()
+        self.files: dict[int, str] = {}
+        if self.shared:  # a process that ends as it should leaves no names; a killed one's are swept
+            atexit.register(self.keep_named, None)
         # called with the kept buffer before it is handed out: it held served weights, which a
         # background host copy may still be reading (weight_sync/engine_side/host_copy.py)
         self.before_reuse = lambda buf: None
@@ -125,13 +133,47 @@ class StagingPool:
             pass
         t0 = time.perf_counter()
         try:
-            buf = alloc_in_background(nbytes, self.device)
+            buf = self._new(nbytes, populate=False)
         except Exception as e:  # noqa: BLE001 - a push then allocates its own, as before
             log.warning("could not prepare %.1f MiB of staging memory: %s", nbytes / 2**20, e)
             return
         if self.keep and (self.spare is None or self.spare.numel() < nbytes):
+            self._let_go(self.spare)
             self.spare = buf
+        else:
+            self._let_go(buf)
         log.debug("staging memory ready: %.1f MiB in %.2f s", nbytes / 2**20, time.perf_counter() - t0)
+
+    def fresh(self, nbytes: int) -> torch.Tensor:
+        """A buffer of the pool's kind that no push holds (its pages faulted in now)."""
+        return self._new(nbytes)
+
+    def _new(self, nbytes: int, populate: bool = True) -> torch.Tensor:
+        if not self.shared or nbytes == 0:
+            return alloc(nbytes, self.device) if populate else alloc_in_background(nbytes, self.device)
+        t, path = shared_buffers.new_buffer(nbytes, populate)
+        self.files[t.data_ptr()] = path
+        return t
+
+    def file_of(self, t: torch.Tensor) -> str | None:
+        """The /dev/shm file of the pool's buffer under `t`, while it has a name."""
+        return self.files.get(t.untyped_storage().data_ptr())
+
+    def _let_go(self, t: torch.Tensor | None) -> None:
+        """The pool lets buffer `t` go: its name goes now, its memory with its last view."""
+        path = None if t is None else self.files.pop(t.untyped_storage().data_ptr(), None)
+        if path is not None:
+            shared_buffers.let_go(path)
+
+    def keep_named(self, served: torch.Tensor | None) -> None:
+        """After a commit: only `served` (the buffer every weight lives in now, if any: a host copy
+        may link it) and the spare keep their names; the rest are let go (their memory goes when
+        nothing views it: a LoRA base kept by reference, say)."""
+        keep = {t.untyped_storage().data_ptr() for t in (served, self.spare) if t is not None}
+        for ptr, path in list(self.files.items()):
+            if ptr not in keep:
+                del self.files[ptr]
+                shared_buffers.let_go(path)
 
     def _wait_prepared(self) -> None:
         if self._preparing is not None:
@@ -141,16 +183,25 @@ class StagingPool:
     def take(self, nbytes: int) -> torch.Tensor:
         self._wait_prepared()  # what is left of it costs less than a buffer of its own
         spare, self.spare = self.spare, None
-        if spare is not None and spare.numel() >= nbytes and spare.device == normalize_device(self.device):
+        if spare is not None and spare.numel() >= nbytes and spare.device == normalize_device(self.device) \
+                and not self._linked(spare):
             self.before_reuse(spare)
             return spare[:nbytes]
+        self._let_go(spare)
         del spare
-        return alloc(nbytes, self.device)
+        return self._new(nbytes)
+
+    def _linked(self, t: torch.Tensor) -> bool:
+        """Whether a host copy still links `t`'s file: its bytes must stay as they are."""
+        path = self.file_of(t)
+        return path is not None and shared_buffers.linked(path)
 
     def give_back(self, buf: torch.Tensor | None) -> None:
         """`buf` (any view of it) is free again: kept whole for the next push, or let go."""
         if buf is not None and self.keep and self.spare is None:
             self.spare = whole(buf)
+        else:
+            self._let_go(buf)
 
     def set_keep(self, keep: bool) -> None:
         self.keep = keep
@@ -160,6 +211,7 @@ class StagingPool:
     def drop(self) -> None:
         """Let the kept buffer go (the group is left, or the weights are released)."""
         self._wait_prepared()
+        self._let_go(self.spare)
         self.spare = None
 
     def room(self, nbytes: int, limit: int | None = None) -> dict:

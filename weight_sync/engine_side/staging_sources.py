@@ -45,8 +45,12 @@ def fill_from_file(m: Manifest, staging: torch.Tensor, path: str) -> None:
     not hold exactly the manifest's tensors."""
     from safetensors import safe_open
 
-    from weight_sync.common.push_dir import MANIFEST_FILE, WEIGHTS_FILE
+    from weight_sync.common.push_dir import MANIFEST_FILE, WEIGHTS_FILE, read_raw
 
+    raw = read_raw(path, m)
+    if raw is not None:  # an engine's host copy: the push's layout as it lies
+        staging[:m.layout_bytes].copy_(raw)
+        return
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise ValueError(f"no {WEIGHTS_FILE} in {path} (a push directory holds {WEIGHTS_FILE} and {MANIFEST_FILE})")
