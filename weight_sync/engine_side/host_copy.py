@@ -56,12 +56,17 @@ class HostCopies:
     def link(self, served, file: str | None, path: str, version: int, digest: int | None) -> dict | None:
         """The served weights as a push directory with no byte copied (push_dir.link_raw): when they
         all lie in one staging buffer laid out as a push (`served`: (manifest, buffer), from
-        ParamsTarget.served_whole) whose /dev/shm `file` a link can name. None otherwise."""
+        ParamsTarget.served_whole) whose /dev/shm `file` a link can name from `path` (the same
+        filesystem). None otherwise."""
         if served is None or file is None:
             return None
         t0 = time.perf_counter()
         m = msgspec.structs.replace(served[0], version=int(version))
-        link_raw(path, file, m, digest)
+        try:
+            link_raw(path, file, m, digest)
+        except OSError as e:  # on another filesystem than /dev/shm (EXDEV): written, as before
+            log.debug("host copy at %s cannot link %s (%s): writing it", path, file, e)
+            return None
         self.links = [p for p in self.links if os.path.isdir(p)] + [path]
         out = {"path": path, "bytes": m.layout_bytes, "seconds": time.perf_counter() - t0, "snapshot_seconds": 0.0,
                "linked": True}
