@@ -259,3 +259,13 @@ def test_prepare_reuses_the_layout_only_while_nothing_changed(hf_models):
     assert list(changed.tensors[1].shape) == [3, 5] and changed.layout_bytes != wider.layout_bytes
     rebuilt = build_manifest([(t.name, t.dtype, t.shape) for t in changed.tensors], 4, 2**22)
     assert (changed.tensors, changed.buckets) == (rebuilt.tensors, rebuilt.buckets)
+
+
+def test_a_tensor_of_alone_bytes_or_more_is_a_bucket_of_its_own():
+    """So that a trainer whose weights are not flattened sends it from its own memory (no copy)."""
+    from weight_sync.common.manifest import ALONE_BYTES
+
+    big, small = ALONE_BYTES, 1000
+    sizes = [small, small, big, small, 0, big + 1, big, small, small]
+    _, _, buckets = _check_plan(sizes, 64 * 2**20, 256)
+    assert [(b.first, b.last) for b in buckets] == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7), (7, 9)]

@@ -26,6 +26,9 @@ ALIGNMENT = 256  # bytes; what cudaMalloc guarantees, more than any dtype or vec
 # reaches the transport's rate; smaller buckets pay per-collective overhead, larger ones grow the
 # trainer's two packing buffers for nothing. The DESIGN's "hundreds of MB" suits NCCL links.
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+# A tensor this large is a bucket of its own (plan_layout): sent with no copy from a trainer's
+# tensor; below it, the broadcasts' fixed cost outweighs the copy that packing costs.
+ALONE_BYTES = 4 * 2**20
 
 # The dtypes a push carries, by name, with their bytes per element. Written out rather than asked
 # of torch: the sidecar's front end reads manifests and imports no torch (`DTYPES`, the torch
@@ -169,8 +172,11 @@ def plan_layout(nbytes: Sequence[int], bucket_bytes: int, alignment: int = ALIGN
     """Offsets of each tensor in the flat layout, the layout's size, and the buckets.
 
     Tensors keep their order. A bucket collects consecutive tensors while its byte range stays
-    within `bucket_bytes`; a tensor larger than that gets a bucket of its own. Empty tensors take
-    no room and ride along in whichever bucket is open.
+    within `bucket_bytes`; a tensor larger than that gets a bucket of its own, and so does one of
+    ALONE_BYTES or more: a trainer whose weights are not flattened sends it from its own memory, no
+    copy (weight_sync/trainer/bucket_sender.py), where packing it with its neighbours cost a copy of
+    the model a push (0.7 s of a 1.7B model's 2 s here). Empty tensors take no room and ride along
+    in whichever bucket is open.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -185,12 +191,14 @@ def plan_layout(nbytes: Sequence[int], bucket_bytes: int, alignment: int = ALIGN
         pos += n
     layout = pos
     buckets: list[Bucket] = []
-    first = 0
+    first, big = 0, bool(nbytes) and nbytes[0] >= ALONE_BYTES  # big: the open bucket holds one to keep alone
     for i in range(1, len(offsets)):
         start, end = offsets[first], offsets[i - 1] + nbytes[i - 1]  # tensor ends never decrease
-        if nbytes[i] and end > start and offsets[i] + nbytes[i] - start > bucket_bytes:
+        alone = big or nbytes[i] >= ALONE_BYTES
+        if nbytes[i] and end > start and (alone or offsets[i] + nbytes[i] - start > bucket_bytes):
             buckets.append(Bucket(start, end, first, i))
-            first = i
+            first, big = i, False
+        big = big or nbytes[i] >= ALONE_BYTES
     if offsets:
         buckets.append(Bucket(offsets[first], offsets[-1] + nbytes[-1], first, len(offsets)))
     return offsets, layout, buckets

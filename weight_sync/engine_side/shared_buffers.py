@@ -14,6 +14,7 @@ in-place write of the served weights withdraws the links first (`withdraw`)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -48,9 +49,32 @@ def new_buffer(nbytes: int, populate: bool = True) -> tuple[torch.Tensor, str]:
         os.close(fd)  # the mapping keeps the file
     t = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` mapped until the last view goes
     if not populate:
-        for start in range(0, nbytes, TOUCH_CHUNK):  # ctypes lets the GIL go while it writes
-            ctypes.memset(t.data_ptr() + start, 0, min(TOUCH_CHUNK, nbytes - start))
+        fault_in(t.data_ptr(), nbytes)
     return t, path
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14: the pages provided writable, without a write of ours
+
+
+@functools.cache
+def _madvise():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return f
+
+
+def fault_in(address: int, nbytes: int) -> None:
+    """Provide the pages of [address, address + nbytes) a chunk at a time (ctypes lets the GIL go
+    during each call): madvise(MADV_POPULATE_WRITE) where the kernel has it (one pass, about twice
+    as fast as writing them), else a memset."""
+    madvise = _madvise()
+    for start in range(0, nbytes, TOUCH_CHUNK):
+        size = min(TOUCH_CHUNK, nbytes - start)
+        if madvise is None or madvise(address + start, size, MADV_POPULATE_WRITE) != 0:
+            ctypes.memset(address + start, 0, size)
 
 
 def linked(path: str) -> bool:

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 
 MARGIN = 64 << 20  # bytes left free beyond a staging copy: the allocator and the next step need some
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-TOUCH_CHUNK = 64 << 20  # a background preparation faults its pages in this many bytes at a time
 BACKGROUND_NICE = 10  # ... on a thread that yields the cores to the engine's steps
 
 
@@ -42,8 +41,7 @@ def alloc_in_background(nbytes: int, device: torch.device) -> torch.Tensor:
         return alloc(nbytes, device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(buf, dtype=torch.uint8)
-    for start in range(0, nbytes, TOUCH_CHUNK):  # ctypes lets the GIL go while it writes
-        ctypes.memset(t.data_ptr() + start, 0, min(TOUCH_CHUNK, nbytes - start))
+    shared_buffers.fault_in(t.data_ptr(), nbytes)
     return t
 
 
@@ -117,9 +115,9 @@ class StagingPool:
 
     def prepare(self, nbytes: int) -> None:
         """Have a kept buffer of `nbytes` ready before a push needs one, made by a thread of its
-        own while the engine serves (the first push, and the one after a commit that freed no whole
-        buffer, would otherwise fault its pages in on the push's path: 0.4-0.8 s a GB here). Does
-        nothing when not keeping, or when such a buffer is kept or being made."""
+        own while the engine serves (the push after a commit that freed no whole buffer of the
+        pool's would otherwise fault its pages in on its path: 0.4-0.8 s a GB here). Does nothing
+        when not keeping, or when such a buffer is kept or being made."""
         busy = self._preparing is not None and self._preparing.is_alive()
         if not self.keep or nbytes <= 0 or busy or (self.spare is not None and self.spare.numel() >= nbytes):
             return
@@ -127,7 +125,7 @@ class StagingPool:
         self._preparing.start()
 
     def _prepare(self, nbytes: int) -> None:
-        try:
+        try:  # below the engine's steps, which it runs beside
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         except (AttributeError, OSError):
             pass
