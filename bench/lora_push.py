@@ -112,14 +112,14 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
                       lora_versions: int = 0) -> dict:
     from engine import AsyncEngine, EngineConfig
     from engine.model_runner import available_cpus
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.model_names import resolve_model
     from weight_sync import WeightSender
     from weight_sync.common.checksum import weights_checksum
     from weight_sync.engine_side.engines import engines_checksums
     from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
     from weight_sync.trainer.lora_push import adapter_weights, base_weights
 
-    model_dir = str(build_tiny_model(default_model_dir(size), size, "qwen2"))
+    model_dir = resolve_model(size)  # a tiny size (engine.tiny_model), or a real model's name (smollm2)
     peft_model = lora_model(model_dir, r, alpha, seed)
     gen = torch.Generator().manual_seed(seed)
     adapter_bytes = _nbytes(adapter_weights(peft_model)[0])

@@ -56,8 +56,25 @@ native_kernels.forget_with_kernels(available.cache_clear)
 
 
 
+def _pack_fn():
+    return native_kernels.function("f32_linear", "f32_pack", (_PTR, _I64, _I64, _PTR), None)
+
+
 def pack(weight: torch.Tensor) -> F32Weight:
-    """`weight` [n, k] in panels (fp32). Pure."""
+    """`weight` [n, k] in panels (fp32): in one pass of engine/native/f32_linear.c where it builds,
+    else torch's (the same bytes). Pure."""
+    n, k = weight.shape
+    native = _pack_fn() if weight.device.type == "cpu" else None
+    if native is not None:
+        w = weight.to(torch.float32).contiguous()
+        out = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+        native(w.data_ptr(), n, k, out.data_ptr())
+        return F32Weight(out, n, k)
+    return pack_torch(weight)
+
+
+def pack_torch(weight: torch.Tensor) -> F32Weight:
+    """`pack` in torch's ops (the reference the one-pass pack is held to)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)

@@ -33,3 +33,13 @@ def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
     magnitude = x.double().abs() @ w.double().abs().t() + (0 if bias is None else bias.double().abs())
     assert ((got - exact).abs() <= (k + 1) * 2.0**-24 * magnitude + 1e-30).all()
     assert (got - exact).abs().max() > 0  # it did round: the bound is what holds it
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (50, 100), (33, 7), (32, 1), (1, 64)])
+def test_the_one_pass_pack_is_torchs_pack(n, k):
+    """engine/native/f32_linear.c's f32_pack against the torch ops it replaces: the same bytes."""
+    if f32_linears._pack_fn() is None:
+        pytest.skip("no C compiler for the native kernels")
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
+    native, ref = f32_linears.pack(w), f32_linears.pack_torch(w)
+    assert (native.n, native.k) == (ref.n, ref.k) and torch.equal(native.packed, ref.packed)
