@@ -6,7 +6,8 @@ chunk's `weight_versions`) while a trainer-side `AsyncRolloutClient` pushes the 
 `--pushes` times. For each push: the stream's gap at the switch (the arrival of the first token of
 the new version, from the chunk before it), the next few gaps, against the stream's median gap
 between tokens; and the push reply's own figures (transfer, the engines' pause window, the swap).
-Goal (issue 49): the gap at the switch within 0.1 s of the median gap.
+Goals: the gap at the switch within 0.1 s of the median gap (issue 49); what the stream loses beyond
+its median gap over the switch and the five gaps after it ("felt"), within 0.1 s (issue 61).
 
 The sidecar runs with OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise
 (`--omp-wait-policy`): with OpenMP's spinning barriers, any other runnable thread on the cores (a
@@ -56,19 +57,28 @@ async def stream_tokens(http_url: str, prompt: list[int], max_tokens: int, arriv
                     return
 
 
-def gaps_at_switches(arrivals: list, versions: list[int], after: int) -> tuple[float, list[dict]]:
-    """The stream's median gap between chunks, and for each pushed version the gap ending at its
-    first token and the `after` gaps after it."""
+def gaps_at_switches(arrivals: list, pushes: list[tuple[int, float]], after: int, lead: float
+                     ) -> tuple[float, list[dict]]:
+    """The stream's median gap between chunks under the load, and for each pushed version the gap
+    ending at its first token and the `after` gaps after it. `pushes`: (version, start time) each.
+    The median is of the gaps outside the pushes' windows (a push's start to its `after`-th gap
+    past the switch), from `lead` seconds before the first push on: the stream's first seconds,
+    while the load still ramps up, ran faster than the load's steady state and made every push
+    look slower than it was."""
     times = [t for t, _, _ in arrivals]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    median = statistics.median(gaps) if gaps else float("nan")
-    rows = []
-    for v in versions:
+    rows, windows = [], []
+    for v, t0 in pushes:
         k = next((i for i, (_, _, vs) in enumerate(arrivals) if v in vs), None)
         if k is None or k == 0:
             rows.append({"version": v, "switch_gap": None, "next_gaps": []})
             continue
         rows.append({"version": v, "switch_gap": gaps[k - 1], "next_gaps": gaps[k:k + after]})
+        windows.append((t0, times[min(k + after, len(times) - 1)]))
+    start = pushes[0][1] - lead if pushes else float("-inf")
+    steady = [g for g, end in zip(gaps, times[1:])
+              if end >= start and not any(a <= end <= b for a, b in windows)]
+    median = statistics.median(steady or gaps) if gaps else float("nan")
     return median, rows
 
 
@@ -111,7 +121,7 @@ async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
         await client.close()
     if stream.done() and not stream.cancelled() and stream.exception() is not None:
         raise stream.exception()
-    median, rows = gaps_at_switches(arrivals, [r["version"] for r in replies], args.after)
+    median, rows = gaps_at_switches(arrivals, [(r["version"], r["t0"]) for r in replies], args.after, args.interval)
     for row, rep in zip(rows, replies):
         row.update({k: v for k, v in rep.items() if k != "reply"})
     return {"arrivals": arrivals, "median_gap": median, "chunks": len(arrivals),
@@ -124,21 +134,25 @@ def report(args, figures: dict) -> None:
           f"{args.omp_wait_policy}, load {args.load} sequences + 1 streamed; {figures['tokens']} streamed tokens "
           f"in {figures['chunks']} chunks")
     print(f"stream's median gap between chunks: {med * 1e3:.0f} ms")
-    print(f"{'version':>7} {'switch gap':>10} {'- median':>9} {'next gaps (ms)':<34} {'push':>7} {'transfer':>8} "
-          f"{'pause':>7} {'swap':>7}")
-    ok = True
+    print(f"{'version':>7} {'switch gap':>10} {'- median':>9} {'next gaps (ms)':<34} {'felt':>6} {'push':>7} "
+          f"{'transfer':>8} {'pause':>7} {'swap':>7}")
+    ok = felt_ok = True
     for r in figures["pushes"]:
         if r["switch_gap"] is None:
             print(f"{r['version']:>7} {'(no switch seen)':>20}")
-            ok = False
+            ok = felt_ok = False
             continue
         over = r["switch_gap"] - med
-        ok = ok and over <= GOAL_S
+        # issue 61's measure: what the stream lost beyond its median gap over the switch and the gaps after it
+        felt = over + sum(g - med for g in r["next_gaps"])
+        ok, felt_ok = ok and over <= GOAL_S, felt_ok and felt <= GOAL_S
         nxt = " ".join(f"{g * 1e3:.0f}" for g in r["next_gaps"])
         ms = lambda x: "-" if x is None else f"{x * 1e3:.0f}"  # noqa: E731
-        print(f"{r['version']:>7} {r['switch_gap'] * 1e3:>8.0f}ms {over * 1e3:>7.0f}ms {nxt:<34} "
+        print(f"{r['version']:>7} {r['switch_gap'] * 1e3:>8.0f}ms {over * 1e3:>7.0f}ms {nxt:<34} {felt * 1e3:>4.0f}ms "
               f"{ms(r['push_s']):>5}ms {ms(r['transfer_s']):>6}ms {ms(r['pause_s']):>5}ms {ms(r['swap_s']):>5}ms")
-    print(f"goal: switch gap within {GOAL_S * 1e3:.0f} ms of the median gap: {'met' if ok else 'NOT met'}")
+    print(f"goal: switch gap within {GOAL_S * 1e3:.0f} ms of the median gap: {'met' if ok else 'NOT met'}; the "
+          f"switch and the {args.after} gaps after it ('felt') within {GOAL_S * 1e3:.0f} ms beyond their medians: "
+          f"{'met' if felt_ok else 'NOT met'}")
     if args.verbose:
         for rep in figures["replies"]:
             print(json.dumps(rep, default=str))
@@ -162,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settle", type=float, default=12.0,
                    help="seconds of streaming before the first push: the sidecar's next warm standby core "
                         "starts beside the engine after READY, and its imports take the cores for several seconds")
-    p.add_argument("--after", type=int, default=4, help="gaps shown after the switch")
+    p.add_argument("--after", type=int, default=5, help="gaps shown (and counted in 'felt') after the switch")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"], help="the sidecar's flag")
     p.add_argument("--sidecar-arg", action="append", default=[], help="one more argument for rollout.serve (repeat)")
     p.add_argument("--omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
