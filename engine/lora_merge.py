@@ -8,6 +8,8 @@ import them from here: the engine never imports weight_sync.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -30,10 +32,33 @@ def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
     dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, two passes
     over it instead of four); W0 is left as it is. w0: [out, in], a: [r, in], b: [out, r]."""
     same = a.dtype == b.dtype == w0.dtype and not _through_fp32(b)
-    if out is not None and same and out.shape == w0.shape and out.dtype == w0.dtype:
+    fits = out is not None and out.shape == w0.shape and out.dtype == w0.dtype
+    if fits and same:
         torch.mm(b, a, out=out)  # the same kernel as b @ a, then the same rounding steps:
         out.mul_(scale)          # (B @ A) * scale,
         return out.add_(w0)      # + W0 (IEEE addition commutes: the bits of W0 + delta)
+    if fits and a.dtype == b.dtype and not _through_fp32(b) and a.dtype.itemsize >= w0.dtype.itemsize:
+        # fp32 factors into a bf16 base (a trainer's adapter into a bf16 engine): the delta in the
+        # factors' dtype in a scratch kept per thread, then added and rounded once into `out`, as
+        # PEFT's in-place add does (it computes in the wider dtype): no fresh memory a merge
+        d = _scratch(w0.shape, b.dtype)
+        torch.mm(b, a, out=d)
+        d.mul_(scale)
+        return torch.add(w0, d, out=out)
     merged = w0.clone()
     merged += delta(a, b, scale)
     return merged
+
+
+_scratches = threading.local()
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A [shape] buffer of `dtype`, the largest one asked for kept per thread (its memory: one
+    linear's delta in fp32, a few MB)."""
+    need, name = torch.Size(shape).numel(), str(dtype)
+    buf = getattr(_scratches, name, None)
+    if buf is None or buf.numel() < need:
+        buf = torch.empty(need, dtype=dtype)
+        setattr(_scratches, name, buf)
+    return buf[:need].view(shape)

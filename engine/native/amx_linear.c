@@ -293,42 +293,6 @@ int amx_linear_w8_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w
    accumulator in the same order whichever operand is which, so each output has the packed kernel's
    bits (tested). Needs k % 32 == 0 and each segment's rows % 16 == 0 (amx_linears.rows_fit). */
 
-/* dst[j][i] = src[i][j] for a 16 x 16 block of 4-byte values, src rows `stride` apart. */
-static inline void transpose16_u32(const uint32_t *src, int64_t stride, uint32_t *dst) {
-#ifdef __AVX512F__
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * stride));
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4g + c]'s lane L: rows 4g..4g+3 of column 4L + c; output row j = 4L + c takes lane L of
-       r[c], r[4 + c], r[8 + c], r[12 + c] */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + 16 * i), r[i]);
-#else
-    for (int i = 0; i < 16; i++)
-        for (int j = 0; j < 16; j++) dst[j * 16 + i] = src[i * stride + j];
-#endif
-}
-
 /* The 64 bytes of K chunk `kc` of the 32 rows of tiles t0 and t0 + 1, or, past the rows' end, of
    the next two tiles' (the panel this thread does next under a static schedule): the weights come
    from memory once, and the tile loads stall on a miss. */
@@ -352,13 +316,15 @@ static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint
         const int64_t rows = m - mt * 16 < 16 ? m - mt * 16 : 16;
         for (int64_t kc = 0; kc < kc_count; kc++) {
             uint32_t *dst = xv + ((mt / 2) * kc_count + kc) * 512 + (mt % 2) * 256;
+            const uint32_t *from[16];
             if (rows == 16) {
-                transpose16_u32(src + kc * 16, pairs, dst);
-                continue;
+                for (int r = 0; r < 16; r++) from[r] = src + r * pairs + kc * 16;
+            } else {
+                memset(block, 0, sizeof block);
+                for (int64_t r = 0; r < rows; r++) memcpy(block + r * 16, src + r * pairs + kc * 16, 64);
+                for (int r = 0; r < 16; r++) from[r] = block + r * 16;
             }
-            memset(block, 0, sizeof block);
-            for (int64_t r = 0; r < rows; r++) memcpy(block + r * 16, src + r * pairs + kc * 16, 64);
-            transpose16_u32(block, 16, dst);
+            transpose16_u32(from, dst, 16);
         }
     }
 }
@@ -430,7 +396,9 @@ int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t 
                         case 2: _tile_stored(2, c, 64); break;
                         default: _tile_stored(3, c, 64); break;
                         }
-                        transpose16_u32((const uint32_t *)c, 16, (uint32_t *)ct); /* [16 rows of x][16 columns] */
+                        const uint32_t *from[16];
+                        for (int r = 0; r < 16; r++) from[r] = (const uint32_t *)c + 16 * r;
+                        transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
                         const int64_t col = np * 32 + nt * 16;
                         for (int r = 0; r < 16; r++) {
                             const int64_t row = mp * 32 + mt * 16 + r;

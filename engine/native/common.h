@@ -79,6 +79,44 @@ static inline void store16_bf16(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
+/* dst[j * dst_stride + i] = rows[i][j] for a 16 x 16 block of 4-byte values: row i read at rows[i]
+   (16 floats or bf16 pairs). The AMX kernel lays activations out as tiles with it, the fp32 kernel
+   a weight's panel. */
+static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst, int64_t dst_stride) {
+#ifdef __AVX512F__
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)rows[i]);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4g + c]'s lane L: rows 4g..4g+3 of column 4L + c; output row j = 4L + c takes lane L of
+       r[c], r[4 + c], r[8 + c], r[12 + c] */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + dst_stride * i), r[i]);
+#else
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) dst[j * dst_stride + i] = rows[i][j];
+#endif
+}
+
 /* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
    about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
    clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */
