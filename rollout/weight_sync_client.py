@@ -257,9 +257,11 @@ class WeightSyncClient:
                                                         timeout_s=push.timeout_s, group_name=group_name))
                     for i in self.members]
 
+        delta = push.delta if push.delta is not None else self.anchors.auto()
+        t0 = time.monotonic()
         outcome = await run_push(self.sender, weights, push.version, deliver, push.timeout_s + 60, push.progress,
-                                 push.on_sent, push.mode, peers, push.delta, self.anchors.due())
-        self.anchors.count(outcome.trainer)
+                                 push.on_sent, push.mode, peers, delta, self.anchors.due())
+        self.anchors.count(outcome.trainer, time.monotonic() - t0)
         return outcome
 
     def _next_step(self, outcome, push: PushCall) -> Step:

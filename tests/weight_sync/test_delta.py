@@ -86,3 +86,35 @@ def test_a_delta_needs_the_shape_and_dtype_of_its_base():
         encode(torch.zeros(4), torch.zeros(5))
     with pytest.raises(ValueError, match="same shape and dtype"):
         encode(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 0.035, 0.3, 1.0])
+def test_the_one_pass_kernels_give_torchs_delta_bit_for_bit(monkeypatch, fraction):
+    """engine/native/delta_bits.c against the torch path it replaces for 2-byte values (a length
+    that is no multiple of the vector's 32, -0.0 and a NaN among the changes)."""
+    from weight_sync.common import delta as D
+
+    if D._native() is None:
+        pytest.skip("no C compiler for the native kernels")
+    base = torch.randn(4099, generator=torch.Generator().manual_seed(5)).bfloat16()
+    new = _changed(base, fraction, seed=6)
+    new[1], new[2] = -0.0 if base[1] == 0 else new[1], float("nan")
+    native = encode(base, new)
+    monkeypatch.setattr(D, "_native", lambda: None)
+    torch_way = encode(base, new)
+    assert native.kind == torch_way.kind and torch.equal(native.positions, torch_way.positions)
+    assert _bits_equal(native.values, torch_way.values)
+    monkeypatch.undo()
+    out = base.clone()
+    apply(out, native)
+    assert _bits_equal(out, new)
+
+
+def test_a_bitmap_with_more_bits_than_values_changes_nothing():
+    base = torch.arange(40, dtype=torch.bfloat16)
+    before = base.clone()
+    bits = torch.zeros(5, dtype=torch.uint8)
+    bits[0] = 0b111  # three positions, two values
+    with pytest.raises(ValueError, match="3 positions for 2 values"):
+        apply(base, Delta("bitmap", bits, torch.ones(2, dtype=torch.bfloat16)))
+    assert _bits_equal(base, before)

@@ -16,6 +16,8 @@ either way; past (itemsize * n - n / 8) / itemsize elements the full tensor is s
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +74,30 @@ class Delta:
         return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
 
 
+@functools.cache
+def _native() -> dict | None:
+    """engine/native/delta_bits.c's functions (2-byte values), or None where the kernels do not build."""
+    from engine import native_kernels
+
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fns = {"encode": native_kernels.function("delta_bits", "delta_encode_u16", (ptr, ptr, i64, ptr, ptr), i64),
+           "count": native_kernels.function("delta_bits", "bitmap_count", (ptr, i64), i64),
+           "apply": native_kernels.function("delta_bits", "delta_apply_u16", (ptr, i64, ptr, ptr), None),
+           "positions": native_kernels.function("delta_bits", "bitmap_positions", (ptr, i64, ptr), i64)}
+    return fns if all(fns.values()) else None
+
+
+def _fast(*tensors: torch.Tensor) -> dict | None:
+    """The one-pass kernels, for contiguous 2-byte CPU tensors."""
+    if all(t.device.type == "cpu" and t.element_size() == 2 and t.is_contiguous() for t in tensors):
+        return _native()
+    return None
+
+
 def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
     """`new` as a change to `old` (same shape and dtype), in the smallest of the three kinds."""
+    if old.shape == new.shape and old.dtype == new.dtype and (native := _fast(old, new)):
+        return _encode_native(native, old, new)
     pos = changed_positions(old, new)
     n, k = new.numel(), pos.numel()
     cost = encoded_bytes(n, k, new.element_size())
@@ -86,6 +110,23 @@ def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
     mask = torch.zeros(n, dtype=torch.bool)
     mask[pos] = True
     return Delta("bitmap", pack_bits(mask), flat[pos])
+
+
+def _encode_native(native: dict, old: torch.Tensor, new: torch.Tensor) -> Delta:
+    """`encode` in one pass (engine/native/delta_bits.c): the same Delta, bit for bit."""
+    flat, n = new.reshape(-1), new.numel()
+    bitmap = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    values = torch.empty(n, dtype=new.dtype)
+    k = native["encode"](old.data_ptr(), new.data_ptr(), n, bitmap.data_ptr(), values.data_ptr())
+    cost = encoded_bytes(n, k, new.element_size())
+    kind = min(cost, key=lambda c: (cost[c], c != "full"))
+    if kind == "full":
+        return Delta("full", torch.empty(0, dtype=torch.uint8), flat.clone())
+    if kind == "indices":
+        pos = torch.empty(k, dtype=torch.int32)
+        native["positions"](bitmap.data_ptr(), n, pos.data_ptr())
+        return Delta("indices", pos, values[:k].clone())
+    return Delta("bitmap", bitmap, values[:k].clone())
 
 
 def apply(base: torch.Tensor, delta: Delta) -> None:
@@ -107,6 +148,13 @@ def apply(base: torch.Tensor, delta: Delta) -> None:
     elif delta.kind == "bitmap":
         if delta.positions.numel() != (n + 7) // 8:
             raise ValueError(f"a bitmap of {delta.positions.numel()} bytes for a tensor of {n} elements")
+        bits, values = delta.positions.contiguous(), delta.values.contiguous()
+        if native := _fast(flat, values):
+            k = native["count"](bits.data_ptr(), n)
+            if k != values.numel():  # checked before any write
+                raise ValueError(f"{k} positions for {values.numel()} values")
+            native["apply"](flat.data_ptr(), n, bits.data_ptr(), values.data_ptr())
+            return
         pos = unpack_bits(delta.positions, n).nonzero().reshape(-1)
     else:
         raise ValueError(f"unknown delta kind {delta.kind!r}")

@@ -12,6 +12,7 @@ import torch
 from weight_sync.common import delta as D
 from weight_sync.common.delta_push import BITMAP, POSITIONS, VALUES
 from weight_sync.common.digest import Digest
+from weight_sync.common.host_memory import alloc
 from weight_sync.common.manifest import DeltaPart
 from weight_sync.trainer.weights import full
 
@@ -78,8 +79,31 @@ def keeps_base(keep_sent: bool | None, specs: list) -> bool:
     return all(d not in ("float32", "float64") for _, d, _ in specs)
 
 
-def kept_weights(version: int, digest: int, specs: list, named, wire_dtype: Callable) -> KeptWeights:
-    """A copy of what a push sent (`named`), each tensor in its wire dtype, on its own device."""
+def kept_weights(version: int, digest: int, specs: list, named, wire_dtype: Callable,
+                 previous: KeptWeights | None = None) -> KeptWeights:
+    """A copy of what a push sent (`named`), each tensor in its wire dtype, on its own device. On
+    the CPU the copies lie in one buffer whose pages are provided in one go, and a `previous` base
+    of the same layout is written over instead (each tensor copied to fresh memory took 7 s at 1.7B
+    on a 2-core machine, most of it page faults)."""
+    named = list(named)
     with torch.no_grad():
-        tensors = {n: full(t).to(wire_dtype(t), copy=True) for n, t in named}
-    return KeptWeights(version, digest, specs, tensors)
+        if previous is not None and previous.specs == specs:
+            for n, t in named:
+                previous.tensors[n].copy_(full(t))
+            return KeptWeights(version, digest, specs, previous.tensors)
+        if any(full(t).device.type != "cpu" for _, t in named):
+            tensors = {n: full(t).to(wire_dtype(t), copy=True) for n, t in named}
+            return KeptWeights(version, digest, specs, tensors)
+        return KeptWeights(version, digest, specs, _in_one_buffer(named, wire_dtype))
+
+
+def _in_one_buffer(named: list, wire_dtype: Callable) -> dict[str, torch.Tensor]:
+    dtypes = [wire_dtype(t) for _, t in named]
+    sizes = [-(-t.numel() * d.itemsize // 64) * 64 for (_, t), d in zip(named, dtypes)]
+    buf = alloc(sum(sizes), torch.device("cpu"))
+    out, offset = {}, 0
+    for (n, t), d, size in zip(named, dtypes, sizes):
+        view = buf[offset:offset + t.numel() * d.itemsize].view(d).view(t.shape)
+        out[n] = view.copy_(full(t))
+        offset += size
+    return out

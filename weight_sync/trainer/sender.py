@@ -206,12 +206,12 @@ class WeightSender:
         if prepared.delta is not None:
             advance(self.kept, prepared.delta, m.version)
             return
-        self.kept = None  # an adapter merged, or weights this sender does not keep: no base
+        previous, self.kept = self.kept, None  # an adapter merged, or weights this sender does not keep: no base
         specs = [(t.name, t.dtype, tuple(t.shape)) for t in m.tensors]
         if m.adapter is not None or has_peers() or gather_context(prepared.weights) is not None or \
                 not keeps_base(self.keep_sent, specs):
             return
-        self.kept = kept_weights(m.version, digest, specs, named, self._wire_dtype)
+        self.kept = kept_weights(m.version, digest, specs, named, self._wire_dtype, previous)
 
     def walk(self, prepared: PreparedPush) -> None:
         """List the weights of a push prepared with `reuse_layout=True` now, on this thread, and
