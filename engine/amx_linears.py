@@ -58,19 +58,8 @@ class AmxWeight(derived_weights.PackedWeight):
     """A [n, k] weight laid out for the kernel (`pack`), in int8 or bf16."""
 
 
-@dataclass(frozen=True, eq=False)
-class AmxRows:
-    """A bf16 linear served from its weights as they are (`linear_bf16_rows`): the parameter's own
-    rows, or a group's members' rows one after the other (q/k/v, gate/up), read in place. No
-    bytes of its own: what a push or a LoRA merge writes is what it reads, and deriving it is
-    taking the pointers. `desc` is the segments as the kernels take them, [count, 3 pointers,
-    3 row counts] (int64, unused slots 0); `weights` keeps them alive."""
-
-    weights: tuple
-    desc: torch.Tensor
-    n: int
-    k: int
-    nbytes = 0
+AmxRows = derived_weights.WeightRows  # a bf16 linear on its weights in place (`linear_bf16_rows`)
+rows_of = derived_weights.rows_of
 
 
 def rows_fit(weights) -> bool:
@@ -80,15 +69,6 @@ def rows_fit(weights) -> bool:
                                           and w.shape[1] == weights[0].shape[1] and w.shape[0] % 16 == 0
                                           and w.is_contiguous() for w in weights)
             and weights[0].shape[1] % 32 == 0)
-
-
-def rows_of(weights) -> AmxRows:
-    """The in-place copy serving `weights` (a tensor, or a group's list of tensors)."""
-    weights = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
-    pad = [0] * (3 - len(weights))
-    desc = torch.tensor([len(weights), *[w.data_ptr() for w in weights], *pad, *[w.shape[0] for w in weights], *pad],
-                        dtype=torch.int64)
-    return AmxRows(weights, desc, sum(w.shape[0] for w in weights), weights[0].shape[1])
 
 
 def _cpu_has_amx() -> bool:

@@ -19,8 +19,8 @@ from its members' weights stacked by rows, so one GEMM does the work of three; i
 installed and dropped like a module's copy, and a member's own copy is made only if the member
 runs alone (a LoRA hook on it).
 
-A kind that reads the weights in place (`in_place`: the bf16 AMX kernel on the parameters' own
-rows, engine/amx_linears.AmxRows) is a copy of no bytes: deriving it takes pointers, and a group's
+A kind that reads the weights in place (`in_place`: `WeightRows`, the bf16 AMX kernel or the fp32
+one on the parameters' own rows) is a copy of no bytes: deriving it takes pointers, and a group's
 is given its members' weights as they are, never stacked. A push stages none of them: its commit
 drops those of the weights it wrote, and the first forward after takes the new weights' pointers.
 """
@@ -53,6 +53,35 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+
+@dataclass(frozen=True, eq=False)
+class WeightRows:
+    """A copy that is no copy: a linear served from its weights as they are (the bf16 AMX kernel,
+    engine/amx_linears.py; the fp32 one, engine/f32_linears.py), the parameter's own rows or a
+    group's members' rows one after the other (q/k/v, gate/up), read in place. What a push or a LoRA
+    merge writes is what it reads, and deriving it is taking the pointers. `desc` is the segments
+    as the kernels take them, [count, 3 pointers, 3 row counts] (int64, unused slots 0); `weights`
+    keeps them alive."""
+
+    weights: tuple
+    desc: torch.Tensor
+    n: int
+    k: int
+    nbytes = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights[0].dtype
+
+
+def rows_of(weights) -> WeightRows:
+    """The in-place copy serving `weights` (a tensor, or a group's list of at most three)."""
+    weights = (weights,) if isinstance(weights, torch.Tensor) else tuple(weights)
+    pad = [0] * (3 - len(weights))
+    desc = torch.tensor([len(weights), *[w.data_ptr() for w in weights], *pad, *[w.shape[0] for w in weights], *pad],
+                        dtype=torch.int64)
+    return WeightRows(weights, desc, sum(w.shape[0] for w in weights), weights[0].shape[1])
 
 
 def attach(module: torch.nn.Module, derive: Derive, in_place: bool = False) -> None:

@@ -82,6 +82,44 @@ def pack_torch(weight: torch.Tensor) -> F32Weight:
     return F32Weight(padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), n, k)
 
 
+IN_PLACE_SWITCH = "ROLLOUT_F32_IN_PLACE"
+
+
+def in_place() -> bool:
+    """Whether the fp32 engine's linears read their weights in place (`linear_rows`: no panels to
+    hold or to derive, the same bits) rather than a packed copy: ROLLOUT_F32_IN_PLACE=1, for a
+    sidecar short of memory (the panels are the model's bytes again). Off by default: on SmolLM2's
+    shapes a decode step's few rows read the weights slower that way (a rollout workload ran 0.76x
+    the packed copy's tokens/s: bench/RESULTS.md), though at 1.7B's shapes and 32 rows it was faster."""
+    return os.environ.get(IN_PLACE_SWITCH, "0").lower() in ("1", "on", "true", "yes")
+
+
+def rows_fit(weights) -> bool:
+    """Whether `linear_rows` takes these weights: fp32 [n_i, k] each, rows contiguous, at most three,
+    one k, on the CPU."""
+    return (0 < len(weights) <= 3 and all(w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
+                                          and w.shape[1] == weights[0].shape[1] and w.is_contiguous()
+                                          for w in weights))
+
+
+def _rows_fn():
+    return native_kernels.function("f32_linear", "f32_linear_rows", (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
+                                   ctypes.c_int)
+
+
+def linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] fp32 @ (w's rows).T (+ bias [n]) -> [m, n] fp32: `linear`'s bits, read from the
+    weights where they lie."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    d = w.desc.data_ptr()
+    if _rows_fn()(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights), None if b is None else b.data_ptr(),
+                  out.data_ptr()) != 0:
+        raise MemoryError("f32_linear_rows: no memory for its partial sums")
+    return out
+
+
 def linear(x: torch.Tensor, w: F32Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [m, k] fp32 @ w.T (+ bias [n]) -> [m, n] fp32."""
     x = x.contiguous()

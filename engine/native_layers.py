@@ -37,13 +37,14 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
     x = _SUFFIX[dtype]
     return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
             ("amx_linear", "amx_linear_w8_f32"), ("amx_linear", "amx_linear_bf16_rows"),
+            ("f32_linear", "f32_linear_rows"),
             ("layer_glue", f"rope_cache_{x}"),
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
 
 
 LAYER_FIELDS = 16  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches
-BF16, W8, F32, BF16_ROWS = 0, 1, 2, 3  # Linear.kind
-_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8)}  # the linears each loop takes
+BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
+_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}  # the linears each loop takes
 
 
 class _Shape(ctypes.Structure):
@@ -93,8 +94,8 @@ def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
     """(address, kind, n, k) of the copy serving `linear` (its group's when it has one), or None when
     it is not one of the loop's kernels'."""
     copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
-    if isinstance(copy, amx_linears.AmxRows):
-        return copy.desc.data_ptr(), BF16_ROWS, copy.n, copy.k
+    if isinstance(copy, derived_weights.WeightRows):
+        return copy.desc.data_ptr(), BF16_ROWS if copy.dtype == torch.bfloat16 else F32_ROWS, copy.n, copy.k
     if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
         return copy.packed.data_ptr(), BF16, copy.n, copy.k
     if isinstance(copy, f32_linears.F32Weight):

@@ -84,7 +84,7 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             if reads_in_place(module.weight, dtype):
-                derived_weights.attach(module, amx_linears.rows_of, in_place=True)
+                derived_weights.attach(module, derived_weights.rows_of, in_place=True)
             else:
                 derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
             module._packed_dtype = dtype
@@ -95,10 +95,15 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 def reads_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a bf16 engine's linear runs on its weight as it is (the AMX kernel on the
-    parameter's rows, engine/amx_linears.AmxRows): no packed copy to hold or to derive."""
-    return dtype == torch.bfloat16 and weight.dtype == dtype and amx_linears.available() and \
-        amx_linears.rows_fit([weight])
+    """Whether a linear runs on its weight as it is (derived_weights.WeightRows: no packed copy to
+    hold or to derive): a bf16 engine's on AMX tiles, an fp32 engine's on our AVX-512 kernel."""
+    if weight.dtype != dtype:
+        return False
+    if dtype == torch.bfloat16:
+        return amx_linears.available() and amx_linears.rows_fit([weight])
+    if dtype == torch.float32:
+        return f32_linears.available() and f32_linears.in_place() and f32_linears.rows_fit([weight])
+    return False
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype):
@@ -147,8 +152,9 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
-    if isinstance(packed, amx_linears.AmxRows):  # the weights in place
-        out = amx_linears.linear_bf16_rows(rows, packed, bias)
+    if isinstance(packed, derived_weights.WeightRows):  # the weights in place
+        rows_linear = amx_linears.linear_bf16_rows if packed.dtype == torch.bfloat16 else f32_linears.linear_rows
+        out = rows_linear(rows, packed, bias)
     elif isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
         out = amx_linears.linear_bf16(rows, packed, bias)
     elif isinstance(packed, f32_linears.F32Weight):

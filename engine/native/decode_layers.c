@@ -21,6 +21,8 @@ typedef int (*linear_bf16_fn)(const uint16_t *x, int64_t m, int64_t k, const voi
 typedef int (*linear_w8_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, uint16_t *out);
 typedef int (*linear_rows_fn)(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                               int64_t nseg, const uint16_t *bias, uint16_t *out);
+typedef int (*linear_f32_rows_fn)(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                                  int64_t nseg, const float *bias, float *out);
 typedef int (*linear_f32_fn)(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
                              float *out);
 typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const void *w, int64_t n, float *out);
@@ -28,14 +30,15 @@ typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const v
 /* The kernels, as engine/native_layers.py lists their addresses: the linears, then the glue and the
    attention in the loop's dtype (layer_glue.c's and paged_decode.c's _bf16 or _f32). */
 typedef struct {
-    int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, rope_cache, add_rms_norm, silu_mul,
-        paged_decode;
+    int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, rope_cache,
+        add_rms_norm, silu_mul, paged_decode;
 } Kernels;
 
 /* A linear's packed weight, its kernel (LINEAR_*) and its bias (0: none; in the loop's dtype, added
    by the kernel as the Python path adds it: bf16 and fp32 only). LINEAR_BF16_ROWS: `weight` is
-   the segments of weights read in place, [count, 3 pointers, 3 row counts] (amx_linears.AmxRows). */
-enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3 };
+   the segments of weights read in place, [count, 3 pointers, 3 row counts] (derived_weights.WeightRows);
+   LINEAR_F32_ROWS the same in fp32. */
+enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4 };
 typedef struct {
     int64_t weight, kind, bias;
 } Linear;
@@ -71,6 +74,10 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
                       uint16_t *x16) {
     if (w.kind == LINEAR_F32)
         return ((linear_f32_fn)kn->linear_f32)(x, m, k, (const float *)w.weight, n, (const float *)w.bias, out);
+    if (w.kind == LINEAR_F32_ROWS) {
+        const int64_t *seg = (const int64_t *)w.weight;
+        return ((linear_f32_rows_fn)kn->linear_f32_rows)(x, m, k, seg + 1, seg + 4, seg[0], (const float *)w.bias, out);
+    }
     if (w.kind != LINEAR_W8 || w.bias) return -3;
     for (int64_t i = 0; i < m * k; i++) x16[i] = f32_to_bf16(x[i]);
     return ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);

@@ -43,3 +43,19 @@ def test_the_one_pass_pack_is_torchs_pack(n, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
     native, ref = f32_linears.pack(w), f32_linears.pack_torch(w)
     assert (native.n, native.k) == (ref.n, ref.k) and torch.equal(native.packed, ref.packed)
+
+
+@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or no C compiler: the kernel does not run")
+@pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
+@pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000)])
+def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
+    """f32_linear_rows, both of its ways (the rows broadcast at 8-32 rows, panels made per call
+    otherwise), against the packed kernel: the same sums in the same order, so the same bits."""
+    from engine.derived_weights import rows_of
+
+    g = torch.Generator().manual_seed(m + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        assert torch.equal(f32_linears.linear_rows(x, rows_of(w), bias), f32_linears.linear(x, f32_linears.pack(w), bias))
+    parts = [w[:n // 2].contiguous(), w[n // 2:].contiguous()]  # a group's members, each where it lies
+    assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, f32_linears.pack(w)))

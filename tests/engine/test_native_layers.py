@@ -120,3 +120,15 @@ def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(model_dirs, hf_mod
         assert c.token_ids == hf_greedy(hf, p, 16, ignore_eos=True)
         tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + c.token_ids))
         assert [_plain(d) for d in c.logprobs] == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)
+
+
+@avx512
+def test_the_fp32_engine_on_its_weights_in_place_gives_the_packed_copys_tokens_and_logprobs(model_dirs, monkeypatch,
+                                                                                            calls):
+    """ROLLOUT_F32_IN_PLACE=1 (no panels held): the same bits as the packed copy, in the C loop too."""
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(f32_linears.IN_PLACE_SWITCH, switch)
+        llm = LLM(EngineConfig(model=model_dirs["qwen2"], dtype="float32", max_num_seqs=8, max_model_len=256))
+        outs[switch] = _run(llm, monkeypatch, "1")
+    assert outs["1"] == outs["0"] and calls["native"] > 0

@@ -52,7 +52,7 @@ def test_the_packed_weight_follows_a_swap_and_a_copy():
 def test_a_weight_swapped_back_onto_a_rewritten_buffer_needs_the_drop_a_commit_makes():
     """The CPU staging pool's two buffers: a commit points a weight back at the one it held two pushes
     ago, written meanwhile through a view of its own. Pointer and version look unchanged: only the
-    commit's `drop` (Worker.weights_written) tells the cache."""
+    commit's `drop` (Worker.weights_written) tells a packed copy."""
     layer, x = _layer(), torch.randn(4, 64)
     a, b = torch.randn(48, 64), torch.randn(48, 64)
     layer.weight.data = a
@@ -64,6 +64,22 @@ def test_a_weight_swapped_back_onto_a_rewritten_buffer_needs_the_drop_a_commit_m
     packed_linears.drop(layer)
     _close(layer, x)
     assert not torch.equal(stale, layer(x))  # what the drop is for
+
+
+@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: fp32 runs on oneDNN's packed copy")
+def test_an_fp32_layer_on_its_weights_in_place_reads_a_rewritten_buffer_as_it_is(monkeypatch):
+    """With no copy (f32_linears.linear_rows, ROLLOUT_F32_IN_PLACE=1), the same buffer rewritten is
+    read as it is now: no drop needed, and the packed kernel's bits."""
+    monkeypatch.setenv(f32_linears.IN_PLACE_SWITCH, "1")
+    layer, x = _layer(), torch.randn(4, 64)
+    a, b = torch.randn(48, 64), torch.randn(48, 64)
+    layer.weight.data = a
+    _close(layer, x)
+    assert isinstance(layer._derived, packed_linears.derived_weights.WeightRows) and layer._derived.nbytes == 0
+    layer.weight.data = b
+    a.copy_(torch.randn(48, 64))
+    layer.weight.data = a
+    assert torch.equal(layer(x), f32_linears.linear(x, f32_linears.pack(a), layer.bias))
 
 
 def test_a_bf16_layer_keeps_a_bf16_gemms_arithmetic():

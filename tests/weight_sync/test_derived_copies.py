@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, packed_linears
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, f32_linears, packed_linears
 from tests.engine.helpers import random_prompts
 from tests.weight_sync.derive_count_extension import served_copies
 from tests.weight_sync.test_push import _Trainer
@@ -32,8 +32,17 @@ EXTENSION = "tests.weight_sync.derive_count_extension:DeriveCountExtension"
 PROMPTS = random_prompts(3, 4, 12, 500, seed=5)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def packed_copies():
+    """fp32 linears on a packed copy (the derived kind these tests follow), not on the weights in
+    place (engine/f32_linears.py's default on AVX-512: nothing to derive); the engine cores inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f32_linears.IN_PLACE_SWITCH, "0")
+        yield
+
+
 @pytest.fixture(scope="module")
-def engine(qwen2_dir, loop):
+def engine(qwen2_dir, loop, packed_copies):
     e = AsyncEngine(EngineConfig(model=qwen2_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
                                  worker_extension_cls=EXTENSION, prepack_linears=True))
     yield e

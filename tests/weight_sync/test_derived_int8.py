@@ -9,14 +9,14 @@ from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig, int8_linears
 from tests.weight_sync.test_derived_copies import (EXTENSION, PROMPTS, TIMEOUT_S, _form, fresh_engine_greedy, greedy,
-                                                   overlapped_push, perturb, rpc, run, served_copies)
+                                                   overlapped_push, packed_copies, perturb, rpc, run, served_copies)
 from weight_sync import WeightSender, weights_checksum
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(int8_linears.kernel() is None, reason="no exact int8 kernel")]
 
 
 @pytest.fixture(scope="module")
-def engine(qwen2_dir, loop):
+def engine(qwen2_dir, loop, packed_copies):  # the kept fp32 head on a packed copy: a derived one too
     e = AsyncEngine(EngineConfig(model=qwen2_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
                                  worker_extension_cls=EXTENSION, quantization="int8"))
     yield e
