@@ -147,8 +147,7 @@ def _step(model: torch.nn.Module, fraction: float, k: int) -> None:
     stride = max(1, round(1 / fraction))
     with torch.no_grad():
         for p in model.parameters():
-            flat = p.view(-1)
-            flat[k % stride::stride].neg_() if stride > 1 else flat.neg_()
+            p.view(-1)[k % stride::stride].neg_()
 
 
 def _row(kind: str, i: int, reply: dict, seconds: float, full_bytes: int, raw_s: float, mem: dict,
