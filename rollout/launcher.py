@@ -47,13 +47,21 @@ class LocalSidecar:
         raise TimeoutError(f"sidecar not ready after {timeout_s:.0f}s")
 
     def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, and SIGKILL after `timeout_s`: then the sidecar's own processes too (a vLLM
+        engine's core does not watch its parent as ours do, and outlived a killed sidecar)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                left = _descendants(self.proc.pid)
                 self.proc.kill()
                 self.proc.wait()
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         return self.proc.returncode
 
     def __enter__(self) -> "LocalSidecar":
@@ -61,3 +69,20 @@ class LocalSidecar:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux's /proc children lists; none elsewhere)."""
+    out, frontier = [], [pid]
+    while frontier:
+        kids = []
+        for p in frontier:
+            try:
+                for task in os.listdir(f"/proc/{p}/task"):
+                    with open(f"/proc/{p}/task/{task}/children") as f:
+                        kids += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        out += kids
+        frontier = kids
+    return out
