@@ -100,27 +100,14 @@ def raw_gloo(nbytes: int, rounds: int) -> list[float]:
 
 
 # -- the sidecar's memory -----------------------------------------------------------------------
-def _tree(pid: int) -> list[int]:
-    pids, frontier = [pid], [pid]
-    while frontier:
-        kids = []
-        for p in frontier:
-            try:
-                with open(f"/proc/{p}/task/{p}/children") as f:
-                    kids += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-        pids += kids
-        frontier = kids
-    return pids
-
-
 def sidecar_memory(pid: int) -> dict:
     """Resident bytes of the sidecar's processes (VmRSS: shared files they map included), and of the
     /dev/shm files its tree owns that none of them maps (a written host copy; a host copy that links
     an engine's staging buffer is that buffer, counted once)."""
+    from rollout.launcher import descendants
+
     rss, mapped = 0, set()
-    pids = _tree(pid)
+    pids = [pid, *descendants(pid)]
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:

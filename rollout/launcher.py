@@ -54,7 +54,7 @@ class LocalSidecar:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                left = _descendants(self.proc.pid)
+                left = descendants(self.proc.pid)
                 self.proc.kill()
                 self.proc.wait()
                 for pid in left:
@@ -71,7 +71,7 @@ class LocalSidecar:
         self.stop()
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process under `pid` (Linux's /proc children lists; none elsewhere)."""
     out, frontier = [], [pid]
     while frontier:

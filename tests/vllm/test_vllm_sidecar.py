@@ -186,12 +186,12 @@ def test_a_vllm_sidecar_killed_after_its_grace_leaves_no_vllm_process(qwen2_dir)
     """LocalSidecar.stop's SIGKILL (the sidecar did not wind down within the grace) takes the
     sidecar's own processes with it: a vLLM engine core does not watch its parent as ours do, and
     two of them outlived a killed sidecar through the rest of a test run."""
-    from rollout.launcher import _descendants
+    from rollout.launcher import descendants
 
     before = set(os.listdir("/dev/shm"))
     s = Sidecar(qwen2_dir, "--engine", "vllm")
     try:
-        kids = _descendants(s.proc.pid)
+        kids = descendants(s.proc.pid)
         assert kids  # vLLM's engine core and its worker
         assert s.stop(timeout_s=0.05) == -9  # killed: the SIGTERM's wind-down had no time
         deadline = time.monotonic() + 10
