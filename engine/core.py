@@ -9,7 +9,7 @@ import logging
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.inputs import validate_params, validate_prompt_ids
-from engine.messages import PAUSE_MODES, PauseMode, SeqDelta
+from engine.messages import PAUSE_MODES, PauseMode, RoutedRows, SeqDelta
 from engine.sampling_params import SamplingParams
 from engine.scheduler import PauseState, Scheduler
 from engine.sequence import Sequence
@@ -69,6 +69,8 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate_prompt(prompt_token_ids)
         validate_params(params, self.runner.vocab_size, self.cfg.max_logprobs)
+        if params.return_routed_experts:
+            self._check_routing(prompt_token_ids, params)
         seqs = [Sequence(request_id, i, prompt_token_ids, params, self.cfg.block_size) for i in range(params.n)]
         bans = self._min_tokens_bans(params)
         bad_words = params.bad_words_token_ids(self.tokenizer) if params.bad_words else []
@@ -77,6 +79,15 @@ class EngineCore:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_routing(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not self.runner.sparse_blocks:
+            kind = getattr(self.runner.model.config, "model_type", "?")
+            raise ValueError(f"return_routed_experts: this model ({kind}) has no mixture-of-experts layers of the "
+                             "engine's own (engine/moe_model.py), so no token is routed to experts")
+        if params.routed_experts_prompt_start > len(prompt_token_ids):
+            raise ValueError(f"routed_experts_prompt_start ({params.routed_experts_prompt_start}) is past the "
+                             f"prompt's {len(prompt_token_ids)} tokens")
 
     def _min_tokens_bans(self, params: SamplingParams) -> tuple[int, ...]:
         if not params.min_tokens:
@@ -167,6 +178,9 @@ class EngineCore:
                 delta.top_logprobs = [result.top_logprobs[row]]
             if seq.seq_id in self.runner.prompt_logprobs:
                 delta.prompt_logprobs = self.runner.prompt_logprobs.pop(seq.seq_id)
+            rows = self.runner.routed.get(seq.seq_id)
+            if rows is not None:
+                delta.routed_experts = RoutedRows(rows.tobytes(), rows.shape[1], rows.shape[2], rows.dtype.name)
             if is_prefill and seq.num_output_tokens == 1:
                 delta.num_cached_tokens = seq.num_cached_prompt_tokens
             stop = check_stop(seq, self.eos_ids, self.cfg.max_model_len, self.tokenizer)

@@ -91,20 +91,37 @@ def add_rms_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor 
 
 
 def _layer_forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
-    attn, mlp = self.self_attn, self.mlp
-    x = rms_norm(self.input_layernorm, hidden_states)
+    h, y = attention_block(self, hidden_states, position_embeddings)
+    return h + mlp_forward(self.mlp, y)
+
+
+def attention_block(layer, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): the residual stream after the layer's attention, and h normed for its MLP. A q/k norm
+    (`attn.qk_norm`: "head", per head, qwen3's; "full", over the projection, olmoe's) runs where
+    HF's does, before the rotation."""
+    attn = layer.self_attn
+    x = rms_norm(layer.input_layernorm, hidden_states)
     t, d = x.shape[1], attn.head_dim
     qkv = fused_linears.project(attn, x)  # one GEMM where the three share a copy
     q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    qk_norm = getattr(attn, "qk_norm", None)
+    if qk_norm == "full":
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+    if qk_norm == "head":
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     cos, sin_signed = attention.rope_tables(position_embeddings)
     out = attention.rotate_and_attend(attn.layer_idx, q, k, v, cos, sin_signed, attn.scaling, _rotate)
     # reshape: CUDA's attention hands back heads-major strides (a copy there, as HF's reshape makes);
     # the CPU's kernels return it contiguous (a view)
-    h, y = add_rms_norm(self.post_attention_layernorm, hidden_states, attn.o_proj(out.reshape(1, t, -1)))
+    return add_rms_norm(layer.post_attention_layernorm, hidden_states, attn.o_proj(out.reshape(1, t, -1)))
+
+
+def mlp_forward(mlp, y: torch.Tensor) -> torch.Tensor:
+    """down(act(gate(y)) * up(y)), gate and up in one GEMM where they share a copy."""
     gate_up = fused_linears.project(mlp, y)
     gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
     native = isinstance(mlp.act_fn, torch.nn.SiLU) and (gate.dtype == torch.bfloat16 or getattr(mlp, C_GLUE, False))
     act = native_glue.silu_mul(gate[0], up[0]) if native else None
     act = mlp.act_fn(gate) * up if act is None else act.view(gate.shape)
-    return h + mlp.down_proj(act)
+    return mlp.down_proj(act)

@@ -48,14 +48,14 @@ def weight_files(model_dir: str) -> list[str] | None:
     return [single] if os.path.isfile(single) else None
 
 
-def unsupported(model_dir: str) -> str | None:
+def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS) -> str | None:
     """Why this directory needs transformers' modelling code (None: it does not)."""
     try:
         cfg = read_config(model_dir)
     except (OSError, KeyError, ValueError) as e:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
     checks = [
-        (cfg.model_type in ARCHS, f"model type {cfg.model_type!r}"),
+        (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type == "default", f"rope type {cfg.rope_type!r}"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
         (not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")),
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         super().__init__()
         # qwen2: biases on q, k, v and none on o; llama and mistral: `attention_bias` on all four
         qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
-        if cfg.model_type == "qwen2":
+        if cfg.model_type in ("qwen2", "qwen2_moe"):
             qkv_bias, o_bias = True, False
         d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.layer_idx, self.head_dim, self.scaling = layer_idx, d, d**-0.5
@@ -140,10 +140,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: SimpleNamespace):
+    def __init__(self, cfg: SimpleNamespace, layer: type[nn.Module] = DecoderLayer):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
@@ -162,10 +162,11 @@ class CausalLM(nn.Module):
     """What the engine calls of a HF causal LM: `forward(input_ids, position_ids, logits_to_keep)`
     with `.logits`, `.config`, `.generation_config`, `.dtype`, `get_output_embeddings()`."""
 
-    def __init__(self, cfg: SimpleNamespace, generation_config: SimpleNamespace):
+    def __init__(self, cfg: SimpleNamespace, generation_config: SimpleNamespace,
+                 layer: type[nn.Module] = DecoderLayer):
         super().__init__()
         self.config, self.generation_config = cfg, generation_config
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, layer)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
@@ -191,17 +192,21 @@ def _generation_config(model_dir: str, cfg: SimpleNamespace) -> SimpleNamespace:
     return SimpleNamespace(eos_token_id=raw.get("eos_token_id", getattr(cfg, "eos_token_id", None)))
 
 
-def load(model_dir: str, dtype: torch.dtype) -> CausalLM | None:
+def load(model_dir: str, dtype: torch.dtype, layer: type[nn.Module] = DecoderLayer,
+         rename=None) -> CausalLM | None:
     """The model with its checkpoint's weights in `dtype`; None when the checkpoint's names do not
-    fit this model (the caller loads it with transformers then)."""
+    fit this model (the caller loads it with transformers then). `layer`: the decoder layer's
+    class; `rename(state, cfg)`: the checkpoint's tensors under the model's names (experts fused)."""
     from safetensors.torch import load_file
 
     cfg = read_config(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg, _generation_config(model_dir, cfg))
+        model = CausalLM(cfg, _generation_config(model_dir, cfg), layer)
     state = {}
     for path in weight_files(model_dir):
         state.update(load_file(path))
+    if rename is not None:
+        state = rename(state, cfg)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if not k.endswith(ROPE_BUFFER)}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

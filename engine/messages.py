@@ -22,6 +22,15 @@ PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 TokenLogprobs = dict[int, tuple[float, int]]
 
 
+class RoutedRows(msgspec.Struct, array_like=True):
+    """Rows of a sequence's routed experts: `data` the bytes of a C-ordered [rows, layers, k] array."""
+
+    data: bytes
+    layers: int
+    k: int
+    dtype: str  # numpy's name: "uint8" (at most 256 experts) or "int16"
+
+
 class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one sequence gained in one step."""
 
@@ -35,6 +44,7 @@ class SeqDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     top_logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked logprobs=k
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
+    routed_experts: RoutedRows | None = None  # the rows this step added, when the request asked
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

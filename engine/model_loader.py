@@ -9,7 +9,8 @@ import logging
 
 import torch
 
-from engine import attention, derived_weights, fused_layers, fused_linears, int8_linears, llama_model, packed_linears
+from engine import (attention, derived_weights, fused_layers, fused_linears, int8_linears, llama_model, moe_model,
+                    packed_linears)
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -18,8 +19,9 @@ log = logging.getLogger(__name__)
 def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     """The model of `cfg.model`: our Llama-shaped modules where they cover it (no transformers
     import: engine/llama_model.py), else transformers' with the paged attention plugged in."""
-    why_not = llama_model.unsupported(cfg.model) if cfg.fuse_layers else "fused layers off"
-    model = llama_model.load(cfg.model, cfg.torch_dtype) if why_not is None else None
+    own = moe_model if cfg.fuse_layers and moe_model.is_moe(_config(cfg.model)) else llama_model
+    why_not = own.unsupported(cfg.model) if cfg.fuse_layers else "fused layers off"
+    model = own.load(cfg.model, cfg.torch_dtype) if why_not is None else None
     if model is None:
         log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")
         model = _load_hf(cfg)
@@ -34,6 +36,13 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if cfg.quantization in ("int8", "fp8") or derived_weights.groups(model):
         derived_weights.refresh(model)  # now, not at the first request
     return model
+
+
+def _config(model_dir: str):
+    try:
+        return llama_model.read_config(model_dir)
+    except (OSError, KeyError, ValueError):
+        return None  # llama_model.unsupported says why
 
 
 def _quantize(model: torch.nn.Module, quantization: str) -> None:

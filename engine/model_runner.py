@@ -11,7 +11,8 @@ import time
 import numpy as np
 import torch
 
-from engine import attention, gpu_memory, native_decode, step_inputs, step_sampling, zero_pages
+from engine import (attention, gpu_memory, moe_model, native_decode, routed_experts, step_inputs, step_sampling,
+                    zero_pages)
 from engine.config import EngineConfig
 from engine.kv_cache_size import bytes_per_block, num_kv_blocks
 from engine.model_loader import load_model
@@ -64,6 +65,8 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, length), one prefill
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
+        self.routed: dict[int, np.ndarray] = {}  # seq_id -> the step's routed-expert rows, taken by the core
+        self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/moe_model.py's, in layer order
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
         # One attention call for a whole prefill (its spans padded to one shape) on GPUs, where
@@ -269,6 +272,7 @@ class ModelRunner:
             logits = out.logits[0].float()
             if self.prompt_rows:
                 logits = take_prompt_logprobs(seqs, logits, self.prompt_rows, self.prompt_logprobs)
+            self.routed = routed_experts.take(seqs, is_prefill, self.sparse_blocks)
             # NOTE: no device sync here: the sampled tokens' trip to the host is the step's one
             # sync point. On CUDA, forward_seconds is thus the host's side of the forward only.
         finally:

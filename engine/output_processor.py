@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine.messages import SeqDelta, TokenLogprobs
+import numpy as np
+
+from engine.messages import RoutedRows, SeqDelta, TokenLogprobs
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import truncate_at_stop
@@ -14,6 +16,13 @@ def position_logprobs(entry: TokenLogprobs | None, tokenizer) -> PositionLogprob
     if entry is None:
         return None
     return {t: Logprob(lp, rank, None if tokenizer is None else tokenizer.decode([t])) for t, (lp, rank) in entry.items()}
+
+
+def _add_routed(out: CompletionOutput, rows: RoutedRows, version: int) -> None:
+    """Append a step's routed-expert rows (computed under `version`) to the completion's."""
+    new = np.frombuffer(rows.data, dtype=rows.dtype).reshape(-1, rows.layers, rows.k)
+    out.routed_experts = new if out.routed_experts is None else np.concatenate([out.routed_experts, new])
+    out.routed_experts_versions = (out.routed_experts_versions or []) + [version] * len(new)
 
 
 class RequestState:
@@ -31,6 +40,7 @@ class RequestState:
             for o in self.outputs:
                 o.top_logprobs = []
         self.sent = [0] * params.n  # tokens already handed out, per completion (delta streaming)
+        self.sent_routed = [0] * params.n  # routed-expert rows likewise
 
     @property
     def finished(self) -> bool:
@@ -51,6 +61,8 @@ class RequestState:
         out.weight_versions += [d.version] * len(d.token_ids)
         if d.top_logprobs is not None and out.top_logprobs is not None:
             out.top_logprobs += [position_logprobs(e, self.tokenizer) for e in d.top_logprobs]
+        if d.routed_experts is not None:
+            _add_routed(out, d.routed_experts, d.version)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = [position_logprobs(e, self.tokenizer) for e in d.prompt_logprobs]
         if d.finish_reason is not None:
@@ -78,6 +90,11 @@ class RequestState:
                 )
             )
             self.sent[i] = len(o.token_ids)
+            if o.routed_experts is not None:
+                first = self.sent_routed[i] if delta else 0
+                outs[-1].routed_experts = o.routed_experts[first:]
+                outs[-1].routed_experts_versions = o.routed_experts_versions[first:]
+                self.sent_routed[i] = len(o.routed_experts)
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished, self.num_cached_tokens,
             self.prompt_logprobs,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -33,6 +35,12 @@ class CompletionOutput:
     # from the distribution .logprobs come from (vLLM folds these into .logprobs; ours keeps
     # .logprobs a plain list of floats, the trainer's path)
     top_logprobs: list[PositionLogprobs] | None = None
+    # return_routed_experts: [rows, MoE layers, k] expert ids (uint8, int16 past 256 experts), one row a
+    # position from routed_experts_prompt_start to the last sampled token's (which no forward took);
+    # the rows of a prompt were computed under weight_versions[0], the row of output token i under
+    # weight_versions[i + 1] (routed_experts_versions)
+    routed_experts: np.ndarray | None = None
+    routed_experts_versions: list[int] | None = None
 
     @property
     def cumulative_logprob(self) -> float:

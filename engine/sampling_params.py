@@ -32,6 +32,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words that may not be generated (each a token sequence, vLLM's rule)
     output_kind: str = "cumulative"  # streaming kind for AsyncEngine: "delta" | "cumulative" | "final"
+    # mixtures of experts (routing replay): each token's top-k expert ids per MoE layer come back
+    # in CompletionOutput.routed_experts, [tokens, layers, k] (SGLang's and vLLM's names), the prompt's
+    # from routed_experts_prompt_start on (vLLM's: 0, the whole prompt; the prompt's length: none of it)
+    return_routed_experts: bool = False
+    routed_experts_prompt_start: int = 0
     detokenize: bool = True  # False: outputs carry token ids only, text "" (a caller that decodes itself)
 
     def __post_init__(self) -> None:
@@ -69,6 +74,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {k!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
+        start = self.routed_experts_prompt_start
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"routed_experts_prompt_start must be an int >= 0, got {start!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:

@@ -66,8 +66,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # prompt logprobs need every prompt position's logits: no prefix-cache hits (as vLLM)
-            hits = [] if seq.wants_prompt_logprobs else self.bm.cached_prefix_blocks(seq)
+            # prompt logprobs need every prompt position's logits, prompt routing its routed experts:
+            # no prefix-cache hits (as vLLM for the logprobs)
+            hits = [] if seq.wants_prompt_logprobs or seq.wants_prompt_routing else self.bm.cached_prefix_blocks(seq)
             new_tokens = len(seq) - len(hits) * self.bm.block_size
             if new_tokens > budget or self.bm.blocks_needed(seq, hits) > self.bm.num_free_blocks:
                 break

@@ -34,6 +34,9 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        # the first position whose routed experts are still to be returned (return_routed_experts):
+        # a recompute after preemption returns none twice, and keeps those the tokens were sampled under
+        self.routed_from = params.routed_experts_prompt_start
         self.lora_version: int | None = None  # the adapter version it decodes with (engine/lora_bank.py)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -48,6 +51,12 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def wants_prompt_routing(self) -> bool:
+        """Asked for its prompt's routed experts and not had them yet: its prompt must be computed
+        here, not served from the prefix cache."""
+        return self.params.return_routed_experts and self.routed_from < self.num_prompt_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:

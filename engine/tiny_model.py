@@ -1,5 +1,6 @@
 """Build tiny HF causal LMs offline: a byte-level BPE tokenizer trained on a built-in corpus,
-a Qwen2 or Llama config, seeded random init, saved with `save_pretrained`.
+a Qwen2 or Llama config (or a mixture of experts: qwen3_moe, qwen2_moe, mixtral, olmoe), seeded random init,
+saved with `save_pretrained`.
 
 The result is an ordinary model directory: everything downstream loads it exactly as it would a
 real checkpoint (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`).
@@ -38,6 +39,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|bos|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS, PAD, BOS = SPECIAL_TOKENS
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen2", "llama", *MOE_ARCHS)
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -115,7 +118,28 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"unknown arch {arch!r}; expected 'qwen2' or 'llama'")
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, common)
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _moe_config(arch: str, common: dict):
+    """A mixture of experts of the family `arch` at the size's width: 8 experts, 2 a token, each
+    expert a quarter of the dense MLP (Qwen3-MoE's proportions); qwen2_moe with its shared expert."""
+    from transformers import AutoConfig
+
+    inter = common["intermediate_size"]
+    moe = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        moe.update(num_experts=8, moe_intermediate_size=inter // 4, norm_topk_prob=arch == "qwen3_moe",
+                   head_dim=common["hidden_size"] // common["num_attention_heads"])
+    if arch == "qwen2_moe":
+        moe.update(shared_expert_intermediate_size=inter // 2)
+    if arch == "mixtral":
+        moe.update(num_local_experts=8, intermediate_size=inter // 4, sliding_window=None)
+    if arch == "olmoe":
+        moe.update(num_experts=8, intermediate_size=inter // 4, norm_topk_prob=False)
+    return AutoConfig.for_model(arch, **{**common, **moe})
 
 
 def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str = "qwen2", seed: int = 0) -> Path:
@@ -263,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Build a tiny random-weight HF model directory offline (tokenizer included)."
     )
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default: tiny, ~4M params)")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"], help="model architecture")
+    p.add_argument("--arch", default="qwen2", choices=ARCHS,
+                   help="model architecture (the last four: mixtures of experts, 8 experts, 2 a token)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")

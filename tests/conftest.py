@@ -67,3 +67,13 @@ def eos_model_dir(qwen2_dir, hf_models, tmp_path_factory):
     gen_cfg["eos_token_id"] = [0, greedy[8]]
     (out / "generation_config.json").write_text(json.dumps(gen_cfg))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory):
+    """Tiny mixtures of experts of each family the engine runs on its own layers (8 experts, 2 a
+    token), built offline on first use."""
+    from engine.tiny_model import MOE_ARCHS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_models")
+    return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in MOE_ARCHS}

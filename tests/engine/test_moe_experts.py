@@ -1,0 +1,72 @@
+"""engine/moe_experts.py and engine/expert_names.py: the router's choice, the grouping of picks by
+expert in HF's order, and the per-expert names of checkpoints against transformers 5's fused ones."""
+
+import torch
+
+from engine import expert_names, moe_experts
+
+
+def test_route_renormalises_the_top_k_only_when_asked():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    w, ids = moe_experts.route(logits, 2, norm_topk=False, scores_fp32=False)
+    p = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(w, p[:, [1, 2]])
+    w, _ = moe_experts.route(logits, 2, norm_topk=True, scores_fp32=False)
+    assert torch.allclose(w.sum(-1), torch.ones(1))
+    w, _ = moe_experts.route(logits.bfloat16(), 2, norm_topk=True, scores_fp32=True)
+    assert w.dtype == torch.float32
+    assert moe_experts.route(logits.bfloat16(), 2, True, False)[0].dtype == torch.bfloat16
+
+
+def test_groups_sort_picks_by_expert_keeping_token_order():
+    ids = torch.tensor([[2, 0], [0, 2], [3, 0]])  # tokens x slots; pick i * 2 + j
+    order, ends = moe_experts.groups(ids, 5)
+    assert order.tolist() == [1, 2, 5, 0, 3, 4] and ends.tolist() == [3, 3, 5, 6, 6]
+
+
+def test_run_is_the_weighted_sum_of_each_tokens_experts():
+    """Against the sum in fp64, within fp32's error: each GEMM's output within (its length + 1) roundings
+    of the sum of its products' magnitudes, carried through the silu (|silu(g)| <= |g|, slope <= 1.1)."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i, t, k = 5, 8, 6, 7, 2
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    x = torch.randn(t, h, generator=g)
+    weights, ids = moe_experts.route(torch.randn(t, e, generator=g), k, True, False)
+    got = moe_experts.run(x, ids, weights, gate_up, down, torch.nn.functional.silu).double()
+    silu, u = torch.nn.functional.silu, 2.0**-24
+    for tok in range(t):
+        want, mag = 0.0, 0.0
+        for s in range(k):
+            gu, dn, xx = gate_up[ids[tok, s]].double(), down[ids[tok, s]].double(), x[tok].double()
+            act = silu(gu[:i] @ xx) * (gu[i:] @ xx)
+            want = want + weights[tok, s].double() * (dn @ act)
+            pre = gu.abs() @ xx.abs()  # bounds |gate|, |up| and their errors' scale
+            mag = mag + weights[tok, s].double() * (dn.abs() @ (1.1 * pre[:i] * pre[i:]))
+        bound = (2 * (h + 1) + i + 4) * u * mag
+        assert ((got[tok] - want).abs() <= bound).all()
+
+
+def test_per_expert_names_are_blocks_of_the_fused_tensors():
+    p = expert_names.expert_part("model.layers.3.mlp.experts.5.up_proj.weight")
+    assert p == ("model.layers.3.mlp.experts.gate_up_proj", 5, "up")
+    assert expert_names.expert_part("model.layers.0.block_sparse_moe.experts.1.w2.weight") == (
+        "model.layers.0.mlp.experts.down_proj", 1, "down")
+    assert expert_names.expert_part("model.layers.0.mlp.gate.weight") is None
+    assert expert_names.fused_name("model.layers.2.block_sparse_moe.gate.weight") == "model.layers.2.mlp.gate.weight"
+    fused = torch.arange(2 * 6 * 3.0).view(2, 6, 3)
+    assert torch.equal(expert_names.block(fused, p._replace(expert=1)), fused[1, 3:])
+    assert expert_names.block(fused, p._replace(expert=1, part="gate")).is_contiguous()
+
+
+def test_fuse_checkpoint_stacks_gate_then_up_and_keeps_an_incomplete_layer_as_it_is():
+    g = torch.Generator().manual_seed(0)
+    state = {f"model.layers.0.mlp.experts.{e}.{n}.weight": torch.randn(4, 3, generator=g)
+             for e in range(2) for n in ("gate_proj", "up_proj")}
+    state |= {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.randn(3, 4, generator=g) for e in range(2)}
+    state["model.layers.0.mlp.gate.weight"] = torch.randn(2, 3, generator=g)
+    out = expert_names.fuse_checkpoint(state)
+    assert set(out) == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                        "model.layers.0.mlp.gate.weight"}
+    assert torch.equal(out["model.layers.0.mlp.experts.gate_up_proj"][1, 4:], state["model.layers.0.mlp.experts.1.up_proj.weight"])
+    del state["model.layers.0.mlp.experts.1.down_proj.weight"]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in expert_names.fuse_checkpoint(state)
