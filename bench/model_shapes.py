@@ -34,6 +34,20 @@ SHAPES: dict[str, dict] = {
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
     "smollm2-1.7b": {**_LLAMA, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
                      "num_key_value_heads": 32, "intermediate_size": 8192, "rope_theta": 130000.0},
+    # Qwen3-30B-A3B's proportions scaled to 2 cores (issue 62): 128 experts -> 32, top-8 -> top-4,
+    # hidden 2048 -> 1024, 48 layers -> 16, expert MLP 768 -> 512; its attention (head_dim 128, 4 kv heads)
+    "qwen3-moe-2core": {"model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                        "tie_word_embeddings": True, "attention_bias": False, "max_position_embeddings": 40960,
+                        "hidden_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+                        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 3072, "num_experts": 32,
+                        "num_experts_per_tok": 4, "moe_intermediate_size": 512, "norm_topk_prob": True,
+                        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0},
+    # Mixtral 8x7B's alike: 8 experts, top-2, expert MLP 3.5x hidden, 32 heads / 8 kv heads -> 8 / 2
+    "mixtral-2core": {"model_type": "mixtral", "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                      "tie_word_embeddings": True, "max_position_embeddings": 32768, "sliding_window": None,
+                      "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 8,
+                      "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 3584,
+                      "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1000000.0},
 }
 
 
@@ -87,13 +101,20 @@ def _build(name: str, dtype: str, seed: int, out: Path) -> None:
     tmp.rename(out)
 
 
-def param_count(name: str) -> int:
-    """Parameters of shape `name` (tied embeddings once), from its config alone."""
+def param_count(name: str, active: bool = False) -> int:
+    """Parameters of shape `name` (tied embeddings once), from its config alone; `active`: those a
+    token's forward reads (a mixture's top-k experts of each layer, not all of them)."""
     c = SHAPES[name]
-    h, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
     hd = c.get("head_dim", h // c["num_attention_heads"])
     attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
-    return VOCAB * h + layers * (attn + 3 * h * inter + 2 * h) + h
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if experts:
+        inter = c.get("moe_intermediate_size", c["intermediate_size"])
+        mlp = 3 * h * inter * (c["num_experts_per_tok"] if active else experts) + h * experts  # + the router
+    else:
+        mlp = 3 * h * c["intermediate_size"]
+    return VOCAB * h + layers * (attn + mlp + 2 * h) + h
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.list or not args.shape:
         for name in SHAPES:
-            print(f"{name:14s} {param_count(name) / 1e9:.2f}B parameters")
+            print(f"{name:16s} {param_count(name) / 1e9:.2f}B parameters, {param_count(name, True) / 1e9:.2f}B active")
         return
     print(shape_dir(args.shape, args.dtype))
 

@@ -9,10 +9,17 @@ so its output has HF's bits.
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine import amx_linears, f32_linears, native_kernels
+
+ENV_SWITCH = "ROLLOUT_NATIVE_EXPERTS"  # 0: torch's grouped GEMM (`run`) always
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,4 +66,73 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     for e, end in enumerate(ends.tolist()):
         torch.mm(x[start:end], w[e].t(), out=out[start:end])
         start = end
+    return out
+
+
+_KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_rows"), ("layer_glue", "silu_mul_bf16")),
+            torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_loaded: dict = {}
+
+
+def _native(dtype: torch.dtype):
+    """(entry, kernel table) of engine/native/moe_experts.c for `dtype`, or None where its kernels do
+    not run here (no AMX for bf16, no AVX-512 for fp32, no compiler, switched off)."""
+    if dtype not in _loaded:
+        ok = (amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()) and \
+            os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+        libs = [native_kernels.library(lib) for lib, _ in _KERNELS[dtype]] if ok else []
+        entry = native_kernels.function("moe_experts", f"moe_experts_{_SUFFIX[dtype]}",
+                                        (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, _PTR,
+                                         _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR), ctypes.c_int) if ok else None
+        if entry is None or not all(libs):
+            _loaded[dtype] = None
+        else:
+            table = torch.tensor([ctypes.cast(getattr(lib, sym), _PTR).value
+                                  for lib, (_, sym) in zip(libs, _KERNELS[dtype])], dtype=torch.int64)
+            _loaded[dtype] = (entry, table)
+    return _loaded[dtype]
+
+
+def reset() -> None:
+    _loaded.clear()
+
+
+native_kernels.forget_with_kernels(reset)
+
+
+def _fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the rows kernels take these shapes: bf16 rows in sixteens, its k in thirty-twos."""
+    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"):
+        return False
+    if x.dtype != torch.bfloat16:
+        return True
+    h, i = x.shape[1], down.shape[2]
+    return h % 32 == 0 and i % 32 == 0
+
+
+def run_native(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor | None:
+    """`run` with silu in one C call on the weights in place (engine/native/moe_experts.c), or None
+    where it does not run (another dtype or activation, shapes its kernels refuse, gradients)."""
+    dtype = x.dtype
+    if dtype not in _KERNELS or gate_up.dtype != dtype or torch.is_grad_enabled() or not _fits(x, gate_up, down):
+        return None
+    loaded = _native(dtype)
+    if loaded is None:
+        return None
+    entry, table = loaded
+    t, k = ids.shape
+    h, i, s = x.shape[1], down.shape[2], t * k
+    order, ends = groups(ids, gate_up.shape[0])
+    ends = ends.to(torch.int64)
+    w = weights.reshape(-1).contiguous()
+    scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)
+    xg, gu, act, dn = scratch.split([s * h, s * 2 * i, s * i, s * h])
+    inv, out = torch.empty(s, dtype=torch.int64), torch.empty_like(x)
+    rc = entry(table.data_ptr(), x.data_ptr(), t, h, k, order.data_ptr(), ends.data_ptr(), ends.numel(), w.data_ptr(),
+               int(w.dtype == torch.float32 and dtype != torch.float32), gate_up.data_ptr(), down.data_ptr(), i,
+               xg.data_ptr(), gu.data_ptr(), act.data_ptr(), dn.data_ptr(), inv.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"moe_experts_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
     return out

@@ -102,7 +102,11 @@ class SparseMoeBlock(nn.Module):
         shared = fused_layers.mlp_forward(self.shared_expert, y).view_as(x) if hasattr(self, "shared_expert") else None
         weights, ids = moe_experts.route(self.gate(x), self.top_k, self.norm_topk, self.scores_fp32)
         self.last_ids = ids
-        out = moe_experts.run(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
+        e = self.experts
+        out = moe_experts.run_native(x, ids, weights, e.gate_up_proj, e.down_proj) if isinstance(e.act_fn, nn.SiLU) \
+            else None
+        if out is None:
+            out = moe_experts.run(x, ids, weights, e.gate_up_proj, e.down_proj, e.act_fn)
         if shared is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out.view_as(y)
