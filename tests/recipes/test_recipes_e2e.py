@@ -218,3 +218,12 @@ def test_lora_ppo_short_run_saves_an_adapter_that_loads_over_the_base(qwen2_dir,
     ids = torch.randint(3, merged.config.vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     tol = fp32_logprob_tolerance(merged.config, activation_magnitude(merged, ids), "mean")
     assert all(r["sampling/sampling_logp_difference/mean"] <= tol for r in rows), tol
+
+
+def test_grpo_on_a_mixture_of_experts_keeps_engine_and_trainer_in_sync(moe_dirs, tmp_path):
+    """The tiny Qwen3-MoE (`--model tiny-moe`'s recipe): the sidecar on its own MoE layers, the trainer
+    on transformers', the pushes' fused expert tensors checked after each step."""
+    out = tmp_path / "grpo-moe"
+    grpo.main(["--model", moe_dirs["qwen3_moe"], "--max-steps", "3", "--check-sync", "--output-dir", str(out)])
+    rows = _check_run(out, 3)
+    assert all(r["staleness"] == 0 for r in rows)

@@ -10,6 +10,11 @@ parameters out as a push does.
   with `full_tensor()` when used (`full`); FSDP1 modules are read inside
   `FSDP.summon_full_params(writeback=False)` (`gather_context`).
 - Tied weights are listed once, under the first name (`model.embed_tokens.weight`).
+- A mixture of experts named per expert (a checkpoint's `mlp.experts.3.up_proj.weight`, Mixtral's
+  `block_sparse_moe.experts.3.w3.weight`: transformers 4, or a trainer's own export) is sent as
+  transformers 5 names it and the engine holds it, each layer's experts stacked into
+  `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (engine/expert_names.py; a copy of the
+  experts on the trainer's side, the only way one contiguous tensor lands in one piece).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def list_weights(weights) -> list[tuple[str, torch.Tensor]]:
     """(clean name, detached tensor) pairs, tied duplicates dropped; read inside _gather_context."""
     if isinstance(weights, torch.nn.Module):
         named = [(clean_name(n), p.detach()) for n, p in unwrap_model(weights).named_parameters()]
-        return _checked(dedup_tied(named))
+        return _fused_experts(_checked(dedup_tied(named)))
     if isinstance(weights, dict):
         weights = weights.items()
     named = []
@@ -83,7 +88,7 @@ def list_weights(weights) -> list[tuple[str, torch.Tensor]]:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise TypeError(f"expected (name, tensor) pairs, got {type(item).__name__}")
         named.append((clean_name(str(item[0])), item[1].detach()))
-    return _checked(dedup_tied(named))
+    return _fused_experts(_checked(dedup_tied(named)))
 
 
 @contextlib.contextmanager
@@ -131,6 +136,15 @@ def flatten_parameters(model: torch.nn.Module, shared: bool = False) -> torch.Te
                 view.copy_(p.data)
                 p.data = view
     return flat
+
+
+def _fused_experts(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert names stacked into transformers 5's fused tensors (the pairs as they are without any)."""
+    from engine.expert_names import expert_part, fuse_checkpoint
+
+    if not any(expert_part(n) is not None for n, _ in named):
+        return named
+    return list(fuse_checkpoint(dict(named)).items())
 
 
 def _checked(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
