@@ -69,7 +69,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return out
 
 
-_KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_rows"), ("layer_glue", "silu_mul_bf16")),
+_KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _loaded: dict = {}
@@ -82,9 +82,9 @@ def _native(dtype: torch.dtype):
         ok = (amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()) and \
             os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
         libs = [native_kernels.library(lib) for lib, _ in _KERNELS[dtype]] if ok else []
-        entry = native_kernels.function("moe_experts", f"moe_experts_{_SUFFIX[dtype]}",
-                                        (_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int, _PTR,
-                                         _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR), ctypes.c_int) if ok else None
+        entry = native_kernels.function("moe_experts", f"moe_block_{_SUFFIX[dtype]}",
+                                        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR,
+                                         _PTR, _I64, *(_PTR,) * 10), ctypes.c_int) if ok else None
         if entry is None or not all(libs):
             _loaded[dtype] = None
         else:
@@ -101,38 +101,39 @@ def reset() -> None:
 native_kernels.forget_with_kernels(reset)
 
 
-def _fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the rows kernels take these shapes: bf16 rows in sixteens, its k in thirty-twos."""
-    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"):
+def _fits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the C block takes these: contiguous on the CPU, one dtype, and for the bf16 rows
+    kernel rows in sixteens and its k in thirty-twos."""
+    if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == x.dtype for t in (x, logits, gate_up, down)):
         return False
-    if x.dtype != torch.bfloat16:
-        return True
     h, i = x.shape[1], down.shape[2]
-    return h % 32 == 0 and i % 32 == 0
+    return x.dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
 
 
-def run_native(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor | None:
-    """`run` with silu in one C call on the weights in place (engine/native/moe_experts.c), or None
-    where it does not run (another dtype or activation, shapes its kernels refuse, gradients)."""
+def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`run` of `route`'s choice, the expert ids [T, k]) in one C call on the weights in place
+    (engine/native/moe_experts.c; silu experts), or None where it does not run (another dtype,
+    shapes its kernels refuse, gradients). Its softmax, and each GEMM's order of sums, are C's:
+    within their roundings of torch's."""
     dtype = x.dtype
-    if dtype not in _KERNELS or gate_up.dtype != dtype or torch.is_grad_enabled() or not _fits(x, gate_up, down):
+    if dtype not in _KERNELS or torch.is_grad_enabled() or not _fits(x, logits, gate_up, down):
         return None
     loaded = _native(dtype)
     if loaded is None:
         return None
     entry, table = loaded
-    t, k = ids.shape
-    h, i, s = x.shape[1], down.shape[2], t * k
-    order, ends = groups(ids, gate_up.shape[0])
-    ends = ends.to(torch.int64)
-    w = weights.reshape(-1).contiguous()
+    (t, h), e, i = x.shape, gate_up.shape[0], down.shape[2]
+    s = t * top_k
     scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)
     xg, gu, act, dn = scratch.split([s * h, s * 2 * i, s * i, s * h])
-    inv, out = torch.empty(s, dtype=torch.int64), torch.empty_like(x)
-    rc = entry(table.data_ptr(), x.data_ptr(), t, h, k, order.data_ptr(), ends.data_ptr(), ends.numel(), w.data_ptr(),
-               int(w.dtype == torch.float32 and dtype != torch.float32), gate_up.data_ptr(), down.data_ptr(), i,
-               xg.data_ptr(), gu.data_ptr(), act.data_ptr(), dn.data_ptr(), inv.data_ptr(), out.data_ptr())
+    index = torch.empty(3 * s + e, dtype=torch.int64)
+    inv, order, ids, ends = index.split([s, s, s, e])
+    weights, out = torch.empty(s, dtype=torch.float32), torch.empty_like(x)
+    rc = entry(table.data_ptr(), x.data_ptr(), logits.data_ptr(), t, h, e, top_k, int(norm_topk),
+               int(scores_fp32 and dtype != torch.float32), gate_up.data_ptr(), down.data_ptr(), i, xg.data_ptr(),
+               gu.data_ptr(), act.data_ptr(), dn.data_ptr(), inv.data_ptr(), order.data_ptr(), ends.data_ptr(),
+               weights.data_ptr(), ids.data_ptr(), out.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"moe_experts_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
-    return out
+        raise RuntimeError(f"moe_block_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
+    return out, ids.view(t, top_k)

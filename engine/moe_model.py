@@ -100,13 +100,13 @@ class SparseMoeBlock(nn.Module):
         """y [1, T, H], normed: the experts' weighted sum (plus the gated shared expert's output)."""
         x = y.view(-1, y.shape[-1])
         shared = fused_layers.mlp_forward(self.shared_expert, y).view_as(x) if hasattr(self, "shared_expert") else None
-        weights, ids = moe_experts.route(self.gate(x), self.top_k, self.norm_topk, self.scores_fp32)
-        self.last_ids = ids
-        e = self.experts
-        out = moe_experts.run_native(x, ids, weights, e.gate_up_proj, e.down_proj) if isinstance(e.act_fn, nn.SiLU) \
-            else None
-        if out is None:
-            out = moe_experts.run(x, ids, weights, e.gate_up_proj, e.down_proj, e.act_fn)
+        e, logits = self.experts, self.gate(x)
+        done = moe_experts.block_native(x, logits, self.top_k, self.norm_topk, self.scores_fp32, e.gate_up_proj,
+                                        e.down_proj) if isinstance(e.act_fn, nn.SiLU) else None
+        if done is None:
+            weights, ids = moe_experts.route(logits, self.top_k, self.norm_topk, self.scores_fp32)
+            done = moe_experts.run(x, ids, weights, e.gate_up_proj, e.down_proj, e.act_fn), ids
+        out, self.last_ids = done
         if shared is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out.view_as(y)

@@ -329,6 +329,57 @@ static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint
     }
 }
 
+/* Panel `np` (32 output columns: tiles 2np and 2np + 1 of `tiles`) of out [m, n] = x . w^T, for
+   every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles. */
+static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t np, const uint32_t *xv, int64_t m,
+                              int64_t kc_count, int64_t stride, const uint16_t *bias, uint16_t *out_bf16, int64_t n) {
+    const int64_t mp_count = (m + 31) / 32;
+    const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
+    for (int64_t mp = 0; mp < mp_count; mp++) {
+        const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
+        const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < kc_count; kc++) {
+            if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
+                prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, kc_count, stride);
+            _tile_loadd(6, xb + kc * 2048, 64);
+            _tile_loadd(4, w0 + kc * 64, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_m) {
+                _tile_loadd(7, xb + kc * 2048 + 1024, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (w1) {
+                _tile_loadd(5, w1 + kc * 64, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two_m) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
+        for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
+            for (int mt = 0; mt < (two_m ? 2 : 1); mt++) {
+                switch (nt * 2 + mt) { /* tile ids are immediates */
+                case 0: _tile_stored(0, c, 64); break;
+                case 1: _tile_stored(1, c, 64); break;
+                case 2: _tile_stored(2, c, 64); break;
+                default: _tile_stored(3, c, 64); break;
+                }
+                const uint32_t *from[16];
+                for (int r = 0; r < 16; r++) from[r] = (const uint32_t *)c + 16 * r;
+                transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
+                const int64_t col = np * 32 + nt * 16;
+                for (int r = 0; r < 16; r++) {
+                    const int64_t row = mp * 32 + mt * 16 + r;
+                    if (row >= m) break;
+                    put_bf16(out_bf16 + row * n + col, load16_f32(ct + 16 * r) + load_bias(bias, col, 16), 16);
+                }
+            }
+    }
+}
+
 /* out [m, n] bf16 = x [m, k] bf16 . w^T (+ bias [n] bf16, or NULL), w the rows of `nseg` (1-3)
    segments: seg_ptr[s] a [seg_rows[s], k] bf16 weight. Each output is the fp32 sum of its products
    in the packed kernel's order, plus its bias, rounded once to bf16. Returns -1 without memory, -2
@@ -362,51 +413,53 @@ int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t 
         activations_as_b_tiles(x, m, k, xv);
         configure_tiles();
 #pragma omp for schedule(static)
-        for (int64_t np = 0; np < np_count; np++) {
-            const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
-            for (int64_t mp = 0; mp < mp_count; mp++) {
-                const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
-                const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kc = 0; kc < kc_count; kc++) {
-                    if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
-                        prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, kc_count, stride);
-                    _tile_loadd(6, xb + kc * 2048, 64);
-                    _tile_loadd(4, w0 + kc * 64, stride);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_m) {
-                        _tile_loadd(7, xb + kc * 2048 + 1024, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (w1) {
-                        _tile_loadd(5, w1 + kc * 64, stride);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two_m) _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
-                for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
-                    for (int mt = 0; mt < (two_m ? 2 : 1); mt++) {
-                        switch (nt * 2 + mt) { /* tile ids are immediates */
-                        case 0: _tile_stored(0, c, 64); break;
-                        case 1: _tile_stored(1, c, 64); break;
-                        case 2: _tile_stored(2, c, 64); break;
-                        default: _tile_stored(3, c, 64); break;
-                        }
-                        const uint32_t *from[16];
-                        for (int r = 0; r < 16; r++) from[r] = (const uint32_t *)c + 16 * r;
-                        transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
-                        const int64_t col = np * 32 + nt * 16;
-                        for (int r = 0; r < 16; r++) {
-                            const int64_t row = mp * 32 + mt * 16 + r;
-                            if (row >= m) break;
-                            put_bf16(out_bf16 + row * n + col, load16_f32(ct + 16 * r) + load_bias(bias, col, 16), 16);
-                        }
-                    }
-            }
+        for (int64_t np = 0; np < np_count; np++)
+            rows_panel(tiles, nt_count, np, xv, m, kc_count, stride, bias, out_bf16, n);
+        _tile_release();
+    }
+    return 0;
+}
+
+/* A sparse MLP's experts at one GEMM each, in one parallel region: group g's rows
+   [starts[g], starts[g + 1]) of x times expert experts[g]'s weight, w + experts[g] * n * k ([E, n, k]
+   contiguous), into the same rows of out [rows, n]. The rows kernel's tiles and bits; one team and
+   its barriers for the whole layer instead of one per expert (a quarter of a decode step's expert
+   time at 1-10 rows an expert went to starting and joining teams). */
+int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const uint16_t *w, int64_t n, uint16_t *out_bf16) {
+    if (k % 32 || n % 16) return -2;
+    if (G == 0 || n == 0) return 0;
+    const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, kc_count = k / 32, stride = k * 2;
+    static __thread const uint8_t **kept_tiles = NULL;
+    static __thread int64_t *kept_offsets = NULL, kept_cap = 0;
+    if (G * nt_count + G + 1 > kept_cap) {
+        free(kept_tiles);
+        free(kept_offsets);
+        kept_tiles = malloc((size_t)(G * nt_count) * sizeof *kept_tiles);
+        kept_offsets = malloc((size_t)(G + 1) * sizeof *kept_offsets);
+        kept_cap = kept_tiles == NULL || kept_offsets == NULL ? 0 : G * nt_count + G + 1;
+    }
+    const uint8_t **tiles = kept_tiles;
+    int64_t *xoff = kept_offsets; /* each group's activations in xv, in 4-byte words */
+    if (kept_cap == 0) return -1;
+    xoff[0] = 0;
+    for (int64_t g = 0; g < G; g++) {
+        xoff[g + 1] = xoff[g] + (starts[g + 1] - starts[g] + 31) / 32 * kc_count * 512;
+        const uint8_t *base = (const uint8_t *)(w + experts[g] * n * k);
+        for (int64_t t = 0; t < nt_count; t++) tiles[g * nt_count + t] = base + t * 16 * stride;
+    }
+    uint32_t *xv = (uint32_t *)scratch_buffer(xoff[G] * 4);
+    if (xv == NULL) return -1;
+#pragma omp parallel
+    {
+        for (int64_t g = 0; g < G; g++)
+            activations_as_b_tiles(x + starts[g] * k, starts[g + 1] - starts[g], k, xv + xoff[g]);
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < G * np_count; i++) {
+            const int64_t g = i / np_count;
+            rows_panel(tiles + g * nt_count, nt_count, i % np_count, xv + xoff[g], starts[g + 1] - starts[g],
+                       kc_count, stride, NULL, out_bf16 + starts[g] * n, n);
         }
         _tile_release();
     }

@@ -1,7 +1,8 @@
 /* A sparse MLP's experts over a step's tokens in one call: each active expert's gate/up and down
-   GEMMs on its weights in place (amx_linear.c's bf16 rows kernel, f32_linear.c's fp32 one, through
+   GEMMs on its weights in place (amx_linear.c's bf16 rows kernel over all experts in one team,
+   f32_linear.c's fp32 one an expert at a time, through
    the addresses engine/moe_experts.py hands over), the silu between them, the routing weights and
-   each token's sum over its k picks.
+   each token's sum over its k picks (and, in moe_block_*, the routing before them).
 
    torch's grouped GEMM, at a decode step's 1-10 rows an expert, ran oneDNN's small-M path at about a
    sixth of the memory's speed (a 32-sequence bf16 step of the 0.94B Qwen3-MoE shape spent 82% of
@@ -16,12 +17,31 @@
 
 #include "common.h"
 
-typedef int (*rows_bf16_fn)(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
-                            int64_t nseg, const uint16_t *bias, uint16_t *out);
 typedef int (*rows_f32_fn)(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                            int64_t nseg, const float *bias, float *out);
 typedef void (*silu_bf16_fn)(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I, uint16_t *out);
 typedef void (*silu_f32_fn)(const float *gate_up, int64_t stride, int64_t T, int64_t I, float *out);
+
+typedef int (*groups_bf16_fn)(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                              const uint16_t *w, int64_t n, uint16_t *out);
+
+/* Each active expert's GEMM over its rows: bf16 in one team (amx_linear_bf16_groups), fp32 one rows
+   call an expert. starts [G + 1]: where each of the G active experts' rows start in x and out. */
+static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, const int64_t *starts,
+                       const int64_t *experts, int64_t G, const uint16_t *w, int64_t n, uint16_t *out) {
+    return ((groups_bf16_fn)kernels[0])(x, k, starts, experts, G, w, n, out);
+}
+
+static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
+                      int64_t G, const float *w, int64_t n, float *out) {
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t seg = (int64_t)(w + experts[g] * n * k);
+        const int rc = ((rows_f32_fn)kernels[0])(x + starts[g] * k, starts[g + 1] - starts[g], k, &seg, &n, 1, NULL,
+                                                 out + starts[g] * n);
+        if (rc) return rc;
+    }
+    return 0;
+}
 
 static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
 static inline float load_f32(float x) { return x; }
@@ -34,36 +54,24 @@ static inline float keep_f32(float x) { return x; }
    pick order, fp32 when weights_f32 else the dtype; gate_up [E, 2I, H], down [E, H, I]; scratch
    xg [S, H], gu [S, 2I], act [S, I], dn [S, H] and inv [S] (int64); out [T, H]. Returns 0, or a
    kernel's code (-1: no memory, -2: a shape the rows kernel does not take). */
-#define DEFINE_EXPERTS(NAME, T_, ROWS_FN, SILU_FN, LOAD, STORE, ROUND)                                           \
-    int NAME(const int64_t *kernels, const T_ *x, int64_t T, int64_t H, int64_t k, const int64_t *order,        \
+#define DEFINE_EXPERTS(NAME, T_, GROUPS, SILU_FN, LOAD, STORE, ROUND)                                           \
+    static int NAME(const int64_t *kernels, const T_ *x, int64_t T, int64_t H, int64_t k, const int64_t *order, \
              const int64_t *ends, int64_t E, const void *weights, int weights_f32, const T_ *gate_up,            \
              const T_ *down, int64_t I, T_ *xg, T_ *gu, T_ *act, T_ *dn, int64_t *inv, T_ *out) {               \
-        const ROWS_FN rows = (ROWS_FN)kernels[0];                                                             \
         const int64_t S = T * k;                                                                              \
         _Pragma("omp parallel for schedule(static) if (S * H > 65536)")                                       \
         for (int64_t j = 0; j < S; j++) {                                                                     \
             memcpy(xg + j * H, x + (order[j] / k) * H, H * sizeof(T_));                                      \
             inv[order[j]] = j;                                                                                \
         }                                                                                                     \
-        for (int64_t e = 0, start = 0; e < E; e++) {                                                          \
-            const int64_t n = ends[e] - start;                                                                \
-            if (n > 0) {                                                                                      \
-                const int64_t seg = (int64_t)(gate_up + e * 2 * I * H), seg_rows = 2 * I;                     \
-                const int rc = rows(xg + start * H, n, H, &seg, &seg_rows, 1, NULL, gu + start * 2 * I);      \
-                if (rc) return rc;                                                                            \
-            }                                                                                                 \
-            start = ends[e];                                                                                  \
-        }                                                                                                     \
+        int64_t starts[E + 1], active[E], G = 0; /* the experts with picks, and where their rows start */     \
+        starts[0] = 0;                                                                                        \
+        for (int64_t e = 0; e < E; e++)                                                                       \
+            if (ends[e] > starts[G]) active[G] = e, starts[++G] = ends[e];                                    \
+        int rc = GROUPS(kernels, xg, H, starts, active, G, gate_up, 2 * I, gu);                               \
+        if (rc) return rc;                                                                                    \
         ((SILU_FN)kernels[1])(gu, 2 * I, S, I, act);                                                          \
-        for (int64_t e = 0, start = 0; e < E; e++) {                                                          \
-            const int64_t n = ends[e] - start;                                                                \
-            if (n > 0) {                                                                                      \
-                const int64_t seg = (int64_t)(down + e * H * I), seg_rows = H;                                \
-                const int rc = rows(act + start * I, n, I, &seg, &seg_rows, 1, NULL, dn + start * H);         \
-                if (rc) return rc;                                                                            \
-            }                                                                                                 \
-            start = ends[e];                                                                                  \
-        }                                                                                                     \
+        if ((rc = GROUPS(kernels, act, I, starts, active, G, down, H, dn))) return rc;                        \
         _Pragma("omp parallel for schedule(static) if (T * H > 16384)")                                       \
         for (int64_t t = 0; t < T; t++) {                                                                     \
             float acc[H];                                                                                     \
@@ -85,5 +93,59 @@ static inline float keep_f32(float x) { return x; }
         return 0;                                                                                             \
     }
 
-DEFINE_EXPERTS(moe_experts_bf16, uint16_t, rows_bf16_fn, silu_bf16_fn, load_bf16, store_bf16, round_bf16)
-DEFINE_EXPERTS(moe_experts_f32, float, rows_f32_fn, silu_f32_fn, load_f32, store_f32, keep_f32)
+DEFINE_EXPERTS(experts_bf16, uint16_t, groups_bf16, silu_bf16_fn, load_bf16, store_bf16, round_bf16)
+DEFINE_EXPERTS(experts_f32, float, groups_f32, silu_f32_fn, load_f32, store_f32, keep_f32)
+
+/* HF's TopKRouter on router logits [T, E]: softmax in fp32, the k largest (ties: the lower id first),
+   renormalised when `norm`; weights [T * k] kept in fp32 when weights_f32 (Mixtral's) else rounded to
+   the dtype; ids [T, k]. Then the picks (token-major) sorted by expert, stably: order [S], ends [E]. */
+#define DEFINE_ROUTE(NAME, T_, LOAD, STORE)                                                                      \
+    static void NAME(const T_ *logits, int64_t T, int64_t E, int64_t k, int norm, int weights_f32, int64_t *ids, \
+                     void *weights, int64_t *order, int64_t *ends) {                                            \
+        _Pragma("omp parallel for schedule(static) if (T * E > 65536)")                                       \
+        for (int64_t t = 0; t < T; t++) {                                                                     \
+            const T_ *l = logits + t * E;                                                                     \
+            float p[E], top[k], mx = -INFINITY, sum = 0.0f;                                                  \
+            for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, LOAD(l[e]));                                       \
+            for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(LOAD(l[e]) - mx));                            \
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                      \
+            for (int64_t j = 0; j < k; j++) { /* k passes of a selection: k is a handful */                 \
+                int64_t best = -1;                                                                            \
+                for (int64_t e = 0; e < E; e++)                                                               \
+                    if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;                              \
+                ids[t * k + j] = best, top[j] = p[best], p[best] = -1.0f;                                     \
+            }                                                                                                 \
+            float total = 0.0f;                                                                               \
+            for (int64_t j = 0; j < k; j++) total += top[j];                                                  \
+            for (int64_t j = 0; j < k; j++) {                                                                 \
+                const float w = norm ? top[j] / total : top[j];                                               \
+                if (weights_f32)                                                                              \
+                    ((float *)weights)[t * k + j] = w;                                                        \
+                else                                                                                          \
+                    ((T_ *)weights)[t * k + j] = STORE(w);                                                    \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t e = 0; e < E; e++) ends[e] = 0;                                                          \
+        for (int64_t p = 0; p < T * k; p++) ends[ids[p]]++;                                                   \
+        for (int64_t e = 1; e < E; e++) ends[e] += ends[e - 1];                                               \
+        int64_t pos[E];                                                                                       \
+        for (int64_t e = 0; e < E; e++) pos[e] = ends[e];                                                     \
+        for (int64_t p = T * k - 1; p >= 0; p--) order[--pos[ids[p]]] = p; /* backwards: stable */           \
+    }
+
+DEFINE_ROUTE(route_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_ROUTE(route_f32, float, load_f32, store_f32)
+
+/* The sparse block after its router's GEMM: route (above), then the experts (DEFINE_EXPERTS). The
+   scratch as there, plus weights [S] (4 bytes each) and ends [E]; ids [T, k] out. */
+#define DEFINE_BLOCK(NAME, T_, ROUTE, EXPERTS)                                                                   \
+    int NAME(const int64_t *kernels, const T_ *x, const T_ *logits, int64_t T, int64_t H, int64_t E, int64_t k, \
+             int norm, int weights_f32, const T_ *gate_up, const T_ *down, int64_t I, T_ *xg, T_ *gu, T_ *act,   \
+             T_ *dn, int64_t *inv, int64_t *order, int64_t *ends, void *weights, int64_t *ids, T_ *out) {       \
+        ROUTE(logits, T, E, k, norm, weights_f32, ids, weights, order, ends);                                 \
+        return EXPERTS(kernels, x, T, H, k, order, ends, E, weights, weights_f32, gate_up, down, I, xg, gu, act, \
+                       dn, inv, out);                                                                         \
+    }
+
+DEFINE_BLOCK(moe_block_bf16, uint16_t, route_bf16, experts_bf16)
+DEFINE_BLOCK(moe_block_f32, float, route_f32, experts_f32)

@@ -1,9 +1,10 @@
 """engine/moe_experts.py and engine/expert_names.py: the router's choice, the grouping of picks by
 expert in HF's order, and the per-expert names of checkpoints against transformers 5's fused ones."""
 
+import pytest
 import torch
 
-from engine import expert_names, moe_experts
+from engine import amx_linears, expert_names, f32_linears, moe_experts
 
 
 def test_route_renormalises_the_top_k_only_when_asked():
@@ -70,3 +71,37 @@ def test_fuse_checkpoint_stacks_gate_then_up_and_keeps_an_incomplete_layer_as_it
     assert torch.equal(out["model.layers.0.mlp.experts.gate_up_proj"][1, 4:], state["model.layers.0.mlp.experts.1.up_proj.weight"])
     del state["model.layers.0.mlp.experts.1.down_proj.weight"]
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in expert_names.fuse_checkpoint(state)
+
+
+def _kernels_run(dtype) -> bool:
+    return amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()
+
+
+@pytest.mark.parametrize("scores_fp32", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_block_is_the_torch_path_within_its_roundings(dtype, scores_fp32):
+    """engine/native/moe_experts.c against `route` + `run`: the same experts wherever the k-th and
+    (k+1)-th probabilities are apart by more than both softmaxes' error (a few fp32 ulps; bf16
+    logits tie often, and a tie is broken either way); on those tokens the output within the
+    GEMMs' reordered sums (fp32: (H + I) roundings of the magnitudes) plus, in bf16, one rounding
+    of each stage that rounds (gate/up, silu, silu * up, down, the weighted pick, the sum)."""
+    if not _kernels_run(dtype):
+        pytest.skip("the C block's kernels do not run on this CPU")
+    g = torch.Generator().manual_seed(2)
+    e, h, i, k = 16, 64, 96, 4
+    gate_up, down = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(dtype), (torch.randn(e, h, i, generator=g) * 0.1).to(dtype)
+    for t in (1, 7, 40):
+        x, logits = torch.randn(t, h, generator=g).to(dtype), torch.randn(t, e, generator=g).to(dtype)
+        with torch.inference_mode():
+            got, ids = moe_experts.block_native(x, logits, k, True, scores_fp32, gate_up, down)
+            weights, want_ids = moe_experts.route(logits, k, True, scores_fp32)
+            want = moe_experts.run(x, want_ids, weights, gate_up, down, torch.nn.functional.silu)
+            probs = torch.softmax(logits, -1, dtype=torch.float).sort(-1, descending=True).values
+            mag = moe_experts.run(x.abs().float(), want_ids, weights.abs().float(), gate_up.abs().float(),
+                                  down.abs().float(), lambda v: 1.1 * v).double()
+        decided = probs[:, k - 1] - probs[:, k] > 16 * 2.0**-24 * probs[:, k - 1]
+        assert decided.float().mean() > 0.5  # the comparison is not vacuous
+        assert torch.equal(ids[decided].sort(-1).values, want_ids[decided].sort(-1).values)  # ties inside: any order
+        rounding = 2.0**-24 * 2 * (h + i + 4) + (6 * 2.0**-8 if dtype == torch.bfloat16 else 0.0)
+        err = (got.double() - want.double()).abs()[decided]
+        assert (err <= rounding * mag[decided] + 1e-30).all(), t
