@@ -32,8 +32,62 @@ static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, con
     return ((groups_bf16_fn)kernels[0])(x, k, starts, experts, G, w, n, out);
 }
 
+/* out rows of group g = its x rows . w_g^T as dot products over K, 16 lanes at a time: 4 weight rows
+   against up to 4 x rows an item, every (expert, 4 weight rows) one item of one team. At a decode
+   step's few rows an expert this streams each weight row once at memory speed, where laying the
+   weight out as panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each
+   output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order. */
+#define DOT_MAX_ROWS 16
+static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const float *w, int64_t n, float *out) {
+    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t i = 0; i < G * nb; i++) {
+        const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
+        const float *wj = w + (experts[g] * n + j0) * k, *xg = x + starts[g] * k;
+        float *og = out + starts[g] * n + j0;
+        const float *wr[4]; /* past the last row: the last row again, its sums dropped (constant bounds: registers) */
+        for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
+        /* the next item's rows, fetched one item (16 KB) ahead of the loads: short rows a few KB long
+           leave the hardware's stream prefetcher too little to learn from (a third of the read probe) */
+        const int64_t ni = i + 1 < G * nb ? i + 1 : i, ng = ni / nb, nj0 = (ni % nb) * 4;
+        const char *next = (const char *)(w + (experts[ng] * n + nj0) * k);
+        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * 4;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            const int64_t nr = m - r0 < 4 ? m - r0 : 4;
+            const float *xr[4];
+            for (int64_t r = 0; r < 4; r++) xr[r] = xg + (r0 + (r < nr ? r : nr - 1)) * k;
+            v16f acc[4][4] = {{{0}}};
+            for (int64_t kk = 0; kk < k16; kk += 16) {
+                if (r0 == 0) /* the next block (4 rows, contiguous) in k / 16 steps of 4 lines */
+                    for (int64_t off = kk * 16; off < kk * 16 + 256 && off < next_bytes; off += 64)
+                        _mm_prefetch(next + off, _MM_HINT_T0);
+                const v16f w0 = load16_f32(wr[0] + kk), w1 = load16_f32(wr[1] + kk), w2 = load16_f32(wr[2] + kk),
+                           w3 = load16_f32(wr[3] + kk);
+                for (int r = 0; r < 4; r++) {
+                    const v16f xv = load16_f32(xr[r] + kk);
+                    acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
+                }
+            }
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t j = 0; j < nj; j++) {
+                    float sum = 0.0f;
+                    for (int l = 0; l < 16; l++) sum += acc[r][j][l];
+                    for (int64_t kk = k16; kk < k; kk++) sum += wr[j][kk] * xr[r][kk];
+                    og[(r0 + r) * n + j] = sum;
+                }
+        }
+    }
+}
+
 static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
                       int64_t G, const float *w, int64_t n, float *out) {
+    int64_t most = 0;
+    for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
+    if (most <= DOT_MAX_ROWS) {
+        groups_f32_dot(x, k, starts, experts, G, w, n, out);
+        return 0;
+    }
     for (int64_t g = 0; g < G; g++) {
         const int64_t seg = (int64_t)(w + experts[g] * n * k);
         const int rc = ((rows_f32_fn)kernels[0])(x + starts[g] * k, starts[g + 1] - starts[g], k, &seg, &n, 1, NULL,
