@@ -122,6 +122,10 @@ def add_loss_args(p) -> None:
                    help="how token losses make the batch's: the mean over all tokens (DAPO), the mean of each "
                         "sequence's mean (GRPO's paper), or each sequence's sum over the longest possible (Dr. GRPO)")
     p.add_argument("--is-cap", type=float, default=2.0, help="truncated importance-sampling cap (0: off)")
+    p.add_argument("--routing-replay", action="store_true",
+                   help="a mixture of experts: the trainer's forwards route every token to the experts the engine "
+                        "routed it to (R3; recipes/routing_replay.py). Without it the routes are still asked for "
+                        "and routing/mismatch logs the share of tokens the trainer routes otherwise")
     p.add_argument("--epochs", type=int, default=1, help="passes over each batch")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per pass")
 

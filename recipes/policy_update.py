@@ -4,11 +4,13 @@ the clipped, importance-weighted policy loss (recipes/losses.py), plus the algor
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
 
 from recipes import losses as L
+from recipes import routing_replay as RR
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
 from recipes.ranks import my_rows, same_permutation
 from recipes.run import Run
@@ -18,7 +20,9 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     """One batch of rollouts -> `epochs` x `minibatches` optimizer steps. Returns metrics."""
     args, device = run.args, run.accelerator.device
     batch = build_batch(rollouts, run.tokenizer.pad_token_id or 0).to(device)
-    old = _before_update(run, batch, rewards.to(device))
+    batch.replay = bool(getattr(args, "routing_replay", False))
+    routing = {}
+    old = _before_update(run, batch, rewards.to(device), routing)
     stats = {"clip_ratio": [], "kl": [], "loss": [], "value_loss": []}
     if len(rollouts) // args.minibatches < run.accelerator.num_processes:
         raise ValueError(f"{len(rollouts)} rollouts in {args.minibatches} minibatches leave a rank of "
@@ -37,6 +41,7 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     mean = {k: sum(v) / len(v) for k, v in stats.items() if v}
     return {
         **mean,
+        **routing,
         "entropy": old.entropy,
         "sampling/sampling_logp_difference/mean": (diff.sum() / n_tok).item(),
         "sampling/sampling_logp_difference/max": diff.max().item(),
@@ -49,16 +54,23 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     }
 
 
-def _before_update(run: Run, batch: Batch, rewards: torch.Tensor) -> SimpleNamespace:
+def _before_update(run: Run, batch: Batch, rewards: torch.Tensor, routing: dict) -> SimpleNamespace:
     """What the update needs from the policy as it was: logprobs, values, entropy (unless the
-    algorithm takes them from the training forward), the reference's logprobs, advantages."""
+    algorithm takes them from the training forward), the reference's logprobs, advantages; with a
+    mixture of experts' routes, `routing["routing/mismatch"]`: the share of tokens the policy would
+    route otherwise than the engine did in some layer (what --routing-replay removes)."""
     args = run.args
     old = SimpleNamespace(logp=None, values=None, entropy=None, ref_logp=None, adv=None, returns=None)
     with torch.no_grad():
         if run.algo.single_pass:  # filled, row by row, by the training forward
             old.logp = torch.zeros_like(batch.engine_logp)
+            if batch.routes is not None:
+                routing["routing/mismatch"] = _mismatch(run.module, batch)
         else:
-            logits, old.values = completion_logits(run.module, batch, args.temperature)
+            with RR.observe(run.module) if batch.routes is not None else contextlib.nullcontext() as seen:
+                logits, old.values = completion_logits(run.module, batch, args.temperature)
+            if batch.routes is not None:
+                routing["routing/mismatch"] = _mismatch(run.module, batch, seen)
             old.logp = token_logprobs(logits, batch.targets)
             old.entropy = L.masked_mean(L.entropy_from_logits(logits), batch.mask).item()
             del logits
@@ -66,6 +78,14 @@ def _before_update(run: Run, batch: Batch, rewards: torch.Tensor) -> SimpleNames
             old.ref_logp = token_logprobs(completion_logits(run.ref, batch, args.temperature)[0], batch.targets)
         old.adv, old.returns = run.algo.advantages(rewards, batch.mask, old.values)
     return old
+
+
+def _mismatch(model, batch: Batch, seen: list | None = None) -> float:
+    """routing_mismatch of the policy's own routes (observed in a forward, else one made for it)."""
+    b, length = batch.input_ids.shape
+    own = RR.own_routing(model, batch.input_ids) if seen is None else \
+        torch.stack(seen, dim=1).view(b, length, len(seen), -1)
+    return RR.routing_mismatch(own, batch.routes, batch.route_mask)
 
 
 def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Tensor, stats: dict) -> None:

@@ -57,6 +57,7 @@ def setup(algo, args, make_task=None) -> Run:
 
     from engine.sampling_params import SamplingParams
     from recipes.tracking import Tracker
+    from recipes import routing_replay
     from rollout import RolloutClient
     from rollout.serve_args import model_dir_or_exit
     from weight_sync import flatten_parameters
@@ -83,7 +84,8 @@ def setup(algo, args, make_task=None) -> Run:
     tracker = Tracker(out_dir, args.report_to, f"{algo.name}-{args.task}", vars(args), enabled=main)
     client, sidecar, url = rollout_source(args, model_dir, accelerator.device) if main else (None, None, None)
     run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
-              params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens),
+              params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
+                                    return_routed_experts=bool(routing_replay.routers(policy))),
               seed_requests=seeds_requests(args, accelerator.device) if main else True)
     if args.async_ and main:
         run.gen_client = sidecar.client() if args.ray else RolloutClient(url, token=args.token)

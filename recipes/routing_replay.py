@@ -82,18 +82,25 @@ def replay(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Ite
             h.remove()
 
 
-def own_routing(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """The ids the model's routers choose on `input_ids` [B, T] by themselves: [B, T, layers, k]."""
-    found, seen = routers(model), []
-    hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2])) for r in found]
+@contextlib.contextmanager
+def observe(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within it, the ids each router chooses by itself ([tokens, k] per forward and layer), seen
+    before any replay entered inside it replaces them."""
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2].detach())) for r in routers(model)]
     try:
-        with torch.no_grad():
-            model(input_ids)
+        yield seen
     finally:
         for h in hooks:
             h.remove()
+
+
+def own_routing(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The ids the model's routers choose on `input_ids` [B, T] by themselves: [B, T, layers, k]."""
+    with observe(model) as seen, torch.no_grad():
+        model(input_ids)
     b, t = input_ids.shape
-    return torch.stack(seen, dim=1).view(b, t, len(found), -1)
+    return torch.stack(seen, dim=1).view(b, t, len(seen), -1)
 
 
 def routing_mismatch(own: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> float:

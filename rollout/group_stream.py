@@ -43,6 +43,7 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop" | "length" on the sample's last delta
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # with params.prompt_logprobs: the prompt's, on every delta once known
+    routed_experts: object = None  # with params.return_routed_experts: the rows these tokens' step(s) added
 
 
 @dataclass
@@ -119,7 +120,8 @@ class _GroupStream:
         s.token_ids += c.token_ids
         s.done = finish is not None
         self.out.put_nowait(SampleDelta(i, c.token_ids, c.logprobs, c.weight_versions, c.top_logprobs, finish,
-                                        c.stop_reason if finish else None, self.prompt_logprobs))
+                                        c.stop_reason if finish else None, self.prompt_logprobs,
+                                        getattr(c, "routed_experts", None)))
 
     async def first(self) -> None:
         m, cut = self.manager, []

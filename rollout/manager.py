@@ -23,6 +23,7 @@ from dataclasses import replace
 from engine import EngineClient, SamplingParams
 from engine.errors import EngineDeadError
 from engine.inputs import tokenize_prompt
+from engine.messages import RoutedRows
 from engine.stop_checker import truncate_at_stop
 from rollout.protocol import PROTOCOL_VERSION, EngineState, HealthReply
 from rollout.resubmit import go_on
@@ -47,11 +48,14 @@ class _Sample:
         self.finish_reason: str | None = None
         self.stop_reason = None
         self.stale = False  # returned stale after max_stale_restarts regenerations
+        self.routed: list = []  # pieces of its routed experts (return_routed_experts), in position order
 
     def extend(self, c) -> None:
         self.token_ids += c.token_ids
         self.logprobs += c.logprobs
         self.versions += c.weight_versions
+        if getattr(c, "routed_experts", None) is not None:
+            self.routed.append(c.routed_experts)
         self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
 
     def truncate(self, k: int) -> None:
@@ -63,6 +67,17 @@ class _Sample:
         self.finish_reason = piece.finish or "abort"  # "abort": not ended yet
         if piece.keep is not None:
             self.truncate(piece.keep)
+
+
+def _routed_rows(s: _Sample, prompt_len: int, params: SamplingParams) -> RoutedRows | None:
+    """The sample's routed experts in one piece, cut to its tokens: one row a position from the
+    asked prompt start to its last token's input (a stop string cut after a resubmission drops rows)."""
+    if not params.return_routed_experts or not s.routed:
+        return None
+    import numpy as np
+
+    rows = np.concatenate(s.routed)[:max(0, prompt_len - params.routed_experts_prompt_start + len(s.token_ids) - 1)]
+    return RoutedRows(rows.tobytes(), rows.shape[1], rows.shape[2], rows.dtype.name)
 
 
 class RolloutManager:
@@ -220,7 +235,7 @@ class RolloutManager:
         text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         text = truncate_at_stop(text, s.stop_reason, params.include_stop_str_in_output)
         return Rollout(prompt_ids, s.token_ids, s.logprobs, text, s.finish_reason, s.versions, s.index,
-                       s.stop_reason, s.stale)
+                       s.stop_reason, s.stale, _routed_rows(s, len(prompt_ids), params))
 
     # -- weights ------------------------------------------------------------------------------
     async def run_paused(self, mode: str | None, work, on_paused=None):

@@ -66,7 +66,11 @@ async def go_on(manager, prompt_ids: list[int], params: SamplingParams, index: i
     while True:
         attempt += 1
         manager.state.count("aborted_resubmitted")
-        cont = continuation_params(params, len(so_far), attempt, index, output_kind=kind, **extra())
+        routes = {}
+        if params.return_routed_experts:  # from the last token so far: it was never an input before the cut
+            routes["routed_experts_prompt_start"] = max(params.routed_experts_prompt_start,
+                                                        len(prompt_ids) + len(so_far) - 1)
+        cont = continuation_params(params, len(so_far), attempt, index, output_kind=kind, **routes, **extra())
         got, finish = 0, None  # tokens this request handed out; how it ended
         try:
             async for ro in manager._stream(prompt_ids + so_far, cont):

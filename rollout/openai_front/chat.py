@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from rollout.openai_front import chat_tools
 from rollout.openai_front.chat_prompt import chat_prompt_ids
-from rollout.openai_front.generation import Choice, choice_deltas
+from rollout.openai_front.generation import Choice, choice_deltas, routed_experts_b64
 from rollout.openai_front.responses import envelope, usage
 from rollout.openai_front.schema import ChatCompletionRequest
 
@@ -42,7 +42,8 @@ class Chat:
             body.append({"index": c.index, "message": chat_tools.message(got, c.text.sent),
                          "logprobs": self._logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                          "finish_reason": chat_tools.finish_reason(got, c.finish_reason), "token_ids": c.token_ids,
-                         "weight_versions": c.weight_versions})
+                         "weight_versions": c.weight_versions,
+                         **({"routed_experts": routed_experts_b64(c)} if self.params.return_routed_experts else {})})
         return envelope(_KIND, rid, self.front.model, body, prompt_token_ids=self.ids,
                         usage=usage(len(self.ids), sum(len(c.token_ids) for c in choices)))
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine import SamplingParams
-from rollout.openai_front.generation import Choice, choice_deltas
+from rollout.openai_front.generation import Choice, choice_deltas, routed_experts_b64
 from rollout.openai_front.responses import envelope, usage
 from rollout.openai_front.schema import CompletionRequest
 
@@ -70,6 +70,8 @@ class Completions:
         if self.req.logprobs is not None:
             fmt = self.front.fmt.with_ids() if self.req.return_tokens_as_token_ids else self.front.fmt
             out["logprobs"] = fmt.completion(scored, lps, top, shown.offset)
+        if self.params.return_routed_experts and c.finish_reason is not None:  # whole, at the end, as vLLM's
+            out["routed_experts"] = routed_experts_b64(c)
         shown.tokens, shown.chars, shown.opened = len(c.token_ids), len(c.text.sent), True
         shown.offset += self.front.fmt.text_length(scored)
         return out

@@ -27,6 +27,7 @@ class Choice:
     top_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # when params.prompt_logprobs is set
     finish_reason: str | None = None
+    routed: list = field(default_factory=list)  # return_routed_experts: the rows so far, in pieces
 
     def add(self, d: SampleDelta) -> str:
         """Takes a delta in; returns the text it adds."""
@@ -37,6 +38,8 @@ class Choice:
             self.top_logprobs = (self.top_logprobs or []) + d.top_logprobs
         if d.prompt_logprobs is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        if d.routed_experts is not None:
+            self.routed.append(d.routed_experts)
         self.finish_reason = d.finish_reason
         return self.text.add(d.token_ids, d.finish_reason is not None, d.stop_reason)
 
@@ -87,3 +90,18 @@ async def whole_choices(manager, prompts: list[list[int]], params: SamplingParam
     async for c, _, _ in choice_deltas(manager, prompts, params, stream=False):
         out[c.index] = c
     return [out[i] for i in sorted(out)]
+
+
+def routed_experts_b64(c: Choice) -> str | None:
+    """The choice's routed experts as vLLM's and SGLang's servers return them: a base64 string of
+    the array's `.npy` bytes ([positions, layers, k]; numpy.load reads it); None when not asked."""
+    if not c.routed:
+        return None
+    import base64
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.concatenate(c.routed), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")

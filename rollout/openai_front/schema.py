@@ -63,6 +63,10 @@ class _Request(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     bad_words: list[str] | None = None
     return_token_ids: bool = True  # vLLM's flag; our responses always carry them
+    # a mixture of experts' routing (replay): SGLang's flag and vLLM's start; each choice then carries
+    # `routed_experts`, the [positions, layers, k] expert ids as base64 of their .npy bytes
+    return_routed_experts: bool = False
+    routed_experts_prompt_start: int = Field(0, ge=0)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>" (TRL asks for it)
     user: str | None = None
 
@@ -96,7 +100,9 @@ class _Request(BaseModel):
                               stop_token_ids=self.stop_token_ids, seed=self.seed, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, ignore_eos=self.ignore_eos,
                               include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
-                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              return_routed_experts=self.return_routed_experts,
+                              routed_experts_prompt_start=self.routed_experts_prompt_start)
 
     @property
     def include_usage(self) -> bool:

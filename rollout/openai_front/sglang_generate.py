@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine import SamplingParams
-from rollout.openai_front.generation import Choice, choice_deltas
+from rollout.openai_front.generation import Choice, choice_deltas, routed_experts_b64
 
 # SGLang's sampling field -> (ours, the JSON types it takes)
 _NUM = (int, float)
@@ -49,6 +49,10 @@ def sampling_params(body: dict) -> SamplingParams:
         if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
             raise BadField(f"sampling_params.{key}", f"expected {getattr(kind, '__name__', 'a number')}, got {value!r}")
         kwargs[ours] = value
+    if "return_routed_experts" in body:  # SGLang's request field (not a sampling parameter)
+        if not isinstance(body["return_routed_experts"], bool):
+            raise BadField("return_routed_experts", f"expected a boolean, got {body['return_routed_experts']!r}")
+        kwargs["return_routed_experts"] = body["return_routed_experts"]
     top_logprobs = body.get("top_logprobs_num")
     if body.get("return_logprob") and isinstance(top_logprobs, int) and top_logprobs > 0:
         kwargs["logprobs"] = top_logprobs
@@ -101,6 +105,8 @@ class SglangGenerate:
                 "weight_versions": list(c.weight_versions), "e2e_latency": time.monotonic() - self.t0}
         if self.logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        if self.params.return_routed_experts:
+            meta["routed_experts"] = routed_experts_b64(c)
         return {"text": c.text.sent, "output_ids": list(c.token_ids), "meta_info": meta}
 
     def _finish(self, c: Choice) -> dict | None:

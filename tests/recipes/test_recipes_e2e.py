@@ -227,3 +227,20 @@ def test_grpo_on_a_mixture_of_experts_keeps_engine_and_trainer_in_sync(moe_dirs,
     grpo.main(["--model", moe_dirs["qwen3_moe"], "--max-steps", "3", "--check-sync", "--output-dir", str(out)])
     rows = _check_run(out, 3)
     assert all(r["staleness"] == 0 for r in rows)
+    assert all(0 <= r["routing/mismatch"] <= 1 for r in rows)  # the routes are asked for and compared
+
+
+def test_routing_replay_brings_the_trainers_logprobs_to_the_engines(moe_dirs, tmp_path):
+    """A bf16 sidecar routes some tokens otherwise than the fp32 trainer would (routing/mismatch > 0);
+    with --routing-replay the trainer's forwards take the engine's experts, and the first step's
+    rollouts (the same tokens either way: same seed, same initial weights) score closer to the
+    engine's logprobs than without."""
+    firsts = {}
+    for replay in (False, True):
+        out = tmp_path / f"replay-{replay}"
+        grpo.main(["--model", moe_dirs["qwen3_moe"], "--max-steps", "1", "--output-dir", str(out),
+                   "--sidecar-dtype", "bfloat16", *(["--routing-replay"] if replay else [])])
+        firsts[replay] = _rows(out)[0]
+    assert firsts[False]["routing/mismatch"] > 0 and firsts[True]["routing/mismatch"] == firsts[False]["routing/mismatch"]
+    diff = "sampling/sampling_logp_difference/mean"
+    assert firsts[True][diff] < firsts[False][diff], (firsts[True][diff], firsts[False][diff])
