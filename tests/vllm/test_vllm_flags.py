@@ -77,3 +77,15 @@ def test_the_recipes_pass_the_engine_and_seed_requests_where_it_can(engine, devi
     cmd = sidecar_command(args, "DIR", torch.device("cpu"))
     assert cmd[cmd.index("--engine") + 1] == engine
     assert seeds_requests(args, torch.device("cpu")) is seeded
+
+
+def test_routed_experts_are_refused_by_name_on_the_vllm_engine():
+    """vLLM's own enable_return_routed_experts is not wired through the sidecar: a request asking for
+    routed experts fails by name before it reaches vLLM (docs/guides/moe.md)."""
+    pytest.importorskip("vllm")
+    from engine import SamplingParams
+    from engine.vllm_convert import to_vllm_params
+
+    with pytest.raises(ValueError, match="return_routed_experts: not a sampling parameter the vLLM engine takes"):
+        to_vllm_params(SamplingParams(return_routed_experts=True), on_cpu=True)
+    assert to_vllm_params(SamplingParams(max_tokens=3), on_cpu=True).max_tokens == 3
