@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from tests.engine.helpers import hf_greedy, random_prompts
+from tests.weight_sync.test_delta_push import step
 from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
 from weight_sync.engine_side.engines import engines_checksums, join_engines
 from weight_sync.trainer.local_engines import push_to_engines
@@ -64,13 +65,6 @@ def served(named) -> list[str]:
     """What the bf16 engine and the fp32 engine hold after a bf16 push of `named`."""
     bf16 = [(n, p.detach().to(torch.bfloat16)) for n, p in named]
     return [weights_checksum(bf16), weights_checksum((n, t.float()) for n, t in bf16)]
-
-
-def step(model, seed, frac=0.03, scale=0.01):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * (torch.rand(p.shape, generator=g) < frac))
 
 
 async def _greedy(engine, prompt, n=10):
