@@ -4,7 +4,8 @@
 step's (token, slot) picks by expert and runs each active expert once over its tokens (one grouped
 GEMM call: one pass over each active expert's weights a step, however many tokens chose it, no
 Python loop over experts), in the operations and order of transformers' default experts forward,
-so its output has HF's bits.
+so its output has HF's bits: the reference. `block_native` is both in one C call a layer on the
+weights in place (engine/native/moe_experts.c), what the engine runs where its kernels do.
 """
 
 from __future__ import annotations
