@@ -105,3 +105,25 @@ def test_the_c_block_is_the_torch_path_within_its_roundings(dtype, scores_fp32):
         rounding = 2.0**-24 * 2 * (h + i + 4) + (6 * 2.0**-8 if dtype == torch.bfloat16 else 0.0)
         err = (got.double() - want.double()).abs()[decided]
         assert (err <= rounding * mag[decided] + 1e-30).all(), t
+
+
+def test_a_fused_push_is_checked_and_handed_over_as_the_checkpoints_blocks():
+    """weight_sync/vllm/fused_experts.py: a Mixtral checkpoint's names seen as a transformers 5 model
+    names them, and its fused tensors back as the checkpoint's per-expert views."""
+    from weight_sync.common.manifest import ParamInfo
+    from weight_sync.vllm.fused_experts import FusedView
+
+    infos = {f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": ParamInfo("float32", shape)
+             for e in range(2) for w, shape in (("w1", (4, 3)), ("w3", (4, 3)), ("w2", (3, 4)))}
+    infos["model.layers.0.block_sparse_moe.gate.weight"] = ParamInfo("float32", (2, 3))
+    view = FusedView(infos)
+    assert view.infos == {"model.layers.0.mlp.experts.gate_up_proj": ParamInfo("float32", (2, 8, 3)),
+                          "model.layers.0.mlp.experts.down_proj": ParamInfo("float32", (2, 3, 4)),
+                          "model.layers.0.mlp.gate.weight": ParamInfo("float32", (2, 3))}
+    assert view.covers(view.infos) and not view.covers(infos)
+    gate_up = torch.arange(48.0).view(2, 8, 3)
+    out = dict(view.to_checkpoint([("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+                                   ("model.layers.0.mlp.gate.weight", torch.zeros(2, 3))]))
+    assert torch.equal(out["model.layers.0.block_sparse_moe.experts.1.w3.weight"], gate_up[1, 4:])
+    assert out["model.layers.0.block_sparse_moe.experts.0.w1.weight"].data_ptr() == gate_up.data_ptr()  # a view
+    assert "model.layers.0.block_sparse_moe.gate.weight" in out

