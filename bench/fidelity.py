@@ -4,11 +4,15 @@ serves it: weight-only on AMX, its lm_head in full precision; with the lm_head q
 W8A8, activations per token, the scheme of CPUs without AMX), and every sampled
 token scored again by the trainer (transformers' model, fp32). The figure is the share of sampled
 tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated importance
-sampling has to correct), with the mean and largest |log ratio|.
+sampling has to correct), with the mean and largest |log ratio|. On a mixture of experts every sample carries its routed experts,
+and each engine gets a second row: the same tokens scored with the trainer's routers replaying the
+engine's experts (recipes/routing_replay.py), beside the share of tokens whose routing differs from
+the engine's in some layer without replay.
 
     python -m bench.fidelity                                 # smollm2, 32 prompts x 4, 64 tokens
     python -m bench.fidelity --prompts 8 --max-tokens 32     # quicker
     python -m bench.fidelity --engines fp32 --ablation       # which int8 rounding moves the policy
+    python -m bench.fidelity --model <qwen3-moe-2core dir> --engines bf16   # with and without routing replay
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 ac
 }
 
 
-def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, seed: int) -> list[tuple]:
-    """(prompt ids, completion ids, the engine's logprobs) per sample of engine `name`."""
+def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, seed: int, moe: bool = False
+           ) -> list[tuple]:
+    """(prompt ids, completion ids, the engine's logprobs, its routed experts or None) per sample of
+    engine `name`."""
     from engine import LLM, EngineConfig, SamplingParams, int8_linears
 
     dtype, quantization, lm_head, activations = ENGINES[name]
@@ -46,32 +52,52 @@ def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, se
     finally:
         int8_linears.KEEP_FULL_PRECISION = keep
         del os.environ[int8_linears.ENV_ACTIVATIONS]
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed, return_routed_experts=moe)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     log.info("%s: %d tokens sampled in %.1f s", name, tokens, time.perf_counter() - t0)
-    return [(o.prompt_token_ids, c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+    return [(o.prompt_token_ids, c.token_ids, c.logprobs, c.routed_experts) for o in outs for c in o.outputs]
 
 
 @torch.inference_mode()
-def trainer_logprobs(trainer, prompt_ids: list[int], completion: list[int]) -> torch.Tensor:
-    """The fp32 trainer's log-probabilities of `completion` after `prompt_ids`."""
+def trainer_logprobs(trainer, prompt_ids: list[int], completion: list[int], routed=None) -> torch.Tensor:
+    """The fp32 trainer's log-probabilities of `completion` after `prompt_ids` (routed: the engine's
+    experts, replayed)."""
+    import contextlib
+
+    from recipes.routing_replay import align, replay
+
     ids = torch.tensor([prompt_ids + completion])
-    logits = trainer(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    ctx = contextlib.nullcontext()
+    if routed is not None:
+        routes, mask = align(routed, 0, ids.shape[1])
+        ctx = replay(trainer, routes[None], mask[None])
+    with ctx:
+        logits = trainer(ids).logits[0, len(prompt_ids) - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def mismatch(trainer, samples: list[tuple]) -> dict:
-    """Share of tokens with trainer/engine probability ratio outside [0.9, 1.1], mean and max |log ratio|."""
-    logs = []
-    for prompt_ids, completion, engine_lp in samples:
+def mismatch(trainer, samples: list[tuple], replayed: bool = False) -> dict:
+    """Share of tokens with trainer/engine probability ratio outside [0.9, 1.1], mean and max |log ratio|;
+    with routed experts, the share of routed tokens the trainer routes otherwise in some layer."""
+    from recipes.routing_replay import align, own_routing, routing_mismatch
+
+    logs, differ, routed_tokens = [], 0.0, 0
+    for prompt_ids, completion, engine_lp, routed in samples:
         if completion:
-            logs.append(trainer_logprobs(trainer, list(prompt_ids), list(completion)) - torch.tensor(engine_lp))
+            lp = trainer_logprobs(trainer, list(prompt_ids), list(completion), routed if replayed else None)
+            logs.append(lp - torch.tensor(engine_lp))
+            if routed is not None and not replayed:
+                seq = torch.tensor([list(prompt_ids) + list(completion)])
+                routes, mask = align(routed, 0, seq.shape[1])
+                differ += routing_mismatch(own_routing(trainer, seq)[0], routes, mask) * int(mask.sum())
+                routed_tokens += int(mask.sum())
     log_ratio = torch.cat(logs)
     ratio = log_ratio.exp()
     return {"tokens": log_ratio.numel(), "outside": ((ratio < 0.9) | (ratio > 1.1)).float().mean().item(),
-            "mean_abs_log": log_ratio.abs().mean().item(), "max_abs_log": log_ratio.abs().max().item()}
+            "mean_abs_log": log_ratio.abs().mean().item(), "max_abs_log": log_ratio.abs().max().item(),
+            "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 
 
 def fake_quantized(trainer, weights: bool, activations: bool):
@@ -100,7 +126,7 @@ def fake_quantized(trainer, weights: bool, activations: bool):
 
 def ablation(trainer, samples: list[tuple]) -> dict:
     """The fp32 engine's samples scored by fake-quantized trainers (W8, A8, W8A8) against the trainer."""
-    exact = [(p, c, trainer_logprobs(trainer, list(p), list(c)).tolist()) for p, c, _ in samples if c]
+    exact = [(p, c, trainer_logprobs(trainer, list(p), list(c)).tolist(), None) for p, c, _, _ in samples if c]
     return {name: mismatch(fake_quantized(trainer, w, a), exact)
             for name, (w, a) in {"fake W8": (True, False), "fake A8": (False, True), "fake W8A8": (True, True)}.items()}
 
@@ -131,18 +157,25 @@ def main() -> None:
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     log.info("%s, arithmetic level %d: %d prompts x %d samples, up to %d tokens, temperature 1; trainer: "
              "transformers fp32", args.model, args.level, args.prompts, args.n, args.max_tokens)
+    from recipes.routing_replay import routers
+
+    moe = bool(routers(trainer))
     rows = {}
     for name in args.engines.split(","):
-        samples = sample(model_dir, prompts, name, args.n, args.max_tokens, args.seed)
+        samples = sample(model_dir, prompts, name, args.n, args.max_tokens, args.seed, moe)
         rows[name] = mismatch(trainer, samples)
+        if moe:
+            rows[f"{name} replay"] = mismatch(trainer, samples, replayed=True)
         if args.ablation and name == "fp32":
             ablated = ablation(trainer, samples)
     if args.ablation:
         rows.update(ablated)
-    log.info("%-13s %7s %22s %14s %13s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|", "max|log r|")
+    log.info("%-13s %7s %22s %14s %13s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
+             "max|log r|", "routing differs" if moe else "")
     for name, r in rows.items():
-        log.info("%-13s %7d %22.2f%% %14.4f %13.3f", name, r["tokens"], 100 * r["outside"], r["mean_abs_log"],
-                 r["max_abs_log"])
+        routing = "" if r.get("routing") is None else f"{100 * r['routing']:.2f}%"
+        log.info("%-13s %7d %22.2f%% %14.4f %13.3f %s", name, r["tokens"], 100 * r["outside"], r["mean_abs_log"],
+                 r["max_abs_log"], routing)
 
 
 if __name__ == "__main__":
