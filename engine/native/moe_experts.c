@@ -1,8 +1,9 @@
 /* A sparse MLP's experts over a step's tokens in one call: each active expert's gate/up and down
-   GEMMs on its weights in place (amx_linear.c's bf16 rows kernel over all experts in one team,
-   f32_linear.c's fp32 one an expert at a time, through
-   the addresses engine/moe_experts.py hands over), the silu between them, the routing weights and
-   each token's sum over its k picks (and, in moe_block_*, the routing before them).
+   GEMMs on its weights in place (bf16: amx_linear.c's rows kernel over all experts in one team; fp32:
+   dot products over K at a decode step's few rows an expert, f32_linear.c's rows kernel an expert at
+   a time above; kernels through the addresses engine/moe_experts.py hands over), the silu between
+   them, the routing weights and each token's sum over its k picks (and, in moe_block_*, the routing
+   before them).
 
    torch's grouped GEMM, at a decode step's 1-10 rows an expert, ran oneDNN's small-M path at about a
    sixth of the memory's speed (a 32-sequence bf16 step of the 0.94B Qwen3-MoE shape spent 82% of
@@ -48,8 +49,8 @@ static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, con
         float *og = out + starts[g] * n + j0;
         const float *wr[4]; /* past the last row: the last row again, its sums dropped (constant bounds: registers) */
         for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
-        /* the next item's rows, fetched one item (16 KB) ahead of the loads: short rows a few KB long
-           leave the hardware's stream prefetcher too little to learn from (a third of the read probe) */
+        /* the next item's rows, fetched one item (16 KB) ahead of the loads: rows a few KB long give
+           the hardware's stream prefetcher little to learn from */
         const int64_t ni = i + 1 < G * nb ? i + 1 : i, ng = ni / nb, nj0 = (ni % nb) * 4;
         const char *next = (const char *)(w + (experts[ng] * n + nj0) * k);
         const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * 4;
