@@ -14,6 +14,7 @@
    summed in fp32 in slot order and rounded once. Only each GEMM's sum runs in the rows kernel's
    order, within a GEMM's error of torch's. */
 
+#include <immintrin.h> /* _mm_prefetch, on any x86-64 */
 #include <stdlib.h>
 
 #include "common.h"
