@@ -20,7 +20,7 @@ def _hf_choices(hf, ids: list[int]):
     cfg = hf.config
     with torch.inference_mode():
         out = hf(torch.tensor([ids]), output_router_logits=True, output_hidden_states=True)
-    k, layers = cfg.num_experts_per_tok, len(out.router_logits)
+    k = cfg.num_experts_per_tok
     width = cfg.hidden_size + getattr(cfg, "moe_intermediate_size", cfg.intermediate_size) * k + len(ids)
     chosen, decided = [], []
     for layer, logits in enumerate(out.router_logits):

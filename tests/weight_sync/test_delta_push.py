@@ -21,14 +21,21 @@ pytestmark = pytest.mark.timeout(240)
 TIMEOUT_S = 20.0
 
 
-@pytest.fixture(scope="module")
-def engines(qwen2_dir, loop):
-    made = [AsyncEngine(EngineConfig(model=qwen2_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
+def bf16_and_fp32_engines(model_dir: str):
+    """A bf16 and an fp32 AsyncEngine on `model_dir`, with the weight-sync extension; shut down after."""
+    made = [AsyncEngine(EngineConfig(model=model_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
                                      worker_extension_cls=EXTENSION, dtype=dtype))
             for dtype in ("bfloat16", "float32")]
-    yield made
-    for e in made:
-        e.shutdown()
+    try:
+        yield made
+    finally:
+        for e in made:
+            e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(qwen2_dir, loop):
+    yield from bf16_and_fp32_engines(qwen2_dir)
 
 
 @pytest.fixture(scope="module")

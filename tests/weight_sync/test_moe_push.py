@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import SamplingParams
 from tests.engine.helpers import hf_greedy, random_prompts
-from tests.weight_sync.test_delta_push import step
-from weight_sync import EXTENSION, WeightSender, WeightSyncError, weights_checksum
+from tests.weight_sync.test_delta_push import bf16_and_fp32_engines, step
+from weight_sync import WeightSender, WeightSyncError, weights_checksum
 from weight_sync.engine_side.engines import engines_checksums, join_engines
 from weight_sync.trainer.local_engines import push_to_engines
 
@@ -30,12 +30,7 @@ def moe_dir(moe_dirs):
 
 @pytest.fixture(scope="module")
 def engines(moe_dir, loop):
-    made = [AsyncEngine(EngineConfig(model=moe_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
-                                     worker_extension_cls=EXTENSION, dtype=dtype))
-            for dtype in ("bfloat16", "float32")]
-    yield made
-    for e in made:
-        e.shutdown()
+    yield from bf16_and_fp32_engines(moe_dir)
 
 
 @pytest.fixture(scope="module")
