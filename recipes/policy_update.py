@@ -82,9 +82,7 @@ def _before_update(run: Run, batch: Batch, rewards: torch.Tensor, routing: dict)
 
 def _mismatch(model, batch: Batch, seen: list | None = None) -> float:
     """routing_mismatch of the policy's own routes (observed in a forward, else one made for it)."""
-    b, length = batch.input_ids.shape
-    own = RR.own_routing(model, batch.input_ids) if seen is None else \
-        torch.stack(seen, dim=1).view(b, length, len(seen), -1)
+    own = RR.own_routing(model, batch.input_ids) if seen is None else RR.stacked(seen, *batch.input_ids.shape)
     return RR.routing_mismatch(own, batch.routes, batch.route_mask)
 
 

@@ -99,7 +99,11 @@ def own_routing(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor
     """The ids the model's routers choose on `input_ids` [B, T] by themselves: [B, T, layers, k]."""
     with observe(model) as seen, torch.no_grad():
         model(input_ids)
-    b, t = input_ids.shape
+    return stacked(seen, *input_ids.shape)
+
+
+def stacked(seen: list[torch.Tensor], b: int, t: int) -> torch.Tensor:
+    """One forward's observed ids (a [B * T, k] per router) as [B, T, layers, k]."""
     return torch.stack(seen, dim=1).view(b, t, len(seen), -1)
 
 

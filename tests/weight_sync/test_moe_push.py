@@ -4,23 +4,20 @@ transformers 5 trainer holds (each layer's experts fused into two 3-D tensors) l
 and so does a checkpoint's per-expert naming (stacked on the way); a delta after them is exact; a
 push whose expert tensor has the wrong shape is refused and changes nothing."""
 
-import asyncio
-
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
 from tests.engine.helpers import hf_greedy, random_prompts
-from tests.weight_sync.test_delta_push import bf16_and_fp32_engines, step
-from weight_sync import WeightSender, WeightSyncError, weights_checksum
-from weight_sync.engine_side.engines import engines_checksums, join_engines
+from tests.weight_sync.test_delta_push import (  # noqa: F401 - sender, group: fixtures this module uses
+    _greedy, bf16_and_fp32_engines, group, run, sender, served, step,
+)
+from weight_sync import WeightSyncError
+from weight_sync.engine_side.engines import engines_checksums
 from weight_sync.trainer.local_engines import push_to_engines
 
 pytestmark = pytest.mark.timeout(300)
-
-TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -38,64 +35,33 @@ def trainer(moe_dir):
     return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def sender(engines, loop):
-    s = WeightSender(bucket_bytes=1 << 18, timeout_s=TIMEOUT_S, dtype=torch.bfloat16)
-    info = s.open_group(world_size=1 + len(engines), timeout_s=TIMEOUT_S)
-
-    async def form():
-        await asyncio.gather(asyncio.to_thread(s.join_group),
-                             *(join_engines([e], info, 1 + i) for i, e in enumerate(engines)))
-
-    loop.run_until_complete(form())
-    yield s
-    s.close_group()
-
-
-def run(loop, coro):
-    return loop.run_until_complete(coro)
-
-
-def served(named) -> list[str]:
-    """What the bf16 engine and the fp32 engine hold after a bf16 push of `named`."""
-    bf16 = [(n, p.detach().to(torch.bfloat16)) for n, p in named]
-    return [weights_checksum(bf16), weights_checksum((n, t.float()) for n, t in bf16)]
-
-
-async def _greedy(engine, prompt, n=10):
-    last = None
-    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
-        last = out
-    return last.outputs[0].token_ids
-
-
-def test_fused_experts_land_bit_for_bit_then_a_delta(engines, trainer, sender, loop):
+def test_fused_experts_land_bit_for_bit_then_a_delta(engines, trainer, sender, group, loop):
     assert any(n.endswith("experts.gate_up_proj") for n, _ in trainer.named_parameters())
     step(trainer, seed=1, frac=1.0)
     run(loop, push_to_engines(engines, sender, trainer, 1, delta=None, anchor=True))
-    assert run(loop, engines_checksums(engines)) == served(trainer.named_parameters())
+    assert run(loop, engines_checksums(engines)) == served(trainer)
     step(trainer, seed=2)
     out = run(loop, push_to_engines(engines, sender, trainer, 2, delta=None))
-    assert out["trainer"]["delta"] and run(loop, engines_checksums(engines)) == served(trainer.named_parameters())
+    assert out["trainer"]["delta"] and run(loop, engines_checksums(engines)) == served(trainer)
     # the fp32 engine now decodes as HF does on the pushed (bf16-rounded) weights
     ref = AutoModelForCausalLM.from_config(trainer.config).eval()
     ref.load_state_dict({n: p.to(torch.bfloat16).float() for n, p in trainer.state_dict().items()})
     prompts = random_prompts(2, 4, 12, 500, seed=3)
-    assert [run(loop, _greedy(engines[1], p)) for p in prompts] == [hf_greedy(ref, p, 10, ignore_eos=True)
+    assert [run(loop, _greedy(engines[1], p, 10)) for p in prompts] == [hf_greedy(ref, p, 10, ignore_eos=True)
                                                                   for p in prompts]
 
 
-def test_per_expert_names_land_as_the_fused_tensors(engines, trainer, sender, moe_dir, loop):
+def test_per_expert_names_land_as_the_fused_tensors(engines, trainer, sender, group, moe_dir, loop):
     """A checkpoint's per-expert tensors (what transformers 4 named, and what save_pretrained writes)
     pushed as they are: the engines hold exactly the fused model they make."""
     state = load_file(f"{moe_dir}/model.safetensors")
     assert any(".experts.0.up_proj." in n for n in state)
     run(loop, push_to_engines(engines, sender, list(state.items()), 3))
     fresh = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
-    assert run(loop, engines_checksums(engines)) == served(fresh.named_parameters())
+    assert run(loop, engines_checksums(engines)) == served(fresh)
 
 
-def test_a_wrong_expert_shape_is_refused_and_changes_nothing(engines, trainer, sender, loop):
+def test_a_wrong_expert_shape_is_refused_and_changes_nothing(engines, trainer, sender, group, loop):
     before = run(loop, engines_checksums(engines))
     named = [(n, p.detach()) for n, p in trainer.named_parameters()]
     i = next(k for k, (n, _) in enumerate(named) if n.endswith("experts.down_proj"))
