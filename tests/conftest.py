@@ -77,3 +77,9 @@ def moe_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_models")
     return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in MOE_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def moe_dir(moe_dirs):
+    """The tiny Qwen3-MoE (`--model tiny-moe`'s recipe)."""
+    return moe_dirs["qwen3_moe"]

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def moe_dir(moe_dirs):
-    return moe_dirs["qwen3_moe"]
-
-
-@pytest.fixture(scope="module")
 def manager(moe_dir, loop):
     engine = AsyncEngine(EngineConfig(model=moe_dir, max_model_len=256))
     yield RolloutManager([engine])

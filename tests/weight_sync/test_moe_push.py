@@ -21,11 +21,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def moe_dir(moe_dirs):
-    return moe_dirs["qwen3_moe"]
-
-
-@pytest.fixture(scope="module")
 def engines(moe_dir, loop):
     yield from bf16_and_fp32_engines(moe_dir)
 
