@@ -19,6 +19,14 @@ from its members' weights stacked by rows, so one GEMM does the work of three; i
 installed and dropped like a module's copy, and a member's own copy is made only if the member
 runs alone (a LoRA hook on it).
 
+A kind whose derive takes `parts` (`takes_parts(derive)`: the fp32 panels) is called as
+`derive(weights, into=copy)`: a group's members' weights as a list (packed where they lie, no stacked
+copy) and a retired copy of the same shape whose memory it may write instead of fresh memory. A
+commit that keeps what it replaced (`install(..., keep_replaced=True)`: a sidecar that keeps its
+staging between pushes, trading memory for pages that need not fault in again) holds the copies it
+retired as the next push's spares: fresh pages faulted in at ~1 GB/s here, several times the
+pack's own time (an adapter push re-derives every linear it merged into).
+
 A kind that reads the weights in place (`in_place`: `WeightRows`, the bf16 AMX kernel or the fp32
 one on the parameters' own rows) is a copy of no bytes: deriving it takes pointers, and a group's
 is given its members' weights as they are, never stacked. A push stages none of them: its commit
@@ -39,6 +47,23 @@ import torch
 log = logging.getLogger(__name__)
 
 Derive = Callable[[torch.Tensor], object]
+
+
+def takes_parts(derive) -> bool:
+    """Whether `derive` is called as derive(tensor or list of tensors, into=retired copy) (see the header)."""
+    return getattr(derive, "takes_parts", False)
+
+
+def _derive(derive, weights: list, into=None):
+    """`derive` of weights stacked by rows (one tensor: a module's own), parts and spare where it takes them."""
+    if takes_parts(derive):
+        return derive(weights[0] if len(weights) == 1 else weights, into=into)
+    return derive(weights[0] if len(weights) == 1 else torch.cat(weights))
+
+
+def spares(model: torch.nn.Module) -> dict:
+    """The copies a commit retired and kept for the next push's (module or Group -> copy)."""
+    return model.__dict__.setdefault("_spare_copies", {})
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,7 @@ def current_group(g: Group):
     if g.stale():
         k = tuple(key(m.weight) for m in g.members)  # before the copy, as in `current`
         weights = [m.weight.detach() for m in g.members]
-        g.copy = g.derive(weights if g.in_place else torch.cat(weights))
+        g.copy = g.derive(weights) if g.in_place else _derive(g.derive, weights)
         g.key = k
     return g.copy
 
@@ -179,6 +204,7 @@ def drop(model: torch.nn.Module) -> None:
         module._derived, module._derived_key = None, None
     for g in groups(model):
         g.copy, g.key = None, None
+    spares(model).clear()
 
 
 @dataclass
@@ -203,6 +229,7 @@ def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tens
     for m in derived_modules(model):
         by_weight.setdefault(id(m.weight), []).append(m)
     out = StagedCopies(written={id(p) for p, _ in pairs})
+    spare = spares(model)
     with torch.no_grad():
         for p, staged in pairs:
             for m in by_weight.get(id(p), ()):
@@ -214,7 +241,7 @@ def stage(model: torch.nn.Module, pairs: Iterable[tuple[torch.Tensor, torch.Tens
                     out.copies[m] = copy
                     continue
                 w = staged if staged.dtype == p.dtype else staged.to(p.dtype)  # what a copy commit would hold
-                out.copies[m] = m._derive(w.detach())
+                out.copies[m] = _derive(m._derive, [w.detach()], spare.pop(m, None))
                 out.derived += 1
         _stage_groups(model, {id(p): s for p, s in pairs}, unchanged, out)
     out.seconds = time.perf_counter() - t0
@@ -233,29 +260,36 @@ def _stage_groups(model, staged_of: dict, unchanged: set | None, out: StagedCopi
             continue
         parts = [staged_of[id(m.weight)].to(m.weight.dtype) if id(m.weight) in staged_of else m.weight
                  for m in g.members]
-        out.copies[g] = g.derive(torch.cat([t.detach() for t in parts]))
+        out.copies[g] = _derive(g.derive, [t.detach() for t in parts], spares(model).pop(g, None))
         out.derived += 1
 
 
-def install(model: torch.nn.Module, staged: StagedCopies | None) -> None:
+def install(model: torch.nn.Module, staged: StagedCopies | None, keep_replaced: bool = False) -> None:
     """After a commit wrote the weights: serve the staged copies; a derived module whose weight was
     written with no copy staged is dropped (derived again at its next forward), the rest keep theirs.
-    `staged=None`: what was written is not known, every copy is dropped."""
+    `staged=None`: what was written is not known, every copy is dropped. `keep_replaced`: the copies
+    replaced are kept as the next push's spares (see the header), where their kind takes them."""
     if staged is None:
         drop(model)
         return
+    spare = spares(model)
+
+    def retire(owner, old, derive):
+        if keep_replaced and old is not None and takes_parts(derive):
+            spare[owner] = old
+
     for m in derived_modules(model):
         copy = staged.copies.get(m)
-        if copy is not None:
-            m._derived, m._derived_key = copy, key(m.weight)
-        elif id(m.weight) in staged.written:
-            m._derived, m._derived_key = None, None
+        if copy is not None or id(m.weight) in staged.written:
+            if copy is not m._derived:
+                retire(m, m._derived, m._derive)
+            m._derived, m._derived_key = copy, (key(m.weight) if copy is not None else None)
     for g in groups(model):
         copy = staged.copies.get(g)
-        if copy is not None:
-            g.copy, g.key = copy, tuple(key(m.weight) for m in g.members)
-        elif any(id(m.weight) in staged.written for m in g.members):
-            g.copy, g.key = None, None
+        if copy is not None or any(id(m.weight) in staged.written for m in g.members):
+            if copy is not g.copy:
+                retire(g, g.copy, g.derive)
+            g.copy, g.key = copy, (tuple(key(m.weight) for m in g.members) if copy is not None else None)
 
 
 def return_freed_memory() -> None:

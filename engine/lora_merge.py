@@ -8,9 +8,16 @@ import them from here: the engine never imports weight_sync.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import threading
 
 import torch
+
+from engine import native_kernels
+
+log = logging.getLogger(__name__)
 
 
 def _through_fp32(b: torch.Tensor) -> bool:
@@ -29,25 +36,81 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
 def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
           out: torch.Tensor | None = None) -> torch.Tensor:
     """`W0 + delta` with PEFT's in-place add (`weight.data += delta`: rounded once, to W0's
-    dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, two passes
-    over it instead of four); W0 is left as it is. w0: [out, in], a: [r, in], b: [out, r]."""
+    dtype), into `out` when given (a buffer of W0's shape and dtype: no fresh memory, one pass over
+    it where the native merge gives torch's bits, else two); W0 is left as it is.
+    w0: [out, in], a: [r, in], b: [out, r]."""
     same = a.dtype == b.dtype == w0.dtype and not _through_fp32(b)
     fits = out is not None and out.shape == w0.shape and out.dtype == w0.dtype
-    if fits and same:
-        torch.mm(b, a, out=out)  # the same kernel as b @ a, then the same rounding steps:
-        out.mul_(scale)          # (B @ A) * scale,
-        return out.add_(w0)      # + W0 (IEEE addition commutes: the bits of W0 + delta)
-    if fits and a.dtype == b.dtype and not _through_fp32(b) and a.dtype.itemsize >= w0.dtype.itemsize:
-        # fp32 factors into a bf16 base (a trainer's adapter into a bf16 engine): the delta in the
-        # factors' dtype in a scratch kept per thread, then added and rounded once into `out`, as
-        # PEFT's in-place add does (it computes in the wider dtype): no fresh memory a merge
+    if fits and (same or (a.dtype == b.dtype == torch.float32 and w0.dtype == torch.bfloat16)):
+        if _fused(a, b, scale, w0, out):
+            return out
+        # B @ A by torch's own mm (its bits), into a scratch kept per thread; then scaled and added
+        # to W0, each step rounded once as torch's ops round (IEEE addition commutes: W0 + delta's
+        # bits), into `out`: no fresh memory a merge. fp32 factors into a bf16 base (a trainer's
+        # adapter into a bf16 engine) add in fp32 and round once, as PEFT's in-place add does.
         d = _scratch(w0.shape, b.dtype)
         torch.mm(b, a, out=d)
+        add = _native_add(w0.dtype) if w0.device.type == "cpu" and b.dtype == torch.float32 else None
+        if add is not None and w0.is_contiguous() and out.is_contiguous():
+            add(d.data_ptr(), scale, w0.data_ptr(), out.data_ptr(), w0.numel())
+            return out
         d.mul_(scale)
         return torch.add(w0, d, out=out)
     merged = w0.clone()
     merged += delta(a, b, scale)
     return merged
+
+
+def _fused(a, b, scale: float, w0, out) -> bool:
+    """The whole merge in one pass of engine/native/lora_merge.c (B @ A never written), where its
+    sums are torch.mm's bits on this CPU (`fused_matches_mm`); False: not taken, nothing written."""
+    ok = (w0.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and w0.dtype in _FUSED_BASES
+          and w0.is_contiguous() and out.is_contiguous() and fused_matches_mm())
+    if ok:
+        a, b = a.contiguous(), b.contiguous()
+        _merge_rows()(b.data_ptr(), a.data_ptr(), w0.shape[0], a.shape[0], w0.shape[1], scale,
+                      w0.data_ptr(), out.data_ptr(), int(w0.dtype == torch.bfloat16))
+    return ok
+
+
+_FUSED_BASES = (torch.float32, torch.bfloat16)
+
+
+def _merge_rows():
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return native_kernels.function("lora_merge", "lora_merge_rows",
+                                   (p, p, i64, i64, i64, ctypes.c_float, p, p, ctypes.c_int), None)
+
+
+@functools.cache
+def fused_matches_mm() -> bool:
+    """Whether the one-pass merge gives torch's bits here: its B @ A is r FMAs in order, as MKL's
+    sgemm sums a small K on the CPUs it was written on; another BLAS or CPU may sum otherwise, and
+    then torch's mm (and a second pass) stays. Probed once a process on a few shapes and ranks."""
+    if _merge_rows() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    for n, k, r in ((37, 70, 16), (64, 257, 8), (5, 1536, 32), (130, 48, 64), (576, 1536, 16)):
+        w0, a, b = torch.randn(n, k, generator=g), torch.randn(r, k, generator=g), torch.randn(n, r, generator=g)
+        want = torch.mm(b, a).mul_(0.37).add_(w0)
+        got = torch.empty_like(w0)
+        _merge_rows()(b.data_ptr(), a.data_ptr(), n, r, k, 0.37, w0.data_ptr(), got.data_ptr(), 0)
+        if not torch.equal(got, want):
+            log.info("LoRA merges in two passes: the one-pass sums are not torch.mm's bits on this CPU")
+            return False
+    return True
+
+
+native_kernels.forget_with_kernels(fused_matches_mm.cache_clear)
+
+
+def _native_add(dtype: torch.dtype):
+    """engine/native/lora_merge.c's one-pass scale-and-add for a base of `dtype` (None: torch's ops)."""
+    symbol = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16"}.get(dtype)
+    if symbol is None:
+        return None
+    p = ctypes.c_void_p
+    return native_kernels.function("lora_merge", symbol, (p, ctypes.c_float, p, p, ctypes.c_int64))
 
 
 _scratches = threading.local()

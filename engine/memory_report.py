@@ -27,9 +27,11 @@ def _nbytes(copy) -> int:
 
 
 def derived_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the derived copies held now (a group's copy once)."""
+    """Bytes of the derived copies held now (a group's copy once), the spares a commit kept for the
+    next push's included."""
     own = sum(_nbytes(m._derived) for m in derived_weights.derived_modules(model))
-    return own + sum(_nbytes(g.copy) for g in derived_weights.groups(model))
+    kept = sum(_nbytes(c) for c in derived_weights.spares(model).values())
+    return own + kept + sum(_nbytes(g.copy) for g in derived_weights.groups(model))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

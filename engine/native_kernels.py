@@ -31,6 +31,7 @@ SOURCE_DIR = os.path.join(os.path.dirname(__file__), "native")
 # -ffp-contract=fast: a * b + c as one FMA (these kernels reproduce no one's bits; -std=c11 alone turns it off)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast"]
 EXTRA_FLAGS = {"layer_glue": ["-ffp-contract=off"],  # its rotation reproduces torch's bits: no FMA
+               "lora_merge": ["-ffp-contract=off"],  # a scale then an add, each rounded as torch's ops round
                # the tile instructions build on any x86-64 gcc; amx_linears calls them only where the CPU has them
                "amx_linear": ["-mamx-tile", "-mamx-int8", "-mamx-bf16"]}
 ENV_SWITCH = "ROLLOUT_NATIVE_KERNELS"

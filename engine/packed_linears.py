@@ -86,7 +86,9 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
             if reads_in_place(module.weight, dtype):
                 derived_weights.attach(module, derived_weights.rows_of, in_place=True)
             else:
-                derived_weights.attach(module, functools.partial(pack_weight, dtype=dtype))
+                derive = functools.partial(pack_weight, dtype=dtype)
+                derive.takes_parts = True  # a group's members where they lie, a retired copy's memory
+                derived_weights.attach(module, derive)
             module._packed_dtype = dtype
             module._apply_derived = _packed_apply
             module.forward = types.MethodType(_packed_forward, module)
@@ -106,14 +108,19 @@ def reads_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return False
 
 
-def pack_weight(weight: torch.Tensor, dtype: torch.dtype):
-    """A full-precision weight reordered into oneDNN's blocked layout in `dtype`, or in bf16 on a
-    CPU with AMX into the tile kernel's (engine/amx_linears.py), or in fp32 on a CPU with AVX-512
-    into our kernel's (engine/f32_linears.py): the derived copy."""
+def pack_weight(weight, dtype: torch.dtype, into=None):
+    """A full-precision weight (or a group's members', stacked by rows) reordered into oneDNN's
+    blocked layout in `dtype`, or in bf16 on a CPU with AMX into the tile kernel's
+    (engine/amx_linears.py), or in fp32 on a CPU with AVX-512 into our kernel's
+    (engine/f32_linears.py, which packs the members where they lie, into `into`'s memory when it is a
+    retired copy of the same shape): the derived copy."""
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    if dtype == torch.float32 and f32_linears.available():
+        spare = into if isinstance(into, f32_linears.F32Weight) else None
+        return f32_linears.pack([w.to(dtype) for w in parts], into=spare)
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts)
     if dtype == torch.bfloat16 and amx_linears.available():
         return amx_linears.pack(weight.to(dtype))
-    if dtype == torch.float32 and f32_linears.available():
-        return f32_linears.pack(weight.to(dtype))
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
 
 

@@ -102,13 +102,14 @@ class Worker:
         by whatever stages a push, on its own thread; its commit hands them to `weights_written`."""
         return derived_weights.stage(self.model, pairs, unchanged)
 
-    def weights_written(self, staged: derived_weights.StagedCopies | None = None) -> None:
+    def weights_written(self, staged: derived_weights.StagedCopies | None = None, keep_replaced: bool = False) -> None:
         """Called by whatever wrote the weights (a push's commit): the copies `staged` for them are
         served from now on. The weights a commit wrote with none staged (`staged=None`: all of them)
         have theirs dropped and derived again at the next forward: their own check (data pointer,
         version counter) misses a weight swapped back onto a buffer it used before and written
-        meanwhile through another view."""
-        derived_weights.install(self.model, staged)
+        meanwhile through another view. `keep_replaced`: the copies replaced are the next push's
+        memory (a sidecar that keeps its staging between pushes: derived_weights' header)."""
+        derived_weights.install(self.model, staged, keep_replaced)
         if staged is not None and self.device.type == "cpu":
             derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS
 

@@ -3,7 +3,8 @@ weight sync's part): said once at start in the log, in every health reply (each 
 `memory`) and in /metrics (`rollout_memory_bytes{part, engine}`).
 
 The parts of a weight copy: `weights` (the served weights), `derived_copies` (a prepacked or 8-bit
-copy the forward reads instead: none for bf16 on AMX, which reads the weights in place),
+copy the forward reads instead: none for bf16 on AMX, which reads the weights in place; with the
+staging kept, also the fp32 panels the last commit retired, the next push's memory),
 `staging_kept` (the buffer the next push stages into: --overlap-receive on keeps it ready), the
 host copy (a link to the served weights on the CPU: no bytes of its own; --host-copy off drops
 it), and the KV cache (`kv_cache`: its budget; `kv_cache_resident`: what sequences have written)."""

@@ -79,13 +79,10 @@ static inline void store16_bf16(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
-/* dst[j * dst_stride + i] = rows[i][j] for a 16 x 16 block of 4-byte values: row i read at rows[i]
-   (16 floats or bf16 pairs). The AMX kernel lays activations out as tiles with it, the fp32 kernel
-   a weight's panel. */
-static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst, int64_t dst_stride) {
 #ifdef __AVX512F__
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)rows[i]);
+/* A 16 x 16 block of 4-byte values transposed in registers: r[i]'s lane j becomes r[j]'s lane i. */
+static inline void transpose16_regs(__m512i r[16]) {
+    __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -110,6 +107,17 @@ static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst
         r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
         r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
     }
+}
+#endif
+
+/* dst[j * dst_stride + i] = rows[i][j] for a 16 x 16 block of 4-byte values: row i read at rows[i]
+   (16 floats or bf16 pairs). The AMX kernel lays activations out as tiles with it, the fp32 kernel
+   a weight's panel. */
+static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst, int64_t dst_stride) {
+#ifdef __AVX512F__
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)rows[i]);
+    transpose16_regs(r);
     for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + dst_stride * i), r[i]);
 #else
     for (int i = 0; i < 16; i++)

@@ -122,27 +122,65 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
     return failed ? -1 : 0;
 }
 
-/* The pack f32_linears.pack describes, in one pass: w [n, k] into panels [ceil(n/32)][k][32], the
-   rows past n zero. A push derives it for every fp32 linear it changes (an adapter's merge: all of
-   them), where torch's zero-fill, copy and transposing copy took three passes (~1.7 GB/s here).
-   Each thread takes whole panels; a block of 16 values of K of the panel's 32 rows is read (32
-   cache lines) and written as 16 rows of 32 floats. */
-void f32_pack(const float *w, int64_t n, int64_t k, float *out) {
+/* The pack f32_linears.pack describes, in one pass: the rows of up to three segments (a layer's
+   q/k/v or gate/up, one after the other as if stacked, so a group is packed with no concatenated copy;
+   seg[i] holds rows[i] rows of k floats) into panels [ceil(n/32)][k][32], the rows past n zero. A
+   push derives it for every fp32 linear it changes (an adapter's merge: all of them), where torch's
+   zero-fill, copy and transposing copy took three passes (~1.7 GB/s here). Each thread takes whole
+   panels. On AVX-512 a 16 x 16 block (16 rows, 16 values of K) is transposed in registers and
+   written as whole cache lines that bypass the cache (the panels are read at the next forward, long
+   after): scalar stores 128 bytes apart read each line in before writing it. */
+static const float *segment_row(const float *const *seg, const int64_t *rows, int64_t count, int64_t row,
+                                int64_t k) {
+    for (int64_t i = 0; i < count; i++) {
+        if (row < rows[i]) return seg[i] + row * k;
+        row -= rows[i];
+    }
+    return NULL; /* past the last row: a zero row */
+}
+
+void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, int64_t k, float *out) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) n += rows[i];
     const int64_t panels = (n + 31) / 32;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         float *dst = out + p * k * 32;
-        for (int64_t k0 = 0; k0 < k; k0 += 16) {
+        const float *src[32];
+        for (int j = 0; j < 32; j++) src[j] = segment_row(seg, rows, count, p * 32 + j, k);
+        int64_t k0 = 0;
+#ifdef __AVX512F__
+        /* whole lines: the panel's rows are 128 bytes, at 64-byte aligned addresses when out is */
+        const int stream = ((uintptr_t)out & 63) == 0;
+        for (; k0 < k; k0 += 16) {
             const int64_t kb = k - k0 < 16 ? k - k0 : 16;
-            for (int j = 0; j < 32; j++) {
-                const int64_t row = p * 32 + j;
-                const float *src = w + row * k + k0;
-                if (row < n)
-                    for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + j] = src[kk];
-                else
-                    for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + j] = 0.0f;
+            const __mmask16 m = (__mmask16)((1u << kb) - 1u);
+            for (int half = 0; half < 2; half++) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *row = src[half * 16 + j];
+                    r[j] = row ? _mm512_maskz_loadu_epi32(m, row + k0) : _mm512_setzero_si512();
+                }
+                transpose16_regs(r);
+                for (int64_t kk = 0; kk < kb; kk++) {
+                    float *d = dst + (k0 + kk) * 32 + half * 16;
+                    if (stream) _mm512_stream_si512((void *)d, r[kk]);
+                    else _mm512_storeu_si512((void *)d, r[kk]);
+                }
             }
         }
+#endif
+        for (; k0 < k; k0 += 16) {
+            const int64_t kb = k - k0 < 16 ? k - k0 : 16;
+            for (int j = 0; j < 32; j++)
+                for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + j] = src[j] ? src[j][k0 + kk] : 0.0f;
+        }
+    }
+#ifdef __AVX512F__
+    _mm_sfence(); /* this thread's streamed lines are visible before the panels are read */
+#endif
     }
 }
 

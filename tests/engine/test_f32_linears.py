@@ -37,12 +37,29 @@ def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
 
 @pytest.mark.parametrize("n,k", [(1536, 576), (50, 100), (33, 7), (32, 1), (1, 64)])
 def test_the_one_pass_pack_is_torchs_pack(n, k):
-    """engine/native/f32_linear.c's f32_pack against the torch ops it replaces: the same bytes."""
+    """engine/native/f32_linear.c's f32_pack_rows against the torch ops it replaces: the same bytes."""
     if f32_linears._pack_fn() is None:
         pytest.skip("no C compiler for the native kernels")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
     native, ref = f32_linears.pack(w), f32_linears.pack_torch(w)
     assert (native.n, native.k) == (ref.n, ref.k) and torch.equal(native.packed, ref.packed)
+
+
+@pytest.mark.parametrize("rows,k", [((576, 192, 192), 576), ((40, 9), 100), ((1, 2, 3), 17), ((64, 64), 16)])
+def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
+    """Segments packed where they lie (rows that straddle a panel, K not a multiple of 16): the
+    bytes of the stacked copy's pack, and into a retired copy's memory just as into fresh memory."""
+    if f32_linears._pack_fn() is None:
+        pytest.skip("no C compiler for the native kernels")
+    g = torch.Generator().manual_seed(sum(rows) + k)
+    parts = [torch.randn(r, k, generator=g) for r in rows]
+    ref = f32_linears.pack_torch(torch.cat(parts))
+    assert torch.equal(f32_linears.pack(parts).packed, ref.packed)
+    retired = f32_linears.pack([torch.randn(r, k, generator=g) for r in rows])
+    reused = f32_linears.pack(parts, into=retired)
+    assert reused.packed.data_ptr() == retired.packed.data_ptr() and torch.equal(reused.packed, ref.packed)
+    other = f32_linears.pack(torch.randn(8, k, generator=g))  # another shape's memory is not taken
+    assert f32_linears.pack(parts, into=other).packed.data_ptr() != other.packed.data_ptr()
 
 
 @pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or no C compiler: the kernel does not run")

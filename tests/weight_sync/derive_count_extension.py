@@ -32,11 +32,23 @@ class DeriveCountExtension(WeightSyncExtension):
                if getattr(m, "_group", None) is None]
         return own + [id(g.copy) if g.copy is not None else 0 for g in derived_weights.groups(self.model)]
 
+    def derived_copy_memory(self) -> list[int]:
+        """The address of each served packed copy's memory, as derived_copy_ids orders them (0: none),
+        and then the spares the last commit kept."""
+        def address(copy):
+            return copy.packed.data_ptr() if getattr(copy, "packed", None) is not None else 0
+
+        own = [address(m._derived) for m in derived_weights.derived_modules(self.model)
+               if getattr(m, "_group", None) is None]
+        served = own + [address(g.copy) for g in derived_weights.groups(self.model)]
+        return served + sorted(address(c) for c in derived_weights.spares(self.model).values())
+
 
 def _counted(derive, count: list):
-    def counted(weight):
+    def counted(weight, **kwargs):
         count[0] += 1
-        return derive(weight)
+        return derive(weight, **kwargs)
 
     counted.counted = True
+    counted.takes_parts = derived_weights.takes_parts(derive)
     return counted

@@ -161,6 +161,29 @@ def test_a_delta_derives_only_what_it_changed(engine, trainer, sender, group, lo
     assert got == fresh_engine_greedy(qwen2_dir, trainer, tmp_path)
 
 
+def test_a_commit_keeps_the_copies_it_replaced_as_the_next_pushs_memory(engine, trainer, sender, group, loop,
+                                                                         qwen2_dir, tmp_path):
+    """With the staging kept between pushes (the CPU default), the packed copies a commit retires are
+    the memory the next push packs into: two sets of copies alternate, no fresh pages a push, and
+    what is served is still the new weights' packs."""
+    if not f32_linears.available():
+        pytest.skip("the fp32 panels (the kind that takes a retired copy's memory) need AVX-512")
+    run(loop, overlapped_push(engine, sender, trainer, 30))
+    perturb(trainer, 31)
+    run(loop, overlapped_push(engine, sender, trainer, 31))
+    count = len(run(loop, rpc(engine, "derived_copy_ids")))
+    first = run(loop, rpc(engine, "derived_copy_memory"))
+    served_a, kept_a = first[:count], first[count:]
+    assert all(served_a) and len(kept_a) == count  # a full set served, a full set kept
+    perturb(trainer, 32)
+    run(loop, overlapped_push(engine, sender, trainer, 32))
+    second = run(loop, rpc(engine, "derived_copy_memory"))
+    assert sorted(second[:count]) == sorted(kept_a) and sorted(second[count:]) == sorted(served_a)
+    got = run(loop, greedy(engine))
+    assert run(loop, engine.collective_rpc("weights_checksum")) == [weights_checksum(trainer.named_parameters())]
+    assert got == fresh_engine_greedy(qwen2_dir, trainer, tmp_path)
+
+
 def test_a_dropped_or_refused_push_leaves_the_old_copies_serving(engine, trainer, sender, group, loop):
     run(loop, overlapped_push(engine, sender, trainer, 20))
     before = run(loop, greedy(engine))

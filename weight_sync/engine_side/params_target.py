@@ -193,8 +193,12 @@ class ParamsTarget:
         pairs, and drops those of weights written without (their own check misses a swap back
         onto memory a weight held two pushes ago)."""
         written = getattr(self.host, "weights_written", None)
-        if written is not None:
-            written(derived) if derived is not None else written()
+        if written is None:
+            return
+        if derived is None:
+            written()
+        else:  # a pool that keeps its staging keeps the replaced copies too: the next push's memory
+            written(derived, keep_replaced=self.pool.keep)
 
     def _new_weights(self) -> None:
         """A full push: the weights are what it said, of no known LoRA base."""
