@@ -10,7 +10,9 @@ weight pushes and LoRA hooks are HF's, and the arithmetic is HF's op for op (the
 flip and sign are exact), so greedy output stays token-for-token HF's.
 
 A model of another architecture, or one using a feature this does not implement (sliding
-windows, q/k norms), keeps HF's layers with the paged attention plugged into them.
+windows), keeps HF's layers with the paged attention plugged into them. q/k norms (Qwen3's) run in
+`attention_block` for the engine's own models (engine/llama_model.py); HF's modules with them keep
+HF's layers.
 """
 
 from __future__ import annotations

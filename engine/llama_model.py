@@ -1,4 +1,4 @@
-"""Llama-shaped causal LMs (llama, qwen2, mistral) built from a model directory without
+"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral) built from a model directory without
 transformers, so that an engine core starts by importing torch alone (issue 39 item 1:
 transformers' modelling code pulls in torch._dynamo, DTensor and sympy, ~40% of a core's start).
 
@@ -6,8 +6,8 @@ The modules, their attribute names and their parameters' names are HF's own
 (`model.layers.0.self_attn.q_proj.weight`, a tied `lm_head`), so pushes, checksums, LoRA hooks and
 host copies see the same model either way; the decoder layers run engine/fused_layers.py's
 forward, the norm, embedding, rotary tables and head are HF's arithmetic op for op, so greedy output
-stays token-for-token HF's. A directory this does not cover (another architecture, a scaled rope,
-sliding windows, .bin weights, a checkpoint whose names do not fit) is loaded by transformers, as
+stays token-for-token HF's. A directory this does not cover (another architecture, a rope type
+engine/rope_scaling.py does not compute, sliding windows, .bin weights, a checkpoint whose names do not fit) is loaded by transformers, as
 before: `unsupported` says why.
 """
 
@@ -20,9 +20,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine import fused_layers, native_layers
+from engine import fused_layers, native_layers, rope_scaling
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}  # q/k RMS norms: per head, or over the projection
 ROPE_BUFFER = "rotary_emb.inv_freq"  # in some older checkpoints; computed here, never loaded
 
 
@@ -31,10 +32,8 @@ def read_config(model_dir: str) -> SimpleNamespace:
         raw = json.load(f)
     cfg = SimpleNamespace(**raw)
     cfg.head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rope = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10000.0),
-                                          **(raw.get("rope_scaling") or {"rope_type": "default"})}
-    cfg.rope_type = rope.get("rope_type", rope.get("type", "default"))
-    cfg.rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    cfg.rope = rope_scaling.rope_parameters(raw)
+    cfg.rope_type, cfg.rope_theta = cfg.rope["rope_type"], cfg.rope["rope_theta"]
     cfg.tie_word_embeddings = raw.get("tie_word_embeddings", True)
     return cfg
 
@@ -56,7 +55,8 @@ def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS) -> str | None:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
-        (cfg.rope_type == "default", f"rope type {cfg.rope_type!r}"),
+        (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
+        (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
         (not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")),
          "sliding-window attention"),
@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: SimpleNamespace, layer_idx: int):
         super().__init__()
-        # qwen2: biases on q, k, v and none on o; llama and mistral: `attention_bias` on all four
+        # qwen2: biases on q, k, v and none on o; llama, mistral, qwen3: `attention_bias` on all four
         qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
         if cfg.model_type in ("qwen2", "qwen2_moe"):
             qkv_bias, o_bias = True, False
@@ -100,6 +100,12 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias)
+        # fused_layers.attention_block runs them where HF's do: after the projections, before the rotation
+        self.qk_norm = QK_NORM.get(cfg.model_type)
+        if self.qk_norm is not None:
+            width = (d, d) if self.qk_norm == "head" else (h * d, kv * d)
+            self.q_norm = RMSNorm(width[0], cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(width[1], cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -125,18 +131,19 @@ class DecoderLayer(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: SimpleNamespace):
         super().__init__()
-        self.dim, self.base = cfg.head_dim, cfg.rope_theta
-        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
-
-    def frequencies(self) -> torch.Tensor:
-        """HF's default rope, on the CPU even while the model is built on the meta device."""
-        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float, device="cpu") / self.dim))
+        # on the CPU even while the model is built on the meta device
+        inv_freq, self.attention_scaling = rope_scaling.inv_freq(cfg.rope, cfg.head_dim,
+                                                                 getattr(cfg, "max_position_embeddings", None))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # HF multiplies by it always; by 1.0 that is exact
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 class DecoderModel(nn.Module):

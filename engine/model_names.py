@@ -1,7 +1,8 @@
 """What a `--model` flag accepts: a model directory, passed through unchanged, or a name that
 builds or converts a cached directory: a real model (`engine.real_models.PRESETS`, e.g.
 smollm2) or an embedded tiny one (`engine.tiny_model.SIZES`, Qwen2, random weights; `tiny-moe`,
-the tiny size as a Qwen3-MoE of 8 experts, 2 a token)."""
+the tiny size as a Qwen3-MoE of 8 experts, 2 a token; `tiny-qwen3`, `tiny-llama3`: the tiny size in
+today's dense families, q/k norms and Llama 3's scaled rope)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from engine.errors import MissingExtraError
 from engine.real_models import PRESETS, real_model_dir
 from engine.tiny_model import SIZES, build_tiny_model, default_model_dir
 
-TINY_MOE = {"tiny-moe": ("tiny", "qwen3_moe")}  # name -> (size, arch)
+TINY_ARCHS = {"tiny-moe": ("tiny", "qwen3_moe"), "tiny-qwen3": ("tiny", "qwen3"),
+              "tiny-llama3": ("tiny", "llama3")}  # name -> (size, arch)
 
 MODEL_HELP = (f"HF model directory, or a name: a real model ({', '.join(PRESETS)}; needs the 'real' extra, see "
-              f"README) or an embedded tiny model ({', '.join([*SIZES, *TINY_MOE])})")
+              f"README) or an embedded tiny model ({', '.join([*SIZES, *TINY_ARCHS])})")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> str:
@@ -25,8 +27,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> str:
         return str(real_model_dir(name))
     if name in SIZES:
         return str(build_tiny_model(default_model_dir(name), name))
-    if name in TINY_MOE:
-        size, arch = TINY_MOE[name]
+    if name in TINY_ARCHS:
+        size, arch = TINY_ARCHS[name]
         return str(build_tiny_model(default_model_dir(size, arch), size, arch))
     return name
 

@@ -44,7 +44,6 @@ def moe_fields(cfg: SimpleNamespace) -> SimpleNamespace:
         scores_fp32=t == "mixtral",  # Mixtral's router keeps its weights in fp32; the others cast back
         shared=getattr(cfg, "shared_expert_intermediate_size", 0) if t == "qwen2_moe" else 0,
         sparse=[i not in dense and (i + 1) % sparse_step == 0 for i in range(cfg.num_hidden_layers)],
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(t),
     )
 
 
@@ -112,22 +111,11 @@ class SparseMoeBlock(nn.Module):
         return out.view_as(y)
 
 
-class Attention(llama_model.Attention):
-    def __init__(self, cfg: SimpleNamespace, layer_idx: int, qk_norm: str | None):
-        super().__init__(cfg, layer_idx)
-        self.qk_norm = qk_norm
-        if qk_norm is not None:
-            width = {"head": (self.head_dim, self.head_dim),
-                     "full": (self.q_proj.out_features, self.k_proj.out_features)}[qk_norm]
-            self.q_norm = llama_model.RMSNorm(width[0], cfg.rms_norm_eps)
-            self.k_norm = llama_model.RMSNorm(width[1], cfg.rms_norm_eps)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: SimpleNamespace, layer_idx: int):
         super().__init__()
         moe = moe_fields(cfg)
-        self.self_attn = Attention(cfg, layer_idx, moe.qk_norm)
+        self.self_attn = llama_model.Attention(cfg, layer_idx)
         self.mlp = SparseMoeBlock(cfg, moe) if moe.sparse[layer_idx] else llama_model.MLP(cfg)
         self.input_layernorm = llama_model.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = llama_model.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

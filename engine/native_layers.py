@@ -1,6 +1,7 @@
 """A decode step's decoder layers in one C call (engine/native/decode_layers.c), where every
 kernel of engine/fused_layers.py's forward is native: in bf16, AMX linears (bf16, or weight-only
-int8), the rotation and cache writes, decode attention, the norms and silu * up; in fp32, the
+int8), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
+and silu * up; in fp32, the
 linears on engine/native/f32_linear.c (AVX-512) and the same glue in fp32.
 
 Driven from Python, a 32-sequence bf16 decode step on 2 cores spent about a third of its main
@@ -42,7 +43,7 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
 
 
-LAYER_FIELDS = 16  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches
+LAYER_FIELDS = 18  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms
 BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
 _KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}  # the linears each loop takes
 
@@ -120,7 +121,10 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if any(m.bias is not None for m in linears[3:]) or not all(hasattr(m, "_derive") for m in linears):
         return None  # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    qk_norm = getattr(attn, "qk_norm", None)
+    if qk_norm not in (None, "head"):
+        return None  # a norm over the whole projection (olmoe's) is not the loop's
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
     dtype = shape["dtype"]
     if any(n.weight.dtype != dtype or n.variance_epsilon != shape["eps"] for n in norms):
         return None
@@ -143,7 +147,8 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     k_cache, v_cache = ctx.k_blocks[index], ctx.v_blocks[index]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    return row + [k_cache.data_ptr(), v_cache.data_ptr()]
+    heads = [attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()] if qk_norm else [0, 0]
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads]
 
 
 def _shape(model, dtype: torch.dtype) -> dict | None:

@@ -1,6 +1,6 @@
 """Build tiny HF causal LMs offline: a byte-level BPE tokenizer trained on a built-in corpus,
-a Qwen2 or Llama config (or a mixture of experts: qwen3_moe, qwen2_moe, mixtral, olmoe), seeded random init,
-saved with `save_pretrained`.
+a Qwen2, Qwen3, Llama or Llama 3 (scaled rope) config (or a mixture of experts: qwen3_moe, qwen2_moe,
+mixtral, olmoe), seeded random init, saved with `save_pretrained`.
 
 The result is an ordinary model directory: everything downstream loads it exactly as it would a
 real checkpoint (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`).
@@ -40,7 +40,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS, PAD, BOS = SPECIAL_TOKENS
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-ARCHS = ("qwen2", "llama", *MOE_ARCHS)
+# llama3: Llama's with Llama 3.1's scaled rope (an original context of 64 positions, so that tests'
+# short sequences cross the scaled wavelengths); qwen3: q/k norms per head
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS)
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -118,6 +120,14 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
+    if arch == "llama3":
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 64})
+    if arch == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, head_dim=hidden // heads)
     if arch in MOE_ARCHS:
         return _moe_config(arch, common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")

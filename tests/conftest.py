@@ -22,11 +22,12 @@ def loop():
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
-    """Tiny Qwen2 and Llama model directories, built offline once per test session."""
+    """Tiny Qwen2, Llama, Llama 3 (scaled rope) and Qwen3 (q/k norms) model directories, built offline
+    once per test session."""
     from engine.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in ("qwen2", "llama")}
+    return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in ("qwen2", "llama", "llama3", "qwen3")}
 
 
 @pytest.fixture(scope="session")

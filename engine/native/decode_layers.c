@@ -48,6 +48,7 @@ typedef struct {
     int64_t input_norm, post_norm;
     Linear qkv, o, gate_up, down;
     int64_t k_cache, v_cache; /* the layer's [num_blocks, bs, KVH, D] (= [slots, KVH, D]) */
+    int64_t q_norm, k_norm;   /* Qwen3's RMS norms of each q and k head ([D] weights; 0: none) */
 } Layer;
 
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
@@ -117,6 +118,12 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
             const T_ *base = res ? b->h : cur;                                                                 \
             int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv, b->x16);                                             \
             if (rc) return rc;                                                                                 \
+            if (L->q_norm) /* each head's row normed in place, before the rotation, as HF's layer does */      \
+                for (int64_t t = 0; t < T; t++) {                                                              \
+                    T_ *row = b->qkv + t * nqkv;                                                               \
+                    norm(row, NULL, NULL, (const T_ *)L->q_norm, s->eps, s->heads, D, row);                    \
+                    norm(row + nq, NULL, NULL, (const T_ *)L->k_norm, s->eps, s->kv_heads, D, row + nq);       \
+                }                                                                                              \
             T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                 \
             ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads, \
                                           s->kv_heads, D, cos, sin_signed, slots, kc, vc, b->q, b->k);         \

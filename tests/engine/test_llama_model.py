@@ -1,5 +1,6 @@
 """engine/llama_model.py: the engine's own Llama-shaped models hold HF's parameters under HF's
-names, a core loads them without importing transformers, and what they do not cover is loaded by
+names (Llama 3's scaled rope and Qwen3's q/k norms too), greedy tokens are HF's in fp32 for each
+family, a core loads them without importing transformers, and what they do not cover is loaded by
 transformers as before."""
 
 import json
@@ -15,7 +16,10 @@ from engine.model_loader import load_model
 from tests.engine.helpers import hf_greedy, random_prompts
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+FAMILIES = ["qwen2", "llama", "llama3", "qwen3"]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_the_parameters_are_hfs_under_hfs_names(arch, model_dirs, hf_models):
     ours = llama_model.load(model_dirs[arch], torch.float32)
     theirs = hf_models[arch]
@@ -25,6 +29,51 @@ def test_the_parameters_are_hfs_under_hfs_names(arch, model_dirs, hf_models):
         assert torch.equal(mine[name], p), name
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied, as HF ties it
     assert ours.generation_config.eos_token_id == theirs.generation_config.eos_token_id
+    # the rotary tables' frequencies: HF's for each rope type (llama3's scaled ones too), bit for bit
+    assert torch.equal(ours.model.rotary_emb.inv_freq, theirs.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, model_dirs, hf_models, monkeypatch):
+    """The layers' Python forward (the prefill's always; every step's here: the C decode loop off,
+    tested on its own in test_native_layers.py) against HF's generate, token for token."""
+    monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
+    llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=128))
+    assert type(llm.core.worker.model).__module__ == "engine.llama_model"
+    prompts = random_prompts(4, 3, 40, 400, seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("rope,factor", [("default", None), ("linear", 4.0), ("llama3", 8.0)])
+def test_the_rope_frequencies_are_transformers_own(rope, factor):
+    """engine/rope_scaling.py against transformers' ROPE_INIT_FUNCTIONS on a Llama 3-sized head."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine import rope_scaling
+
+    params = {"rope_type": rope, "rope_theta": 500000.0}
+    if factor is not None:
+        params["factor"] = factor
+    if rope == "llama3":
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=params)
+    ours, scaling = rope_scaling.inv_freq(rope_scaling.rope_parameters(cfg.to_dict()), 64, 131072)
+    if rope == "default":
+        theirs, their_scaling = _default_rope(cfg)
+    else:
+        theirs, their_scaling = ROPE_INIT_FUNCTIONS[rope](cfg, "cpu")
+    assert torch.equal(ours, theirs) and scaling == their_scaling
+    if rope != "default":
+        assert not torch.equal(ours, rope_scaling.default_inv_freq(500000.0, 64))  # it did scale
+
+
+def _default_rope(cfg):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding.compute_default_rope_parameters(cfg, device="cpu")
 
 
 def test_a_core_loads_its_model_without_transformers(qwen2_dir):
@@ -47,8 +96,8 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
     from transformers import AutoModelForCausalLM
 
     scaled = _variant(qwen2_dir, tmp_path / "scaled",
-                      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
-    assert llama_model.unsupported(scaled) == "rope type 'linear'"
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert llama_model.unsupported(scaled) == "rope type 'dynamic'"
     assert llama_model.unsupported(_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))
     assert type(llm.core.worker.model).__module__.startswith("transformers.")

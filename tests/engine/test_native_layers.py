@@ -1,6 +1,7 @@
 """engine/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
-and the weight-only int8 one, on Llama's shape and Qwen2's (q/k/v biases); in fp32 (C's norm and
+and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope) and
+Qwen3's (q/k norms per head); in fp32 (C's norm and
 silu where Python runs torch's) HF's greedy tokens and its logprobs within fp32's rounding bound;
 what the C loop does not take (a LoRA hook on a layer, the switch off) runs in Python."""
 
@@ -53,7 +54,7 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 
 @amx
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
@@ -106,7 +107,7 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
 
 
 @avx512
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])
 def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(model_dirs, hf_models, monkeypatch, calls, arch):
     monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
     llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=256))
