@@ -15,7 +15,9 @@ generates exactly the tokens asked for. No request carries a seed (vLLM's CPU bu
 one); every request asks for the sampled tokens' logprobs (logprobs=0: what an RL trainer needs,
 and what the sidecar always asks of vLLM). Each engine starts once per dtype and is warmed up
 before its timed runs. It prints tokens/s, each as a fraction of the matmul peak probed in this
-run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token), and the ratios
+run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token) and of the run's
+memory read bound (bench/read_bound.py: every weight read once a step, each sequence's KV once a
+decode step, at the memory read probe's rate; for a mixture of experts every expert is counted), and the ratios
 b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM),
 c/d (our sidecar against our engine) and e/d, e/a (our int8 engine against ours and vLLM in the dtype
 its weights come in), each also per CPU second: the CPU time of this process and
@@ -248,17 +250,25 @@ def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Worklo
 # -- report ----------------------------------------------------------------------------------------
 
 
-def report(rows: list[Row], peaks: dict[str, float], num_params: int) -> str:
-    """One line per (dtype, seqs, system): tok/s and the share of the dtype's peak; then the ratios."""
+def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound: dict | None = None,
+           bandwidth: float | None = None) -> str:
+    """One line per (dtype, seqs, system): tok/s, the share of the dtype's matmul peak and of the
+    run's memory read bound (bench/read_bound.py: `read_bound[(dtype, seqs)]` bytes over `bandwidth`);
+    then the ratios."""
     lines = [f"{'dtype':<5} {'seqs':>5} {'system':<26} {'tokens':>7} {'s':>7} {'tok/s':>8} {'of peak':>8} "
-             f"{'probe GF/s':>10} {'CPU s':>7} {'tok/CPU-s':>9}"]
+             f"{'of read':>8} {'probe GF/s':>10} {'CPU s':>7} {'tok/CPU-s':>9}"]
     for r in rows:
         share = 2 * num_params * r.tps / peaks[r.dtype]
+        read = (read_bound or {}).get((r.dtype, r.seqs))
+        of_read = f"{read / bandwidth / r.seconds:>8.2%}" if read and bandwidth else f"{'-':>8}"
         lines.append(f"{SHORT_DTYPE.get(r.dtype, r.dtype):<5} {r.seqs:>5} {r.engine + ') ' + ENGINES[r.engine]:<26} "
-                     f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {r.probe / 1e9:>10.1f} "
+                     f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {of_read} {r.probe / 1e9:>10.1f} "
                      f"{r.cpu_s:>7.1f} {r.tpc:>9.1f}")
     lines.append("peaks (best matmul probe of the run): " + ", ".join(
         f"{SHORT_DTYPE.get(d, d)} {p / 1e9:.1f} GFLOP/s" for d, p in peaks.items()))
+    if bandwidth:
+        lines.append(f"of read: the run's memory read bound (every weight once a step, each sequence's KV once a "
+                     f"decode step: bench/read_bound.py) at the read probe's {bandwidth / 1e9:.1f} GB/s, over its time")
     by = {(r.dtype, r.seqs, r.engine): r for r in rows}
     lines.append("ratios: tok/s (wall), and in brackets tok per CPU-s (what each system costs in CPU; on cores "
                  "shared with other jobs the wall ratio measures the neighbours too)")
@@ -351,6 +361,15 @@ def main(argv: list[str] | None = None) -> None:
              ", ".join(f"{len(w.prompts)} prompts x n={w.n} = {s} seqs, {w.useful_tokens} tokens"
                        for s, w in workloads.items()))
 
+    from bench.amx_linears import read_bandwidth
+    from bench.read_bound import model_bytes, read_bytes
+
+    bandwidth = max(read_bandwidth() for _ in range(3))  # before any engine holds the cores
+    bounds = {}
+    for dtype in args.dtypes:
+        weight_bytes, kv_token = model_bytes(model_dir, num_params, getattr(torch, dtype).itemsize)
+        for s, w in workloads.items():
+            bounds[dtype, s] = read_bytes([len(p) for p in w.prompts], w.max_tokens, w.n, weight_bytes, kv_token)
     rows: list[Row] = []
     peaks: dict[str, float] = {}
     t_all = time.perf_counter()
@@ -379,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
           f"VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; fastest of {args.repeats} per row; "
           f"{time.perf_counter() - t_all:.0f} s in all\n{setup}")
-    print(report(rows, peaks, num_params))
+    print(report(rows, peaks, num_params, bounds, bandwidth))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [{**r.__dict__, "tps": r.tps, "tpc": r.tpc} for r in rows], "peaks": peaks, "params": num_params}, f,
