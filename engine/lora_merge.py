@@ -50,9 +50,9 @@ def merge(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
         # adapter into a bf16 engine) add in fp32 and round once, as PEFT's in-place add does.
         d = _scratch(w0.shape, b.dtype)
         torch.mm(b, a, out=d)
-        add = _native_add(w0.dtype) if w0.device.type == "cpu" and b.dtype == torch.float32 else None
+        add = _native_add() if w0.device.type == "cpu" and b.dtype == torch.float32 else None
         if add is not None and w0.is_contiguous() and out.is_contiguous():
-            add(d.data_ptr(), scale, w0.data_ptr(), out.data_ptr(), w0.numel())
+            add(d.data_ptr(), scale, w0.data_ptr(), out.data_ptr(), w0.numel(), int(w0.dtype == torch.bfloat16))
             return out
         d.mul_(scale)
         return torch.add(w0, d, out=out)
@@ -104,13 +104,10 @@ def fused_matches_mm() -> bool:
 native_kernels.forget_with_kernels(fused_matches_mm.cache_clear)
 
 
-def _native_add(dtype: torch.dtype):
-    """engine/native/lora_merge.c's one-pass scale-and-add for a base of `dtype` (None: torch's ops)."""
-    symbol = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16"}.get(dtype)
-    if symbol is None:
-        return None
+def _native_add():
+    """engine/native/lora_merge.c's one-pass scale-and-add (None: torch's ops)."""
     p = ctypes.c_void_p
-    return native_kernels.function("lora_merge", symbol, (p, ctypes.c_float, p, p, ctypes.c_int64))
+    return native_kernels.function("lora_merge", "lora_add", (p, ctypes.c_float, p, p, ctypes.c_int64, ctypes.c_int))
 
 
 _scratches = threading.local()

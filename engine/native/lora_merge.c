@@ -1,27 +1,49 @@
-/* The add of a LoRA merge, W = W0 + (scale * (B @ A)), in one pass: `d` is B @ A as torch's mm gave it
-   (its bits are torch's, so the merge stays PEFT's), and each value is scaled, then added, each step
-   rounded as torch's `mul_` then `add_` round it (compiled with -ffp-contract=off: no FMA). torch's
-   two in-place ops read and wrote the whole weight twice more (3 passes -> 1 here). On AVX-512 the
-   sums bypass the cache (a merge writes the whole model, read again only by the next forward or the
-   derived copies' pack): a plain store reads each line in first.
-
+/* A LoRA merge, W = W0 + scale * (B @ A), as PEFT computes it (`weight.data += get_delta_weight()`),
+   with its bits: each value of B @ A as torch's mm sums it, scaled, then added to W0, each step
+   rounded as torch's `mul_` then `add_` round it (compiled with -ffp-contract=off: no FMA there).
    bf16 W0 with fp32 factors (a trainer's fp32 adapter into a bf16 engine): the sum in fp32, rounded
-   once to bf16 (to nearest even), as torch's add of a bf16 and an fp32 tensor into a bf16 one. */
+   once to bf16 (to nearest even), as torch's add of a bf16 and an fp32 tensor into a bf16 one.
+
+   lora_merge_rows does it all in one pass, B @ A never written: each value summed in registers as r
+   FMAs in order of r from zero, which is how MKL's sgemm sums a K of 8-64 on the CPUs this was built
+   on; engine/lora_merge.py probes at first use that its bits are torch.mm's here, and elsewhere
+   takes torch's mm and then lora_add (the scale and the add in one pass, where torch's two in-place
+   ops read and wrote the whole weight twice more). On AVX-512 the merged weights bypass the cache (a
+   merge writes every target weight, read again only by the next forward or the derived copies'
+   pack): a plain store reads each line in first. */
 
 #include "common.h"
 
-#define CHUNK 4096 /* values a thread takes at a time */
-
-/* The whole merge in one pass, B @ A never written: each value of B @ A summed in registers as r
-   FMAs in order of r from zero, which is how MKL's sgemm sums a K of 8-64 on the CPUs this was
-   built on; engine/lora_merge.py probes at first use that its bits are torch.mm's here and keeps
-   torch's mm otherwise. Then scaled and added to W0 as above. The mm wrote and the add read back
-   B @ A, a model's worth of bytes each. b [n, r], a [r, k], w0 and out [n, k]; out in W0's dtype
-   (bf16: `w0_bf16`), written past the cache on AVX-512. */
+#define CHUNK 4096 /* values a thread takes at a time (lora_add) */
 #define LANES 8 /* 16-float blocks of a row summed at once: 8 independent chains of r FMAs */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VECTOR_MERGE 1
 #endif
+
+/* W0 + s for the 16 values at `at` (s: the scaled delta; lanes past `m` untouched), into out: fp32,
+   or bf16 (the sum in fp32, rounded once); whole 64-byte lines of out bypass the cache (`stream`). */
+#ifdef VECTOR_MERGE
+static inline void put_merged(const void *w0, void *out, int64_t at, __m512 s, __mmask16 m, int bf16, int stream) {
+    if (bf16) {
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w0 + at)), 16));
+        uint16_t h[16] __attribute__((aligned(32)));
+        store16_bf16(h, (v16f)_mm512_add_ps(w, s));
+        const __m256i v = _mm256_load_si256((const __m256i *)h);
+        if (stream && m == 0xffff) _mm256_stream_si256((__m256i *)((uint16_t *)out + at), v);
+        else _mm256_mask_storeu_epi16((uint16_t *)out + at, m, v);
+    } else {
+        const __m512 o = _mm512_add_ps(_mm512_maskz_loadu_ps(m, (const float *)w0 + at), s);
+        if (stream && m == 0xffff) _mm512_stream_ps((float *)out + at, o);
+        else _mm512_mask_storeu_ps((float *)out + at, m, o);
+    }
+}
+#endif
+
+static inline void put_merged_one(const void *w0, void *out, int64_t at, float s, int bf16) {
+    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(bf16_to_f32(((const uint16_t *)w0)[at]) + s);
+    else ((float *)out)[at] = ((const float *)w0)[at] + s;
+}
 
 static void merge_row(const float *b, const float *a, int64_t r, int64_t k, float scale, const void *w0, void *out,
                       int bf16, int stream) {
@@ -41,40 +63,22 @@ static void merge_row(const float *b, const float *a, int64_t r, int64_t k, floa
             for (int v = 0; v < LANES; v++)
                 acc[v] = _mm512_fmadd_ps(bq, _mm512_maskz_loadu_ps(m[v], a + q * k + j + 16 * v), acc[v]);
         }
-        for (int v = 0; v < LANES; v++) {
-            if (!m[v]) break;
-            const int64_t at = j + 16 * v;
-            const __m512 s = _mm512_mul_ps(acc[v], vs);
-            if (bf16) {
-                const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m[v], (const uint16_t *)w0 + at)), 16));
-                uint16_t h[16] __attribute__((aligned(32)));
-                store16_bf16(h, (v16f)_mm512_add_ps(w, s));
-                if (stream && m[v] == 0xffff) _mm256_stream_si256((__m256i *)((uint16_t *)out + at), _mm256_load_si256((const __m256i *)h));
-                else _mm256_mask_storeu_epi16((uint16_t *)out + at, m[v], _mm256_load_si256((const __m256i *)h));
-            } else {
-                const __m512 o = _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], (const float *)w0 + at), s);
-                if (stream && m[v] == 0xffff) _mm512_stream_ps((float *)out + at, o);
-                else _mm512_mask_storeu_ps((float *)out + at, m[v], o);
-            }
-        }
+        for (int v = 0; v < LANES && m[v]; v++)
+            put_merged(w0, out, j + 16 * v, _mm512_mul_ps(acc[v], vs), m[v], bf16, stream);
     }
-#else
+#endif
     for (; j < k; j++) {
         float acc = 0.0f;
         for (int64_t q = 0; q < r; q++) acc = fmaf(b[q], a[q * k + j], acc);
-        const float s = acc * scale;
-        if (bf16) ((uint16_t *)out)[j] = f32_to_bf16(bf16_to_f32(((const uint16_t *)w0)[j]) + s);
-        else ((float *)out)[j] = ((const float *)w0)[j] + s;
+        put_merged_one(w0, out, j, acc * scale, bf16);
     }
-#endif
     (void)stream;
 }
 
+/* rows of out = w0 + scale * (b @ a) (see above); out's rows streamed when they are whole lines */
 void lora_merge_rows(const float *b, const float *a, int64_t n, int64_t r, int64_t k, float scale, const void *w0,
                      void *out, int bf16) {
     const int64_t row_bytes = k * (bf16 ? 2 : 4);
-    /* every row's start 64-byte aligned when out is and rows are whole lines: streamed whole */
     const int stream = ((uintptr_t)out & 63) == 0 && row_bytes % 64 == 0;
 #pragma omp parallel
     {
@@ -83,60 +87,30 @@ void lora_merge_rows(const float *b, const float *a, int64_t n, int64_t r, int64
             merge_row(b + i * r, a, r, k, scale, (const char *)w0 + i * row_bytes, (char *)out + i * row_bytes, bf16,
                       stream);
 #ifdef __AVX512F__
-        _mm_sfence();
-#endif
-    }
-}
-
-void lora_add_f32(const float *d, float scale, const float *w0, float *out, int64_t n) {
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < n; c += CHUNK) {
-            const int64_t end = c + CHUNK < n ? c + CHUNK : n;
-            int64_t i = c;
-#ifdef __AVX512F__
-            if (((uintptr_t)out & 63) == 0) { /* chunks of 4096 floats keep each chunk's start aligned */
-                const __m512 vs = _mm512_set1_ps(scale);
-                for (; i + 16 <= end; i += 16)
-                    _mm512_stream_ps(out + i, _mm512_add_ps(_mm512_loadu_ps(w0 + i),
-                                                            _mm512_mul_ps(_mm512_loadu_ps(d + i), vs)));
-            }
-#endif
-            for (; i < end; i++) {
-                const float s = d[i] * scale;
-                out[i] = w0[i] + s;
-            }
-        }
-#ifdef __AVX512F__
         _mm_sfence(); /* this thread's streamed sums are visible before anyone reads them */
 #endif
     }
 }
 
-void lora_add_bf16(const float *d, float scale, const uint16_t *w0, uint16_t *out, int64_t n) {
+/* The second pass where the one-pass merge's sums are not torch's: d = B @ A by torch's mm, then
+   out = w0 + d * scale over n values, fp32 or bf16 (`bf16`), streamed as above. */
+void lora_add(const float *d, float scale, const void *w0, void *out, int64_t n, int bf16) {
+    const int stream = ((uintptr_t)out & 63) == 0; /* chunks of 4096 values keep each chunk's start aligned */
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < n; c += CHUNK) {
             const int64_t end = c + CHUNK < n ? c + CHUNK : n;
             int64_t i = c;
-#ifdef __AVX512F__
-            if (((uintptr_t)out & 63) == 0)
-                for (; i + 16 <= end; i += 16) {
-                    const v16f s = load16_f32(d + i) * scale;
-                    uint16_t h[16] __attribute__((aligned(32)));
-                    store16_bf16(h, load16_bf16(w0 + i) + s);
-                    _mm256_stream_si256((__m256i *)(out + i), _mm256_load_si256((const __m256i *)h));
-                }
+#ifdef VECTOR_MERGE
+            const __m512 vs = _mm512_set1_ps(scale);
+            for (; i + 16 <= end; i += 16) put_merged(w0, out, i, _mm512_mul_ps(_mm512_loadu_ps(d + i), vs), 0xffff, bf16, stream);
 #endif
-            for (; i < end; i++) {
-                const float s = d[i] * scale;
-                out[i] = f32_to_bf16(bf16_to_f32(w0[i]) + s);
-            }
+            for (; i < end; i++) put_merged_one(w0, out, i, d[i] * scale, bf16);
         }
 #ifdef __AVX512F__
         _mm_sfence();
 #endif
     }
+    (void)stream;
 }
