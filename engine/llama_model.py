@@ -47,19 +47,30 @@ def weight_files(model_dir: str) -> list[str] | None:
     return [single] if os.path.isfile(single) else None
 
 
-def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS) -> str | None:
-    """Why this directory needs transformers' modelling code (None: it does not)."""
+def sliding_window(cfg: SimpleNamespace) -> int | None:
+    """The attention window the config asks for (None: full attention): Mistral's `sliding_window`,
+    Qwen2/Qwen3's when `use_sliding_window`."""
+    window = getattr(cfg, "sliding_window", None)
+    return window if window and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None
+
+
+def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: int | None = None) -> str | None:
+    """Why this directory needs transformers' modelling code (None: it does not). A sliding window
+    at least `max_model_len` long (the longest sequence the engine holds) is full attention over
+    every sequence it serves, so such a model runs here (Mistral 7B v0.1's 4096 under an engine of
+    4096 tokens or fewer)."""
     try:
         cfg = read_config(model_dir)
     except (OSError, KeyError, ValueError) as e:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
+    window = sliding_window(cfg)
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
         (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
-        (not (getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")),
-         "sliding-window attention"),
+        (window is None or (max_model_len is not None and window >= max_model_len),
+         f"sliding-window attention (a window of {window} tokens, shorter than max_model_len {max_model_len})"),
         (getattr(cfg, "quantization_config", None) is None, "a quantized checkpoint"),
         (not getattr(cfg, "mlp_bias", False), "biases in the MLP"),
         (weight_files(model_dir) is not None, "weights that are not safetensors"),

@@ -20,7 +20,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     """The model of `cfg.model`: our Llama-shaped modules where they cover it (no transformers
     import: engine/llama_model.py), else transformers' with the paged attention plugged in."""
     own = moe_model if cfg.fuse_layers and moe_model.is_moe(_config(cfg.model)) else llama_model
-    why_not = own.unsupported(cfg.model) if cfg.fuse_layers else "fused layers off"
+    why_not = own.unsupported(cfg.model, max_model_len=cfg.max_model_len) if cfg.fuse_layers else "fused layers off"
     model = own.load(cfg.model, cfg.torch_dtype) if why_not is None else None
     if model is None:
         log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")

@@ -47,16 +47,14 @@ def moe_fields(cfg: SimpleNamespace) -> SimpleNamespace:
     )
 
 
-def unsupported(model_dir: str) -> str | None:
+def unsupported(model_dir: str, max_model_len: int | None = None) -> str | None:
     """Why this directory needs transformers' modelling code (None: it does not)."""
-    why = llama_model.unsupported(model_dir, ARCHS)
+    why = llama_model.unsupported(model_dir, ARCHS, max_model_len)
     if why is not None:
         return why
     cfg = llama_model.read_config(model_dir)
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clipped q/k/v (olmoe's clip_qkv)"
-    if getattr(cfg, "use_sliding_window", False):
-        return "sliding-window attention"
     return None
 
 

@@ -108,6 +108,23 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True)
 
 
+def test_a_sliding_window_no_shorter_than_the_engines_sequences_runs_on_our_layers(model_dirs, hf_models, tmp_path):
+    """Mistral's shape (Llama's layers and names) with a window of 128 tokens: under an engine of at
+    most 128 tokens a sequence it serves never reaches past the window, so our full attention is the
+    window's; under a longer one the window would cut, and transformers keeps it (and refuses it)."""
+    mistral = _variant(model_dirs["llama"], tmp_path / "mistral", model_type="mistral", sliding_window=128)
+    assert llama_model.unsupported(mistral, max_model_len=128) is None
+    assert llama_model.unsupported(mistral, max_model_len=256).startswith("sliding-window attention (a window of 128")
+    assert llama_model.unsupported(mistral) is not None  # no length given: not known to fit
+    llm = LLM(EngineConfig(model=mistral, max_model_len=128))
+    assert type(llm.core.worker.model).__module__ == "engine.llama_model"
+    prompts = random_prompts(3, 4, 40, 400, seed=13)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    hf = hf_models["llama"]  # the same weights; within its window Mistral's attention is Llama's
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True)
+
+
 def test_a_checkpoint_whose_names_do_not_fit_is_left_to_transformers(qwen2_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

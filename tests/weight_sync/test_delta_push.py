@@ -87,6 +87,23 @@ def served(model) -> list[str]:
     return [weights_checksum(bf16), weights_checksum((n, t.float()) for n, t in bf16)]
 
 
+def full_then_delta_land_exactly(engines, sender, trainer, loop) -> None:
+    """A bf16 full push (an anchor), then a delta after a small step: each lands bit for bit in the
+    bf16 engine and the fp32 one (`bf16_and_fp32_engines`), and the fp32 engine then decodes as HF
+    does on the pushed (bf16-rounded) weights."""
+    step(trainer, seed=1, frac=1.0)
+    run(loop, push_to_engines(engines, sender, trainer, 1, delta=None, anchor=True))
+    assert run(loop, engines_checksums(engines)) == served(trainer)
+    step(trainer, seed=2)
+    out = run(loop, push_to_engines(engines, sender, trainer, 2, delta=None))
+    assert out["trainer"]["delta"] and run(loop, engines_checksums(engines)) == served(trainer)
+    ref = AutoModelForCausalLM.from_config(trainer.config).eval()
+    ref.load_state_dict({n: p.to(torch.bfloat16).float() for n, p in trainer.state_dict().items()})
+    prompts = random_prompts(2, 4, 12, 500, seed=3)
+    assert [run(loop, _greedy(engines[1], p, 10)) for p in prompts] == [hf_greedy(ref, p, 10, ignore_eos=True)
+                                                                  for p in prompts]
+
+
 async def _greedy(engine, prompt, n=12):
     last = None
     async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):

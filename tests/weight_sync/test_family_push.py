@@ -8,13 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.engine.helpers import hf_greedy, random_prompts
 from tests.weight_sync.test_delta_push import (  # noqa: F401 - group: a fixture this module uses
-    TIMEOUT_S, _greedy, bf16_and_fp32_engines, group, run, served, step,
+    TIMEOUT_S, bf16_and_fp32_engines, full_then_delta_land_exactly, group,
 )
 from weight_sync import WeightSender
-from weight_sync.engine_side.engines import engines_checksums
-from weight_sync.trainer.local_engines import push_to_engines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,14 +42,4 @@ def trainer(model_dirs, arch):
 def test_a_full_push_then_a_delta_land_bit_for_bit(engines, trainer, arch, sender, group, loop):
     if arch == "qwen3":
         assert any(n.endswith("self_attn.q_norm.weight") for n, _ in trainer.named_parameters())
-    step(trainer, seed=1, frac=1.0)
-    run(loop, push_to_engines(engines, sender, trainer, 1, delta=None, anchor=True))
-    assert run(loop, engines_checksums(engines)) == served(trainer)
-    step(trainer, seed=2)
-    out = run(loop, push_to_engines(engines, sender, trainer, 2, delta=None))
-    assert out["trainer"]["delta"] and run(loop, engines_checksums(engines)) == served(trainer)
-    ref = AutoModelForCausalLM.from_config(trainer.config).eval()  # what the engines hold: bf16-rounded weights
-    ref.load_state_dict({n: p.to(torch.bfloat16).float() for n, p in trainer.state_dict().items()})
-    prompts = random_prompts(2, 4, 12, 500, seed=3)
-    assert [run(loop, _greedy(engines[1], p, 10)) for p in prompts] == [hf_greedy(ref, p, 10, ignore_eos=True)
-                                                                  for p in prompts]
+    full_then_delta_land_exactly(engines, sender, trainer, loop)

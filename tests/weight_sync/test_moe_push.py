@@ -9,9 +9,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.engine.helpers import hf_greedy, random_prompts
 from tests.weight_sync.test_delta_push import (  # noqa: F401 - sender, group: fixtures this module uses
-    _greedy, bf16_and_fp32_engines, group, run, sender, served, step,
+    _greedy, bf16_and_fp32_engines, full_then_delta_land_exactly, group, run, sender, served,
 )
 from weight_sync import WeightSyncError
 from weight_sync.engine_side.engines import engines_checksums
@@ -32,18 +31,7 @@ def trainer(moe_dir):
 
 def test_fused_experts_land_bit_for_bit_then_a_delta(engines, trainer, sender, group, loop):
     assert any(n.endswith("experts.gate_up_proj") for n, _ in trainer.named_parameters())
-    step(trainer, seed=1, frac=1.0)
-    run(loop, push_to_engines(engines, sender, trainer, 1, delta=None, anchor=True))
-    assert run(loop, engines_checksums(engines)) == served(trainer)
-    step(trainer, seed=2)
-    out = run(loop, push_to_engines(engines, sender, trainer, 2, delta=None))
-    assert out["trainer"]["delta"] and run(loop, engines_checksums(engines)) == served(trainer)
-    # the fp32 engine now decodes as HF does on the pushed (bf16-rounded) weights
-    ref = AutoModelForCausalLM.from_config(trainer.config).eval()
-    ref.load_state_dict({n: p.to(torch.bfloat16).float() for n, p in trainer.state_dict().items()})
-    prompts = random_prompts(2, 4, 12, 500, seed=3)
-    assert [run(loop, _greedy(engines[1], p, 10)) for p in prompts] == [hf_greedy(ref, p, 10, ignore_eos=True)
-                                                                  for p in prompts]
+    full_then_delta_land_exactly(engines, sender, trainer, loop)
 
 
 def test_per_expert_names_land_as_the_fused_tensors(engines, trainer, sender, group, moe_dir, loop):
