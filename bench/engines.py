@@ -197,6 +197,9 @@ class Ours:
         self.llm = LLM(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, seed=seed, num_threads=available_cpus(),
                                     quantization=quantization))
+        collapser = getattr(self.llm.core.worker, "collapser", None)  # its weights onto 2 MB pages, in the
+        if collapser is not None and not collapser.idle.wait(600):  # background (engine/huge_pages.py): as
+            log.warning("the weights were not all on 2 MB pages after 600 s")  # a long run serves, not its start
 
     def run(self, wl: Workload) -> int:
         from engine import SamplingParams

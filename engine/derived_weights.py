@@ -198,6 +198,17 @@ def refresh(model: torch.nn.Module) -> None:
             current_group(g)
 
 
+def copy_tensors(model: torch.nn.Module):
+    """The CPU or device tensors the current copies hold (a packed copy's `packed`, an 8-bit copy's
+    packed weight): what a forward streams instead of the weights."""
+    copies = [m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)]
+    for c in copies:
+        while c is not None and not isinstance(c, torch.Tensor):
+            c = getattr(c, "packed", None)
+        if c is not None:
+            yield c
+
+
 def drop(model: torch.nn.Module) -> None:
     """Free the derived copies (weights written with no copies staged, or released)."""
     for module in derived_modules(model):

@@ -9,8 +9,8 @@ import logging
 
 import torch
 
-from engine import (attention, derived_weights, fused_layers, fused_linears, int8_linears, llama_model, moe_model,
-                    packed_linears)
+from engine import (attention, derived_weights, fused_layers, fused_linears, huge_pages, int8_linears, llama_model,
+                    moe_model, packed_linears)
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
         if packed_dtype is not None:
             packed_linears.pack(model, packed_dtype)
     model = model.to(device).eval()
+    if device.type == "cpu" and not cfg.reserve_push_staging:  # a sidecar's engine moves them at start (adopt)
+        huge_pages.move_parameters(model)  # out of the checkpoint's file mapping: the worker's Collapser takes them
     _quantize(model, cfg.quantization)
     if cfg.fuse_layers:
         fused_linears.group(model)  # after _quantize: a group serves its members' kind of copy

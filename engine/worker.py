@@ -11,7 +11,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine import derived_weights
+from engine import derived_weights, huge_pages
 from engine.lora_bank import LoraBank
 from engine.memory_report import engine_memory
 from engine.model_loader import load_model, quantized_bytes
@@ -35,6 +35,9 @@ class Worker:
         ready = getattr(self, "_on_worker_ready", None)
         if ready is not None:  # an extension's start-up work (weight sync makes its staging ready)
             ready()
+        # the weights and their copies onto 2 MB pages, on a thread of its own (engine/huge_pages.py)
+        self.collapser = huge_pages.Collapser() if self.device.type == "cpu" else None
+        self._onto_huge_pages()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -89,6 +92,7 @@ class Worker:
         self.runner.model = fresh
         self._new_lora_bank()
         self.weights_released = False
+        self._onto_huge_pages()
         self.weight_version = 0
         reloaded = getattr(self, "_weights_reloaded", None)
         if reloaded is not None:  # an extension that tracks pushed versions forgets them
@@ -110,8 +114,15 @@ class Worker:
         meanwhile through another view. `keep_replaced`: the copies replaced are the next push's
         memory (a sidecar that keeps its staging between pushes: derived_weights' header)."""
         derived_weights.install(self.model, staged, keep_replaced)
+        self._onto_huge_pages()
         if staged is not None and self.device.type == "cpu":
             derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS
+
+    def _onto_huge_pages(self) -> None:
+        """Have the collapser put what the forward streams (the weights, their derived copies) on
+        huge pages; what it was doing for the weights before is dropped."""
+        if getattr(self, "collapser", None) is not None and not self.weights_released:
+            self.collapser.request([*self.model.parameters(), *derived_weights.copy_tensors(self.model)])
 
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""
@@ -127,6 +138,8 @@ class Worker:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             derived_weights.drop(self.model)
             self.weights_released = True
+            if self.collapser is not None:
+                self.collapser.request([])  # let go of the released weights now
             if self.lora_bank is not None:
                 self.lora_bank.clear()
             released = getattr(self, "_on_weights_released", None)
