@@ -44,7 +44,8 @@ def enabled() -> bool:
 
 
 @functools.cache
-def _madvise():
+def madvise():
+    """libc's madvise(address, length, advice) -> 0 or -1 (errno kept), or None where there is none."""
     try:
         f = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -58,16 +59,16 @@ def collapse_range(address: int, nbytes: int, stop=lambda: False, duty: float = 
     one a call (a page that fails leaves the rest to go on; `stop()` ends it early); `duty` < 1
     rests between calls so that collapsing takes at most that share of the time (a reader of a page
     being collapsed waits for it). Returns the bytes that are now (0: none, or not here)."""
-    madvise = _madvise()
+    call = madvise()
     start, end = -(-address // HUGE) * HUGE, (address + nbytes) // HUGE * HUGE
-    if madvise is None or end <= start or not enabled():
+    if call is None or end <= start or not enabled():
         return 0
     done = 0
     for at in range(start, end, HUGE):
         if stop():
             break
         t0 = time.perf_counter()
-        done += HUGE if madvise(at, HUGE, MADV_COLLAPSE) == 0 else 0
+        done += HUGE if call(at, HUGE, MADV_COLLAPSE) == 0 else 0
         if duty < 1.0:
             time.sleep((time.perf_counter() - t0) * (1 - duty) / duty)
     return done
@@ -77,7 +78,7 @@ def move_parameters(model: torch.nn.Module) -> int:
     """Every CPU parameter of `model` moved into one fresh anonymous buffer (a tied one once), from a
     2 MB boundary, where a `Collapser` can put it on huge pages; the same values, dtypes and shapes
     (`param.data` swapped, as a push swaps it). Returns the bytes moved (0 when disabled)."""
-    if not enabled() or _madvise() is None:
+    if not enabled() or madvise() is None:
         return 0
     params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel()]
     sizes = [-(-p.numel() * p.element_size() // 64) * 64 for p in params]  # each tensor 64-byte aligned
@@ -137,7 +138,7 @@ class Collapser:
         self.idle.set()
 
     def request(self, tensors) -> None:
-        if not enabled() or _madvise() is None:
+        if not enabled() or madvise() is None:
             return
         with self._lock:
             self._work, self._generation = list(tensors), self._generation + 1

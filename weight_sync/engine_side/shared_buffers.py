@@ -14,13 +14,13 @@ in-place write of the served weights withdraws the links first (`withdraw`)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import mmap
 import os
 
 import torch
 
+from engine import huge_pages
 from weight_sync.common.shm_names import SHM_DIR, STAGING_PREFIX, _remove, owned_name
 
 log = logging.getLogger(__name__)
@@ -56,21 +56,11 @@ def new_buffer(nbytes: int, populate: bool = True) -> tuple[torch.Tensor, str]:
 MADV_POPULATE_WRITE = 23  # Linux 5.14: the pages provided writable, without a write of ours
 
 
-@functools.cache
-def _madvise():
-    try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return f
-
-
 def fault_in(address: int, nbytes: int) -> None:
     """Provide the pages of [address, address + nbytes) a chunk at a time (ctypes lets the GIL go
     during each call): madvise(MADV_POPULATE_WRITE) where the kernel has it (one pass, about twice
     as fast as writing them), else a memset."""
-    madvise = _madvise()
+    madvise = huge_pages.madvise()
     for start in range(0, nbytes, TOUCH_CHUNK):
         size = min(TOUCH_CHUNK, nbytes - start)
         if madvise is None or madvise(address + start, size, MADV_POPULATE_WRITE) != 0:
