@@ -114,8 +114,10 @@ def collapse(tensors, stop=lambda: False, duty: float = 1.0) -> int:
             continue
         seen.add(storage.data_ptr())
         done += collapse_range(storage.data_ptr(), storage.nbytes(), stop, duty)
-    if done:
-        log.info("%.2f GB of weights on 2 MB pages in %.2f s", done / 1e9, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    if done:  # said once it moved pages (after a push its buffers are on huge pages already: quick)
+        log.log(logging.INFO if seconds > 0.5 else logging.DEBUG, "%.2f GB of weights on 2 MB pages in %.2f s",
+                done / 1e9, seconds)
     return done
 
 
