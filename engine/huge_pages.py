@@ -107,7 +107,7 @@ def collapse(tensors, stop=lambda: False, duty: float = 1.0) -> int:
     for t in tensors:
         if stop():
             break
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" or t.layout != torch.strided:  # oneDNN's opaque copies have no storage to reach
             continue
         storage = t.untyped_storage()
         if storage.data_ptr() in seen or storage.nbytes() < HUGE:
@@ -161,7 +161,11 @@ class Collapser:
             with self._lock:
                 work, generation, self._work = self._work, self._generation, None
             if work is not None:
-                done = collapse(work, stop=lambda: self._generation != generation, duty=self.DUTY)
+                try:
+                    done = collapse(work, stop=lambda: self._generation != generation, duty=self.DUTY)
+                except Exception as e:  # noqa: BLE001 - pages stay as they are; the thread goes on for the next request
+                    log.warning("putting the weights on 2 MB pages failed (%s: %s)", type(e).__name__, e)
+                    done = 0
                 del work  # no weights held past their time
                 if self._generation == generation:
                     self.done_bytes = done

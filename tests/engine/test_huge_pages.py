@@ -52,6 +52,16 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert huge_pages.collapse(t) == 0
 
 
+def test_what_has_no_storage_to_reach_is_left_alone():
+    """oneDNN's prepacked copies (the fp32 or bf16 engine's on a CPU without our kernels) are opaque:
+    skipped, not an error that would end the collapser's thread."""
+    opaque = torch.ops.mkldnn._reorder_linear_weight(torch.randn(2048, 1024))
+    assert opaque.layout != torch.strided and huge_pages.collapse([opaque]) == 0
+    c = huge_pages.Collapser()
+    c.request([opaque])
+    assert c.idle.wait(10) and c.done_bytes == 0
+
+
 def test_moved_parameters_keep_their_values_and_their_ties(qwen2_dir):
     model = llama_model.load(qwen2_dir, torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
