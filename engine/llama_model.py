@@ -1,14 +1,16 @@
-"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral) built from a model directory without
-transformers, so that an engine core starts by importing torch alone (issue 39 item 1:
-transformers' modelling code pulls in torch._dynamo, DTensor and sympy, ~40% of a core's start).
+"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral) built from a
+model directory without transformers, so that an engine core starts by importing torch alone (issue
+39 item 1: transformers' modelling code pulls in torch._dynamo, DTensor and sympy, ~40% of a core's
+start).
 
 The modules, their attribute names and their parameters' names are HF's own
 (`model.layers.0.self_attn.q_proj.weight`, a tied `lm_head`), so pushes, checksums, LoRA hooks and
 host copies see the same model either way; the decoder layers run engine/fused_layers.py's
 forward, the norm, embedding, rotary tables and head are HF's arithmetic op for op, so greedy output
 stays token-for-token HF's. A directory this does not cover (another architecture, a rope type
-engine/rope_scaling.py does not compute, sliding windows, .bin weights, a checkpoint whose names do not fit) is loaded by transformers, as
-before: `unsupported` says why.
+engine/rope_scaling.py does not compute, sliding windows shorter than the engine's sequences, .bin
+weights, a checkpoint whose names do not fit) is loaded by transformers, as before: `unsupported`
+says why.
 """
 
 from __future__ import annotations
