@@ -86,8 +86,9 @@ def test_bad_routing_fields_fail_the_request():
 
 
 def test_the_async_engine_streams_the_rows_from_its_core_process(moe_dirs, loop):
-    """Across the core's socket (msgpack): delta outputs carry each step's new rows, which add up to
-    the offline engine's array; a dense-model-style refusal is not triggered on an MoE."""
+    """Across the core's socket (msgpack): delta outputs carry the new rows of the tokens they bring (a
+    consumer that falls behind gets steps merged, rows and tokens alike), which add up to the offline
+    engine's array; a dense-model-style refusal is not triggered on an MoE."""
     from engine import AsyncEngine
 
     d = moe_dirs["olmoe"]
@@ -100,11 +101,15 @@ def test_the_async_engine_streams_the_rows_from_its_core_process(moe_dirs, loop)
             parts = []
             async for out in engine.generate(prompt, SamplingParams(**{**params.__dict__, "output_kind": "delta"}),
                                              request_id="r"):
-                parts.append(out.outputs[0].routed_experts)
+                parts.append((len(out.outputs[0].token_ids), out.outputs[0].routed_experts))
             return parts
 
         parts = loop.run_until_complete(stream())
     finally:
         engine.shutdown()
-    assert len(parts) == 5 and parts[0].shape[0] == 9 and all(p.shape[0] == 1 for p in parts[1:-1])
-    assert np.array_equal(np.concatenate([p for p in parts if p is not None]), offline.routed_experts)
+    # The k-th token is sampled from the forward of position len(prompt) + k - 2: the first brings the
+    # prompt's rows, each later one the row of the token before it.
+    tokens = np.cumsum([n for n, _ in parts])
+    rows = np.cumsum([0 if r is None else r.shape[0] for _, r in parts])
+    assert tokens[-1] == 5 and list(rows) == [len(prompt) - 1 + t for t in tokens]
+    assert np.array_equal(np.concatenate([r for _, r in parts if r is not None]), offline.routed_experts)
