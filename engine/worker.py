@@ -4,6 +4,7 @@ reach its RPC methods, and those of an optional extension class named in the con
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import logging
@@ -117,6 +118,11 @@ class Worker:
         self._onto_huge_pages()
         if staged is not None and self.device.type == "cpu":
             derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS
+
+    def pages_held(self):
+        """A context in which no weight page moves onto huge pages (a push's receive: its writes
+        and merges go first; engine/huge_pages.py `Collapser.held`)."""
+        return self.collapser.held() if getattr(self, "collapser", None) is not None else contextlib.nullcontext()
 
     def _onto_huge_pages(self) -> None:
         """Have the collapser put what the forward streams (the weights, their derived copies) on

@@ -46,6 +46,20 @@ def test_a_written_buffer_goes_onto_huge_pages_with_its_bytes():
     assert torch.equal(t, before)
 
 
+@needs_collapse
+def test_a_hold_keeps_the_pages_still_until_it_ends():
+    """A push holds the collapser while it writes and merges: nothing moves meanwhile, and the work
+    in hand is done once the hold ends."""
+    buf = mmap.mmap(-1, 8 * huge_pages.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t.fill_(3)
+    c = huge_pages.Collapser()
+    with c.held():
+        c.request([t])
+        assert not c.idle.wait(0.5) and huge_bytes(t.data_ptr()) == 0
+    assert c.idle.wait(60) and c.done_bytes >= 7 * huge_pages.HUGE and huge_bytes(t.data_ptr()) >= c.done_bytes
+
+
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
     t = torch.ones(4 * huge_pages.HUGE, dtype=torch.uint8)

@@ -19,6 +19,8 @@ are slower than the network, see weight_sync/README.md. `close_weight_sync()` dr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from weight_sync.common.checksum import tensor_digests, weights_checksum as _checksum
@@ -43,6 +45,7 @@ class WeightSyncExtension:
         pool.before_reuse = self._host_copies().wait_readers
         receiver = PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
         receiver.wait_readers = self._before_in_place_write
+        receiver.hold_pages = getattr(self, "pages_held", contextlib.nullcontext)  # our worker's (engine/worker.py)
         return receiver
 
     def _reserves_staging(self) -> bool:

@@ -22,6 +22,7 @@ the first write leaves the weights torn (the worker reports itself unhealthy unt
 from __future__ import annotations
 
 
+import contextlib
 import logging
 import os
 import time
@@ -80,6 +81,7 @@ class PushReceiver:
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
         self.wait_readers = lambda: None  # until nothing reads the served weights (a background host copy)
+        self.hold_pages = contextlib.nullcontext  # a context that keeps the host's pages still (its huge-page mover)
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -125,6 +127,10 @@ class PushReceiver:
 
     def arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         """Steps 1-4; `on_staging(staging)` is told the buffer as soon as it exists."""
+        with self.hold_pages():  # the staging writes, a merge and the derived copies first
+            return self._arrive(g, manifest, group_name, on_staging)
+
+    def _arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         t0 = time.perf_counter()
         phases = Phases()
         m, staging, problems = self._check_and_stage(manifest, phases)
@@ -145,6 +151,10 @@ class PushReceiver:
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
         and staged as ours, then every packed chunk received; no vote (that trainer casts none)."""
+        with self.hold_pages():
+            return self._arrive_vllm(g, manifest, on_staging)
+
+    def _arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         if on_staging is not None:
@@ -348,6 +358,10 @@ class PushReceiver:
         """The trainer's buffer on this host (weight_sync.engine_side.staging_sources) copied into staging, then
         committed. Raises PushRefused (nothing changed) for a bad manifest or a buffer that
         cannot be mapped."""
+        with self.hold_pages():
+            return self._receive_shared(manifest, handle)
+
+    def _receive_shared(self, manifest, handle: dict) -> dict:
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         source = None
@@ -367,6 +381,10 @@ class PushReceiver:
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
         committed, so a bad or partial file changes nothing (ValueError)."""
+        with self.hold_pages():
+            return self._load_from_path(path, manifest)
+
+    def _load_from_path(self, path: str, manifest=None) -> dict:
         from weight_sync.common.push_dir import read_digest, read_manifest
 
         t0 = time.perf_counter()
