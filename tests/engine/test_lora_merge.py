@@ -9,9 +9,10 @@ from engine import lora_merge, native_kernels
 from engine.lora_merge import _native_add, delta, merge
 
 
-# (1000, 333): threads' chunks that end mid-row and a last chunk shorter than the rest; a scale
+# (1000, 333): threads' chunks that end mid-row and a last chunk shorter than the rest, rows merged
+# two at a time with a masked tail; (97, 256): an odd row merged alone, K in whole blocks; a scale
 # that is no power of two rounds in the scaling step, which an FMA would skip
-@pytest.mark.parametrize("shape,scale", [((96, 80), 2.0), ((1000, 333), 0.37)])
+@pytest.mark.parametrize("shape,scale", [((96, 80), 2.0), ((1000, 333), 0.37), ((97, 256), 0.37)])
 @pytest.mark.parametrize("base,factors", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "mm-then-add"])
 def test_a_merge_into_a_kept_buffer_has_pefts_bits(base, factors, shape, scale, one_pass, monkeypatch):
