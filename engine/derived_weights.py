@@ -201,7 +201,15 @@ def refresh(model: torch.nn.Module) -> None:
 def copy_tensors(model: torch.nn.Module):
     """The CPU or device tensors the current copies hold (a packed copy's `packed`, an 8-bit copy's
     packed weight): what a forward streams instead of the weights."""
-    copies = [m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)]
+    return _tensors([m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)])
+
+
+def spare_tensors(model: torch.nn.Module):
+    """The tensors of the copies kept as the next push's memory (`spares`)."""
+    return _tensors(spares(model).values())
+
+
+def _tensors(copies):
     for c in copies:
         while c is not None and not isinstance(c, torch.Tensor):
             c = getattr(c, "packed", None)

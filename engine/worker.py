@@ -124,11 +124,21 @@ class Worker:
         and merges go first; engine/huge_pages.py `Collapser.held`)."""
         return self.collapser.held() if getattr(self, "collapser", None) is not None else contextlib.nullcontext()
 
-    def _onto_huge_pages(self) -> None:
+    def onto_huge_pages_first(self, tensors) -> None:
+        """After a push's commit: `tensors` (the memory the next push writes into: its staging, the
+        merges' buffers) go onto huge pages first, with the copies kept as spares, then what is served."""
+        self._onto_huge_pages(first=tensors)
+
+    def _onto_huge_pages(self, first=()) -> None:
         """Have the collapser put what the forward streams (the weights, their derived copies) on
-        huge pages; what it was doing for the weights before is dropped."""
+        huge pages, after `first`; what it was doing for the weights before is dropped. Memory no
+        forward reads goes first: a page collapsed under a reader stalls it (a decode step waits for
+        the 2 MB move: the stream's gaps grew 40-100% for seconds after each push), and in a
+        sidecar that keeps its staging the next push's weights are that memory, so from the second
+        push on the served weights arrive on huge pages and their own collapse finds nothing to do."""
         if getattr(self, "collapser", None) is not None and not self.weights_released:
-            self.collapser.request([*self.model.parameters(), *derived_weights.copy_tensors(self.model)])
+            self.collapser.request([*first, *derived_weights.spare_tensors(self.model), *self.model.parameters(),
+                                    *derived_weights.copy_tensors(self.model)])
 
     def _new_lora_bank(self) -> None:
         """Unmerged LoRA versions (EngineConfig.lora_versions), hooked into the current model."""

@@ -46,6 +46,7 @@ class WeightSyncExtension:
         receiver = PushReceiver(self._new_target(pool), pool, self.device, self._local_rank())
         receiver.wait_readers = self._before_in_place_write
         receiver.hold_pages = getattr(self, "pages_held", contextlib.nullcontext)  # our worker's (engine/worker.py)
+        receiver.pages_first = getattr(self, "onto_huge_pages_first", receiver.pages_first)
         return receiver
 
     def _reserves_staging(self) -> bool:

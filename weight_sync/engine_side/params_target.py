@@ -188,6 +188,10 @@ class ParamsTarget:
         self.current = self.served_push = None
         self.adapter.forget()
 
+    def spare_memory(self) -> list[torch.Tensor]:
+        """The buffers kept for the next adapter push's merges (none without one)."""
+        return list((self.adapter.spare or {}).values())
+
     def _written(self, derived=None) -> None:
         """Tell the worker its weights changed: it serves the copies `derived` from the staged
         pairs, and drops those of weights written without (their own check misses a swap back

@@ -82,6 +82,7 @@ class PushReceiver:
         self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
         self.wait_readers = lambda: None  # until nothing reads the served weights (a background host copy)
         self.hold_pages = contextlib.nullcontext  # a context that keeps the host's pages still (its huge-page mover)
+        self.pages_first = lambda tensors: None  # after a commit: the next push's memory onto huge pages first
 
     # -- the group --------------------------------------------------------------------------
     def join(self, host: str, port: int, world_size: int, rank: int, secret: str, timeout_s: float = 60.0,
@@ -209,6 +210,7 @@ class PushReceiver:
         self.pool.keep_named(served[1] if served else None)
         if freed is None:  # the weights it replaced were no buffer of ours (the checkpoint's): the next
             self.pool.prepare(a.m.layout_bytes)  # push's staging is made now, while the engine serves
+        self.pages_first([t for t in (self.pool.spare, *getattr(self.target, "spare_memory", list)()) if t is not None])
         buckets = len(a.m.buckets) if buckets is None else buckets
         # an adapter merged into the weights: they are no pushed layout's any more
         # ... nor are a part's (the other parameters are another push's)
