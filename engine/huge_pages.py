@@ -55,6 +55,28 @@ def madvise():
     return f
 
 
+def resident(address: int) -> bool:
+    """Whether every 4 KB page of the 2 MB page at `address` is in memory (mincore); True where that
+    cannot be asked."""
+    call = _mincore()
+    if call is None:
+        return True
+    vec = (ctypes.c_ubyte * (HUGE // 4096))()
+    if call(address, HUGE, vec) != 0:
+        return True
+    return all(b & 1 for b in vec)
+
+
+@functools.cache
+def _mincore():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return f
+
+
 def collapse_range(address: int, nbytes: int, stop=lambda: False, duty: float = 1.0) -> int:
     """Put the whole 2 MB pages inside [address, address + nbytes) (written already) on huge pages,
     one a call (a page that fails leaves the rest to go on; `stop()` ends it early); `duty` < 1
@@ -68,6 +90,8 @@ def collapse_range(address: int, nbytes: int, stop=lambda: False, duty: float = 
     for at in range(start, end, HUGE):
         if stop():
             break
+        if not resident(at):
+            continue  # a collapse fills its holes with zeros: memory the process never used
         t0 = time.perf_counter()
         done += HUGE if call(at, HUGE, MADV_COLLAPSE) == 0 else 0
         if duty < 1.0:

