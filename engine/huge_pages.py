@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from engine.memory_report import libc_function, mincore
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLLOUT_HUGE_PAGES"
@@ -47,34 +49,19 @@ def enabled() -> bool:
 @functools.cache
 def madvise():
     """libc's madvise(address, length, advice) -> 0 or -1 (errno kept), or None where there is none."""
-    try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return f
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def resident(address: int) -> bool:
     """Whether every 4 KB page of the 2 MB page at `address` is in memory (mincore); True where that
     cannot be asked."""
-    call = _mincore()
+    call = mincore()
     if call is None:
         return True
     vec = (ctypes.c_ubyte * (HUGE // 4096))()
     if call(address, HUGE, vec) != 0:
         return True
     return all(b & 1 for b in vec)
-
-
-@functools.cache
-def _mincore():
-    try:
-        f = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    return f
 
 
 def collapse_range(address: int, nbytes: int, stop=lambda: False, duty: float = 1.0) -> int:

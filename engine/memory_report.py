@@ -40,14 +40,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-@functools.cache
-def _mincore():
+def libc_function(name: str, argtypes: tuple):
+    """libc's function `name` taking `argtypes` (errno kept), or None where there is none."""
     try:
-        f = ctypes.CDLL(None, use_errno=True).mincore
+        f = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    f.argtypes = argtypes
     return f
+
+
+@functools.cache
+def mincore():
+    """mincore(address, length, vector) -> 0 or -1: which pages are resident (or None)."""
+    return libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
 
 
 def resident_bytes(t: torch.Tensor | None) -> int:
@@ -56,13 +62,13 @@ def resident_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
     storage = t.untyped_storage()
-    if t.device.type != "cpu" or _mincore() is None or storage.nbytes() == 0:
+    if t.device.type != "cpu" or mincore() is None or storage.nbytes() == 0:
         return storage.nbytes()
     start = storage.data_ptr() // _PAGE * _PAGE
     end = storage.data_ptr() + storage.nbytes()
     pages = -(-(end - start) // _PAGE)
     vec = (ctypes.c_ubyte * pages)()
-    if _mincore()(start, end - start, vec) != 0:
+    if mincore()(start, end - start, vec) != 0:
         return storage.nbytes()
     return min(int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE, storage.nbytes())
 

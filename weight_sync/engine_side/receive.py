@@ -23,6 +23,7 @@ from __future__ import annotations
 
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -63,6 +64,17 @@ class Arrived:
     delta_seconds: dict | None = None  # a delta's: copying the base in, applying it and taking its digest
     derive_seconds: float = 0.0  # the engine's derived copies made from the staged weights
     phases: Phases = field(default_factory=Phases)  # where its seconds went, step by step
+
+
+def _pages_held(method):
+    """`method` run with the host's pages held still (`hold_pages`): a push's staging writes, merges
+    and derived copies go before the host's huge-page mover (engine/huge_pages.py)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self.hold_pages():
+            return method(self, *args, **kwargs)
+
+    return held
 
 
 class PushReceiver:
@@ -126,12 +138,9 @@ class PushReceiver:
         g = self.group_for(group_name)
         return self.commit(self.arrive(g, manifest, group_name), "broadcast")
 
+    @_pages_held
     def arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         """Steps 1-4; `on_staging(staging)` is told the buffer as soon as it exists."""
-        with self.hold_pages():  # the staging writes, a merge and the derived copies first
-            return self._arrive(g, manifest, group_name, on_staging)
-
-    def _arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         t0 = time.perf_counter()
         phases = Phases()
         m, staging, problems = self._check_and_stage(manifest, phases)
@@ -149,13 +158,10 @@ class PushReceiver:
         return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
                                              phases=phases))
 
+    @_pages_held
     def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
         and staged as ours, then every packed chunk received; no vote (that trainer casts none)."""
-        with self.hold_pages():
-            return self._arrive_vllm(g, manifest, on_staging)
-
-    def _arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         if on_staging is not None:
@@ -356,14 +362,11 @@ class PushReceiver:
         return self._done(m, t0, t1, time.perf_counter(), "broadcast, in place", written[0])
 
     # -- no group: a trainer's shared buffer, a push directory ------------------------------
+    @_pages_held
     def receive_shared(self, manifest, handle: dict) -> dict:
         """The trainer's buffer on this host (weight_sync.engine_side.staging_sources) copied into staging, then
         committed. Raises PushRefused (nothing changed) for a bad manifest or a buffer that
         cannot be mapped."""
-        with self.hold_pages():
-            return self._receive_shared(manifest, handle)
-
-    def _receive_shared(self, manifest, handle: dict) -> dict:
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         source = None
@@ -380,13 +383,10 @@ class PushReceiver:
         a = Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging))
         return self.commit(_derived(self.target, a), f"shared ({handle.get('kind')})", buckets=0)
 
+    @_pages_held
     def load_from_path(self, path: str, manifest=None) -> dict:
         """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
         committed, so a bad or partial file changes nothing (ValueError)."""
-        with self.hold_pages():
-            return self._load_from_path(path, manifest)
-
-    def _load_from_path(self, path: str, manifest=None) -> dict:
         from weight_sync.common.push_dir import read_digest, read_manifest
 
         t0 = time.perf_counter()
