@@ -9,9 +9,9 @@
    on; engine/lora_merge.py probes at first use that its bits are torch.mm's here, and elsewhere
    takes torch's mm and then lora_add (the scale and the add in one pass, where torch's two in-place
    ops read and wrote the whole weight twice more). Rows go two at a time, so that each load of A
-   feeds two FMAs: SmolLM2's merge took 50 ms, now 40 (fp32, the memory's bound) and 30 (bf16). On AVX-512 the merged weights bypass the cache (a
-   merge writes every target weight, read again only by the next forward or the derived copies'
-   pack): a plain store reads each line in first. */
+   feeds two FMAs: SmolLM2's merge took 50 ms, now 40 (fp32, the memory's bound) and 30 (bf16). On
+   AVX-512 the merged weights bypass the cache (a merge writes every target weight, read again only
+   by the next forward or the derived copies' pack): a plain store reads each line in first. */
 
 #include "common.h"
 
@@ -90,6 +90,14 @@ static inline void merge_blocks(const float *b, const float *a, int64_t r, int64
         if (v < width)
             put_merged(w0, out, j + 16 * v, _mm512_mul_ps(acc[v], vs), v == width - 1 ? m : 0xffff, bf16, stream);
 }
+
+/* The columns from j to k (fewer than 16 * LANES) as merge_blocks takes them: its block count,
+   and the mask of the last block. */
+static inline int tail_blocks(int64_t j, int64_t k, __mmask16 *m) {
+    const int64_t left = k - j, width = (left + 15) / 16, last = left - 16 * (width - 1);
+    *m = (__mmask16)(last == 16 ? 0xffff : (1u << last) - 1u);
+    return (int)width;
+}
 #endif
 
 static void merge_row(const float *b, const float *a, int64_t r, int64_t k, float scale, const void *w0, void *out,
@@ -99,9 +107,9 @@ static void merge_row(const float *b, const float *a, int64_t r, int64_t k, floa
     const __m512 vs = _mm512_set1_ps(scale);
     for (; j + 16 * LANES <= k; j += 16 * LANES) merge_blocks(b, a, r, k, j, LANES, 0xffff, vs, w0, out, bf16, stream);
     if (j < k) {
-        const int64_t left = k - j, width = (left + 15) / 16, last = left - 16 * (width - 1);
-        merge_blocks(b, a, r, k, j, (int)width, (__mmask16)(last == 16 ? 0xffff : (1u << last) - 1u), vs, w0, out,
-                     bf16, stream);
+        __mmask16 m;
+        const int width = tail_blocks(j, k, &m);
+        merge_blocks(b, a, r, k, j, width, m, vs, w0, out, bf16, stream);
         j = k;
     }
 #endif
@@ -141,10 +149,10 @@ static void merge_two_rows(const float *b, const float *a, int64_t r, int64_t k,
         }
     }
     if (j < k) {
-        const int64_t left = k - j, width = (left + 15) / 16, last = left - 16 * (width - 1);
-        const __mmask16 m = (__mmask16)(last == 16 ? 0xffff : (1u << last) - 1u);
+        __mmask16 m;
+        const int width = tail_blocks(j, k, &m);
         for (int i = 0; i < 2; i++)
-            merge_blocks(b + i * r, a, r, k, j, (int)width, m, vs, (const char *)w0 + i * row_bytes,
+            merge_blocks(b + i * r, a, r, k, j, width, m, vs, (const char *)w0 + i * row_bytes,
                          (char *)out + i * row_bytes, bf16, stream);
     }
 }

@@ -34,12 +34,17 @@ def lora_layers(model) -> dict[str, torch.nn.Module]:
     LoRA layer comes or goes only with an adapter added or deleted, which the key sees; each layer
     found is checked again, cheaply, every time."""
     key = _adapter_key(model)
-    cached = getattr(model, "_rollout_lora_layers", None)
-    if cached is not None and cached[0] == key and all(_still_lora(m, key[0]) for m in cached[1].values()):
-        return cached[1]
-    layers = _find_lora_layers(model)
-    object.__setattr__(model, "_rollout_lora_layers", (key, layers))
-    return layers
+    return _kept(model, "_rollout_lora_layers", key, lambda: _find_lora_layers(model),
+                 lambda layers: all(_still_lora(m, key[0]) for m in layers.values()))
+
+
+def _kept(model, attr: str, key, make, still=lambda value: True):
+    """`make()`, kept on `model` under `attr` while `key` is the same (and `still(value)` holds)."""
+    cached = getattr(model, attr, None)
+    if cached is None or cached[0] != key or not still(cached[1]):
+        cached = (key, make())
+        object.__setattr__(model, attr, cached)
+    return cached[1]
 
 
 def _adapter_key(model) -> tuple:
@@ -101,26 +106,18 @@ def adapter_weights(model) -> tuple[list[tuple[str, torch.Tensor]], dict[str, fl
 def base_weights(model) -> list[tuple[str, torch.Tensor]]:
     """The frozen base's parameters under their HF names (what the engine loaded from disk); the
     parameters found once per model and adapter, as `lora_layers` (their values read each call)."""
-    key = _adapter_key(model)
-    cached = getattr(model, "_rollout_base_params", None)
-    if cached is None or cached[0] != key:
-        params = [(n.replace(".base_layer.", "."), p) for n, p in model.get_base_model().named_parameters()
-                  if ".lora_" not in n]
-        cached = (key, params)
-        object.__setattr__(model, "_rollout_base_params", cached)
-    return dedup_tied([(n, p.detach()) for n, p in cached[1]])
+    params = _kept(model, "_rollout_base_params", _adapter_key(model),
+                   lambda: [(n.replace(".base_layer.", "."), p) for n, p in model.get_base_model().named_parameters()
+                            if ".lora_" not in n])
+    return dedup_tied([(n, p.detach()) for n, p in params])
 
 
 def base_id(model) -> str:
     """A checksum of the base weights, computed once per model while they stay unchanged (each
     tensor's address and version counter say so): the base is frozen in LoRA training."""
     base = base_weights(model)
-    key = tuple((t.data_ptr(), t._version) for _, t in base)
-    cached = getattr(model, "_rollout_base_id", None)
-    if cached is None or cached[0] != key:
-        cached = (key, weights_checksum(base))
-        object.__setattr__(model, "_rollout_base_id", cached)
-    return cached[1]
+    return _kept(model, "_rollout_base_id", tuple((t.data_ptr(), t._version) for _, t in base),
+                 lambda: weights_checksum(base))
 
 
 def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
