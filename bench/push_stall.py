@@ -10,6 +10,10 @@ Goals: the gap at the switch within 0.1 s of the median gap (issue 49); what the
 switch and the five gaps after it ("felt"), beyond its gap just before the push (the median of the
 five gaps before it), within 0.1 s (issue 61).
 
+Pushes start once the sidecar's weights are on 2 MB pages (its health's `huge_pages_moving`, at
+most `--pages-wait` s): until then every step runs slower (minutes at 1.7B on a VM), and a push
+would be read against a stream that is not in its steady state.
+
 The completion is streamed by a process of its own, as a user's client would be (in the trainer's
 process its tokens were stamped late while the push's own work held the interpreter).
 
@@ -122,7 +126,44 @@ def gaps_at_switches(arrivals: list, pushes: list[tuple[int, float]], after: int
     steady = [g for g, end in zip(gaps, times[1:])
               if end >= start and not any(a <= end <= b for a, b in windows)]
     median = statistics.median(steady or gaps) if gaps else float("nan")
-    return median, rows
+    return median, rows, windows
+
+
+def felt_without_pushes(times: list[float], windows: list[tuple[float, float]], after: int, start: float
+                        ) -> list[float]:
+    """The same measure as a push's 'felt' (a gap and the `after` gaps after it, beyond the median of
+    the `after` gaps before them), taken at points where no push was: the stream's own noise, the
+    floor a push's figure is read against. Windows do not overlap each other, nor any push's (a
+    push's start to its last counted gap), and begin at `start` (the load's steady state)."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    out, i = [], after
+    while i + after < len(gaps):
+        lo, hi = times[i - after], times[i + after + 1]
+        if lo >= start and not any(lo <= b and a <= hi for a, b in windows):
+            ref = statistics.median(gaps[i - after:i])
+            out.append(sum(g - ref for g in gaps[i:i + after + 1]))
+            i += 2 * after + 1
+        else:
+            i += 1
+    return out
+
+
+async def weights_settled(client, limit: float, reference_s: float) -> None:
+    """Wait (at most `limit` s) until no engine is still moving its weights onto 2 MB pages
+    (engine/huge_pages.py): on a VM whose host backs each fresh 2 MB page only then, that takes
+    minutes at 1.7B and slows every step meanwhile; a push measured then is measured against a
+    stream that is not in its steady state."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        states = [s for h in await client.health() for s in h.get("engine_states", [])]
+        if not any(s.get("memory", {}).get("huge_pages_moving") for s in states):
+            waited = time.perf_counter() - t0
+            log.info("weights settled on their pages after %.0f s more", waited)
+            if waited > 1.0:  # the gaps a first push is read against: from the steady state, not the move
+                await asyncio.sleep(reference_s)
+            return
+        await asyncio.sleep(2.0)
+    log.warning("the weights were still moving onto 2 MB pages after %.0f s: measuring anyway", limit)
 
 
 async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
@@ -145,6 +186,7 @@ async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
     replies = []
     try:
         await asyncio.sleep(args.settle)
+        await weights_settled(client, args.pages_wait, args.interval)
         for k in tqdm(range(args.pushes), desc="pushes", disable=not args.progress):
             before = (await client.stats())[0]
             t0 = time.perf_counter()
@@ -161,10 +203,13 @@ async def measure(args, model_dir: str, url: str, http_url: str) -> dict:
         load.cancel()
         await asyncio.gather(load, return_exceptions=True)
         await client.close()
-    median, rows = gaps_at_switches(arrivals, [(r["version"], r["t0"]) for r in replies], args.after, args.interval)
+    pushes = [(r["version"], r["t0"]) for r in replies]
+    median, rows, windows = gaps_at_switches(arrivals, pushes, args.after, args.interval)
     for row, rep in zip(rows, replies):
         row.update({k: v for k, v in rep.items() if k != "reply"})
-    return {"arrivals": arrivals, "median_gap": median, "chunks": len(arrivals),
+    quiet = felt_without_pushes([t for t, _, _ in arrivals], windows, args.after,
+                                pushes[0][1] - args.interval if pushes else float("-inf"))
+    return {"arrivals": arrivals, "median_gap": median, "chunks": len(arrivals), "quiet_felts": quiet,
             "tokens": sum(k for _, k, _ in arrivals), "pushes": rows, "replies": [r["reply"] for r in replies]}
 
 
@@ -197,6 +242,10 @@ def report(args, figures: dict) -> None:
               f"{ms(r['push_s']):>5}ms {ms(r['transfer_s']):>6}ms {ms(r['pause_s']):>5}ms {ms(r['swap_s']):>5}ms")
     if felts:  # each push's is the sum of six noisy gaps: their mean says more
         print(f"felt, mean over {len(felts)} pushes: {statistics.mean(felts) * 1e3:.0f} ms")
+    quiet = figures["quiet_felts"]
+    if len(quiet) >= 2:  # the same sum where no push was: how much of a push's figure is the stream's own noise
+        print(f"felt where no push was ({len(quiet)} windows): mean {statistics.mean(quiet) * 1e3:.0f} ms, "
+              f"sd {statistics.stdev(quiet) * 1e3:.0f} ms, range {min(quiet) * 1e3:.0f}..{max(quiet) * 1e3:.0f} ms")
     print(f"goal: switch gap within {GOAL_S * 1e3:.0f} ms of the median gap: {'met' if ok else 'NOT met'}; the "
           f"switch and the {args.after} gaps after it ('felt') within {GOAL_S * 1e3:.0f} ms beyond their medians: "
           f"{'met' if felt_ok else 'NOT met'}")
@@ -223,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settle", type=float, default=12.0,
                    help="seconds of streaming before the first push: the sidecar's next warm standby core "
                         "starts beside the engine after READY, and its imports take the cores for several seconds")
+    p.add_argument("--pages-wait", type=float, default=600.0,
+                   help="after --settle, at most this many seconds more until the sidecar's weights are on 2 MB "
+                        "pages (its health's huge_pages_moving): the steady state a push is measured in")
     p.add_argument("--after", type=int, default=5, help="gaps shown (and counted in 'felt') after the switch")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"], help="the sidecar's flag")
     p.add_argument("--sidecar-arg", action="append", default=[], help="one more argument for rollout.serve (repeat)")

@@ -16,6 +16,17 @@ readers), after its start and after each push. It is best effort: a range it can
 (memory too fragmented, an older kernel) stays on 4 KB pages and works as before.
 ROLLOUT_HUGE_PAGES=0 turns it off.
 
+Which pages need it is asked once a range (PAGEMAP_SCAN, Linux 6.7+: in memory? on a huge page
+already?): after each push the collapser goes over every weight again, and once they have moved
+there is nothing to do; asked page by page (mincore, then an MADV_COLLAPSE each) that pass is
+thousands of system calls beside the decode steps right after the switch. Before 6.7: page by page.
+
+A file's pages go onto a huge page only where the address and the file's offset agree modulo 2 MB,
+and the kernel aligns a shared mapping of a /dev/shm file only when shmem's THP setting is on
+(usually `never`): `map_shared` maps the sidecar's staging files from a 2 MB boundary. (Mapped
+where the kernel chose, every collapse of them failed, EINVAL, and the collapser spent a second of
+CPU after each 1.7B push on pages that never moved.)
+
 A checkpoint's weights as safetensors loads them are views of the file's private mapping (its
 page cache), which does not collapse: `move_parameters` copies them into one anonymous buffer first.
 """
@@ -24,12 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import logging
 import mmap
 import os
 import threading
 import time
+import weakref
 
 import torch
 
@@ -50,6 +63,51 @@ def enabled() -> bool:
 def madvise():
     """libc's madvise(address, length, advice) -> 0 or -1 (errno kept), or None where there is none."""
     return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+
+
+class _ScanArg(ctypes.Structure):  # struct pm_scan_arg (linux/fs.h)
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
+        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _Region(ctypes.Structure):  # struct page_region
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, pm_scan_arg)
+PAGE_IS_PRESENT, PAGE_IS_HUGE = 1 << 3, 1 << 6
+
+
+def pages_to_collapse(start: int, end: int) -> tuple[list[int], int] | None:
+    """(the 2 MB pages in [start, end), both 2 MB aligned, whose every 4 KB page is in memory and
+    that are not on a huge page yet; the bytes on huge pages already), from the kernel's page
+    tables in a few calls (PAGEMAP_SCAN); None where the kernel cannot say (before Linux 6.7)."""
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)  # per call: a forked child must read its own
+    except OSError:
+        return None
+    vec = (_Region * 512)()
+    todo, huge, at = [], 0, start
+    try:
+        while at < end:
+            arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=at, end=end, vec=ctypes.addressof(vec),
+                           vec_len=len(vec), return_mask=PAGE_IS_PRESENT | PAGE_IS_HUGE)
+            raw = bytearray(arg)
+            try:
+                n = fcntl.ioctl(fd, PAGEMAP_SCAN, raw)
+            except OSError:
+                return None
+            for r in vec[:n]:
+                if r.categories & PAGE_IS_HUGE:
+                    huge += r.end - r.start
+                elif r.categories & PAGE_IS_PRESENT:  # regions of equal categories come merged
+                    todo.extend(range(-(-r.start // HUGE) * HUGE, r.end // HUGE * HUGE, HUGE))
+            walked = _ScanArg.from_buffer_copy(raw).walk_end
+            at = end if walked <= at else walked
+    finally:
+        os.close(fd)
+    return todo, huge
 
 
 def resident(address: int) -> bool:
@@ -73,17 +131,73 @@ def collapse_range(address: int, nbytes: int, stop=lambda: False, duty: float = 
     start, end = -(-address // HUGE) * HUGE, (address + nbytes) // HUGE * HUGE
     if call is None or end <= start or not enabled():
         return 0
-    done = 0
-    for at in range(start, end, HUGE):
+    # a page with holes is left: a collapse fills them with zeros, memory the process never used
+    asked = pages_to_collapse(start, end)
+    pages, done = asked if asked is not None else ([at for at in range(start, end, HUGE) if resident(at)], 0)
+    for at in pages:
         if stop():
             break
-        if not resident(at):
-            continue  # a collapse fills its holes with zeros: memory the process never used
         t0 = time.perf_counter()
         done += HUGE if call(at, HUGE, MADV_COLLAPSE) == 0 else 0
         if duty < 1.0:
             time.sleep((time.perf_counter() - t0) * (1 - duty) / duty)
     return done
+
+
+@functools.cache
+def _mmap():
+    f = libc_function("mmap", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_long))
+    if f is not None:
+        f.restype = ctypes.c_void_p
+    return f
+
+
+@functools.cache
+def _munmap():
+    return libc_function("munmap", (ctypes.c_void_p, ctypes.c_size_t))
+
+
+def map_shared(fd: int, nbytes: int, populate: bool = False) -> torch.Tensor:
+    """A uint8 tensor over the first `nbytes` of file `fd`, mapped shared (MAP_POPULATE where
+    `populate`) from a 2 MB-aligned address, so that its pages can go onto huge pages; unmapped once
+    the last view of it goes. Where libc cannot be reached: Python's mmap, wherever it lands."""
+    mmap_, munmap = _mmap(), _munmap()
+    if mmap_ is None or munmap is None:
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        return torch.frombuffer(mmap.mmap(fd, nbytes, flags=flags), dtype=torch.uint8)
+    # a reservation 2 MB longer, then the file mapped over it from its first 2 MB boundary
+    reserved = mmap_(None, nbytes + HUGE, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)  # PROT_NONE
+    if reserved in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"reserving {nbytes + HUGE} bytes of address space failed")
+    at = -(-reserved // HUGE) * HUGE
+    got = mmap_(at, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_SHARED | _MAP_FIXED | (_POPULATE if populate else 0), fd, 0)
+    if got != at:
+        err = ctypes.get_errno()
+        munmap(reserved, nbytes + HUGE)
+        raise OSError(err, f"mapping {nbytes} bytes of a file failed: {os.strerror(err)}")
+    # the reservation's ends, outside the file's mapping, go back
+    if at > reserved:
+        munmap(reserved, at - reserved)
+    tail = at + -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    if reserved + nbytes + HUGE > tail:
+        munmap(tail, reserved + nbytes + HUGE - tail)
+    view = _Mapped.of(nbytes).from_address(at)
+    weakref.finalize(view, munmap, at, nbytes)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+class _Mapped:
+    """ctypes byte arrays that a finalizer can watch (a plain ctypes array takes no weak reference)."""
+
+    @staticmethod
+    @functools.cache
+    def of(nbytes: int) -> type:
+        return type("MappedBytes", (ctypes.c_ubyte * nbytes,), {})
+
+
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 
 
 def move_parameters(model: torch.nn.Module) -> int:

@@ -69,6 +69,29 @@ def test_pages_with_holes_are_left_as_they_are():
     assert huge_pages.collapse(t) == 0 and huge_bytes(t.data_ptr()) == 0
 
 
+@needs_collapse
+def test_the_page_tables_say_which_pages_need_moving(monkeypatch):
+    """Asked once a range (PAGEMAP_SCAN): pages written whole and on 4 KB pages are listed, pages
+    with holes are not, pages on huge pages count as done; a second collapse calls madvise for
+    nothing (after each push the collapser goes over weights already moved)."""
+    buf = mmap.mmap(-1, 6 * huge_pages.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -(-t.data_ptr() // huge_pages.HUGE) * huge_pages.HUGE
+    offset = start - t.data_ptr()
+    t[offset:offset + 3 * huge_pages.HUGE] = 1  # three whole pages written; the rest: one 4 KB page each
+    t[offset + 3 * huge_pages.HUGE::huge_pages.HUGE] = 1
+    asked = huge_pages.pages_to_collapse(start, start + 5 * huge_pages.HUGE)
+    if asked is None:
+        pytest.skip("this kernel has no PAGEMAP_SCAN (Linux 6.7+): pages are asked one by one")
+    assert asked == ([start + k * huge_pages.HUGE for k in range(3)], 0)
+    assert huge_pages.collapse_range(start, 5 * huge_pages.HUGE) == 3 * huge_pages.HUGE
+    assert huge_pages.pages_to_collapse(start, start + 5 * huge_pages.HUGE) == ([], 3 * huge_pages.HUGE)
+    calls = []
+    real = huge_pages.madvise()
+    monkeypatch.setattr(huge_pages, "madvise", lambda: lambda *a: calls.append(a) or real(*a))
+    assert huge_pages.collapse_range(start, 5 * huge_pages.HUGE) == 3 * huge_pages.HUGE and calls == []
+
+
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV_SWITCH, "0")
     t = torch.ones(4 * huge_pages.HUGE, dtype=torch.uint8)

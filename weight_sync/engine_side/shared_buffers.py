@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 
 import torch
@@ -40,14 +39,12 @@ def new_buffer(nbytes: int, populate: bool = True) -> tuple[torch.Tensor, str]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0)
-        buf = mmap.mmap(fd, nbytes, flags=flags)
+        t = huge_pages.map_shared(fd, nbytes, populate)  # from a 2 MB boundary: its pages can go onto huge pages
     except BaseException:
         _remove(path)
         raise
     finally:
         os.close(fd)  # the mapping keeps the file
-    t = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` mapped until the last view goes
     if not populate:
         fault_in(t.data_ptr(), nbytes)
     return t, path
