@@ -430,18 +430,23 @@ int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, 
     if (k % 32 || n % 16) return -2;
     if (G == 0 || n == 0) return 0;
     const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, kc_count = k / 32, stride = k * 2;
+    /* kept between calls, each grown to what a call needs (their sizes apart: a call with more
+       groups of fewer tiles needs more offsets and no more tiles) */
     static __thread const uint8_t **kept_tiles = NULL;
-    static __thread int64_t *kept_offsets = NULL, kept_cap = 0;
-    if (G * nt_count + G + 1 > kept_cap) {
+    static __thread int64_t *kept_offsets = NULL, tiles_cap = 0, offsets_cap = 0;
+    if (G * nt_count > tiles_cap) {
         free(kept_tiles);
-        free(kept_offsets);
         kept_tiles = malloc((size_t)(G * nt_count) * sizeof *kept_tiles);
+        tiles_cap = kept_tiles == NULL ? 0 : G * nt_count;
+    }
+    if (G + 1 > offsets_cap) {
+        free(kept_offsets);
         kept_offsets = malloc((size_t)(G + 1) * sizeof *kept_offsets);
-        kept_cap = kept_tiles == NULL || kept_offsets == NULL ? 0 : G * nt_count + G + 1;
+        offsets_cap = kept_offsets == NULL ? 0 : G + 1;
     }
     const uint8_t **tiles = kept_tiles;
     int64_t *xoff = kept_offsets; /* each group's activations in xv, in 4-byte words */
-    if (kept_cap == 0) return -1;
+    if (tiles_cap == 0 || offsets_cap == 0) return -1;
     xoff[0] = 0;
     for (int64_t g = 0; g < G; g++) {
         xoff[g + 1] = xoff[g] + (starts[g + 1] - starts[g] + 31) / 32 * kc_count * 512;

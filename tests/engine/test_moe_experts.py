@@ -127,3 +127,42 @@ def test_a_fused_push_is_checked_and_handed_over_as_the_checkpoints_blocks():
     assert torch.equal(out["model.layers.0.block_sparse_moe.experts.1.w3.weight"], gate_up[1, 4:])
     assert out["model.layers.0.block_sparse_moe.experts.0.w1.weight"].data_ptr() == gate_up.data_ptr()  # a view
     assert "model.layers.0.block_sparse_moe.gate.weight" in out
+
+
+GROUPS_ACROSS_CALLS = """
+import ctypes, torch
+from engine import amx_linears, native_kernels
+assert amx_linears.available()  # asks the kernel for the AMX tiles (arch_prctl) first
+P, I = ctypes.c_void_p, ctypes.c_int64
+fn = native_kernels.function("amx_linear", "amx_linear_bf16_groups", (P, I, P, P, I, P, I, P), ctypes.c_int)
+torch.manual_seed(0)
+# (groups, n): one group of many tiles, then more groups of fewer tiles in all, then many of many
+for groups, n in ((1, 512), (8, 32), (16, 512)):
+    k, rows = 64, 3
+    w = torch.randn(groups, n, k).bfloat16()
+    x = torch.randn(groups * rows, k).bfloat16()
+    starts = torch.arange(0, groups * rows + 1, rows, dtype=torch.int64)
+    experts = torch.arange(groups, dtype=torch.int64)
+    out = torch.empty(groups * rows, n, dtype=torch.bfloat16)
+    assert fn(x.data_ptr(), k, starts.data_ptr(), experts.data_ptr(), groups, w.data_ptr(), n, out.data_ptr()) == 0
+    want = torch.cat([x[g * rows:(g + 1) * rows].float() @ w[g].float().T for g in range(groups)])
+    assert (out.float() - want).abs().max() <= 0.02 * want.abs().max(), (groups, n)
+print("ok")
+"""
+
+
+def test_the_grouped_kernel_keeps_its_buffers_in_bounds_across_calls_of_other_shapes():
+    """amx_linear_bf16_groups keeps its tile and offset lists between calls: a call with more groups
+    of fewer tiles in all once wrote past the offsets (heap corruption that aborted a later call).
+    Run under glibc's checking allocator, which aborts on such a write."""
+    import os
+    import subprocess
+    import sys
+
+    if not amx_linears.available():
+        pytest.skip("no AMX tiles on this CPU")
+    debug = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
+    env = dict(os.environ, MALLOC_CHECK_="3", **({"LD_PRELOAD": debug} if os.path.exists(debug) else {}))
+    run = subprocess.run([sys.executable, "-c", GROUPS_ACROSS_CALLS], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
