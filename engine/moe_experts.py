@@ -70,6 +70,38 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return out
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H] . weight [E, H]^T in C (engine/native/moe_experts.c's router_logits_*: fp32 sums,
+    rounded once), where the C block runs for this dtype; None elsewhere (then F.linear). Both of
+    the engine's forwards route through it, so that the C decode loop's routing is the Python
+    forward's to the bit."""
+    dtype = x.dtype
+    if (dtype not in _KERNELS or weight.dtype != dtype or torch.is_grad_enabled() or x.dim() != 2
+            or not (x.is_contiguous() and weight.is_contiguous()) or x.device.type != "cpu" or _native(dtype) is None):
+        return None
+    fn = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
+                                 (_PTR, _I64, _I64, _PTR, _I64, _PTR))
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    fn(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr())
+    return out
+
+
+def loop_kernels(dtype: torch.dtype) -> tuple[int, int, int] | None:
+    """(moe_block_*, its kernel table, router_logits_*) as addresses, for the C decode loop
+    (engine/native_layers.py), or None where the C block does not run for `dtype`."""
+    loaded = _native(dtype) if dtype in _KERNELS else None
+    if loaded is None:
+        return None
+    lib = native_kernels.library("moe_experts")
+    return (ctypes.cast(getattr(lib, f"moe_block_{_SUFFIX[dtype]}"), _PTR).value, loaded[1].data_ptr(),
+            ctypes.cast(getattr(lib, f"router_logits_{_SUFFIX[dtype]}"), _PTR).value)
+
+
+def fits(h: int, i: int, dtype: torch.dtype) -> bool:
+    """Whether the C block's kernels take a hidden size `h` and an expert width `i` in `dtype`."""
+    return dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
+
+
 _KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -107,8 +139,7 @@ def _fits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: to
     kernel rows in sixteens and its k in thirty-twos."""
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == x.dtype for t in (x, logits, gate_up, down)):
         return False
-    h, i = x.shape[1], down.shape[2]
-    return x.dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
+    return fits(x.shape[1], down.shape[2], x.dtype)
 
 
 def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool,

@@ -59,15 +59,17 @@ def unsupported(model_dir: str, max_model_len: int | None = None) -> str | None:
 
 
 class Router(nn.Module):
-    """The router's logits, F.linear as HF's router computes them (never a derived copy: the
-    routing must be the one a trainer's model makes)."""
+    """The router's logits on its weight as it is (never a derived copy: the routing must be the
+    one a trainer's model makes): in C where the experts run in C (moe_experts.router_logits, the
+    C decode loop's too, so both forwards route alike), else F.linear as HF's router."""
 
     def __init__(self, hidden: int, out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        done = moe_experts.router_logits(x, self.weight) if x.dim() == 2 else None
+        return F.linear(x, self.weight) if done is None else done
 
 
 class Experts(nn.Module):
@@ -110,6 +112,10 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # its forward is the fused layers' attention and an MLP (dense, or sparse as SparseMoeBlock runs
+    # it), which the C decode loop runs alike (engine/native_layers.py)
+    C_DECODE_LOOP = True
+
     def __init__(self, cfg: SimpleNamespace, layer_idx: int):
         super().__init__()
         moe = moe_fields(cfg)

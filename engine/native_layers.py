@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from engine import amx_linears, attention, derived_weights, f32_linears, fused_layers, native_kernels
+from engine import amx_linears, attention, derived_weights, f32_linears, fused_layers, moe_experts, native_kernels
 
 ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
 _PTR = ctypes.c_void_p
@@ -43,7 +43,9 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
 
 
-LAYER_FIELDS = 18  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms
+LAYER_FIELDS = 28  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE
+MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
+_MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
 BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
 _KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}  # the linears each loop takes
 
@@ -55,10 +57,11 @@ class _Shape(ctypes.Structure):
 
 
 _SCRATCH = ("x", "qkv", "q", "k", "attn", "o", "h", "h2", "gate_up", "act", "down", "x16")
+_MOE_SCRATCH = ("logits", "xg", "gu", "eact", "dn", "inv", "order", "ends", "pick_weights")
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [(n, _PTR) for n in _SCRATCH]
+    _fields_ = [(n, _PTR) for n in _SCRATCH + _MOE_SCRATCH]
 
 
 def enabled() -> bool:
@@ -77,7 +80,7 @@ def _kernels(dtype: torch.dtype):
         entry = native_kernels.function("decode_layers", f"decode_layers_{_SUFFIX[dtype]}", (_PTR,) * 11,
                                         ctypes.c_int)
         ok = entry is not None and all(libs.values())  # each layer's copies say which linears run (_copy)
-        table = (ctypes.c_int64 * len(names))(
+        table = (ctypes.c_int64 * (len(names) + _MOE_KERNELS))(
             *[ctypes.cast(getattr(libs[lib], sym), _PTR).value for lib, sym in names]) if ok else None
         _kernels_cache[dtype] = (entry, table) if ok else None
     return _kernels_cache[dtype]
@@ -111,14 +114,38 @@ def _hooked(module: torch.nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | None:
+def is_sparse(mlp) -> bool:
+    """Whether `mlp` is a sparse block (engine/moe_model.SparseMoeBlock: a router and 3-D experts)."""
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _sparse_fields(mlp, shape: dict, t: int, keep: list) -> list[int] | None:
+    """A sparse MLP's MOE_FIELDS (its expert ids [t, k] made here, kept in `keep`), or None when
+    the C block does not take it (a shared expert, another activation, shapes its kernels refuse)."""
+    e, dtype = mlp.experts, shape["dtype"]
+    weights = (mlp.gate.weight, e.gate_up_proj, e.down_proj)
+    if (hasattr(mlp, "shared_expert") or not isinstance(e.act_fn, torch.nn.SiLU)
+            or not all(w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu" for w in weights)
+            or not moe_experts.fits(shape["hidden"], e.down_proj.shape[2], dtype)
+            or (e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2]) != (shape["experts"], shape["top_k"],
+                                                                              shape["expert_width"])):
+        return None  # (the step's scratch is sized once, by the first sparse block's sizes)
+    ids = torch.empty(t, mlp.top_k, dtype=torch.int64)
+    keep.append((mlp, ids))
+    return [1, *(w.data_ptr() for w in weights), e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2],
+            int(mlp.norm_topk), int(mlp.scores_fp32 and dtype != torch.float32), ids.data_ptr()]
+
+
+def _layer_row(layer, ctx, index: int, shape: dict, keep: list, t: int) -> list[int] | None:
     """The layer's row of LAYER_FIELDS, or None when some part of it must run in Python; `keep`
-    holds the tensors made for it (its q/k/v bias) until the call."""
+    holds the tensors made for it (its q/k/v bias, a sparse MLP's expert ids) until the call."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_group, gate_up_group = getattr(attn, "_fused", None), getattr(mlp, "_fused", None)
-    if qkv_group is None or gate_up_group is None or _hooked(layer):
+    sparse = is_sparse(mlp)
+    qkv_group, gate_up_group = getattr(attn, "_fused", None), None if sparse else getattr(mlp, "_fused", None)
+    if qkv_group is None or (gate_up_group is None and not sparse) or _hooked(layer):
         return None
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+               *(() if sparse else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
     if any(m.bias is not None for m in linears[3:]) or not all(hasattr(m, "_derive") for m in linears):
         return None  # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
     qk_norm = getattr(attn, "qk_norm", None)
@@ -131,8 +158,8 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
         shape["intermediate"]
     row = [norms[0].weight.data_ptr(), norms[1].weight.data_ptr()]
-    for linear, group, n, k in ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q),
-                                (None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i)):
+    mlp_linears = () if sparse else ((None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i))
+    for linear, group, n, k in ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q), *mlp_linears):
         copy = _copy(linear, group)
         if copy is None or copy[2:] != (n, k) or copy[1] not in _KINDS[dtype]:
             return None
@@ -147,22 +174,33 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list) -> list[int] | N
     k_cache, v_cache = ctx.k_blocks[index], ctx.v_blocks[index]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
+    if sparse:
+        row += [0, 0, 0] * 2  # no gate_up, no down: the sparse fields below
     heads = [attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()] if qk_norm else [0, 0]
-    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads]
+    moe = _sparse_fields(mlp, shape, t, keep) if sparse else [0] * MOE_FIELDS
+    if moe is None:
+        return None
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe]
 
 
 def _shape(model, dtype: torch.dtype) -> dict | None:
     """The model's sizes, or None when it is not one this runs (its layers not fused_layers')."""
     layers = model.layers
     if not len(layers) or any(getattr(layer.forward, "__func__", None) is not fused_layers._layer_forward
-                              for layer in layers):
+                              and not getattr(type(layer), "C_DECODE_LOOP", False) for layer in layers):
         return None
-    attn, mlp = layers[0].self_attn, layers[0].mlp
+    attn = layers[0].self_attn
     heads = attn.q_proj.weight.shape[0] // attn.head_dim
     kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    dense = [layer.mlp for layer in layers if not is_sparse(layer.mlp)]
+    sparse = [layer.mlp for layer in layers if is_sparse(layer.mlp)]
     return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
-            "intermediate": mlp.gate_proj.weight.shape[0], "eps": model.norm.variance_epsilon,
-            "scale": attn.scaling, "dtype": dtype}
+            "intermediate": dense[0].gate_proj.weight.shape[0] if dense else 0, "eps": model.norm.variance_epsilon,
+            "scale": attn.scaling, "dtype": dtype,
+            # the sparse MLPs' sizes (one for all: a model's sparse layers are alike), for their scratch
+            "experts": sparse[0].experts.gate_up_proj.shape[0] if sparse else 0,
+            "top_k": sparse[0].top_k if sparse else 0,
+            "expert_width": sparse[0].experts.down_proj.shape[2] if sparse else 0}
 
 
 def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
@@ -184,10 +222,16 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
         return None
     rows, keep = [], []
     for index, layer in enumerate(model.layers):
-        row = _layer_row(layer, ctx, index, shape, keep)
+        row = _layer_row(layer, ctx, index, shape, keep, t)
         if row is None:
             return None
         rows.append(row)
+    sparse = [k for k in keep if isinstance(k, tuple)]  # (block, its expert ids)
+    if sparse:
+        moe = moe_experts.loop_kernels(dtype)
+        if moe is None:
+            return None
+        loaded[1][-_MOE_KERNELS:] = list(moe)
     cos, sin_signed = attention.rope_tables(position_embeddings)
     if cos.dtype != dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()):
         return None
@@ -202,9 +246,13 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
               "act": i, "down": h, "x16": max(h, d, i)}
     size = torch.finfo(dtype).bits // 8
     nbytes = {name: t * widths[name] * (2 if name == "x16" else size) for name in _SCRATCH}
+    if sparse:
+        s_, e, w = t * shape["top_k"], shape["experts"], shape["expert_width"]
+        nbytes.update({"logits": t * e * size, "xg": s_ * h * size, "gu": s_ * 2 * w * size, "eact": s_ * w * size,
+                       "dn": s_ * h * size, "inv": s_ * 8, "order": s_ * 8, "ends": e * 8, "pick_weights": s_ * 4})
     buffer = torch.empty(sum(-(-b // 64) * 64 for b in nbytes.values()), dtype=torch.uint8)
     pointers, offset = {}, 0
-    for name in _SCRATCH:
+    for name in nbytes:
         pointers[name] = buffer.data_ptr() + offset
         offset += -(-nbytes[name] // 64) * 64
     scratch = _Scratch(**pointers)
@@ -213,4 +261,6 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
                nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
     if rc != 0:
         raise RuntimeError(f"decode_layers_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
+    for mlp, ids in sparse:
+        mlp.last_ids = ids  # the step's routed experts, as the Python block keeps them
     return hidden

@@ -1,5 +1,6 @@
 /* A decode step's decoder layers (Llama-shaped; bf16 hidden states on AMX linears, or fp32 ones on
-   engine/native/f32_linear.c; weight-only int8 linears in either) in one call.
+   engine/native/f32_linear.c; weight-only int8 linears in either; a sparse MLP through
+   engine/native/moe_experts.c where a layer has one) in one call.
 
    Driven layer by layer from Python, a 32-sequence bf16 decode step on 2 cores spent about a third
    of its main thread's time in the interpreter and torch's dispatch between the kernels (views,
@@ -32,6 +33,9 @@ typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const v
 typedef struct {
     int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, rope_cache,
         add_rms_norm, silu_mul, paged_decode;
+    /* a model with sparse MLPs: moe_experts.c's moe_block_* and the kernel table it takes, and its
+       router_logits_* (0 for a dense model) */
+    int64_t moe_block, moe_kernels, router_logits;
 } Kernels;
 
 /* A linear's packed weight, its kernel (LINEAR_*) and its bias (0: none; in the loop's dtype, added
@@ -49,6 +53,11 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     int64_t k_cache, v_cache; /* the layer's [num_blocks, bs, KVH, D] (= [slots, KVH, D]) */
     int64_t q_norm, k_norm;   /* Qwen3's RMS norms of each q and k head ([D] weights; 0: none) */
+    /* moe != 0: a sparse MLP in gate_up/down's place (engine/moe_model.py): its router's weight
+       [experts, H] and its experts' [experts, 2 * width, H] and [experts, H, width], read in place;
+       the top k, the routing's flags (moe_experts.c's norm and weights_f32); ids: where the step's
+       expert ids go, [T, top_k] int64 (a request's routed experts) */
+    int64_t moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids;
 } Layer;
 
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
@@ -98,7 +107,17 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
     typedef struct {                                                                                           \
         T_ *x, *qkv, *q, *k, *attn, *o, *h, *h2, *gate_up, *act, *down;                                        \
         uint16_t *x16; /* [T, the widest input] bf16: a weight-only int8 linear's input in the fp32 loop */   \
+        /* a sparse MLP's (moe_experts.c's moe_block_*), for S = T * top_k picks: logits [T, experts], */    \
+        /* xg [S, H], gu [S, 2 width], act [S, width], dn [S, H], inv and order [S], ends [experts], */        \
+        /* the picks' weights [S] (4 bytes each); NULL in a dense model */                                   \
+        T_ *logits, *xg, *gu, *eact, *dn;                                                                      \
+        int64_t *inv, *order, *ends;                                                                           \
+        void *pick_weights;                                                                                    \
     } NAME##_scratch;                                                                                          \
+    typedef void (*NAME##_router)(const T_ *, int64_t, int64_t, const T_ *, int64_t, T_ *);                   \
+    typedef int (*NAME##_moe)(const int64_t *, const T_ *, const T_ *, int64_t, int64_t, int64_t, int64_t, int, \
+                              int, const T_ *, const T_ *, int64_t, T_ *, T_ *, T_ *, T_ *, int64_t *, int64_t *, \
+                              int64_t *, void *, int64_t *, T_ *);                                              \
     typedef void (*NAME##_rope)(const T_ *, int64_t, const T_ *, int64_t, const T_ *, int64_t, int64_t, int64_t, \
                                 int64_t, int64_t, const T_ *, const T_ *, const int64_t *, T_ *, T_ *, T_ *, T_ *); \
     typedef void (*NAME##_norm)(const T_ *, const T_ *, T_ *, const T_ *, float, int64_t, int64_t, T_ *);       \
@@ -132,9 +151,19 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
             if (rc) return rc;                                                                                 \
             if ((rc = LINEAR(kn, L->o, b->attn, T, nq, H, b->o, b->x16))) return rc;                                   \
             norm(base, b->o, b->h2, (const T_ *)L->post_norm, s->eps, T, H, b->x);                             \
-            if ((rc = LINEAR(kn, L->gate_up, b->x, T, H, 2 * I, b->gate_up, b->x16))) return rc;                       \
-            ((NAME##_silu)kn->silu_mul)(b->gate_up, 2 * I, T, I, b->act);                                      \
-            if ((rc = LINEAR(kn, L->down, b->act, T, I, H, b->down, b->x16))) return rc;                               \
+            if (L->moe) { /* the router, then the routing and the experts in one call, as Python's block */    \
+                ((NAME##_router)kn->router_logits)(b->x, T, H, (const T_ *)L->router, L->experts, b->logits);   \
+                rc = ((NAME##_moe)kn->moe_block)((const int64_t *)kn->moe_kernels, b->x, b->logits, T, H,        \
+                                                 L->experts, L->top_k, (int)L->norm_topk, (int)L->weights_f32,   \
+                                                 (const T_ *)L->experts_gate_up, (const T_ *)L->experts_down,    \
+                                                 L->expert_width, b->xg, b->gu, b->eact, b->dn, b->inv,          \
+                                                 b->order, b->ends, b->pick_weights, (int64_t *)L->ids, b->down); \
+                if (rc) return rc;                                                                             \
+            } else {                                                                                           \
+                if ((rc = LINEAR(kn, L->gate_up, b->x, T, H, 2 * I, b->gate_up, b->x16))) return rc;           \
+                ((NAME##_silu)kn->silu_mul)(b->gate_up, 2 * I, T, I, b->act);                                  \
+                if ((rc = LINEAR(kn, L->down, b->act, T, I, H, b->down, b->x16))) return rc;                   \
+            }                                                                                                  \
             cur = b->h2, res = b->down;                                                                        \
         }                                                                                                      \
         norm(cur, res, b->h, final_norm, s->eps, T, H, hidden);                                                \

@@ -192,6 +192,31 @@ DEFINE_EXPERTS(experts_f32, float, groups_f32, silu_f32_fn, load_f32, store_f32,
 DEFINE_ROUTE(route_bf16, uint16_t, load_bf16, store_bf16)
 DEFINE_ROUTE(route_f32, float, load_f32, store_f32)
 
+/* A router's logits [T, E] = x [T, H] . w [E, H]^T on its weight in place, each a fp32 sum over H
+   in 16 lanes (then the lanes in order) rounded to the dtype once. The engine's routers run here in
+   both its forwards (Python's, engine/moe_model.Router, and the C decode loop's), so that both route
+   every token alike to the bit; within a GEMM's rounding of F.linear's. E is a router's few outputs
+   (8-256), below what the rows kernels take in bf16. */
+#define DEFINE_ROUTER(NAME, T_, LOAD16, LOAD)                                                                    \
+    void NAME(const T_ *x, int64_t T, int64_t H, const T_ *w, int64_t E, T_ *out) {                            \
+        _Pragma("omp parallel for schedule(static) if (T * E * H > (1 << 20))")                               \
+        for (int64_t i = 0; i < T * E; i++) {                                                                 \
+            const T_ *xr = x + (i / E) * H, *wr = w + (i % E) * H;                                            \
+            v16f acc = {0};                                                                                   \
+            int64_t h = 0;                                                                                    \
+            for (; h + 16 <= H; h += 16) acc += LOAD16(xr + h) * LOAD16(wr + h);                              \
+            float sum = 0.0f;                                                                                 \
+            for (int l = 0; l < 16; l++) sum += acc[l];                                                       \
+            for (; h < H; h++) sum += LOAD(xr[h]) * LOAD(wr[h]);                                              \
+            out[i] = STORE_##T_(sum);                                                                         \
+        }                                                                                                     \
+    }
+#define STORE_uint16_t store_bf16
+#define STORE_float store_f32
+
+DEFINE_ROUTER(router_logits_bf16, uint16_t, load16_bf16, load_bf16)
+DEFINE_ROUTER(router_logits_f32, float, load16_f32, load_f32)
+
 /* The sparse block after its router's GEMM: route (above), then the experts (DEFINE_EXPERTS). The
    scratch as there, plus weights [S] (4 bytes each) and ends [E]; ids [T, k] out. */
 #define DEFINE_BLOCK(NAME, T_, ROUTE, EXPERTS)                                                                   \

@@ -1,7 +1,7 @@
 """engine/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
 and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope) and
-Qwen3's (q/k norms per head); in fp32 (C's norm and
+Qwen3's (q/k norms per head), and mixtures of experts' sparse MLPs (their routed experts too); in fp32 (C's norm and
 silu where Python runs torch's) HF's greedy tokens and its logprobs within fp32's rounding bound;
 what the C loop does not take (a LoRA hook on a layer, the switch off) runs in Python."""
 
@@ -73,6 +73,33 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, mo
     else:
         assert calls["native"] > 0
     assert native == python
+
+
+@amx
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing(moe_dirs, monkeypatch, calls, arch):
+    """bf16: a sparse MLP (router, routing, experts) in the C loop gives the Python forward's tokens,
+    logprobs and each step's routed experts; qwen2_moe's shared expert keeps Python's forward."""
+    from engine import moe_model
+
+    llm = LLM(EngineConfig(model=moe_dirs[arch], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
+    blocks = moe_model.sparse_blocks(llm.core.worker.model)
+    seen = []
+    real = moe_model.SparseMoeBlock.forward
+    monkeypatch.setattr(moe_model.SparseMoeBlock, "forward", lambda self, y: seen.append(1) or real(self, y))
+    _run(llm, monkeypatch, "0")
+    seen.clear()
+    python = _run(llm, monkeypatch, "0")
+    python_ids, in_python = [b.last_ids.clone() for b in blocks], len(seen)
+    calls["native"] = 0
+    seen.clear()
+    native = _run(llm, monkeypatch, "1")
+    if arch == "qwen2_moe":
+        assert calls["native"] == 0
+    else:
+        assert calls["native"] > 0 and len(seen) < in_python / 3  # decode steps' blocks in C: prefills' in Python
+    assert native == python
+    assert all(torch.equal(b.last_ids, ids) for b, ids in zip(blocks, python_ids))  # the last step's, alike
 
 
 @amx
