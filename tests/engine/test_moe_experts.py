@@ -166,3 +166,23 @@ def test_the_grouped_kernel_keeps_its_buffers_in_bounds_across_calls_of_other_sh
     run = subprocess.run([sys.executable, "-c", GROUPS_ACROSS_CALLS], env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_router_is_f_linear_within_its_roundings(dtype):
+    """router_logits (both of the engine's forwards route through it): each logit a fp32 sum over H
+    in another order than F.linear's, rounded once to the dtype: apart by at most H roundings of
+    the sum of the products' magnitudes, plus one rounding of each result in bf16 (both round)."""
+    if not _kernels_run(dtype):
+        pytest.skip("the C block's kernels do not run on this CPU")
+    g = torch.Generator().manual_seed(3)
+    for t, h, e in ((1, 64, 8), (37, 1024, 32), (5, 72, 128)):
+        x, w = torch.randn(t, h, generator=g).to(dtype), torch.randn(e, h, generator=g).to(dtype)
+        with torch.inference_mode():
+            got = moe_experts.router_logits(x, w)
+            want = torch.nn.functional.linear(x, w)
+        mag = x.abs().double() @ w.abs().double().T
+        ulp = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+        bound = h * 2.0**-24 * mag + ulp * want.abs().double()
+        assert got is not None and got.dtype == dtype and got.shape == (t, e)
+        assert ((got.double() - want.double()).abs() <= bound).all(), (t, h, e)
