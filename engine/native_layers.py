@@ -203,6 +203,34 @@ def _shape(model, dtype: torch.dtype) -> dict | None:
             "expert_width": sparse[0].experts.down_proj.shape[2] if sparse else 0}
 
 
+def _scratch_bytes(shape: dict, t: int, dtype: torch.dtype, sparse: bool) -> dict[str, int]:
+    """The bytes of each of the step's scratch buffers (decode_layers.c's scratch struct) for `t` rows;
+    a sparse MLP's too where the model has one."""
+    h, d, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["intermediate"]
+    kv = shape["kv_heads"] * shape["head_dim"]
+    widths = {"x": h, "qkv": d + 2 * kv, "q": d, "k": kv, "attn": d, "o": h, "h": h, "h2": h, "gate_up": 2 * i,
+              "act": i, "down": h, "x16": max(h, d, i)}
+    size = torch.finfo(dtype).bits // 8
+    nbytes = {name: t * widths[name] * (2 if name == "x16" else size) for name in _SCRATCH}
+    if sparse:
+        picks, e, w = t * shape["top_k"], shape["experts"], shape["expert_width"]
+        nbytes.update({"logits": t * e * size, "xg": picks * h * size, "gu": picks * 2 * w * size,
+                       "eact": picks * w * size, "dn": picks * h * size, "inv": picks * 8, "order": picks * 8,
+                       "ends": e * 8, "pick_weights": picks * 4})
+    return nbytes
+
+
+def _scratch(nbytes: dict[str, int]) -> tuple[torch.Tensor, _Scratch]:
+    """One buffer holding each of `nbytes`' parts from a 64-byte boundary, and their addresses (the
+    buffer must outlive the call)."""
+    buffer = torch.empty(sum(-(-b // 64) * 64 for b in nbytes.values()), dtype=torch.uint8)
+    pointers, offset = {}, 0
+    for name, size in nbytes.items():
+        pointers[name] = buffer.data_ptr() + offset
+        offset += -(-size // 64) * 64
+    return buffer, _Scratch(**pointers)
+
+
 def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
     """The decoder model's layers and final norm over `hidden` [1, T, H] (the step's embeddings,
     overwritten) at a decode step: the normed hidden states, or None when Python must run them."""
@@ -240,22 +268,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     bs = ctx.k_blocks[0].shape[1]
     s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
                **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
-    h, d, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["intermediate"]
-    kv = shape["kv_heads"] * shape["head_dim"]
-    widths = {"x": h, "qkv": d + 2 * kv, "q": d, "k": kv, "attn": d, "o": h, "h": h, "h2": h, "gate_up": 2 * i,
-              "act": i, "down": h, "x16": max(h, d, i)}
-    size = torch.finfo(dtype).bits // 8
-    nbytes = {name: t * widths[name] * (2 if name == "x16" else size) for name in _SCRATCH}
-    if sparse:
-        s_, e, w = t * shape["top_k"], shape["experts"], shape["expert_width"]
-        nbytes.update({"logits": t * e * size, "xg": s_ * h * size, "gu": s_ * 2 * w * size, "eact": s_ * w * size,
-                       "dn": s_ * h * size, "inv": s_ * 8, "order": s_ * 8, "ends": e * 8, "pick_weights": s_ * 4})
-    buffer = torch.empty(sum(-(-b // 64) * 64 for b in nbytes.values()), dtype=torch.uint8)
-    pointers, offset = {}, 0
-    for name in nbytes:
-        pointers[name] = buffer.data_ptr() + offset
-        offset += -(-nbytes[name] // 64) * 64
-    scratch = _Scratch(**pointers)
+    buffer, scratch = _scratch(_scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
                cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
                nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
