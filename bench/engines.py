@@ -15,8 +15,8 @@ generates exactly the tokens asked for. No request carries a seed (vLLM's CPU bu
 one); every request asks for the sampled tokens' logprobs (logprobs=0: what an RL trainer needs,
 and what the sidecar always asks of vLLM). Each engine starts once per dtype and is warmed up
 before its timed runs. It prints tokens/s, each as a fraction of the matmul peak probed in this
-run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token) and of the run's
-memory read bound (bench/read_bound.py: every weight read once a step, each sequence's KV once a
+run (bench.gpu.matmul_peak, FLOPs counted as bench.gpu does: 2 x params per token, an MoE's active
+ones) and of the run's memory read bound (bench/read_bound.py: every weight read once a step, each sequence's KV once a
 decode step, at the memory read probe's rate; for a mixture of experts every expert is counted), and the ratios
 b/a (goal >= 0.95: the sidecar costs a vLLM user at most 5%), d/a (our engine against vLLM),
 c/d (our sidecar against our engine) and e/d, e/a (our int8 engine against ours and vLLM in the dtype
@@ -47,6 +47,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -117,6 +118,25 @@ def count_params(model_dir: str) -> int:
                     n *= d
                 total += n
     return total
+
+
+def active_params(model_dir: str) -> int:
+    """Parameters a token's forward multiplies by, for the FLOPs of "of peak": all of a dense model's;
+    of a mixture of experts, the experts' tensors (names with `.experts.`) at top_k / experts (a
+    count of every expert made the MoE rows read over 100% of the matmul peak)."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    total, expert = 0, 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                n = math.prod(st.get_slice(name).get_shape())
+                total += n
+                expert += n if ".experts." in name else 0
+    return total if not (experts and top_k) else total - expert + expert * top_k // experts
 
 
 def probe_peak(dtype: str, tries: int = 3) -> float:
@@ -258,9 +278,9 @@ def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Worklo
 
 def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound: dict | None = None,
            bandwidth: float | None = None) -> str:
-    """One line per (dtype, seqs, system): tok/s, the share of the dtype's matmul peak and of the
-    run's memory read bound (bench/read_bound.py: `read_bound[(dtype, seqs)]` bytes over `bandwidth`);
-    then the ratios."""
+    """One line per (dtype, seqs, system): tok/s, the share of the dtype's matmul peak (2 x
+    `num_params` FLOPs a token: `active_params`) and of the run's memory read bound
+    (bench/read_bound.py: `read_bound[(dtype, seqs)]` bytes over `bandwidth`); then the ratios."""
     lines = [f"{'dtype':<5} {'seqs':>5} {'system':<26} {'tokens':>7} {'s':>7} {'tok/s':>8} {'of peak':>8} "
              f"{'of read':>8} {'probe GF/s':>10} {'CPU s':>7} {'tok/CPU-s':>9}"]
     for r in rows:
@@ -404,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; fastest of {args.repeats} per row; "
           f"{time.perf_counter() - t_all:.0f} s in all\n{setup}")
     bandwidth = max([bandwidth] + [r.read_probe for r in rows])  # on a noisy machine the probe moves 12-22 GB/s
-    print(report(rows, peaks, num_params, bounds, bandwidth))
+    print(report(rows, peaks, active_params(model_dir), bounds, bandwidth))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [{**r.__dict__, "tps": r.tps, "tpc": r.tpc} for r in rows], "peaks": peaks, "params": num_params}, f,
