@@ -9,8 +9,6 @@ nothing a client sends reaches another one, and its connection stays open.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -24,6 +22,7 @@ from rollout.group_stream import ShuttingDown
 from rollout.openai_front.chat import Chat
 from rollout.openai_front.chat_tools import ToolOptions
 from rollout.openai_front.completions import Completions
+from rollout.openai_front.disconnect import until_disconnected
 from rollout.openai_front.generation import whole_choices
 from rollout.openai_front.limits import BodyLimit, Crashes, Gate
 from rollout.openai_front.metrics import FrontMetrics
@@ -31,7 +30,6 @@ from rollout.openai_front.responses import LogprobFormat, error_body, new_id
 from rollout.openai_front.schema import ChatCompletionRequest, CompletionRequest, Limits
 from rollout.supervision import NoEngineError
 
-log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode  # a chunk per token per stream: the fast encoder
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -127,7 +125,7 @@ async def _generate(request: Request, front: _Front, endpoint, req, id_prefix: s
     rid = new_id(id_prefix)
     if req.stream:
         return _sse(job.chunks(rid))
-    return job.whole(rid, await _until_disconnected(request, whole_choices(front.manager, job.prompts, job.params)))
+    return job.whole(rid, await until_disconnected(request, whole_choices(front.manager, job.prompts, job.params)))
 
 
 def _answer_errors_as_openai(app: FastAPI) -> None:
@@ -146,26 +144,6 @@ def _answer_errors_as_openai(app: FastAPI) -> None:
         first = e.errors()[0]["loc"] if e.errors() else ()
         return JSONResponse(error_body(400, "; ".join(problems), "invalid_request_error",
                                        ".".join(str(p) for p in first[1:]) or None), status_code=400)
-
-
-async def _until_disconnected(request: Request, work):
-    """Awaits `work`; a client that goes away meanwhile cancels it (its engine requests abort),
-    as vLLM does. No engine at all is a 503."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client of %s went away: its request is aborted", request.url.path)
-                task.cancel()
-                raise HTTPException(499, detail={"message": "client disconnected"})
-    except (NoEngineError, ShuttingDown) as e:
-        raise HTTPException(503, detail={"message": str(e)})
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

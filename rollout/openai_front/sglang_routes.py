@@ -14,6 +14,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from rollout.openai_front.disconnect import until_disconnected
 from rollout.openai_front.sglang_generate import BadField, SglangGenerate
 from rollout.sglang_transfer import SglangTransfer
 from rollout.vllm_transfer import TransferError
@@ -166,7 +167,6 @@ def _add_info_routes(app: FastAPI, transfer: SglangTransfer, model: str, server_
 def _add_generate_route(app: FastAPI, front) -> None:
     @app.post("/generate")
     async def generate(request: Request):
-        from rollout.openai_front.app import _until_disconnected
         from rollout.openai_front.generation import whole_choices
 
         try:
@@ -176,7 +176,7 @@ def _add_generate_route(app: FastAPI, front) -> None:
                                  "message": str(e), "code": 400}, status_code=400)
         if job.body.get("stream"):
             return StreamingResponse(_lines(job), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return job.whole(await _until_disconnected(request, whole_choices(front.manager, job.prompts, job.params)))
+        return job.whole(await until_disconnected(request, whole_choices(front.manager, job.prompts, job.params)))
 
 
 async def _lines(job: SglangGenerate):
