@@ -193,6 +193,9 @@ class Sidecar:
                                  "--log-level", "WARNING", "--host-copy", "off", "--warm-standby", "off",
                                  timeout_s=900.0)
         self.client = RolloutClient(self.side.url)
+        from bench.settle import wait_settled
+
+        wait_settled(self.client.health)  # as (d) waits for its collapser: the steady state a long run serves
 
     def run(self, wl: Workload) -> int:
         from engine import SamplingParams

@@ -153,10 +153,11 @@ async def weights_settled(client, limit: float, reference_s: float) -> None:
     (engine/huge_pages.py): on a VM whose host backs each fresh 2 MB page only then, that takes
     minutes at 1.7B and slows every step meanwhile; a push measured then is measured against a
     stream that is not in its steady state."""
+    from bench.settle import weights_moving
+
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < limit:
-        states = [s for h in await client.health() for s in h.get("engine_states", [])]
-        if not any(s.get("memory", {}).get("huge_pages_moving") for s in states):
+        if not weights_moving(await client.health()):
             waited = time.perf_counter() - t0
             log.info("weights settled on their pages after %.0f s more", waited)
             if waited > 1.0:  # the gaps a first push is read against: from the steady state, not the move
