@@ -183,18 +183,16 @@ def map_shared(fd: int, nbytes: int, populate: bool = False) -> torch.Tensor:
     tail = at + -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     if reserved + nbytes + HUGE > tail:
         munmap(tail, reserved + nbytes + HUGE - tail)
-    view = _Mapped.of(nbytes).from_address(at)
+    view = _mapped_bytes(nbytes).from_address(at)
     weakref.finalize(view, munmap, at, nbytes)
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-class _Mapped:
-    """ctypes byte arrays that a finalizer can watch (a plain ctypes array takes no weak reference)."""
-
-    @staticmethod
-    @functools.cache
-    def of(nbytes: int) -> type:
-        return type("MappedBytes", (ctypes.c_ubyte * nbytes,), {})
+@functools.cache
+def _mapped_bytes(nbytes: int) -> type:
+    """A ctypes byte array type of `nbytes` that a finalizer can watch (a plain ctypes array takes no
+    weak reference)."""
+    return type("MappedBytes", (ctypes.c_ubyte * nbytes,), {})
 
 
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)

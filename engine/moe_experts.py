@@ -76,13 +76,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     the engine's forwards route through it, so that the C decode loop's routing is the Python
     forward's to the bit."""
     dtype = x.dtype
-    if (dtype not in _KERNELS or weight.dtype != dtype or torch.is_grad_enabled() or x.dim() != 2
-            or not (x.is_contiguous() and weight.is_contiguous()) or x.device.type != "cpu" or _native(dtype) is None):
+    loaded = _native(dtype) if dtype in _KERNELS else None
+    if (loaded is None or weight.dtype != dtype or torch.is_grad_enabled() or x.dim() != 2
+            or not (x.is_contiguous() and weight.is_contiguous()) or x.device.type != "cpu"):
         return None
-    fn = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
-                                 (_PTR, _I64, _I64, _PTR, _I64, _PTR))
     out = x.new_empty(x.shape[0], weight.shape[0])
-    fn(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr())
+    loaded[2](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr())
     return out
 
 
@@ -92,9 +91,8 @@ def loop_kernels(dtype: torch.dtype) -> tuple[int, int, int] | None:
     loaded = _native(dtype) if dtype in _KERNELS else None
     if loaded is None:
         return None
-    lib = native_kernels.library("moe_experts")
-    return (ctypes.cast(getattr(lib, f"moe_block_{_SUFFIX[dtype]}"), _PTR).value, loaded[1].data_ptr(),
-            ctypes.cast(getattr(lib, f"router_logits_{_SUFFIX[dtype]}"), _PTR).value)
+    entry, table, router = loaded
+    return ctypes.cast(entry, _PTR).value, table.data_ptr(), ctypes.cast(router, _PTR).value
 
 
 def fits(h: int, i: int, dtype: torch.dtype) -> bool:
@@ -109,8 +107,8 @@ _loaded: dict = {}
 
 
 def _native(dtype: torch.dtype):
-    """(entry, kernel table) of engine/native/moe_experts.c for `dtype`, or None where its kernels do
-    not run here (no AMX for bf16, no AVX-512 for fp32, no compiler, switched off)."""
+    """(entry, kernel table, router) of engine/native/moe_experts.c for `dtype`, or None where its
+    kernels do not run here (no AMX for bf16, no AVX-512 for fp32, no compiler, switched off)."""
     if dtype not in _loaded:
         ok = (amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()) and \
             os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
@@ -123,7 +121,9 @@ def _native(dtype: torch.dtype):
         else:
             table = torch.tensor([ctypes.cast(getattr(lib, sym), _PTR).value
                                   for lib, (_, sym) in zip(libs, _KERNELS[dtype])], dtype=torch.int64)
-            _loaded[dtype] = (entry, table)
+            router = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
+                                             (_PTR, _I64, _I64, _PTR, _I64, _PTR))
+            _loaded[dtype] = (entry, table, router)
     return _loaded[dtype]
 
 
@@ -154,7 +154,7 @@ def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: b
     loaded = _native(dtype)
     if loaded is None:
         return None
-    entry, table = loaded
+    entry, table, _ = loaded
     (t, h), e, i = x.shape, gate_up.shape[0], down.shape[2]
     s = t * top_k
     scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)

@@ -68,7 +68,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        done = moe_experts.router_logits(x, self.weight) if x.dim() == 2 else None
+        done = moe_experts.router_logits(x, self.weight)
         return F.linear(x, self.weight) if done is None else done
 
 

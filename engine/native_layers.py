@@ -119,8 +119,8 @@ def is_sparse(mlp) -> bool:
     return hasattr(mlp, "gate") and hasattr(mlp, "experts")
 
 
-def _sparse_fields(mlp, shape: dict, t: int, keep: list) -> list[int] | None:
-    """A sparse MLP's MOE_FIELDS (its expert ids [t, k] made here, kept in `keep`), or None when
+def _sparse_fields(mlp, shape: dict, t: int, routed: list) -> list[int] | None:
+    """A sparse MLP's MOE_FIELDS (its expert ids [t, k] made here, added to `routed` with it), or None when
     the C block does not take it (a shared expert, another activation, shapes its kernels refuse)."""
     e, dtype = mlp.experts, shape["dtype"]
     weights = (mlp.gate.weight, e.gate_up_proj, e.down_proj)
@@ -131,14 +131,15 @@ def _sparse_fields(mlp, shape: dict, t: int, keep: list) -> list[int] | None:
                                                                               shape["expert_width"])):
         return None  # (the step's scratch is sized once, by the first sparse block's sizes)
     ids = torch.empty(t, mlp.top_k, dtype=torch.int64)
-    keep.append((mlp, ids))
+    routed.append((mlp, ids))
     return [1, *(w.data_ptr() for w in weights), e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2],
             int(mlp.norm_topk), int(mlp.scores_fp32 and dtype != torch.float32), ids.data_ptr()]
 
 
-def _layer_row(layer, ctx, index: int, shape: dict, keep: list, t: int) -> list[int] | None:
+def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t: int) -> list[int] | None:
     """The layer's row of LAYER_FIELDS, or None when some part of it must run in Python; `keep`
-    holds the tensors made for it (its q/k/v bias, a sparse MLP's expert ids) until the call."""
+    holds the tensors made for it (its q/k/v bias) until the call, `routed` a sparse MLP's (block,
+    expert ids [t, k])."""
     attn, mlp = layer.self_attn, layer.mlp
     sparse = is_sparse(mlp)
     qkv_group, gate_up_group = getattr(attn, "_fused", None), None if sparse else getattr(mlp, "_fused", None)
@@ -177,7 +178,7 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, t: int) -> list[
     if sparse:
         row += [0, 0, 0] * 2  # no gate_up, no down: the sparse fields below
     heads = [attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()] if qk_norm else [0, 0]
-    moe = _sparse_fields(mlp, shape, t, keep) if sparse else [0] * MOE_FIELDS
+    moe = _sparse_fields(mlp, shape, t, routed) if sparse else [0] * MOE_FIELDS
     if moe is None:
         return None
     return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe]
@@ -248,13 +249,12 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     if (nd.block_table.shape[0] != t or not hidden.is_contiguous() or slots.dtype != torch.int64
             or not slots.is_contiguous()):
         return None
-    rows, keep = [], []
+    rows, keep, sparse = [], [], []
     for index, layer in enumerate(model.layers):
-        row = _layer_row(layer, ctx, index, shape, keep, t)
+        row = _layer_row(layer, ctx, index, shape, keep, sparse, t)
         if row is None:
             return None
         rows.append(row)
-    sparse = [k for k in keep if isinstance(k, tuple)]  # (block, its expert ids)
     if sparse:
         moe = moe_experts.loop_kernels(dtype)
         if moe is None:
