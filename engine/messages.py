@@ -11,6 +11,7 @@ from typing import Any, Literal, Union, get_args
 
 import msgspec
 
+from engine.errors import FAILED, INVALID, REFUSED, UNHEALTHY, EngineUnhealthyError, RefusedError
 from engine.sampling_params import SamplingParams
 
 # How a pause treats the requests in flight (vLLM's names): "abort" ends them now (finish reason
@@ -89,29 +90,8 @@ class StepOutputs(msgspec.Struct, tag="out", array_like=True):
     deltas: list[SeqDelta]
 
 
-# What kind of failure an error is, carried as data (never read out of its text):
-# "refused": a weight push or load refused before it changed anything (an exception whose `refused`
-#   is true: engine.errors.RefusedError, weight_sync's PushRefused);
-# "invalid": the caller's input was refused and nothing changed (a ValueError where it was raised);
-# "unhealthy": the call failed half way and left the worker unable to serve until it is restarted
-#   (an exception whose class says `error_kind = "unhealthy"`: weight_sync's torn weights);
-# "failed": anything else.
-REFUSED, INVALID, UNHEALTHY, FAILED = "refused", "invalid", "unhealthy", "failed"
-
-
-def error_kind(e: BaseException) -> str:
-    kind = getattr(e, "error_kind", None)
-    if kind in (REFUSED, INVALID, UNHEALTHY, FAILED):
-        return kind
-    if getattr(e, "refused", False):
-        return REFUSED
-    return INVALID if isinstance(e, ValueError) else FAILED
-
-
 def error_for(kind: str, text: str) -> Exception:
-    """An error of `kind` as the frontend raises it."""
-    from engine.errors import EngineUnhealthyError, RefusedError
-
+    """An error of `kind` as the frontend raises it (engine.errors.error_kind reads it back)."""
     if kind == REFUSED:
         return RefusedError(text)
     if kind == INVALID:

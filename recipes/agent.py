@@ -134,7 +134,7 @@ def _examples_that_fit(args, tokenizer, make) -> int:
 def _chat_template(args, tokenizer) -> str | None:
     """--chat-template's text, or None for the tokenizer's own (its source in args.chat_template_source)."""
     from recipes.turns import takes_tools
-    from rollout.serve_checks import chat_template_text
+    from rollout.sidecar.serve_checks import chat_template_text
     from rollout.tool_calls import HERMES_CHAT_TEMPLATE
 
     choice = args.chat_template

@@ -28,7 +28,7 @@ from recipes.run import Run
 from recipes.seeds import request_seed
 from recipes.task_defaults import fill_task_defaults
 from recipes.tasks import reward_metrics
-from rollout.types import Rollout
+from rollout.common.types import Rollout
 from weight_sync.trainer.ranks import follow_push
 
 log = logging.getLogger("recipes")
@@ -59,7 +59,7 @@ def setup(algo, args, make_task=None) -> Run:
     from recipes.tracking import Tracker
     from recipes import routing_replay
     from rollout import RolloutClient
-    from rollout.serve_args import model_dir_or_exit
+    from rollout.sidecar.serve_args import model_dir_or_exit
     from weight_sync import flatten_parameters
 
     # a name (smollm2, tiny, ...): its cached directory; no model there: one line, as rollout.serve says it

@@ -1,7 +1,7 @@
 """Where an episode's assistant turns come from: the sidecar through `AsyncRolloutClient` (no HTTP)
 or through its OpenAI-compatible front with the official `openai` client (what any agent framework
 would use in its place). Both send the conversation with every earlier assistant turn carrying its
-sampled `token_ids` (rollout/openai_front/chat_prompt.py: spliced in as sampled, never re-tokenised),
+sampled `token_ids` (rollout/sidecar/openai_front/chat_prompt.py: spliced in as sampled, never re-tokenised),
 and both answer a `Turn`: the prompt's ids, the turn's ids, the engine's logprob and weight version
 of each token, and the turn as an OpenAI message dict.
 
@@ -25,7 +25,7 @@ from engine import SamplingParams
 
 class TurnError(RuntimeError):
     """The sidecar refused or failed one turn's request. `status`: the HTTP status (openai
-    transport), or the sidecar's error kind (rollout.protocol.ERROR_KINDS; client transport)."""
+    transport), or the sidecar's error kind (rollout.common.protocol.ERROR_KINDS; client transport)."""
 
     def __init__(self, message: str, status: int | str):
         super().__init__(message)
@@ -46,7 +46,7 @@ def history_message(turn: Turn) -> dict:
     """The turn as sent back in the next request: its message with its `token_ids` (a template
     that cannot render a None content gets ""). A turn that called tools keeps its `tool_calls` (a
     tool message's `tool_call_id` names one); the prompt renders it as its sampled ids all the same
-    (rollout/openai_front/chat_prompt.py), never the calls a second time."""
+    (rollout/sidecar/openai_front/chat_prompt.py), never the calls a second time."""
     return {**turn.message, "content": turn.message.get("content") or "", "token_ids": turn.token_ids}
 
 
@@ -70,7 +70,7 @@ def parsed_message(text: str, parser) -> dict:
 
 class ClientTurns:
     """Turns through `AsyncRolloutClient`: the prompt built here with the HTTP front's own function
-    (rollout.openai_front.chat_prompt), so both paths give the same ids for the same conversation;
+    (rollout.sidecar.openai_front.chat_prompt), so both paths give the same ids for the same conversation;
     `chat_template`: the one the front was given (`rollout.serve --chat-template`), else the
     tokenizer's; `parser`: reads the tool calls out of each turn's text, as the front's does."""
 
@@ -79,15 +79,15 @@ class ClientTurns:
         self.takes_tools = takes_tools(chat_template or getattr(tokenizer, "chat_template", None))
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        from rollout.openai_front.chat_prompt import chat_prompt_ids
-        from rollout.openai_front.schema import ChatMessage
+        from rollout.sidecar.openai_front.chat_prompt import chat_prompt_ids
+        from rollout.sidecar.openai_front.schema import ChatMessage
 
         return chat_prompt_ids([ChatMessage.model_validate(m) for m in messages], self.tokenizer,
                                tools if self.takes_tools else None, chat_template=self.chat_template)
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
-        from rollout.openai_front.chat_prompt import ChatPromptError
-        from rollout.sidecar_link import SidecarError
+        from rollout.sidecar.openai_front.chat_prompt import ChatPromptError
+        from rollout.client.sidecar_link import SidecarError
 
         try:
             ids = self.prompt_ids(messages, tools)

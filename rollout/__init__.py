@@ -1,9 +1,22 @@
-"""The rollout layer: the sidecar server (`python -m rollout.serve`), its manager, and the
-trainer's client."""
+"""The rollout layer, by process: the trainer's client (rollout.client), the sidecar
+(rollout.sidecar, started by `python -m rollout.serve`), and what both speak (rollout.common).
 
-from rollout.blocking_client import RolloutClient
-from rollout.client import AsyncRolloutClient
-from rollout.sidecar_link import SidecarError, SidecarGoneError
-from rollout.types import Rollout
+The client's names are loaded on first use, so that a sidecar, which imports this package
+too, never loads the client's modules (it runs one only to catch a newcomer up)."""
 
-__all__ = ["AsyncRolloutClient", "RolloutClient", "Rollout", "SidecarError", "SidecarGoneError"]
+import importlib
+
+_EXPORTS = {
+    "AsyncRolloutClient": "rollout.client.async_client",
+    "RolloutClient": "rollout.client.blocking_client",
+    "SidecarError": "rollout.client.sidecar_link",
+    "SidecarGoneError": "rollout.client.sidecar_link",
+    "Rollout": "rollout.common.types",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -36,7 +36,7 @@ except ImportError as e:  # the extra is optional: say how to get it
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout.blocking_client import RolloutClient
+from rollout.client.blocking_client import RolloutClient
 from rollout.launcher import LocalSidecar
 
 log = logging.getLogger("rollout.ray")

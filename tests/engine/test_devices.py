@@ -39,7 +39,7 @@ def test_dtype_auto_is_the_checkpoints_on_a_gpu_and_float32_on_the_cpu(tmp_path)
 def test_a_push_travels_in_the_engines_dtype():
     import torch
 
-    from rollout.weight_sync_client import wire_dtype
+    from rollout.client.weight_sync_client import wire_dtype
 
     assert wire_dtype([{"dtype": "bfloat16"}, {"dtype": "bfloat16"}]) is torch.bfloat16
     assert wire_dtype([{"dtype": "bfloat16"}, {"dtype": "float32"}]) is None  # mixed: each tensor's own

@@ -6,10 +6,14 @@ import asyncio
 
 import pytest
 
-from engine.errors import EngineUnhealthyError, RefusedError
-from engine.messages import FAILED, INVALID, REFUSED, UNHEALTHY, error_for, error_kind
-from rollout import protocol as P
-from weight_sync.common.votes import PushRefused, WeightSyncError
+from engine.errors import FAILED, INVALID, REFUSED, UNHEALTHY, EngineUnhealthyError, RefusedError, error_kind
+from engine.messages import error_for
+from rollout.client.sidecar_link import SidecarError, SidecarGoneError
+from rollout.sidecar.push_coordinator import PushWithdrawn, WeightSyncRefused, WeightSyncRegroup
+from rollout.sidecar.supervision import NoEngineError
+from weight_sync.common.votes import (
+    DeltaBaseError, NeedsBaseError, PushRefused, StaleManifestError, WeightSyncError, WeightSyncRefusedError,
+)
 from weight_sync.engine_side.engines import commit_results
 
 
@@ -23,7 +27,24 @@ def test_a_kind_survives_the_engine_boundary(error, kind):
     again = error_for(kind, str(error))
     assert error_kind(again) == kind and str(again) == str(error)
     assert isinstance(again, ValueError) == (kind in (REFUSED, INVALID))  # a refusal is bad input too
-    assert P.error_kind(again) == kind  # and the sidecar's reply says the same
+
+
+@pytest.mark.parametrize("kind", [PushRefused, WeightSyncRefusedError, StaleManifestError, NeedsBaseError,
+                                  DeltaBaseError, WeightSyncRefused, PushWithdrawn])
+def test_every_refusal_stems_from_the_one_root_and_reads_refused(kind):
+    error = kind("nothing changed")
+    assert isinstance(error, RefusedError) and error.refused and error_kind(error) == REFUSED
+
+
+def test_the_sidecars_kinds_are_read_by_the_same_reader():
+    assert error_kind(WeightSyncRegroup("an engine restarted")) == "regroup"
+    assert error_kind(NoEngineError("no engine left")) == "gone"
+    assert error_kind(SidecarGoneError("tcp://x:1", "closed")) == "gone"
+    assert error_kind(SidecarError("refused by the sidecar", "refused")) == REFUSED
+    assert error_kind(SidecarError("no word from the sidecar")) == FAILED
+    assert error_kind(PermissionError("bad token")) == INVALID
+    failed = WeightSyncError("the transfer broke")
+    assert not failed.refused and error_kind(failed) == FAILED
 
 
 def test_unhealthy_comes_back_as_an_unhealthy_engine():

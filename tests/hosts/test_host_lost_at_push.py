@@ -24,7 +24,7 @@ import pytest
 
 from bench.hostbed import HostBed, unavailable
 from rollout import RolloutClient
-from rollout.sidecar_link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from rollout.client.sidecar_link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from tests.hosts.conftest import HOSTS, SIDECAR_ARGS
 from tests.rollout.sidecar import TOKEN
 from tests.rollout.test_sidecar import perturb

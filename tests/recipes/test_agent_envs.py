@@ -13,8 +13,8 @@ from recipes.envs.calculator import CalculatorError, calculate
 from recipes.episode_metrics import episode_metrics, episode_rewards
 from recipes.episodes import Episode, StitchError
 from recipes.turns import ClientTurns, Turn, history_message, parsed_message
-from rollout.openai_front.chat_prompt import chat_prompt_ids
-from rollout.openai_front.schema import ChatMessage
+from rollout.sidecar.openai_front.chat_prompt import chat_prompt_ids
+from rollout.sidecar.openai_front.schema import ChatMessage
 from rollout.tool_calls import HERMES_CHAT_TEMPLATE, get_tool_parser
 
 
@@ -106,7 +106,7 @@ def test_the_calculator_shows_worked_calls_as_the_template_renders_the_models_ow
     """Three worked exchanges before the question: each call renders (Hermes ChatML template) as the
     text the Hermes parser reads back as that call, each tool reply is the calculator's value of it
     and names it, so the OpenAI front takes the conversation; the answer reports `correct`."""
-    from rollout.openai_front.chat_tools import check_tool_call_ids
+    from rollout.sidecar.openai_front.chat_tools import check_tool_call_ids
 
     parser = get_tool_parser("hermes")
     env = Calculator(tools_in_prompt=False, examples=3)

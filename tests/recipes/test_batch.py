@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from recipes.algorithms import PolicyWithValue
 from recipes.batch import build_batch, completion_logits
-from rollout.types import Rollout
+from rollout.common.types import Rollout
 
 
 def _rollout(prompt, completion):

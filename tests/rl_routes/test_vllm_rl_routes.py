@@ -1,4 +1,4 @@
-"""vLLM's RL routes on the sidecar (rollout/vllm_transfer.py, rollout/openai_front/rl_routes.py),
+"""vLLM's RL routes on the sidecar (rollout/sidecar/vllm_transfer.py, rollout/sidecar/openai_front/rl_routes.py),
 driven by a trainer process made of vLLM's own client, group and packing code
 (tests/rl_routes/vllm_trainer.py): the sidecar then serves exactly the trainer's weights."""
 

@@ -1,6 +1,6 @@
-"""rollout/delta_anchors.py: when the full weights go instead of a delta. Pure: no sidecar."""
+"""rollout/client/delta_anchors.py: when the full weights go instead of a delta. Pure: no sidecar."""
 
-from rollout.delta_anchors import DeltaAnchors
+from rollout.client.delta_anchors import DeltaAnchors
 
 
 def test_an_anchor_every_n_pushes_and_after_a_failure():

@@ -17,7 +17,7 @@ from rollout import RolloutClient, SidecarError
 from tests.engine.helpers import hf_greedy, random_prompts
 from tests.rollout.in_flight import kill_mid_decode
 from tests.rollout.sidecar import TOKEN, Sidecar
-from rollout.supervision import HOST_COPY_PREFIX, SHM_DIR
+from rollout.sidecar.supervision import HOST_COPY_PREFIX, SHM_DIR
 from weight_sync import weights_checksum
 from weight_sync.common.shm_names import sweep_orphans
 

@@ -394,7 +394,7 @@ def test_an_agent_loop_feeds_a_grpo_update(front, oai, tools_dir):
     from recipes.algorithms import GRPO
     from recipes.rl_train import Run, build_parser, update
     from recipes.task_defaults import fill_task_defaults
-    from rollout.types import Rollout
+    from rollout.common.types import Rollout
     from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
 
     zc = RolloutClient(front.url, token=TOKEN)

@@ -250,7 +250,7 @@ def test_a_bug_is_a_500_for_its_request_alone_and_the_connection_stays_open():
     import uvicorn
     from fastapi import FastAPI, Request
 
-    from rollout.openai_front.limits import Crashes
+    from rollout.sidecar.openai_front.limits import Crashes
 
     app = FastAPI()
     app.add_middleware(Crashes)

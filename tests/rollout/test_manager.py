@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
-from rollout.manager import RolloutManager, _Sample
+from rollout.sidecar.manager import RolloutManager, _Sample
 from tests.engine.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(300)

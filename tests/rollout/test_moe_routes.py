@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from rollout.manager import RolloutManager, _Sample
+from rollout.sidecar.manager import RolloutManager, _Sample
 from tests.engine.helpers import random_prompts
 from tests.rollout.sidecar import TOKEN, Sidecar
 

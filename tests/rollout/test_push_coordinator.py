@@ -1,4 +1,4 @@
-"""The sidecar's staged-push coordinator on its own (rollout/push_coordinator.py), with no front end:
+"""The sidecar's staged-push coordinator on its own (rollout/sidecar/push_coordinator.py), with no front end:
 a real engine behind a RolloutManager, the trainer's WeightSender in this process, gloo on loopback."""
 
 import asyncio
@@ -10,8 +10,8 @@ import torch
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.errors import EngineUnhealthyError
-from rollout.manager import RolloutManager
-from rollout.push_coordinator import (
+from rollout.sidecar.manager import RolloutManager
+from rollout.sidecar.push_coordinator import (
     OwnedElsewhere, Owner, PushCoordinator, TrainerLost, WeightSyncRefused, trainer_lost,
 )
 from tests.engine.helpers import hf_greedy

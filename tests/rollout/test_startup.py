@@ -12,7 +12,7 @@ import textwrap
 def test_the_engine_cores_start_before_the_front_end_imports_torch(qwen2_dir):
     code = textwrap.dedent(f"""
         import sys
-        from rollout import serve
+        from rollout.sidecar import main as serve
 
         args = serve.build_parser().parse_args(["--model", {qwen2_dir!r}, "--num-engines", "2"])
         model, cores = serve.prepare(args)
@@ -30,7 +30,7 @@ def test_the_engine_cores_start_before_the_front_end_imports_torch(qwen2_dir):
 
 
 def test_prepacked_linears_follow_the_flag(qwen2_dir):
-    from rollout import serve
+    from rollout.sidecar import main as serve
 
     on, off = (serve.engine_config(serve.build_parser().parse_args(flags), qwen2_dir, "cpu", 0)
                for flags in (["--max-model-len", "128"], ["--max-model-len", "128", "--prepack-linears", "off"]))
@@ -38,7 +38,7 @@ def test_prepacked_linears_follow_the_flag(qwen2_dir):
 
 
 def test_vllm_engines_start_no_cores_of_ours():
-    from rollout import serve
+    from rollout.sidecar import main as serve
 
     args = serve.build_parser().parse_args(["--engine", "vllm"])
     assert serve.start_cores_early(args, "unused") == []
@@ -73,7 +73,7 @@ def test_a_bad_argument_ends_the_sidecar_with_one_line_before_any_engine_starts(
 
 
 def test_the_sequence_length_defaults_to_what_the_model_holds(qwen2_dir):
-    from rollout import serve
+    from rollout.sidecar import main as serve
 
     args = serve.build_parser().parse_args(["--model", qwen2_dir, "--port", "0"])
     serve._check_or_exit(args, qwen2_dir)

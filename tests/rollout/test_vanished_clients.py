@@ -42,7 +42,7 @@ PROMPT_TOKENS = 3  # each client's prompt: [5, 6, 7 + i]
 CONTEXT = 1024
 MAX_TOKENS = CONTEXT - 8  # 160 x 1016 tokens: far longer to decode on 2 cores than CANCEL_WITHIN_S
 MAX_NUM_SEQS = 64  # the sidecar's default, named: the warm-up's shapes follow from it
-CANCEL_WITHIN_S = 10.0  # ten times rollout.server.PROBE_S, how often the clients of calls in flight are probed
+CANCEL_WITHIN_S = 10.0  # ten times rollout.sidecar.server.PROBE_S, how often the clients of calls in flight are probed
 ROUNDS = 10  # rounds of killed clients measured after the warm-up
 
 # CLIENTS clients in one process, each with a generate call in flight until the process is killed.

@@ -1,6 +1,6 @@
-"""The trainer's half of a push on its own (rollout.weight_sync_client.WeightSyncClient): its
+"""The trainer's half of a push on its own (rollout.client.weight_sync_client.WeightSyncClient): its
 decisions when a push is refused, torn, loses a member or regroups, and when it sends deltas. No
-sidecar process: the links (rollout.push_links.PushLinks) are scripted here, and each "sidecar"
+sidecar process: the links (rollout.client.push_links.PushLinks) are scripted here, and each "sidecar"
 behind them is one worker of this process, a real PushReceiver over a HF model of its own, in a
 real gloo group with the client's real WeightSender (as tests/weight_sync/test_receive.py)."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout import protocol as P
-from rollout.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError
-from rollout.weight_sync_client import WeightSyncClient
+from engine.errors import error_kind
+from rollout.client.sidecar_link import ACTIVE, DROPPED, JOINING, SidecarError, SidecarGoneError
+from rollout.client.weight_sync_client import WeightSyncClient
 from tests.weight_sync.test_receive import Worker
 from weight_sync import weights_checksum
 from weight_sync.engine_side.params_target import ParamsTarget
@@ -105,7 +105,7 @@ class FakeLinks:
             if tag == "close_weight_sync":
                 return r.group is not None and r.close_group(r.group)
         except Exception as e:
-            raise SidecarError(f"{tag} failed on {self.url(i)}: {e}", P.error_kind(e)) from e
+            raise SidecarError(f"{tag} failed on {self.url(i)}: {e}", error_kind(e)) from e
         raise AssertionError(f"unexpected call {tag}")
 
     def checksum(self, i):

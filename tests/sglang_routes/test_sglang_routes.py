@@ -1,5 +1,5 @@
-"""SGLang's RL routes on a sidecar of two engines (rollout/sglang_transfer.py,
-rollout/openai_front/sglang_routes.py), driven by a trainer made of slime's and AReaL's own group
+"""SGLang's RL routes on a sidecar of two engines (rollout/sidecar/sglang_transfer.py,
+rollout/sidecar/openai_front/sglang_routes.py), driven by a trainer made of slime's and AReaL's own group
 set-up and HTTP calls (tests/sglang_routes/sglang_trainer.py): the sidecar then serves exactly the
 trainer's weights, and /generate answers as slime and AReaL parse it."""
 

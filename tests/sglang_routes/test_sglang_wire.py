@@ -1,9 +1,9 @@
-"""SGLang's update call as manifests (weight_sync/common/sglang_wire.py): a tied weight a trainer sends
+"""SGLang's update call as manifests (weight_sync/sglang/wire.py): a tied weight a trainer sends
 besides its parameter (TorchRL sends its state dict) gets a part of its own, in broadcast order."""
 
 import pytest
 
-from weight_sync.common.sglang_wire import tied_aliases, update_parts
+from weight_sync.sglang.wire import tied_aliases, update_parts
 
 SERVED = {"model.embed_tokens.weight", "model.norm.weight"}
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}

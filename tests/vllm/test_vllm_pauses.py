@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from engine import EngineConfig, SamplingParams  # noqa: E402
-from rollout.group_stream import stream_group  # noqa: E402
-from rollout.manager import RolloutManager  # noqa: E402
+from rollout.sidecar.group_stream import stream_group  # noqa: E402
+from rollout.sidecar.manager import RolloutManager  # noqa: E402
 from tests.engine.helpers import random_prompts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

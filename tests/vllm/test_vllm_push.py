@@ -161,7 +161,7 @@ def test_a_delta_into_vllm_gives_what_the_full_push_gives(client, trainer):
 
 
 def test_vllms_trainer_code_pushes_into_vllms_engine_through_the_rl_routes(sidecar, client, qwen2_dir):
-    """vLLM's RL routes (rollout/vllm_transfer.py) on `--engine vllm`: vLLM's own trainer code
+    """vLLM's RL routes (rollout/sidecar/vllm_transfer.py) on `--engine vllm`: vLLM's own trainer code
     (tests/rl_routes/vllm_trainer.py) pushes into vLLM's loaders; a wrong shape changes nothing."""
     import subprocess
     import sys

@@ -19,7 +19,8 @@ from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
 pytestmark = pytest.mark.timeout(180)
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "weight_sync"
 # each place, and the places it must not import (lazy imports and TYPE_CHECKING ones included)
-FORBIDDEN = {"common": ("trainer", "engine_side", "vllm"), "engine_side": ("trainer",), "vllm": ("trainer",)}
+FORBIDDEN = {"common": ("trainer", "engine_side", "vllm", "sglang"), "engine_side": ("trainer",), "vllm": ("trainer",),
+             "sglang": ("trainer",)}
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -46,7 +47,7 @@ def test_the_ground_imports_neither_half_and_the_engine_half_never_the_trainer_h
 def test_every_module_of_weight_sync_lives_in_one_of_its_places():
     assert sorted(p.name for p in ROOT.glob("*.py")) == ["__init__.py"]
     assert sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("__")) == [
-        "common", "engine_side", "trainer", "vllm"]
+        "common", "engine_side", "sglang", "trainer", "vllm"]
 
 
 def test_an_engine_core_that_took_a_push_loaded_no_module_of_the_trainer_half(qwen2_dir, loop):

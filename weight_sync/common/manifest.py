@@ -131,7 +131,7 @@ class Manifest(msgspec.Struct, frozen=True):
     adapter: AdapterSpec | None = None  # set for a LoRA adapter push
     delta: DeltaSpec | None = None  # set for a delta push (weight_sync/common/delta_push.py)
     # a part of an update that spans several pushes (SGLang's update_weights_from_distributed, one
-    # call per bucket): it need not cover every parameter (rollout/sglang_transfer.py commits the parts)
+    # call per bucket): it need not cover every parameter (rollout/sidecar/sglang_transfer.py commits the parts)
     partial: bool = False
 
     # -- wire -------------------------------------------------------------------------------

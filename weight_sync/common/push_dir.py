@@ -112,7 +112,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 def read_tensors(path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
     """A push directory's tensors as (name, tensor) pairs in its manifest's order: what a sidecar
-    sends on from its host copy (rollout.peer_send)."""
+    sends on from its host copy (rollout.sidecar.peer_send)."""
     from safetensors import safe_open
 
     m = read_manifest(path)

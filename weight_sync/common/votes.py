@@ -29,37 +29,39 @@ def describe(e: BaseException) -> str:
 
 
 class WeightSyncError(RuntimeError):
-    """A push failed. `refused` is True when it was refused before any byte moved (the group is
-    still usable); otherwise the transfer broke and the group must be formed again."""
+    """A push failed: the transfer broke and the group must be formed again. A push refused before
+    any byte moved (the group still usable) is a `WeightSyncRefusedError`, one of these too.
+    `reasons`: each party's words, the trainer's first."""
 
-    def __init__(self, message: str, refused: bool = False, reasons: list[str] | None = None):
+    def __init__(self, message: str, reasons: list[str] | None = None):
         super().__init__(message)
-        self.refused = refused
         self.reasons = reasons or [message]
 
+    @property
+    def refused(self) -> bool:
+        return isinstance(self, RefusedError)
 
-class StaleManifestError(WeightSyncError):
+
+class WeightSyncRefusedError(WeightSyncError, RefusedError):
+    """A push refused before any byte moved: nothing changed and the group is still usable (error
+    kind "refused", engine.errors.RefusedError being the root of every refusal)."""
+
+    error_kind = "refused"
+
+
+class StaleManifestError(WeightSyncRefusedError):
     """A push prepared with `reuse_layout=True` found the weights no longer match the reused
     layout (names, dtypes or shapes changed). Refused before any byte moved; prepare afresh."""
 
-    def __init__(self, message: str):
-        super().__init__(message, refused=True)
 
-
-class NeedsBaseError(WeightSyncError):
+class NeedsBaseError(WeightSyncRefusedError):
     """An adapter push refused before any byte moved because a worker does not hold the base it
     applies to: push again with the base in the manifest (weight_sync.trainer.push does)."""
 
-    def __init__(self, message: str):
-        super().__init__(message, refused=True)
 
-
-class DeltaBaseError(WeightSyncError):
+class DeltaBaseError(WeightSyncRefusedError):
     """A delta push refused before any byte moved because a worker does not hold the weights it
     applies to (a restarted engine, a missed push): push the full weights (weight_sync.trainer.push does)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, refused=True)
 
 
 class PushRefused(RefusedError):

@@ -17,8 +17,9 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+from engine.errors import error_kind
 from weight_sync.common.manifest import Manifest
-from weight_sync.common.votes import WeightSyncError, describe
+from weight_sync.common.votes import WeightSyncError, WeightSyncRefusedError, describe
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ async def receive_on_engines(engines: Sequence, manifest: Manifest | dict, timeo
 async def stage_on_engines(engines: Sequence, manifest: Manifest | dict, timeout: float,
                            group_name: str | None = None, method: str = "begin_receive_weights") -> list:
     """The overlapped receive: each engine's `begin_receive_weights(manifest)` (or `method`: from a
-    vLLM trainer, `begin_receive_vllm`), answered once its push is in. One result per engine:
+    vLLM trainer, `begin_receive_foreign`), answered once its push is in. One result per engine:
     "staged", "failed" (finish_on_engines raises why), or the exception of a call that failed.
     The engines keep generating throughout."""
     wire = manifest.to_wire() if isinstance(manifest, Manifest) else manifest
@@ -111,10 +112,11 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     if trainer_error is not None:
         reasons.insert(0, f"trainer: {describe(trainer_error)}")
     if reasons:
-        refused = (not committed and all(getattr(r, "refused", False) for _, r in failed)
-                   and (trainer_error is None or getattr(trainer_error, "refused", False)))
-        raise WeightSyncError(f"{what} of version {version} failed ({len(committed)}/{len(engines)} engines "
-                              f"committed): " + " | ".join(reasons), refused=refused, reasons=reasons)
+        refused = (not committed and all(error_kind(r) == "refused" for _, r in failed)
+                   and (trainer_error is None or error_kind(trainer_error) == "refused"))
+        kind = WeightSyncRefusedError if refused else WeightSyncError
+        raise kind(f"{what} of version {version} failed ({len(committed)}/{len(engines)} engines committed): "
+                   + " | ".join(reasons), reasons=reasons)
     first = results[0][0] if results and results[0] else {}
     return {"version": version, "engines": len(engines), "bytes": first.get("bytes"),
             "worker_results": [r[0] for r in results]}

@@ -157,24 +157,24 @@ class WeightSyncExtension:
         from weight_sync.vllm.group import VllmTrainerGroup
 
         r = self._receiver()
-        self.close_vllm_group()
+        self.close_foreign_group()
         my_rank = int(rank) + r.local_rank
-        r.vllm_group = VllmTrainerGroup(host, None if port is None else int(port), int(world_size), my_rank,
-                                        float(timeout_s), r.device, unique_id_b64)
+        r.foreign_group = VllmTrainerGroup(host, None if port is None else int(port), int(world_size), my_rank,
+                                           float(timeout_s), r.device, unique_id_b64)
         return {"rank": my_rank, "world_size": int(world_size)}
 
     def join_sglang_group(self, host: str, port: int, world_size: int, rank: int, group_name: str,
                           backend: str, timeout_s: float = 120.0) -> dict:
-        """Join the group a trainer written for SGLang formed (weight_sync/common/sglang_group.py) as rank
+        """Join the group a trainer written for SGLang formed (weight_sync/sglang/group.py) as rank
         `rank + i` for worker i, in the slot of a foreign trainer's group (vLLM's or SGLang's, one
-        at a time): begin_receive_vllm then receives over it. Any previous such group is left."""
-        from weight_sync.common.sglang_group import SglangTrainerGroup
+        at a time): begin_receive_foreign then receives over it. Any previous such group is left."""
+        from weight_sync.sglang.group import SglangTrainerGroup
 
         r = self._receiver()
-        self.close_vllm_group()
+        self.close_foreign_group()
         my_rank = int(rank) + r.local_rank
-        r.vllm_group = SglangTrainerGroup(host, int(port), int(world_size), my_rank, str(group_name), str(backend),
-                                          float(timeout_s), r.device)
+        r.foreign_group = SglangTrainerGroup(host, int(port), int(world_size), my_rank, str(group_name),
+                                             str(backend), float(timeout_s), r.device)
         return {"rank": my_rank, "world_size": int(world_size)}
 
     def hold_staged_part(self, tied: dict[str, str] | None = None) -> dict:
@@ -202,14 +202,14 @@ class WeightSyncExtension:
             held = self._weight_parts = HeldParts(self._overlapped())
         return held
 
-    def begin_receive_vllm(self, manifest):
-        """As begin_receive_weights, over the vLLM trainer's group: answered once every chunk is
-        staged (or failed); finish_staged_weights commits it."""
-        return self._overlapped().begin(manifest, vllm=True)
+    def begin_receive_foreign(self, manifest):
+        """As begin_receive_weights, over a foreign trainer's group (vLLM's or SGLang's): answered
+        once every chunk is staged (or failed); finish_staged_weights commits it."""
+        return self._overlapped().begin(manifest, foreign=True)
 
-    def close_vllm_group(self) -> bool:
+    def close_foreign_group(self) -> bool:
         r = self._receiver()
-        g, r.vllm_group = r.vllm_group, None
+        g, r.foreign_group = r.foreign_group, None
         self._held_parts().drop()  # an update in parts not committed: its trainer's group is gone
         staged = self._overlapped().staged
         if g is not None and staged is not None and staged.group is g and staged.thread.is_alive():

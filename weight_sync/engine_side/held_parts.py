@@ -1,5 +1,5 @@
 """An update that arrives in parts (SGLang's trainers send one `update_weights_from_distributed`
-call per bucket, rollout/sglang_transfer.py): each part is received and staged as any overlapped
+call per bucket, rollout/sidecar/sglang_transfer.py): each part is received and staged as any overlapped
 push (weight_sync/engine_side/overlapped_receive.py), then held here, uncommitted, until the
 sidecar commits every part at once (between two engine steps: the engine never serves a mix of
 the update's parts and the weights before it) or drops them all (a trainer gone mid-update).

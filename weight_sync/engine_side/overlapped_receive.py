@@ -51,13 +51,13 @@ class OverlappedReceive:
         self.staged: StagedPush | None = None
         self.side_stream = None  # CUDA: the receiving thread's stream
 
-    def begin(self, manifest, group_name: str | None = None, vllm: bool = False) -> concurrent.futures.Future:
+    def begin(self, manifest, group_name: str | None = None, foreign: bool = False) -> concurrent.futures.Future:
         """Start steps 1-4 on a thread; the engine keeps stepping with the current weights. The
         future resolves to "staged" (every byte in, the commit vote passed) or "failed" (`finish`
-        raises why) once the thread ends. `vllm`: over the group of a trainer written for vLLM's
-        RL routes (weight_sync/vllm/group.py), which casts no vote."""
-        if vllm:
-            g = self.receiver.vllm_group
+        raises why) once the thread ends. `foreign`: over a foreign trainer's group (vLLM's RL routes'
+        or SGLang's: the receiver's `foreign_group`), which casts no vote."""
+        if foreign:
+            g = self.receiver.foreign_group
             if g is None or not g.ready:
                 raise RuntimeError("no vLLM weight-transfer group: /init_weight_transfer_engine first")
         else:
@@ -68,7 +68,7 @@ class OverlappedReceive:
         if old is not None and old.ready is not None:  # never finished (its push was given up): its buffer goes
             self.receiver.pool.give_back(old.ready.plan.staging)
         staged = self.staged = StagedPush(g)
-        staged.thread = threading.Thread(target=self._stage, args=(staged, manifest, group_name, vllm),
+        staged.thread = threading.Thread(target=self._stage, args=(staged, manifest, group_name, foreign),
                                          name="weight-sync-receive", daemon=True)
         staged.thread.start()
         return staged.arrived
@@ -137,13 +137,13 @@ class OverlappedReceive:
         self.side_stream.wait_stream(torch.cuda.current_stream(device))
         return torch.cuda.stream(self.side_stream)
 
-    def _stage(self, staged: StagedPush, manifest, group_name: str | None, vllm: bool = False) -> None:
+    def _stage(self, staged: StagedPush, manifest, group_name: str | None, foreign: bool = False) -> None:
         g = staged.group
         keep = lambda staging: setattr(staged, "staging", staging)  # noqa: E731
         try:
             with self.receive_stream():  # g.synchronize() then waits for this stream alone
-                if vllm:
-                    ready = self.receiver.arrive_vllm(g, manifest, keep)
+                if foreign:
+                    ready = self.receiver.arrive_foreign(g, manifest, keep)
                 else:
                     ready = self.receiver.arrive(g, manifest, group_name, keep)
             if not staged.given_up:

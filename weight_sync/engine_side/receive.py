@@ -91,7 +91,7 @@ class PushReceiver:
         self.max_inflight = 4  # broadcasts posted at once
         self.torn = False  # a commit failed half way: restart this engine
         self.shared = SharedSource()  # a trainer's shared buffer, mapped once
-        self.vllm_group = None  # the group of a trainer written for vLLM's RL routes (weight_sync/vllm/group.py)
+        self.foreign_group = None  # a foreign trainer's group: vLLM's RL routes' (weight_sync/vllm/group.py) or SGLang's
         self.wait_readers = lambda: None  # until nothing reads the served weights (a background host copy)
         self.hold_pages = contextlib.nullcontext  # a context that keeps the host's pages still (its huge-page mover)
         self.pages_first = lambda tensors: None  # after a commit: the next push's memory onto huge pages first
@@ -159,9 +159,10 @@ class PushReceiver:
                                              phases=phases))
 
     @_pages_held
-    def arrive_vllm(self, g, manifest, on_staging=None) -> Arrived:
-        """A push from a trainer written for vLLM's RL routes (weight_sync/vllm/group.py): checked
-        and staged as ours, then every packed chunk received; no vote (that trainer casts none)."""
+    def arrive_foreign(self, g, manifest, on_staging=None) -> Arrived:
+        """A push from a foreign trainer (vLLM's RL routes, weight_sync/vllm/group.py; SGLang's,
+        weight_sync/sglang/group.py): checked and staged as ours, then every packed chunk received;
+        no vote (that trainer casts none)."""
         t0 = time.perf_counter()
         m, staging, problems = self._check_and_stage(manifest)
         if on_staging is not None:

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from weight_sync.common.votes import WeightSyncError
+from weight_sync.common.votes import WeightSyncError, WeightSyncRefusedError
 from weight_sync.engine_side.engines import _deliveries, commit_results, join_engines, workers_of
 
 if TYPE_CHECKING:  # the sender imports torch; this module is imported before a push runs
@@ -57,12 +57,12 @@ async def push_to_engines(engines: Sequence, sender: WeightSender, weights, vers
     runs on the engine's main loop). `timeout` bounds each worker RPC and the wait for the
     workers to be ready; every network step is also bounded by the group's own timeout."""
     if sender.group is None or not sender.group.ready:
-        raise WeightSyncError("no weight-sync group: init_weight_sync(engines, sender) first", refused=True)
+        raise WeightSyncRefusedError("no weight-sync group: init_weight_sync(engines, sender) first")
     workers = sender.group.world_size - 1
     if workers != sum(workers_of(e) for e in engines):  # every rank votes: exactly these engines' workers
-        raise WeightSyncError(f"push of version {version} not started: the trainer's group has {workers} workers but "
+        raise WeightSyncRefusedError(f"push of version {version} not started: the trainer's group has {workers} workers but "
                               f"the {len(engines)} engines given have {sum(workers_of(e) for e in engines)}; "
-                              "init_weight_sync(engines, sender) with these engines", refused=True)
+                              "init_weight_sync(engines, sender) with these engines")
     from weight_sync.trainer.push import run_push
 
     group_name = sender.group.group_name

@@ -31,8 +31,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from engine.errors import error_kind
 from weight_sync.common.manifest import Manifest
-from weight_sync.common.votes import DeltaBaseError, NeedsBaseError, StaleManifestError, WeightSyncError, describe
+from weight_sync.common.votes import (
+    DeltaBaseError, NeedsBaseError, StaleManifestError, WeightSyncError, WeightSyncRefusedError, describe,
+)
 from weight_sync.trainer.lora_push import push_source
 from weight_sync.trainer.ranks import PeersFollowing
 from weight_sync.trainer.sender import PreparedPush, WeightSender
@@ -59,8 +62,7 @@ class PushOutcome:
     @property
     def regroup(self) -> bool:
         """Refused, and some receiver asked for a new group (its engines changed since this one formed)."""
-        return self.refused and any(getattr(r, "regroup", False) or getattr(r, "kind", "") == "regroup"
-                                    for r in self.results)
+        return self.refused and any(error_kind(r) == "regroup" for r in self.results)
 
     @property
     def errors(self) -> list[str]:
@@ -96,7 +98,7 @@ async def run_push(sender: WeightSender, weights, version: int, deliver: Deliver
 
     try:
         if sender.group is None or not sender.group.ready:
-            raise WeightSyncError("no weight-sync group: init_weight_sync first", refused=True)
+            raise WeightSyncRefusedError("no weight-sync group: init_weight_sync first")
         weights = push_source(weights, mode)
         _keep_for_deltas(sender, delta)
         prepared = None if anchor or delta is False else _delta(sender, weights, version, delta)
@@ -167,7 +169,7 @@ async def _attempt(sender: WeightSender, prepared: PreparedPush, deliver: Delive
 
 def _is_refusal(e: BaseException) -> bool:
     """Refused before any engine was touched (the receiver's own error, or a sidecar's reply kind)."""
-    return getattr(e, "refused", False) or getattr(e, "kind", "") in ("refused", "regroup")
+    return error_kind(e) in ("refused", "regroup")
 
 
 def _refused(task: asyncio.Future) -> bool:

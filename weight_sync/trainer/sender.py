@@ -33,7 +33,8 @@ from weight_sync.common.lora import A_SUFFIX, B_SUFFIX
 from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES, DeltaSpec, Manifest, build_manifest, dtype_name
 from weight_sync.common.phases import Phases
 from weight_sync.common.votes import (
-    VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, WeightSyncError, commit_vote, manifest_vote, mismatch_error,
+    VOTE_OK, VOTE_STALE, VOTE_UNREADABLE, WeightSyncError, WeightSyncRefusedError, commit_vote, manifest_vote,
+    mismatch_error,
 )
 from weight_sync.trainer.bucket_sender import BucketSender
 from weight_sync.trainer.delta_encode import EncodedDelta, KeptWeights, advance, encode_delta, keeps_base, kept_weights
@@ -277,7 +278,7 @@ class WeightSender:
         2. one broadcast per bucket, double buffered;
         3. commit vote: every rank says it has every byte; only then do the workers commit (a
            single worker needs no vote: its own receive tells it).
-        Raises WeightSyncError (refused=True when nothing moved). `progress(bucket, n_buckets)` is
+        Raises WeightSyncError (a WeightSyncRefusedError when nothing moved). `progress(bucket, n_buckets)` is
         called after each bucket is handed to the transport. `before_vote()`, if given, runs once
         the weights are enumerated, right before the vote: it may block (until the workers are
         ready) or raise to call the push off; the trainer then never votes, so the caller must
@@ -392,4 +393,4 @@ def _call_before_vote(before_vote: Callable[[], None] | None, m: Manifest) -> No
     except WeightSyncError:
         raise
     except Exception as e:
-        raise WeightSyncError(f"push of version {m.version} called off before the vote: {e}", refused=True) from e
+        raise WeightSyncRefusedError(f"push of version {m.version} called off before the vote: {e}") from e

@@ -7,7 +7,7 @@ from __future__ import annotations
 from weight_sync.common.manifest import Manifest
 from weight_sync.common.votes import (
     VOTE_DELTA_BASE, VOTE_NEEDS_BASE, VOTE_OK, VOTE_STALE, DeltaBaseError, NeedsBaseError, StaleManifestError,
-    Verdict, WeightSyncError,
+    Verdict, WeightSyncError, WeightSyncRefusedError,
 )
 
 
@@ -19,15 +19,15 @@ def vote_refusal(status: int, m: Manifest, problem: str, verdict: Verdict) -> We
     if status == VOTE_STALE:
         return StaleManifestError(f"push of version {m.version} not sent: {problem}")
     if status != VOTE_OK:
-        return WeightSyncError(f"push of version {m.version} refused before any byte moved: {problem}", refused=True)
+        return WeightSyncRefusedError(f"push of version {m.version} refused before any byte moved: {problem}")
     if verdict.worst == VOTE_DELTA_BASE:
         return DeltaBaseError(f"delta push of version {m.version}: a worker does not hold its base "
                               f"(version {m.delta and m.delta.base_version}); nothing moved")
     if verdict.worst == VOTE_NEEDS_BASE:
         return NeedsBaseError(f"adapter push of version {m.version}: a worker lacks its base; nothing moved")
     if verdict.worst != VOTE_OK:
-        return WeightSyncError(f"push of version {m.version} refused by a worker before any byte moved (the "
-                               "workers' errors say why); nothing changed", refused=True)
+        return WeightSyncRefusedError(f"push of version {m.version} refused by a worker before any byte moved (the "
+                               "workers' errors say why); nothing changed")
     if not verdict.same_manifest:
         return WeightSyncError(f"push of version {m.version} refused: the ranks hold different manifests",
                                refused=True)

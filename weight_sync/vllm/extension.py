@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from engine.messages import INVALID, error_kind
+from engine.errors import INVALID, error_kind
 from weight_sync.engine_side.extension import WeightSyncExtension
 from weight_sync.engine_side.staging_memory import StagingPool
 from weight_sync.vllm.target import VllmLoaderTarget
@@ -43,8 +43,8 @@ class _VllmSyncExtension(WeightSyncExtension):
         self._overlapped().begin(manifest, group_name)
         return {"deferred": "staged_weights", "args": [], "pending": "receiving"}
 
-    def begin_receive_vllm(self, manifest) -> dict:
-        self._overlapped().begin(manifest, vllm=True)
+    def begin_receive_foreign(self, manifest) -> dict:
+        self._overlapped().begin(manifest, foreign=True)
         return {"deferred": "staged_weights", "args": [], "pending": "receiving"}
 
     def save_weights(self, path: str, version: int, background: bool = False) -> dict:

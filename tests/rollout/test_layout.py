@@ -1,0 +1,60 @@
+"""rollout's layout holds (rollout/__init__.py): the trainer's client (rollout.client) never imports the
+sidecar (rollout.sidecar), what both speak (rollout.common) imports neither, the sidecar imports the
+client only where it is one (peer_send.py), and a sidecar's process loads no module of the client."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "rollout"
+# each place, the places it must not import (lazy imports and TYPE_CHECKING ones included), and the
+# files allowed to all the same
+FORBIDDEN = {"common": (("client", "sidecar"), ()), "client": (("sidecar",), ()),
+             "sidecar": (("client",), ("peer_send.py",))}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every rollout module a file imports, wherever the import statement stands."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, m) for line, m in out if m.startswith("rollout.")]
+
+
+def test_the_client_never_imports_the_sidecar_and_the_common_ground_neither():
+    wrong = []
+    for place, (forbidden, allowed) in FORBIDDEN.items():
+        for path in sorted((ROOT / place).rglob("*.py")):
+            if path.name in allowed:
+                continue
+            for line, module in _imports(path):
+                if module.split(".")[1] in forbidden:
+                    wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_top_of_rollout_holds_the_entry_points_only():
+    assert sorted(p.name for p in ROOT.glob("*.py")) == ["__init__.py", "launcher.py", "ray_launcher.py", "serve.py"]
+    assert sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("__")) == [
+        "client", "common", "sidecar", "tool_calls"]
+
+
+def test_a_sidecar_process_loads_no_module_of_the_client():
+    code = ("import sys, rollout.serve, rollout.sidecar.server, rollout.sidecar.openai_front.app; "
+            "print(sorted(m for m in sys.modules if m.startswith('rollout.client')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_public_names_still_import_from_rollout():
+    from rollout import AsyncRolloutClient, Rollout, RolloutClient, SidecarError, SidecarGoneError
+    from rollout.client import AsyncRolloutClient as again
+
+    assert again is AsyncRolloutClient and issubclass(SidecarGoneError, SidecarError)
+    assert RolloutClient.__module__ == "rollout.client.blocking_client" and Rollout.__module__ == "rollout.common.types"
