@@ -49,17 +49,21 @@ import copy
 import json
 import logging
 import os
+import statistics
 import time
 
 import torch
 
-from bench.weight_sync import _median
 
 log = logging.getLogger("bench.lora_push")
 GOAL_RATIO = 20.0  # merged / adapter seconds per push, at the medium model
 GOAL_SIZE = "medium"
 EXT = "bench.weight_sync:BenchExtension"  # a push's result says its merge time: `plan_seconds`
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def other_cores_busy(seconds: float = 1.0) -> float | None:

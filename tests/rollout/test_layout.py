@@ -2,10 +2,11 @@
 sidecar (rollout.sidecar), what both speak (rollout.common) imports neither, the sidecar imports the
 client only where it is one (peer_send.py), and a sidecar's process loads no module of the client."""
 
-import ast
 import pathlib
 import subprocess
 import sys
+
+from tests.layout import imported
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "rollout"
 # each place, the places it must not import (lazy imports and TYPE_CHECKING ones included), and the
@@ -14,24 +15,13 @@ FORBIDDEN = {"common": (("client", "sidecar"), ()), "client": (("sidecar",), ())
              "sidecar": (("client",), ("peer_send.py",))}
 
 
-def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
-    """Every rollout module a file imports, wherever the import statement stands."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-    return [(line, m) for line, m in out if m.startswith("rollout.")]
-
-
 def test_the_client_never_imports_the_sidecar_and_the_common_ground_neither():
     wrong = []
     for place, (forbidden, allowed) in FORBIDDEN.items():
         for path in sorted((ROOT / place).rglob("*.py")):
             if path.name in allowed:
                 continue
-            for line, module in _imports(path):
+            for line, module in imported(path, "rollout"):
                 if module.split(".")[1] in forbidden:
                     wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
     assert not wrong, "\n".join(wrong)

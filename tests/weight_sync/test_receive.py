@@ -142,3 +142,34 @@ def test_no_receiver_commits_unless_every_one_holds_every_byte(qwen2_dir, traine
     assert isinstance(got_whole, RuntimeError) and "Nothing was committed" in str(got_whole)
     assert isinstance(sent, WeightSyncError)
     assert weights_checksum(whole.target.served()) == before and whole.version is None
+
+
+def test_a_push_settled_staged_finishes_while_its_thread_still_lingers(qwen2_dir, trainer, monkeypatch):
+    """The receiving thread answers "staged" and lives on a moment; a finish asked for in that moment
+    (the engine's loop got there first, as on a slow machine) commits the push, not "still arriving"."""
+    import threading
+
+    from weight_sync.engine_side import overlapped_receive as O
+
+    lingering, settle = threading.Event(), O._settle
+
+    def settle_then_linger(staged):
+        settle(staged)
+        lingering.wait(10)  # the thread's last moment, held open until the finish is done
+
+    monkeypatch.setattr(O, "_settle", settle_then_linger)
+    sender, worker = WeightSender(bucket_bytes=BUCKET, timeout_s=10), Worker(qwen2_dir)
+    r = _receiver(worker)
+    _form(sender, [r])
+    overlapped = O.OverlappedReceive(r)
+    try:
+        prepared = sender.prepare(trainer, 1)
+        arrived = overlapped.begin(prepared.manifest.to_wire())
+        sent = sender.send(prepared)
+        assert sent["version"] == 1 and arrived.result(10) == "staged"
+        assert overlapped.staged.thread.is_alive() and overlapped.state() == "staged"
+        assert overlapped.finish()["version"] == 1
+        assert weights_checksum(r.target.served()) == sender.checksum(trainer)
+    finally:
+        lingering.set()
+        sender.close_group()

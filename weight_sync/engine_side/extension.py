@@ -212,7 +212,7 @@ class WeightSyncExtension:
         g, r.foreign_group = r.foreign_group, None
         self._held_parts().drop()  # an update in parts not committed: its trainer's group is gone
         staged = self._overlapped().staged
-        if g is not None and staged is not None and staged.group is g and staged.thread.is_alive():
+        if g is not None and staged is not None and staged.group is g and staged.arriving:
             self._overlapped()._give_up(staged)  # a transfer still arriving over it: its memory goes now
         elif g is not None:
             g.close()

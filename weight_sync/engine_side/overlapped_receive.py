@@ -37,10 +37,16 @@ class StagedPush:
     arrived: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)  # its state, once known
 
     @property
+    def arriving(self) -> bool:
+        """Its bytes still arrive. Read from its settled state, not from its thread: the thread lives
+        on a moment after settling it, and a finish asked for in that moment must find it staged."""
+        return not self.arrived.done()
+
+    @property
     def state(self) -> str:
         if self.given_up:
             return "failed"
-        if self.thread.is_alive():
+        if self.arriving:
             return "receiving"
         return "failed" if self.error is not None else "staged"
 
@@ -63,7 +69,7 @@ class OverlappedReceive:
         else:
             g = self.receiver.group_for(group_name)
         old = self.staged
-        if old is not None and old.group is g and old.thread.is_alive():
+        if old is not None and old.group is g and old.arriving:
             raise RuntimeError("a push is already being received")
         if old is not None and old.ready is not None:  # never finished (its push was given up): its buffer goes
             self.receiver.pool.give_back(old.ready.plan.staging)
@@ -81,7 +87,7 @@ class OverlappedReceive:
         """Ends an overlapped push: raises its error if it failed (a refusal as PushRefused, as
         `PushReceiver.receive` would); else commits it (or, `commit=False`, drops it)."""
         staged, self.staged = self.staged, None
-        if staged is None or (staged.thread.is_alive() and not staged.given_up):
+        if staged is None or (staged.arriving and not staged.given_up):
             self.staged = staged
             raise RuntimeError("no received push to finish" if staged is None else "the push is still arriving")
         if staged.error is not None:
@@ -97,7 +103,7 @@ class OverlappedReceive:
         """The staged push, received and checked but not committed, handed to the caller (an
         update in parts: weight_sync/engine_side/held_parts.py); raises as `finish` would."""
         staged, self.staged = self.staged, None
-        if staged is None or (staged.thread.is_alive() and not staged.given_up):
+        if staged is None or (staged.arriving and not staged.given_up):
             self.staged = staged
             raise RuntimeError("no received push to hold" if staged is None else "the push is still arriving")
         if staged.error is not None:
@@ -112,14 +118,14 @@ class OverlappedReceive:
         r = self.receiver
         g, r.group = r.group, None
         staged = self.staged
-        if staged is not None and staged.group is g and staged.thread.is_alive():
+        if staged is not None and staged.group is g and staged.arriving:
             self._give_up(staged)
         elif g is not None:
             g.close()
         if drop_staging:
             r.pool.drop()
             r.shared.drop()
-            if staged is not None and not staged.thread.is_alive():
+            if staged is not None and not staged.arriving:
                 self.staged = None  # a push staged but never finished: nobody will commit it now
 
     def receive_stream(self):
