@@ -279,13 +279,17 @@ class WeightSyncExtension:
         """A push with no process group (weight_sync.engine_side.staging_sources): map the trainer's buffer, check it
         holds the manifest's layout, copy it into staging, commit. Raises PushRefused (nothing
         changed) for a bad manifest or a buffer that cannot be mapped."""
-        return self._receiver().receive_shared(manifest, handle)
+        from weight_sync.engine_side.local_receive import receive_shared
+
+        return receive_shared(self._receiver(), manifest, handle)
 
     def load_weights_from_path(self, path: str, manifest=None) -> dict:
         """The file fallback: load a push written by `weight_sync.trainer.file_push.write_safetensors` from
         `path` (a directory, e.g. under /dev/shm). Same validation; all tensors are read into
         staging before anything is committed, so a bad or partial file changes nothing."""
-        return self._receiver().load_from_path(path, manifest)
+        from weight_sync.engine_side.local_receive import load_from_path
+
+        return load_from_path(self._receiver(), path, manifest)
 
     # -- RPC: host copies -------------------------------------------------------------------
     def save_weights(self, path: str, version: int, background: bool = False):

@@ -78,7 +78,7 @@ class HostCopies:
         """The served weights are about to be written in place (an in-place push, a copy commit,
         zero_weights): the push directories that link them stop being pushes first, so that no
         reader takes the half-written bytes for a version (a reader already reading them finds the
-        digest changed: weight_sync/engine_side/receive.py's load_from_path)."""
+        digest changed: weight_sync/engine_side/local_receive.py's load_from_path)."""
         for path in self.links:
             withdraw(path)
         self.links = []

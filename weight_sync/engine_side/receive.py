@@ -13,7 +13,7 @@
 
 A transfer that fails or times out leaves the previous weights serving, tears the broken group
 down and raises; the next `join` forms a fresh group. The group is one source of the staging
-buffer; a trainer's shared buffer and a push directory (weight_sync/engine_side/staging_sources.py) fill the
+buffer; a trainer's shared buffer and a push directory (weight_sync/engine_side/local_receive.py) fill the
 same buffer and commit the same way. `receive_inplace` is the one way that skips staging (an
 engine with no room for it): the target takes the pairs as the buckets arrive, and a failure after
 the first write leaves the weights torn (the worker reports itself unhealthy until restarted).
@@ -43,7 +43,7 @@ from weight_sync.engine_side.check_and_vote import check_push, refusal, serving,
 from weight_sync.engine_side.delta_apply import DeltaApply
 from weight_sync.engine_side.inplace_receive import TORN, bucket_pairs, inplace_problems, stream_failure
 from weight_sync.engine_side.staging_memory import StagingPool, alloc, drop_pages
-from weight_sync.engine_side.staging_sources import SharedSource, fill_from_file
+from weight_sync.engine_side.staging_sources import SharedSource
 from weight_sync.engine_side.targets import CommitPlan, TornWeights, WeightTarget, sync_device
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ class Arrived:
     phases: Phases = field(default_factory=Phases)  # where its seconds went, step by step
 
 
-def _pages_held(method):
-    """`method` run with the host's pages held still (`hold_pages`): a push's staging writes, merges
-    and derived copies go before the host's huge-page mover (engine/huge_pages.py)."""
+def pages_held(method):
+    """`method` (of a PushReceiver, or a function taking one first) run with the host's pages held
+    still (`hold_pages`): a push's staging writes, merges and derived copies go before the host's huge-page mover (engine/huge_pages.py)."""
     @functools.wraps(method)
     def held(self, *args, **kwargs):
         with self.hold_pages():
@@ -138,7 +138,7 @@ class PushReceiver:
         g = self.group_for(group_name)
         return self.commit(self.arrive(g, manifest, group_name), "broadcast")
 
-    @_pages_held
+    @pages_held
     def arrive(self, g: WeightSyncGroup, manifest, group_name: str | None, on_staging=None) -> Arrived:
         """Steps 1-4; `on_staging(staging)` is told the buffer as soon as it exists."""
         t0 = time.perf_counter()
@@ -155,10 +155,10 @@ class PushReceiver:
         if m.delta is not None:
             return self._receive_delta(g, m, staging, t0, t1, phases)
         plan, plan_seconds, digest = self._receive_buckets(g, m, staging, phases)
-        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
+        return derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
                                              phases=phases))
 
-    @_pages_held
+    @pages_held
     def arrive_foreign(self, g, manifest, on_staging=None) -> Arrived:
         """A push from a foreign trainer (vLLM's RL routes, weight_sync/vllm/group.py; SGLang's,
         weight_sync/sglang/group.py): checked and staged as ours, then every packed chunk received;
@@ -180,7 +180,7 @@ class PushReceiver:
             raise RuntimeError(f"weight update of version {m.version} failed: {e}. Nothing was committed: "
                                f"{self._serving()} still serving; init_weight_transfer_engine again") from None
         plan, plan_s = timed(self.target.plan, m, staging)
-        return _derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging)))
+        return derived(self.target, Arrived(m, plan, t0, t1, time.perf_counter(), plan_s, staged_digest(m, staging)))
 
     def _receive_delta(self, g: WeightSyncGroup, m: Manifest, result: torch.Tensor, t0: float, t1: float,
                        phases: Phases) -> Arrived:
@@ -197,7 +197,7 @@ class PushReceiver:
             raise
         plan, plan_seconds, digest = self._receive_buckets(g, m, payload, phases, made.copy_base, made.digest_of,
                                                            lambda: self.target.plan(full, result), keep=result)
-        return _derived(self.target, Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
+        return derived(self.target, Arrived(full, plan, t0, t1, time.perf_counter(), plan_seconds, digest,
                                              m.total_bytes, made.seconds, phases=phases),
                         {p.tensor for p in m.delta.parts})
 
@@ -362,54 +362,8 @@ class PushReceiver:
         self.digest, self.served_digest = digest.value(), NONE
         return self._done(m, t0, t1, time.perf_counter(), "broadcast, in place", written[0])
 
-    # -- no group: a trainer's shared buffer, a push directory ------------------------------
-    @_pages_held
-    def receive_shared(self, manifest, handle: dict) -> dict:
-        """The trainer's buffer on this host (weight_sync.engine_side.staging_sources) copied into staging, then
-        committed. Raises PushRefused (nothing changed) for a bad manifest or a buffer that
-        cannot be mapped."""
-        t0 = time.perf_counter()
-        m, staging, problems = self._check_and_stage(manifest)
-        source = None
-        if not problems and m.delta is not None:
-            problems = ["a shared-memory push takes full pushes only (the trainer's buffer holds the full weights)"]
-        if not problems:
-            source, problems = self.shared.open(handle, m)
-        if problems:
-            self.pool.give_back(staging)
-            raise PushRefused("weight push refused, nothing changed: " + "; ".join(problems))
-        t1 = time.perf_counter()
-        staging.copy_(source)  # every byte is here before anything is committed
-        sync_device(self.device)
-        a = Arrived(m, self.target.plan(m, staging), t0, t1, time.perf_counter(), 0.0, staged_digest(m, staging))
-        return self.commit(_derived(self.target, a), f"shared ({handle.get('kind')})", buckets=0)
 
-    @_pages_held
-    def load_from_path(self, path: str, manifest=None) -> dict:
-        """A push directory (weight_sync.common.push_dir): every tensor read into staging before anything is
-        committed, so a bad or partial file changes nothing (ValueError)."""
-        from weight_sync.common.push_dir import read_digest, read_manifest
-
-        t0 = time.perf_counter()
-        m, problems = self._check(manifest if manifest is not None else read_manifest(path))
-        if not problems and m.delta is not None:
-            problems = ["a push directory holds full weights, not a delta"]
-        if problems:
-            raise PushRefused("weight load refused, nothing changed: " + "; ".join(problems))
-        staging = self.pool.take(m.layout_bytes)
-        try:
-            fill_from_file(m, staging, path)
-            digest = staged_digest(m, staging)
-            if (meant := read_digest(path)) not in (None, NONE, digest):  # a host copy written meanwhile
-                raise ValueError(f"its bytes changed while they were read (digest {digest:x}, {meant:x} written)")
-        except Exception as e:
-            self.pool.give_back(staging)
-            raise PushRefused(f"weight load from {path} failed, nothing changed: {e}") from None
-        a = Arrived(m, self.target.plan(m, staging), t0, t0, time.perf_counter(), 0.0, digest)
-        return self.commit(_derived(self.target, a), "safetensors", buckets=0)
-
-
-def _derived(target: WeightTarget, a: Arrived, changed: set[int] | None = None) -> Arrived:
+def derived(target: WeightTarget, a: Arrived, changed: set[int] | None = None) -> Arrived:
     """Step 4's end: the engine's derived copies made from the staged weights (`changed`: the
     indices of the tensors a delta changed), timed."""
     a.derive_seconds = timed(target.derive, a.m, a.plan, changed)[1]
