@@ -272,18 +272,13 @@ class WeightSender:
 
     def send(self, prepared: PreparedPush, progress: Callable[[int, int], None] | None = None,
              before_vote: Callable[[], None] | None = None) -> dict:
-        """Run the trainer's side of a push; the workers run `receive_weights(manifest)` meanwhile.
-
-        1. vote: every rank says whether it accepts the manifest (and which one it holds);
-        2. one broadcast per bucket, double buffered;
-        3. commit vote: every rank says it has every byte; only then do the workers commit (a
-           single worker needs no vote: its own receive tells it).
-        Raises WeightSyncError (a WeightSyncRefusedError when nothing moved). `progress(bucket, n_buckets)` is
-        called after each bucket is handed to the transport. `before_vote()`, if given, runs once
-        the weights are enumerated, right before the vote: it may block (until the workers are
-        ready) or raise to call the push off; the trainer then never votes, so the caller must
-        make sure no worker is voting either (e.g. it sent them no manifest).
-        """
+        """The trainer's side of a push (the workers run `receive_weights(manifest)` meanwhile): 1. the
+        manifest vote; 2. one broadcast per bucket, double buffered; 3. the commit vote (every rank
+        has every byte; a single worker's own receive tells it), then the workers commit.
+        Raises WeightSyncError (a WeightSyncRefusedError when nothing moved). `progress(bucket,
+        n_buckets)` is called after each bucket is handed to the transport. `before_vote()`, if
+        given, runs right before the vote: it may block (until the workers are ready) or raise to
+        call the push off; the trainer then never votes, so no worker may be voting either."""
         g = self.group
         if g is None or not g.ready:
             raise WeightSyncError("no weight-sync group: open_group() + join_group() first")
