@@ -68,7 +68,7 @@ class Arrived:
 
 def _pages_held(method):
     """`method` run with the host's pages held still (`hold_pages`): a push's staging writes, merges
-    and derived copies go before the host's huge-page mover (engine/huge_pages.py)."""
+    and derived copies go before the host's huge-page mover (engine/kernels/huge_pages.py)."""
     @functools.wraps(method)
     def held(self, *args, **kwargs):
         with self.hold_pages():
