@@ -32,6 +32,14 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+/* One value of either dtype to fp32 and back, and fp32's rounding (none): for code written once for
+   both dtypes, which takes these by name as it takes the 16-value loads and stores below. */
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline float store_f32(float x) { return x; }
+static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
+static inline float round_f32(float x) { return x; }
+
 /* 16 values at a time, widened to fp32 on load and rounded (to nearest even, as torch) on store. */
 static inline v16f load16_f32(const float *p) {
     v16f x;

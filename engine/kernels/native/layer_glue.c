@@ -13,12 +13,6 @@
 
 #include "common.h"
 
-static inline float round_f32(float x) { return x; }
-static inline float load_f32(float x) { return x; }
-static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
-static inline float store_f32(float x) { return x; }
-static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
-
 /* q [T, H*D] and k, v [T, KVH*D] with row strides (views of one q/k/v GEMM's output, or three
    tensors); cos, sin_signed [T, D] (sin with rotate_half's sign folded in: -1 on the first half);
    slots [T]; k_slots, v_slots [num_slots, KVH, D]; q_out [T, H, D], k_out [T, KVH, D]. */

@@ -99,11 +99,6 @@ static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const i
     return 0;
 }
 
-static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
-static inline float load_f32(float x) { return x; }
-static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
-static inline float store_f32(float x) { return x; }
-static inline float keep_f32(float x) { return x; }
 
 /* kernels: [the rows linear, the silu * up] of the dtype; order [S] the picks (token-major, pick
    t * k + j) sorted by expert, ends [E] where each expert's picks end in it; weights [S] per pick in
@@ -150,7 +145,7 @@ static inline float keep_f32(float x) { return x; }
     }
 
 DEFINE_EXPERTS(experts_bf16, uint16_t, groups_bf16, silu_bf16_fn, load_bf16, store_bf16, round_bf16)
-DEFINE_EXPERTS(experts_f32, float, groups_f32, silu_f32_fn, load_f32, store_f32, keep_f32)
+DEFINE_EXPERTS(experts_f32, float, groups_f32, silu_f32_fn, load_f32, store_f32, round_f32)
 
 /* HF's TopKRouter on router logits [T, E]: softmax in fp32, the k largest (ties: the lower id first),
    renormalised when `norm`; weights [T * k] kept in fp32 when weights_f32 (Mixtral's) else rounded to

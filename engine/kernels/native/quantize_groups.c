@@ -44,7 +44,5 @@
         }                                                                                                \
     }
 
-static inline float load_f32(float x) { return x; }
-
 DEFINE_QUANTIZE_GROUPS(quantize_groups_f32, float, load_f32)
-DEFINE_QUANTIZE_GROUPS(quantize_groups_bf16, uint16_t, bf16_to_f32)
+DEFINE_QUANTIZE_GROUPS(quantize_groups_bf16, uint16_t, load_bf16)

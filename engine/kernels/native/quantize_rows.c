@@ -44,10 +44,8 @@ static inline v16f round_even(v16f x) {
         }                                                                                             \
     }
 
-#define LOAD_F32(v) (v)
-#define LOAD_BF16(v) bf16_to_f32(v)
-DEFINE_QUANTIZE(quantize_rows_f32, float, LOAD_F32, load16_f32)
-DEFINE_QUANTIZE(quantize_rows_bf16, uint16_t, LOAD_BF16, load16_bf16)
+DEFINE_QUANTIZE(quantize_rows_f32, float, load_f32, load16_f32)
+DEFINE_QUANTIZE(quantize_rows_bf16, uint16_t, load_bf16, load16_bf16)
 
 /* out[r, :] *= scale[r] in place, in fp32 and rounded back once (torch's bf16.mul_(fp32) bits):
    the per-row activation scales multiplied into an int8 linear's output. */

@@ -95,8 +95,5 @@ static inline double sum_wide(const v8d *acc) {
         return 0;                                                                                        \
     }
 
-static inline float load_f32(float x) { return x; }
-
-
 DEFINE_SAMPLE(sample_rows_f32, float, load_f32, load16_f32)
-DEFINE_SAMPLE(sample_rows_bf16, uint16_t, bf16_to_f32, load16_bf16)
+DEFINE_SAMPLE(sample_rows_bf16, uint16_t, load_bf16, load16_bf16)
