@@ -87,6 +87,27 @@ static inline void store16_bf16(uint16_t *p, v16f x) {
     memcpy(p, &h, sizeof h);
 }
 
+/* Code written once for both dtypes as functions: each takes `bf16` (0: fp32, 1: bf16 bit patterns)
+   and is always inlined into a caller that passes a constant, so each dtype compiles to its own loops,
+   as a template would, and a debugger steps through them as functions. These are their loads and
+   stores: element `at` of `base` in that dtype, widened to fp32 on load and rounded on store. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float load_at(const void *base, int64_t at, int bf16) {
+    return bf16 ? load_bf16(((const uint16_t *)base)[at]) : load_f32(((const float *)base)[at]);
+}
+
+ALWAYS_INLINE v16f load16_at(const void *base, int64_t at, int bf16) {
+    return bf16 ? load16_bf16((const uint16_t *)base + at) : load16_f32((const float *)base + at);
+}
+
+ALWAYS_INLINE void store16_at(void *base, int64_t at, v16f x, int bf16) {
+    if (bf16)
+        store16_bf16((uint16_t *)base + at, x);
+    else
+        store16_f32((float *)base + at, x);
+}
+
 #ifdef __AVX512F__
 /* A 16 x 16 block of 4-byte values transposed in registers: r[i]'s lane j becomes r[j]'s lane i. */
 static inline void transpose16_regs(__m512i r[16]) {

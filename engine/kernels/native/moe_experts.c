@@ -99,7 +99,6 @@ static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const i
     return 0;
 }
 
-
 /* kernels: [the rows linear, the silu * up] of the dtype; order [S] the picks (token-major, pick
    t * k + j) sorted by expert, ends [E] where each expert's picks end in it; weights [S] per pick in
    pick order, fp32 when weights_f32 else the dtype; gate_up [E, 2I, H], down [E, H, I]; scratch

@@ -60,22 +60,7 @@ static inline void reduce4(v16f a0, v16f a1, v16f a2, v16f a3, float *out) {
 }
 
 /* The cache's two dtypes, one code: every function below that reads or writes the cache takes `bf16`
-   (0: fp32, 1: bf16 bit patterns) and is inlined into a caller that passes a constant, so each dtype
-   compiles to its own loops, as a template would (a debugger steps through them as functions). */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* 16 values of the cache's dtype from element `at` of `base`, widened to fp32 (common.h's loads). */
-ALWAYS_INLINE v16f load16(const void *base, int64_t at, int bf16) {
-    return bf16 ? load16_bf16((const uint16_t *)base + at) : load16_f32((const float *)base + at);
-}
-
-/* 16 fp32 values to element `at` of `base`, rounded to the cache's dtype (common.h's stores). */
-ALWAYS_INLINE void store16(void *base, int64_t at, v16f x, int bf16) {
-    if (bf16)
-        store16_bf16((uint16_t *)base + at, x);
-    else
-        store16_f32((float *)base + at, x);
-}
+   and is inlined with it constant (common.h's ALWAYS_INLINE functions, load16_at and store16_at). */
 
 /* A row's sizes: H query heads in groups of G per kv head (KVH of them), NV vectors a head (D
    values), `slot` values a cache slot (every kv head's), `padded` scores a head (len rounded up to
@@ -85,23 +70,28 @@ typedef struct {
     int64_t slot, padded, len, bs;
 } RowShape;
 
+/* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
+   slot's head) on: x[s] the slot s after it. */
+ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v16f x[4][MAX_VECS], int bf16) {
+    for (int i = 0; i < r->NV; i++) {
+        x[0][i] = load16_at(cache, at + i * 16, bf16), x[1][i] = load16_at(cache, at + r->slot + i * 16, bf16);
+        x[2][i] = load16_at(cache, at + 2 * r->slot + i * 16, bf16);
+        x[3][i] = load16_at(cache, at + 3 * r->slot + i * 16, bf16);
+    }
+}
+
 /* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
 ALWAYS_INLINE void score_four(const v16f *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
                               int bf16) {
     const int NV = r->NV, G = r->G;
-    const int64_t slot = r->slot;
     for (int kh = 0; kh < r->KVH; kh++) {
-        v16f k0[MAX_VECS], k1[MAX_VECS], k2[MAX_VECS], k3[MAX_VECS];
-        const int64_t k = keys + kh * r->D;
-        for (int i = 0; i < NV; i++) {
-            k0[i] = load16(kc, k + i * 16, bf16), k1[i] = load16(kc, k + slot + i * 16, bf16);
-            k2[i] = load16(kc, k + 2 * slot + i * 16, bf16), k3[i] = load16(kc, k + 3 * slot + i * 16, bf16);
-        }
+        v16f k[4][MAX_VECS];
+        load_four(kc, keys + kh * r->D, r, k, bf16);
         for (int g = 0; g < G; g++) {
             const v16f *q = qs + (kh * G + g) * NV;
-            v16f a0 = q[0] * k0[0], a1 = q[0] * k1[0], a2 = q[0] * k2[0], a3 = q[0] * k3[0];
+            v16f a0 = q[0] * k[0][0], a1 = q[0] * k[1][0], a2 = q[0] * k[2][0], a3 = q[0] * k[3][0];
             for (int i = 1; i < NV; i++)
-                a0 += q[i] * k0[i], a1 += q[i] * k1[i], a2 += q[i] * k2[i], a3 += q[i] * k3[i];
+                a0 += q[i] * k[0][i], a1 += q[i] * k[1][i], a2 += q[i] * k[2][i], a3 += q[i] * k[3][i];
             reduce4(a0, a1, a2, a3, scores + (kh * G + g) * r->padded);
         }
     }
@@ -115,8 +105,8 @@ ALWAYS_INLINE void score_one(const v16f *qs, const void *kc, int64_t key, const 
         const int64_t k = key + kh * r->D;
         for (int g = 0; g < G; g++) {
             const v16f *q = qs + (kh * G + g) * NV;
-            v16f a = q[0] * load16(kc, k, bf16);
-            for (int i = 1; i < NV; i++) a += q[i] * load16(kc, k + i * 16, bf16);
+            v16f a = q[0] * load16_at(kc, k, bf16);
+            for (int i = 1; i < NV; i++) a += q[i] * load16_at(kc, k + i * 16, bf16);
             scores[(kh * G + g) * r->padded] = hsum(a);
         }
     }
@@ -161,19 +151,14 @@ static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
 ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t values, const RowShape *r, v16f *acc,
                               int bf16) {
     const int NV = r->NV, G = r->G;
-    const int64_t slot = r->slot;
     for (int kh = 0; kh < r->KVH; kh++) {
-        v16f v0[MAX_VECS], v1[MAX_VECS], v2[MAX_VECS], v3[MAX_VECS];
-        const int64_t v = values + kh * r->D;
-        for (int i = 0; i < NV; i++) {
-            v0[i] = load16(vc, v + i * 16, bf16), v1[i] = load16(vc, v + slot + i * 16, bf16);
-            v2[i] = load16(vc, v + 2 * slot + i * 16, bf16), v3[i] = load16(vc, v + 3 * slot + i * 16, bf16);
-        }
+        v16f v[4][MAX_VECS];
+        load_four(vc, values + kh * r->D, r, v, bf16);
         for (int g = 0; g < G; g++) {
             const int h = kh * G + g;
             const float *p = scores + h * r->padded;
             for (int i = 0; i < NV; i++)
-                acc[h * NV + i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
+                acc[h * NV + i] += p[0] * v[0][i] + p[1] * v[1][i] + p[2] * v[2][i] + p[3] * v[3][i];
         }
     }
 }
@@ -187,7 +172,7 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
         for (int g = 0; g < G; g++) {
             const int h = kh * G + g;
             const float p = scores[h * r->padded];
-            for (int i = 0; i < NV; i++) acc[h * NV + i] += p * load16(vc, v + i * 16, bf16);
+            for (int i = 0; i < NV; i++) acc[h * NV + i] += p * load16_at(vc, v + i * 16, bf16);
         }
     }
 }
@@ -218,7 +203,7 @@ ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const 
     softmax_heads(scores, &r, inv);
     weigh_values(scores, vc, table, &r, acc, bf16);
     for (int h = 0; h < H; h++)
-        for (int i = 0; i < NV; i++) store16(out, at + h * r.D + i * 16, acc[h * NV + i] * inv[h], bf16);
+        for (int i = 0; i < NV; i++) store16_at(out, at + h * r.D + i * 16, acc[h * NV + i] * inv[h], bf16);
 }
 
 /* The shapes and buffers of one call (the entry points' arguments). */
@@ -234,7 +219,7 @@ typedef struct {
 ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, v16f *buf, int bf16) {
     const int NV = (int)(c->D / 16), H = (int)c->H, KVH = (int)c->KVH;
     v16f *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
-    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = load16(c->q, b * c->H * c->D + i * 16, bf16) * c->scale;
+    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = load16_at(c->q, b * c->H * c->D + i * 16, bf16) * c->scale;
     const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
     switch (NV) {
     case 1: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
