@@ -2,8 +2,9 @@
 at the top, the model code in engine.models, the kernels in engine.kernels; imports run downward
 (the top -> models -> kernels), and the engine never imports the sidecar (rollout) or weight_sync."""
 
-import ast
 import pathlib
+
+from tests.layout import imported_modules
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "engine"
 # what model code may import from the top: leaves that import no engine module themselves
@@ -19,23 +20,11 @@ TOP = [
 ]
 
 
-def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
-    """Every module a file imports (`from a import b` as a.b), wherever the import statement stands
-    (lazy imports and TYPE_CHECKING ones included)."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-    return out
-
-
 def _wrong(place: str, allowed: tuple[str, ...]) -> list[str]:
     """The imports of engine modules by engine/<place>/*.py outside `allowed`."""
     wrong = []
     for path in sorted((ROOT / place).glob("*.py")):
-        for line, module in _imports(path):
+        for line, module in imported_modules(path):
             if module.startswith("engine.") and not module.startswith(allowed):
                 wrong.append(f"engine/{place}/{path.name}:{line} imports {module}")
     return wrong
@@ -51,12 +40,12 @@ def test_model_code_imports_kernels_and_the_tops_leaves_only():
     assert not wrong, "\n".join(wrong)
     for leaf in TOP_LEAVES:
         path = ROOT / f"{leaf.split('.')[1]}.py"
-        assert not [m for _, m in _imports(path) if m.startswith("engine.")], f"{leaf} imports an engine module"
+        assert not [m for _, m in imported_modules(path) if m.startswith("engine.")], f"{leaf} imports an engine module"
 
 
 def test_the_engine_never_imports_the_sidecar_or_weight_sync():
     wrong = [f"{path.relative_to(ROOT.parent)}:{line} imports {module}"
-             for path in sorted(ROOT.rglob("*.py")) for line, module in _imports(path)
+             for path in sorted(ROOT.rglob("*.py")) for line, module in imported_modules(path)
              if module.split(".")[0] in ("rollout", "weight_sync")]
     assert not wrong, "\n".join(wrong)
 

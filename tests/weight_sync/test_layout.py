@@ -3,7 +3,6 @@ imports neither half, the engine's half (weight_sync.engine_side) never imports 
 (weight_sync.trainer), and an engine's core process that took a push loaded no module of the
 trainer's half."""
 
-import ast
 import asyncio
 import pathlib
 
@@ -12,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import AsyncEngine, EngineConfig
+from tests.layout import imported_modules
 from weight_sync import WeightSender
 from weight_sync.engine_side.engines import engines_checksums
 from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
@@ -24,13 +24,7 @@ FORBIDDEN = {"common": ("trainer", "engine_side", "vllm"), "engine_side": ("trai
 
 def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
     """Every weight_sync module a file imports, wherever the import statement stands."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
-    return [(line, m) for line, m in out if m.startswith("weight_sync.")]
+    return [(line, m) for line, m in imported_modules(path) if m.startswith("weight_sync.")]
 
 
 def test_the_ground_imports_neither_half_and_the_engine_half_never_the_trainer_half():
