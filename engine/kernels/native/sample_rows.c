@@ -32,68 +32,127 @@ static inline double sum_wide(const v8d *acc) {
     return s;
 }
 
-/* l / t as torch divides (unit: t is 1) */
-#define SCALED16(LOAD16, p) (unit ? LOAD16(p) : LOAD16(p) / t)
-#define SCALED(LOAD, x) (unit ? LOAD(x) : LOAD(x) / t)
+/* A row's logits (element `row` of `logits` on) and its temperature t (unit: t is 1, no division:
+   x / 1 is x, and the division is the step's costliest op); `bf16` a constant where it is inlined. */
+typedef struct {
+    const void *logits;
+    int64_t row, vocab;
+    float t;
+    int unit;
+} Row;
 
-#define DEFINE_SAMPLE(NAME, T, LOAD, LOAD16)                                                             \
-    int NAME(const T *logits, int64_t rows, int64_t vocab, const float *temperature, const double *uniforms, \
-             int64_t block, int64_t *tokens, float *logprobs) {                                          \
-        const int64_t nblocks = (vocab + block - 1) / block;                                             \
-        double *sums_all = malloc(sizeof(double) * (size_t)(nblocks * rows));                            \
-        if (sums_all == NULL) return -1;                                                                 \
-        _Pragma("omp parallel for schedule(static) if (rows * vocab > 65536)")                           \
-        for (int64_t r = 0; r < rows; r++) {                                                             \
-            const T *l = logits + r * vocab;                                                             \
-            const float t = temperature[r];                                                              \
-            const int unit = t == 1.0f; /* x / 1 is x: no division, the step's costliest op */          \
-            double *sums = sums_all + r * nblocks;                                                       \
-            int64_t c = 0;                                                                               \
-            v16f mv = (v16f){0} - INFINITY;                                                              \
-            for (; c + 16 <= vocab; c += 16) {                                                           \
-                const v16f s = LOAD16(l + c);                                                            \
-                const v16i gt = s > mv;                                                                  \
-                mv = (v16f)(((v16i)s & gt) | ((v16i)mv & ~gt));                                          \
-            }                                                                                            \
-            float m = -INFINITY;                                                                         \
-            for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);                                            \
-            for (; c < vocab; c++) m = fmaxf(m, LOAD(l[c]));                                             \
-            m /= t; /* max(l / t) = max(l) / t: a correctly rounded division by t > 0 keeps the order */ \
-            double total = 0;                                                                            \
-            for (int64_t b = 0; b < nblocks; b++) {                                                      \
-                const int64_t end = b * block + block < vocab ? b * block + block : vocab;               \
-                v8d acc[2] = {{0}, {0}};                                                                 \
-                for (c = b * block; c + 16 <= end; c += 16) add_wide(acc, vexp(SCALED16(LOAD16, l + c) - m)); \
-                double s = sum_wide(acc);                                                                \
-                for (; c < end; c++) s += (double)vexp((v16f){0} + (SCALED(LOAD, l[c]) - m))[0];            \
-                sums[b] = s;                                                                             \
-                total += s;                                                                              \
-            }                                                                                            \
-            const double target = uniforms[r] * total;                                                   \
-            int64_t j = 0;                                                                               \
-            double before = 0;                                                                           \
-            while (j < nblocks - 1 && before + sums[j] < target) before += sums[j++];                    \
-            double rest = target - before;                                                               \
-            if (rest < DBL_MIN) rest = DBL_MIN; /* some weight must be reached: never a zero one */      \
-            const int64_t start = j * block, end = start + block < vocab ? start + block : vocab;        \
-            int64_t pick = -1;                                                                           \
-            float weight = 0;                                                                            \
-            double cum = 0;                                                                              \
-            for (c = start; c < end; c++) {                                                              \
-                const float e = vexp((v16f){0} + (SCALED(LOAD, l[c]) - m))[0];                              \
-                if (e > 0) {                                                                             \
-                    pick = c; /* the last positive weight so far: where rounding overshoots the block */ \
-                    weight = e;                                                                          \
-                }                                                                                        \
-                cum += (double)e;                                                                        \
-                if (e > 0 && cum >= rest) break;                                                         \
-            }                                                                                            \
-            tokens[r] = pick;                                                                            \
-            logprobs[r] = (float)(log((double)weight) - log(total));                                     \
-        }                                                                                                \
-        free(sums_all);                                                                                  \
-        return 0;                                                                                        \
+/* l / t as torch divides, 16 values from index c of the row, and one value at c. */
+ALWAYS_INLINE v16f scaled16(const Row *r, int64_t c, int bf16) {
+    return r->unit ? load16_at(r->logits, r->row + c, bf16) : load16_at(r->logits, r->row + c, bf16) / r->t;
+}
+
+ALWAYS_INLINE float scaled(const Row *r, int64_t c, int bf16) {
+    return r->unit ? load_at(r->logits, r->row + c, bf16) : load_at(r->logits, r->row + c, bf16) / r->t;
+}
+
+/* max(l / t) = max(l) / t: a correctly rounded division by t > 0 keeps the order. */
+ALWAYS_INLINE float scaled_max(const Row *r, int bf16) {
+    int64_t c = 0;
+    v16f mv = (v16f){0} - INFINITY;
+    for (; c + 16 <= r->vocab; c += 16) {
+        const v16f s = load16_at(r->logits, r->row + c, bf16);
+        const v16i gt = s > mv;
+        mv = (v16f)(((v16i)s & gt) | ((v16i)mv & ~gt));
     }
+    float m = -INFINITY;
+    for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);
+    for (; c < r->vocab; c++) m = fmaxf(m, load_at(r->logits, r->row + c, bf16));
+    return m / r->t;
+}
 
-DEFINE_SAMPLE(sample_rows_f32, float, load_f32, load16_f32)
-DEFINE_SAMPLE(sample_rows_bf16, uint16_t, load_bf16, load16_bf16)
+/* sums[b] = the weights e^(l / t - m) of block b (float64); returns their total. */
+ALWAYS_INLINE double block_sums(const Row *r, float m, int64_t block, int64_t nblocks, double *sums, int bf16) {
+    double total = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t end = b * block + block < r->vocab ? b * block + block : r->vocab;
+        v8d acc[2] = {{0}, {0}};
+        int64_t c;
+        for (c = b * block; c + 16 <= end; c += 16) add_wide(acc, vexp(scaled16(r, c, bf16) - m));
+        double s = sum_wide(acc);
+        for (; c < end; c++) s += (double)vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        sums[b] = s;
+        total += s;
+    }
+    return total;
+}
+
+/* The token the uniform u picks (its block by the sums, then the token by its weights), and its
+   weight in *weight; -1 where no weight in its block is positive. */
+ALWAYS_INLINE int64_t pick_token(const Row *r, float m, int64_t block, int64_t nblocks, const double *sums,
+                                 double target, float *weight, int bf16) {
+    int64_t j = 0;
+    double before = 0;
+    while (j < nblocks - 1 && before + sums[j] < target) before += sums[j++];
+    double rest = target - before;
+    if (rest < DBL_MIN) rest = DBL_MIN; /* some weight must be reached: never a zero one */
+    const int64_t start = j * block, end = start + block < r->vocab ? start + block : r->vocab;
+    int64_t pick = -1;
+    double cum = 0;
+    for (int64_t c = start; c < end; c++) {
+        const float e = vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        if (e > 0) {
+            pick = c; /* the last positive weight so far: where rounding overshoots the block */
+            *weight = e;
+        }
+        cum += (double)e;
+        if (e > 0 && cum >= rest) break;
+    }
+    return pick;
+}
+
+/* Row r of the call: its token and logprob. `sums` holds nblocks doubles. */
+ALWAYS_INLINE void sample_row(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                              double *sums, int64_t *token, float *logprob, int bf16) {
+    const Row row = {.logits = logits, .row = r * vocab, .vocab = vocab, .t = t, .unit = t == 1.0f};
+    const int64_t nblocks = (vocab + block - 1) / block;
+    const float m = scaled_max(&row, bf16);
+    const double total = block_sums(&row, m, block, nblocks, sums, bf16);
+    float weight = 0;
+    *token = pick_token(&row, m, block, nblocks, sums, u * total, &weight, bf16);
+    *logprob = (float)(log((double)weight) - log(total));
+}
+
+static void sample_row_f32(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                           double *sums, int64_t *token, float *logprob) {
+    sample_row(logits, r, vocab, t, u, block, sums, token, logprob, 0);
+}
+
+static void sample_row_bf16(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                            double *sums, int64_t *token, float *logprob) {
+    sample_row(logits, r, vocab, t, u, block, sums, token, logprob, 1);
+}
+
+/* logits [rows, vocab]; temperature [rows]; uniforms [rows] in (0, 1]; the block sums' block size.
+   Writes tokens [rows] and logprobs [rows]; returns 0, or -1 when out of memory. */
+static int sample_rows(const void *logits, int64_t rows, int64_t vocab, const float *temperature,
+                       const double *uniforms, int64_t block, int64_t *tokens, float *logprobs, int bf16) {
+    const int64_t nblocks = (vocab + block - 1) / block;
+    double *sums_all = malloc(sizeof(double) * (size_t)(nblocks * rows));
+    if (sums_all == NULL) return -1;
+#pragma omp parallel for schedule(static) if (rows * vocab > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            sample_row_bf16(logits, r, vocab, temperature[r], uniforms[r], block, sums_all + r * nblocks, tokens + r,
+                            logprobs + r);
+        else
+            sample_row_f32(logits, r, vocab, temperature[r], uniforms[r], block, sums_all + r * nblocks, tokens + r,
+                           logprobs + r);
+    }
+    free(sums_all);
+    return 0;
+}
+
+int sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
+                    const double *uniforms, int64_t block, int64_t *tokens, float *logprobs) {
+    return sample_rows(logits, rows, vocab, temperature, uniforms, block, tokens, logprobs, 0);
+}
+
+int sample_rows_bf16(const uint16_t *logits, int64_t rows, int64_t vocab, const float *temperature,
+                     const double *uniforms, int64_t block, int64_t *tokens, float *logprobs) {
+    return sample_rows(logits, rows, vocab, temperature, uniforms, block, tokens, logprobs, 1);
+}
