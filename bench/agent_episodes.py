@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from recipes.turns import client_turns, openai_turns
     from rollout import RolloutClient
     from rollout.launcher import LocalSidecar

@@ -1,4 +1,4 @@
-"""The engine's linears on AMX tiles (engine/amx_linears.py) against oneDNN's op, side by side in
+"""The engine's linears on AMX tiles (engine/kernels/amx_linears.py) against oneDNN's op, side by side in
 one run: a whole model's linears swept in a forward's order (each layer's fused q/k/v, o, fused
 gate/up, down, then the lm_head), every layer its own weights, so they stream through the caches as
 in a decode step (each way's sweeps back to back, as an engine's steps are). bf16 (the bf16 engine's packed linears) and int8 (the
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine import amx_linears, int8_linears
+from engine.kernels import amx_linears, int8_linears
 
 log = logging.getLogger("bench.amx_linears")
 
@@ -27,8 +27,8 @@ log = logging.getLogger("bench.amx_linears")
 def model_linears(model_name: str) -> list[torch.Tensor]:
     """The model's linear weights in bf16, grouped as the engine serves them (fused_linears)."""
     from engine.config import EngineConfig
-    from engine.model_loader import load_model
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_loader import load_model
+    from engine.models.model_names import resolve_model_arg
 
     cfg = EngineConfig(model=resolve_model_arg(model_name), dtype="bfloat16", prepack_linears=False)
     model = load_model(cfg, torch.device("cpu"))

@@ -84,7 +84,7 @@ async def pause_latency(engine, num_requests: int, repeats: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(description="AsyncEngine vs in-process LLM throughput, and pause/resume latency.")
     p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small; tiny with --quick)")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
 
     from engine import AsyncEngine, EngineConfig
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     size = "tiny" if args.quick else "small"
     model = resolve_model_arg(args.model or size)

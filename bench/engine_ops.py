@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=12, help="list the most frequent ops of the largest decode step")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from engine.tiny_model import default_model_dir
+    from engine.models.tiny_model import default_model_dir
 
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = str(default_model_dir())
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def real_decode(name: str, seconds: float) -> None:
     from bench.engines import probe_peak
-    from engine.real_models import real_model_dir
+    from engine.models.real_models import real_model_dir
 
     model_dir = str(real_model_dir(name))
     core = make_core(model_dir, 64, 1024)

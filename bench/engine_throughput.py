@@ -282,7 +282,7 @@ def profile_engine(llm, wl: Workload, seed: int) -> None:
     untouched) and under the torch profiler; print the split and the top aten ops."""
     from transformers import AttentionInterface
 
-    from engine import attention
+    from engine.models import attention
 
     core, runner = llm.core, llm.core.runner
     timer = StageTimer()
@@ -355,7 +355,7 @@ def report(title: str, results: list[Result], notes: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(
         description="Engine throughput on an RL-shaped workload (P prompts x n samples, temperature 1, EOS "
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     size = "tiny" if args.quick else "small"
     model_dir = resolve_model_arg(args.model or size)

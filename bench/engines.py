@@ -221,7 +221,7 @@ class Ours:
                                     max_model_len=max_model_len, seed=seed, num_threads=available_cpus(),
                                     quantization=quantization))
         collapser = getattr(self.llm.core.worker, "collapser", None)  # its weights onto 2 MB pages, in the
-        if collapser is not None and not collapser.idle.wait(600):  # background (engine/huge_pages.py): as
+        if collapser is not None and not collapser.idle.wait(600):  # background (engine/kernels/huge_pages.py): as
             log.warning("the weights were not all on 2 MB pages after 600 s")  # a long run serves, not its start
 
     def run(self, wl: Workload) -> int:
@@ -317,7 +317,7 @@ def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(prog="python -m bench.engines", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     del applied
     from transformers import AutoConfig
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from engine.model_runner import available_cpus
 
     torch.set_num_threads(available_cpus())

@@ -1,4 +1,4 @@
-"""The fp32 engine's linears on our kernel (engine/f32_linears.py) against oneDNN's prepacked op
+"""The fp32 engine's linears on our kernel (engine/kernels/f32_linears.py) against oneDNN's prepacked op
 (what the engine ran before, and still runs without AVX-512) and torch's `F.linear` (MKL), side by
 side in one run: a whole model's linears swept in a forward's order (each layer's fused q/k/v, o,
 fused gate/up, down, then the lm_head), every layer its own weights, as a decode step streams them.
@@ -20,7 +20,7 @@ import torch
 
 from bench.amx_linears import _seconds, model_linears, read_bandwidth
 from bench.engines import probe_peak
-from engine import f32_linears
+from engine.kernels import f32_linears
 
 log = logging.getLogger("bench.f32_linears")
 

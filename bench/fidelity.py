@@ -39,7 +39,8 @@ def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, se
            ) -> list[tuple]:
     """(prompt ids, completion ids, the engine's logprobs, its routed experts or None) per sample of
     engine `name`."""
-    from engine import LLM, EngineConfig, SamplingParams, int8_linears
+    from engine import LLM, EngineConfig, SamplingParams
+    from engine.kernels import int8_linears
 
     dtype, quantization, lm_head, activations = ENGINES[name]
     keep = int8_linears.KEEP_FULL_PRECISION
@@ -106,7 +107,7 @@ def fake_quantized(trainer, weights: bool, activations: bool):
     (`activations`): which of the two moves the policy."""
     import copy
 
-    from engine.int8_linears import quantize_rows, quantize_weight
+    from engine.kernels.int8_linears import quantize_rows, quantize_weight
 
     model = copy.deepcopy(trainer)
     for name, module in model.named_modules():
@@ -147,7 +148,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from engine.tokenizer import load_tokenizer
     from recipes.tasks import ArithmeticTask
 

@@ -154,7 +154,7 @@ def colocated_push(size: str, device: torch.device, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from engine import AsyncEngine, EngineConfig
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.models.tiny_model import build_tiny_model, default_model_dir
     from weight_sync import EXTENSION, WeightSender, flatten_parameters
     from weight_sync.engine_side.engines import engines_checksums
     from weight_sync.trainer.local_engines import push_shared_to_engines
@@ -198,7 +198,7 @@ def nccl_push(size: str, repeats: int) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -208,14 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256, help="longest completion (each request draws its own)")
-    p.add_argument("--push-size", default="medium", help="engine.tiny_model size of the NCCL push (~500M)")
+    p.add_argument("--push-size", default="medium", help="engine.models.tiny_model size of the NCCL push (~500M)")
     p.add_argument("--quick", action="store_true", help="tiny model, 8 prompts x 4, short completions")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")

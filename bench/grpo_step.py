@@ -255,7 +255,7 @@ def report(results: list[dict], header: str) -> None:
 def model_dir_for(shape: dict, model: str | None) -> str:
     """--model (a directory or a name such as smollm2, resolved to its cached directory), or else
     the shape's embedded model, built if need be."""
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     return resolve_model_arg(model or shape["size"])
 
@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=2e-3, help="learning rate of both systems (the recipe's default)")
     p.add_argument("--seeds", default="0,1,2", help="seeds of the realistic shape (micro runs the first only)")
     p.add_argument("--model", default=None, help="a local HF model directory or a name (smollm2, or a tiny size: "
-                   "engine.model_names) for both systems, instead of each shape's embedded model (the shape keeps "
-                   "its batch and length)")
+                   "engine.models.model_names) for both systems, instead of each shape's embedded model (the "
+                   "shape keeps its batch and length)")
     p.add_argument("--task", default="a-game", help="the recipe's task, for both systems (recipes.tasks.make_task)")
     p.add_argument("--data", default=None, help="the task's data file (--task jsonl)")
     p.add_argument("--out", default=None, help="where to write grpo_step.json and reward_curves.png (default: a "

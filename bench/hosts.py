@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     why = unavailable()
     if why:
         raise SystemExit(f"error: {why}")
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     model = resolve_model_arg(args.model)
     counts = [int(n) for n in args.hosts.split(",")]

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     from bench.engine_throughput import probe_gflops
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout import RolloutClient
     from rollout.launcher import LocalSidecar
 

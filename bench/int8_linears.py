@@ -1,7 +1,7 @@
 """Which int8 linear the CPU engine should run (issue 49 item 4), chosen by measuring: one model's
 linear shapes (SmolLM2-135M's by default, read from its directory) at a decode step's and a
 prefill's row counts, every way torch 2.13 offers, against the prepacked fp32 and bf16 linears the
-engine runs today (engine/packed_linears.py). Each int8 way's time includes quantizing its
+engine runs today (engine/kernels/packed_linears.py). Each int8 way's time includes quantizing its
 activations (and rescaling its output): what a forward pays.
 
     (a) int_mm       dynamic per-token int8 activations, torch._int_mm (int8 x int8 -> int32),
@@ -12,7 +12,7 @@ activations (and rescaling its output): what a forward pays.
                      per-token scales multiply its fp32 output)
         onednn ten   the same, one dynamic scale for the whole activation (what the op is made for)
     (d) fbgemm       torch.ops.quantized.linear_dynamic (per-tensor dynamic activations, x86 engine)
-    engine int8      what the engine runs (engine/int8_linears.py: the kernel its probe chose,
+    engine int8      what the engine runs (engine/kernels/int8_linears.py: the kernel its probe chose,
                      per-token activations, rows padded to packed_linears' buckets), fp32 or bf16 in
 
 Each figure: the model's linears summed (each shape times its count), GFLOP/s, and the ratios
@@ -35,8 +35,8 @@ from collections import Counter
 
 import torch
 
-from engine import int8_linears
-from engine.int8_linears import quantize_rows
+from engine.kernels import int8_linears
+from engine.kernels.int8_linears import quantize_rows
 
 log = logging.getLogger("bench.int8_linears")
 
@@ -115,7 +115,7 @@ def _ways(w: torch.Tensor) -> dict:
         return torch._int_mm(q, wq_t) * (s * scale)
 
     ways["(a) int_mm"] = (int_mm, torch.float32)
-    # what the engine runs (engine/int8_linears.py): its kernel, rows padded to buckets
+    # what the engine runs (engine/kernels/int8_linears.py): its kernel, rows padded to buckets
     for dtype in (torch.float32, torch.bfloat16):
         layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype).requires_grad_(False)
         layer.weight.copy_(w)
@@ -193,7 +193,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     if args.threads:
         torch.set_num_threads(args.threads)

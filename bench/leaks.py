@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("WANDB_MODE", "offline")
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     model_dir = resolve_model_arg(args.model)
     pushes = killed_pushes(model_dir, args.trainers) if args.scenario in ("pushes", "both") else None

@@ -1,6 +1,6 @@
 """One model's linear layers three ways on this CPU, side by side in one run (issue 39 item 2):
 torch's `F.linear` (MKL's sgemm: what the engine ran before), oneDNN on the plain weight, and
-oneDNN on a weight prepacked once (engine/packed_linears.py: what the engine runs now), at the
+oneDNN on a weight prepacked once (engine/kernels/packed_linears.py: what the engine runs now), at the
 row counts of a decode step (32, 256) and a prefill (1024), and at counts the engine pads to its
 row buckets (33 -> 36, 300 -> 320, 1100 -> 1024 + 80: what the primitive cache's bound costs).
 Each figure is the layers' FLOP/s and its share of the `a @ b` peak probed in the same run; the
@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.gpu import matmul_peak
-from engine import packed_linears
+from engine.kernels import packed_linears
 
 log = logging.getLogger("bench.linears")
 
@@ -37,8 +37,8 @@ def _time(fn, min_seconds: float = 0.5) -> float:
 def _layers(model_name: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """Every linear weight of the model, loaded as the engine loads it."""
     from engine.config import EngineConfig
-    from engine.model_names import resolve_model_arg
-    from engine.model_loader import load_model
+    from engine.models.model_names import resolve_model_arg
+    from engine.models.model_loader import load_model
 
     cfg = EngineConfig(model=resolve_model_arg(model_name), dtype=str(dtype).removeprefix("torch."),
                        prepack_linears=False)

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.engine_throughput import probe_gflops
     from bench.lora_push import TARGET_MODULES
     from bench.http import _count_params
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     rows = []
     for name in args.models.split(","):

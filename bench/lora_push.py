@@ -3,7 +3,7 @@
 A trainer that trains a LoRA adapter can push only the adapter's factors (lora_A, lora_B: a few
 MB) and let the engine merge them into the base it keeps (weight_sync/common/lora.py,
 weight_sync/engine_side/lora_target.py), or push the merged weights whole, as any other model.
-For each model (engine.tiny_model sizes, fp32, CPU, gloo on loopback), through a real
+For each model (engine.models.tiny_model sizes, fp32, CPU, gloo on loopback), through a real
 AsyncEngine whose worker runs the weight-sync extension, this process being the trainer
 (rank 0), with a PEFT LoRA model over the trainer's weights (r=--lora-r, lora_alpha=2r, on
 q/k/v/o and gate/up/down projections) whose factors move a little before every push, as a
@@ -116,14 +116,14 @@ async def bench_model(size: str, repeats: int, r: int, alpha: float, timeout_s: 
                       lora_versions: int = 0, dtype: str = "float32") -> dict:
     from engine import AsyncEngine, EngineConfig
     from engine.model_runner import available_cpus
-    from engine.model_names import resolve_model
+    from engine.models.model_names import resolve_model
     from weight_sync import WeightSender
     from weight_sync.common.checksum import weights_checksum
     from weight_sync.engine_side.engines import engines_checksums
     from weight_sync.trainer.local_engines import init_weight_sync, push_to_engines
     from weight_sync.trainer.lora_push import adapter_weights, base_weights
 
-    model_dir = resolve_model(size)  # a tiny size (engine.tiny_model), or a real model's name (smollm2)
+    model_dir = resolve_model(size)  # a tiny size (engine.models.tiny_model), or a real model's name (smollm2)
     peft_model = lora_model(model_dir, r, alpha, seed)
     gen = torch.Generator().manual_seed(seed)
     adapter_bytes = _nbytes(adapter_weights(peft_model)[0])  # the factors travel in their own dtype
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="small,medium",
-                   help="comma-separated model sizes from engine.tiny_model: micro, mini, tiny (~4M), small (~50M), "
-                        "medium (~500M, 1.9 GB fp32) (default: small,medium)")
+                   help="comma-separated model sizes from engine.models.tiny_model: micro, mini, tiny (~4M), "
+                        "small (~50M), medium (~500M, 1.9 GB fp32) (default: small,medium)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed pushes of each kind per model, after the warm-up (default: 5)")
     p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default: 16)")

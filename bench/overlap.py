@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("weight_sync").setLevel(logging.WARNING)
     from pathlib import Path
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout.launcher import LocalSidecar
 
     results = {}

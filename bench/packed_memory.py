@@ -2,7 +2,7 @@
 primitive per distinct row count, so a sidecar's varied batch sizes grow a process. Each way runs a
 model's linear shapes at every row count 1..--rows in a fresh process and prints its RSS growth:
 `F.linear` (the anchor: MKL, no primitive cache, only the allocator keeping freed outputs), the
-engine's packed forward (rows padded to engine/packed_linears.py's buckets), and oneDNN at the
+engine's packed forward (rows padded to engine/kernels/packed_linears.py's buckets), and oneDNN at the
 exact row counts (what the buckets prevent).
 
     python -m bench.packed_memory                     # the tiny model's shapes, rows 1..600
@@ -36,7 +36,7 @@ def _shapes(model: str) -> list[tuple[int, int]]:
 
 def _run_one(way: str, shapes: list[tuple[int, int]], rows: int) -> float:
     """RSS growth (MiB) of this process over rows 1..`rows` on every shape, run `way`."""
-    from engine import packed_linears
+    from engine.kernels import packed_linears
 
     torch.manual_seed(0)
     plain = {s: torch.randn(s) for s in shapes}

@@ -150,7 +150,7 @@ def felt_without_pushes(times: list[float], windows: list[tuple[float, float]], 
 
 async def weights_settled(client, limit: float, reference_s: float) -> None:
     """Wait (at most `limit` s) until no engine is still moving its weights onto 2 MB pages
-    (engine/huge_pages.py): on a VM whose host backs each fresh 2 MB page only then, that takes
+    (engine/kernels/huge_pages.py): on a VM whose host backs each fresh 2 MB page only then, that takes
     minutes at 1.7B and slows every step meanwhile; a push measured then is measured against a
     stream that is not in its steady state."""
     from bench.settle import weights_moving
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.pushes, args.settle, args.interval = "tiny", 2, 1.0, 1.0
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # the sidecar and its engine cores inherit it
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout.launcher import LocalSidecar
 
     model_dir = str(resolve_model_arg(args.model))

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout import RolloutClient
     from rollout.launcher import LocalSidecar
     from rollout.ray_launcher import RaySidecars

@@ -90,7 +90,7 @@ def copy_gbps(nbytes: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,5 +1,5 @@
 """Sampler cost per decode step at real vocabulary sizes: ours (inverse-CDF from one uniform per
-row; an RL step's common case in one C call, engine/native_sampler.py) against the same in torch ops
+row; an RL step's common case in one C call, engine/kernels/native_sampler.py) against the same in torch ops
 (what it ran before, and runs on a GPU) and two anchors, in one run:
 
   exp-race:    the sampler this project had before (argmax(p / E) with one Exp(1) draw per

@@ -1,4 +1,4 @@
-"""Whether a sidecar's weights are still moving onto 2 MB pages (engine/huge_pages.py), from its
+"""Whether a sidecar's weights are still moving onto 2 MB pages (engine/kernels/huge_pages.py), from its
 health replies: a bench measures the steady state, after the move (minutes at 1.7B on a VM whose
 host backs each fresh 2 MB page only then, every step slower meanwhile), as a long run serves."""
 

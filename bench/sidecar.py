@@ -78,7 +78,7 @@ async def sidecar_figures(url: str, model: str, workload, pushes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(description="Sidecar vs in-process engine throughput, and the cost of a push.")
     p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: small; tiny with --quick)")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(available_cpus())
     from transformers import AutoConfig
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout.launcher import LocalSidecar
 
     size = "tiny" if args.quick else "small"

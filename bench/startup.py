@@ -8,10 +8,10 @@ to health "ok" again).
 The anchor is the floor of any engine core on torch: one bare interpreter importing torch and
 nothing else (`floor`); ours/floor says how much of a start is ours. Beside it, the floor of a core
 that loads its model with transformers (torch + the model's transformers class), which ours paid
-until it built Llama-shaped models itself (engine/llama_model.py). The import profile (seconds per top-level package,
-summed over each module's own import time) comes from one extra start of each process under
-`python -X importtime`: the front end run as a whole, the engine core as a warm standby (the
-imports it makes before its arguments arrive).
+until it built Llama-shaped models itself (engine/models/llama_model.py). The import profile
+(seconds per top-level package, summed over each module's own import time) comes from one extra
+start of each process under `python -X importtime`: the front end run as a whole, the engine core
+as a warm standby (the imports it makes before its arguments arrive).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench import vllm_cpu_setup
 
     setup = vllm_cpu_setup.apply("bench.startup", argv, enabled=args.vllm and not args.no_vllm_cpu_setup)
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     model_dir = resolve_model_arg(args.model)  # built once here, not inside a timed start
     floor = statistics.median(floor_seconds(model_dir) for _ in range(args.runs))

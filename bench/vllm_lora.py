@@ -148,7 +148,7 @@ def med(rows, key):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(prog="python -m bench.vllm_lora", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm import SamplingParams
 
     from bench.engine_throughput import make_workload
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from engine.model_runner import available_cpus
 
     torch.set_num_threads(available_cpus())

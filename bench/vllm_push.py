@@ -159,7 +159,7 @@ def report(results: dict, nbytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p = argparse.ArgumentParser(prog="python -m bench.vllm_push", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_env_defaults("cpu", 1, "WARNING")  # the vLLM sidecar inherits them; it would set them itself too
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from engine.model_runner import available_cpus
     from rollout.launcher import LocalSidecar
     from weight_sync import flatten_parameters

@@ -87,7 +87,7 @@ async def bench_model(size: str, buckets_mib: list[int], repeats: int, timeout_s
     from transformers import AutoModelForCausalLM
 
     from engine import AsyncEngine, EngineConfig
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.models.tiny_model import build_tiny_model, default_model_dir
     from weight_sync import WeightSender, flatten_parameters
     from weight_sync.common.manifest import DEFAULT_BUCKET_BYTES
     from weight_sync.engine_side.engines import engines_checksums
@@ -229,7 +229,8 @@ def report(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="small,medium", help="model sizes from engine.tiny_model (default: small,medium)")
+    p.add_argument("--sizes", default="small,medium",
+                   help="model sizes from engine.models.tiny_model (default: small,medium)")
     p.add_argument("--buckets-mib", default="4,16,64,256", help="bucket sizes to sweep, MiB (default: 4,16,64,256)")
     p.add_argument("--repeats", type=int, default=10, help="timed pushes per variant, after warm-up (default: 10)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="weight-sync group timeout (default: 120)")

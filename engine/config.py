@@ -26,7 +26,7 @@ QUANTIZATIONS = ("none", "int8", "fp8", "auto")
 
 def resolve_quantization(quantization: str, device: str) -> str:
     """The 8-bit copy an engine serves from. "auto" is the one this device runs: int8 on the CPU
-    (engine/int8_linears.py), fp8 on CUDA (engine/fp8_linears.py; Hopper or newer). int8 on CUDA
+    (engine/kernels/int8_linears.py), fp8 on CUDA (engine/kernels/fp8_linears.py; Hopper or newer). int8 on CUDA
     and fp8 on the CPU are refused by name: each has no kernel there."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
@@ -74,9 +74,9 @@ class EngineConfig:
     # each sequence decoding with the one it started under (engine/lora_bank.py)
     lora_versions: int = 0
     # Llama-shaped models (llama, qwen2, mistral) run their decoder layers as one short function
-    # each (engine/fused_layers.py: ~50 aten ops a layer instead of ~80); False keeps HF's layers
+    # each (engine/models/fused_layers.py: ~50 aten ops a layer instead of ~80); False keeps HF's layers
     fuse_layers: bool = True
-    # CPU: linear layers through oneDNN's prepacked weights (engine/packed_linears.py): 1.2-1.7x
+    # CPU: linear layers through oneDNN's prepacked weights (engine/kernels/packed_linears.py): 1.2-1.7x
     # F.linear in fp32, 5-7x in bf16 on AVX2; rows run at 30 bucketed counts, which bounds
     # oneDNN's primitive cache (one per row count) at ~80 MiB. False keeps F.linear
     prepack_linears: bool = True

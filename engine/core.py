@@ -84,7 +84,7 @@ class EngineCore:
         if not self.runner.sparse_blocks:
             kind = getattr(self.runner.model.config, "model_type", "?")
             raise ValueError(f"return_routed_experts: this model ({kind}) has no mixture-of-experts layers of the "
-                             "engine's own (engine/moe_model.py), so no token is routed to experts")
+                             "engine's own (engine/models/moe_model.py), so no token is routed to experts")
         if params.routed_experts_prompt_start > len(prompt_token_ids):
             raise ValueError(f"routed_experts_prompt_start ({params.routed_experts_prompt_start}) is past the "
                              f"prompt's {len(prompt_token_ids)} tokens")

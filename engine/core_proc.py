@@ -26,7 +26,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.model_loader import quantized_bytes
+from engine.models.model_loader import quantized_bytes
 from engine.messages import (
     FAILED, AbortRequests, AddRequest, AddRequestId, CallResult, EngineInput, Fatal, Ready, RequestError, Shutdown,
     PauseMode, StepOutputs, UtilityCall,
@@ -301,14 +301,15 @@ def _one_per_worker(result: Future) -> Future:
 def _warm_up(model_dir: str) -> None:
     """What a standby core does before it is needed: import the model's modelling code (most of
     an engine's start on CPU is importing torch and transformers, not loading the weights)."""
-    from engine import llama_model, model_runner  # noqa: F401 - torch, and the engine's own modules
+    from engine import model_runner  # noqa: F401 - torch, and the engine's own modules
+    from engine.models import llama_model
     from engine.tokenizer import load_tokenizer
 
     load_tokenizer(model_dir)  # imports what this model's tokenizer needs (transformers', or tokenizers alone)
     if llama_model.unsupported(model_dir) is not None:  # transformers' modelling code will load it
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from engine import attention
+        from engine.models import attention
 
         attention.register()
         AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]  # imports the model class

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora_merge import merge
+from engine.kernels.lora_merge import merge
 
 Factors = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module name -> (A [r, in], B [out, r], scale)
 

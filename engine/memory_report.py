@@ -1,19 +1,19 @@
 """What an engine's memory holds, by part: the weights (each storage once: weights a push swapped
 into one staging buffer count that buffer), the derived copies its forward reads instead of them
-(engine/derived_weights.py: prepacked, 8-bit; none where a kernel reads the weights in place), and
-the KV cache, its budget and the part of it resident now (engine/zero_pages.py: its pages are
+(engine/kernels/derived_weights.py: prepacked, 8-bit; none where a kernel reads the weights in place), and
+the KV cache, its budget and the part of it resident now (engine/kernels/zero_pages.py: its pages are
 taken as blocks are written). The sidecar reports it in health and /metrics, and logs it at start."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 import numpy as np
 import torch
 
-from engine import derived_weights
+from engine.kernels import derived_weights
+from engine.kernels.libc import mincore
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -38,22 +38,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the storages the parameters live in, each once."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     return sum(storages.values())
-
-
-def libc_function(name: str, argtypes: tuple):
-    """libc's function `name` taking `argtypes` (errno kept), or None where there is none."""
-    try:
-        f = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = argtypes
-    return f
-
-
-@functools.cache
-def mincore():
-    """mincore(address, length, vector) -> 0 or -1: which pages are resident (or None)."""
-    return libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
 
 
 def resident_bytes(t: torch.Tensor | None) -> int:

@@ -11,12 +11,13 @@ import time
 import numpy as np
 import torch
 
-from engine import (attention, gpu_memory, moe_model, native_decode, routed_experts, step_inputs, step_sampling,
-                    zero_pages)
+from engine import gpu_memory, routed_experts, step_inputs, step_sampling
+from engine.kernels import native_decode, zero_pages
+from engine.models import attention, moe_model
 from engine.config import EngineConfig
 from engine.kv_cache_size import bytes_per_block, num_kv_blocks
-from engine.model_loader import load_model
-from engine.native_decode import NativeDecode
+from engine.models.model_loader import load_model
+from engine.kernels.native_decode import NativeDecode
 from engine.prompt_logprobs import take_prompt_logprobs
 from engine.sampler import SamplingTensors, sample, uniform_noise
 from engine.step_sampling import SampleResult
@@ -66,7 +67,7 @@ class ModelRunner:
         self.prompt_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, length), one prefill
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
         self.routed: dict[int, np.ndarray] = {}  # seq_id -> the step's routed-expert rows, taken by the core
-        self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/moe_model.py's, in layer order
+        self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/models/moe_model.py's, in layer order
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
         # One attention call for a whole prefill (its spans padded to one shape) on GPUs, where

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import native_sampler
+from engine.kernels import native_sampler
 from engine.logits_processors import LogitsEdits, apply_edits
 from engine.seeded_draws import counter_uniforms, mix32, seed_key  # noqa: F401 - sampling's names
 
@@ -192,7 +192,7 @@ def sample_with_torch(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.T
 
 def _only_sampling(t: SamplingTensors) -> bool:
     """Whether a step only samples (an RL rollout's: no processors, penalties, filters, greedy rows
-    or whole distributions asked), what engine/native_sampler.py does in one call."""
+    or whole distributions asked), what engine/kernels/native_sampler.py does in one call."""
     return (t.uniforms is not None and not t.any_greedy and t.edits is None and t.penalties is None
             and t.min_p is None and t.top_k is None and t.top_p is None and t.num_top_logprobs is None
             and not t.raw_logprobs)

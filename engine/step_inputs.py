@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import PaddedPrefill
+from engine.models.attention import PaddedPrefill
 
 # what one more decode chunk costs per layer, in bytes of KV gathered: on the CPU a handful of
 # ops (~50-100 us of host time, about 1 MB of memory traffic); on a GPU the same ops are kernel

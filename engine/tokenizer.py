@@ -2,7 +2,7 @@
 
 A model's tokenizer is transformers' `AutoTokenizer`, which imports torch and much of transformers
 (seconds of a start, see bench.startup). The embedded tiny models are the exception: their
-tokenizer is ours, built with the `tokenizers` library (engine/tiny_model.py), so it is read back
+tokenizer is ours, built with the `tokenizers` library (engine/models/tiny_model.py), so it is read back
 with that library alone (`TokenizerFile`), and the sidecar's front end starts without torch.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from engine.tiny_model import STAMP  # written beside the embedded tiny models' weights
+from engine.models.tiny_model import STAMP  # written beside the embedded tiny models' weights
 
 
 def load_tokenizer(path: str):

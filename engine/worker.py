@@ -12,10 +12,10 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine import derived_weights, huge_pages
+from engine.kernels import derived_weights, huge_pages
 from engine.lora_bank import LoraBank
 from engine.memory_report import engine_memory
-from engine.model_loader import load_model, quantized_bytes
+from engine.models.model_loader import load_model, quantized_bytes
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Worker:
         ready = getattr(self, "_on_worker_ready", None)
         if ready is not None:  # an extension's start-up work (weight sync makes its staging ready)
             ready()
-        # the weights and their copies onto 2 MB pages, on a thread of its own (engine/huge_pages.py)
+        # the weights and their copies onto 2 MB pages, on a thread of its own (engine/kernels/huge_pages.py)
         self.collapser = huge_pages.Collapser() if self.device.type == "cpu" else None
         self._onto_huge_pages()
 
@@ -123,7 +123,7 @@ class Worker:
 
     def pages_held(self):
         """A context in which no weight page moves onto huge pages (a push's receive: its writes
-        and merges go first; engine/huge_pages.py `Collapser.held`)."""
+        and merges go first; engine/kernels/huge_pages.py `Collapser.held`)."""
         return self.collapser.held() if getattr(self, "collapser", None) is not None else contextlib.nullcontext()
 
     def onto_huge_pages_first(self, tensors) -> None:

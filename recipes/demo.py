@@ -11,8 +11,8 @@ log = logging.getLogger("recipes.demo")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.model_names import MODEL_HELP
-    from engine.tiny_model import SIZES
+    from engine.models.model_names import MODEL_HELP
+    from engine.models.tiny_model import SIZES
 
     p = argparse.ArgumentParser(description="Generate with the rollout engine on the tiny offline model (CPU).")
     p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the embedded model of --size)")
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from engine import LLM, EngineConfig, SamplingParams
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     model = resolve_model_arg(args.model or args.size)
     llm = LLM(EngineConfig(model=model, device=args.device, max_num_seqs=64, max_model_len=512, seed=0))

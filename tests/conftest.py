@@ -24,7 +24,7 @@ def loop():
 def model_dirs(tmp_path_factory):
     """Tiny Qwen2, Llama, Llama 3 (scaled rope) and Qwen3 (q/k norms) model directories, built offline
     once per test session."""
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in ("qwen2", "llama", "llama3", "qwen3")}
@@ -74,7 +74,7 @@ def eos_model_dir(qwen2_dir, hf_models, tmp_path_factory):
 def moe_dirs(tmp_path_factory):
     """Tiny mixtures of experts of each family the engine runs on its own layers (8 experts, 2 a
     token), built offline on first use."""
-    from engine.tiny_model import MOE_ARCHS, build_tiny_model
+    from engine.models.tiny_model import MOE_ARCHS, build_tiny_model
 
     root = tmp_path_factory.mktemp("moe_models")
     return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in MOE_ARCHS}

@@ -299,7 +299,7 @@ class PushCoordinator:
         self.state.count("push_seconds", time.monotonic() - t0)
         workers = out.pop("worker_results", None) or []
         # the slowest worker's delta apply (weight_sync/common/delta_push.py) and derived copies made
-        # from the staged weights (engine/derived_weights.py), where the push had them
+        # from the staged weights (engine/kernels/derived_weights.py), where the push had them
         for key in ("apply_seconds", "derive_seconds"):
             if seconds := [w[key] for w in workers if isinstance(w, dict) and key in w]:
                 out[key] = max(seconds)

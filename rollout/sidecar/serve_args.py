@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serving_flags(p) -> None:
     """The model, the address trainers reach, how many engines."""
-    from engine.model_names import MODEL_HELP
+    from engine.models.model_names import MODEL_HELP
 
     p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the embedded tiny model, built offline)")
     p.add_argument("--host", default="127.0.0.1",
@@ -210,10 +210,10 @@ def vllm_dev_mode(environ=os.environ) -> bool:
 
 
 def model_dir_or_exit(arg: str | None) -> str:
-    """`--model arg`'s directory: a name builds or converts its cached directory (engine.model_names);
+    """`--model arg`'s directory: a name builds or converts its cached directory (engine.models.model_names);
     anything that is not a model directory ends the program with one line (exit 1), before
     anything starts. `python -m recipes.grpo|ppo --model` goes through it too."""
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
     from rollout.sidecar.serve_checks import model_problem
 
     model = resolve_model_arg(arg or "tiny")

@@ -12,8 +12,8 @@ def model_problem(arg: str, model_dir: str) -> str | None:
     """Why `--model arg` (resolved to `model_dir`) cannot be served, or None."""
     if os.path.isfile(os.path.join(model_dir, "config.json")):
         return None
-    from engine.real_models import PRESETS
-    from engine.tiny_model import SIZES
+    from engine.models.real_models import PRESETS
+    from engine.models.tiny_model import SIZES
 
     what = "no such directory" if not os.path.exists(model_dir) else "a directory without config.json"
     return (f"--model {arg!r}: {what}; give an HF model directory or a name: {', '.join(PRESETS)} (a real "

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoConfig
 
 from bench.engines import active_params, count_params
-from engine import moe_model
+from engine.models import moe_model
 
 
 def test_an_moe_counts_its_active_experts_and_a_dense_model_everything(moe_dir, qwen2_dir):

@@ -7,7 +7,7 @@ from tests.docs.snippets import collect, inventory
 def snippet_env(tmp_path_factory):
     """The environment snippets run in, with the tiny model already built into its cache (where
     `--model tiny` and `resolve_model("tiny")` find it)."""
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
     from tests.docs.runner import environment
 
     cache = tmp_path_factory.mktemp("rollout_cache")

@@ -1,4 +1,4 @@
-"""engine/amx_linears.py: the tile layouts (pure, run anywhere) and, where the CPU has AMX, the
+"""engine/kernels/amx_linears.py: the tile layouts (pure, run anywhere) and, where the CPU has AMX, the
 kernels: int8 bit for bit against the exact integer product scaled as the oneDNN path scales it,
 bf16 and weight-only int8 within a bf16 GEMM's error bound, bf16 on the weights in place with the
 packed kernel's bits, and the int8 engine's logits unchanged by the kernel swap."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import amx_linears, int8_linears, native_kernels, native_quantize
+from engine.kernels import amx_linears, int8_linears, native_kernels, native_quantize
 
 amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU")
 SHAPES = [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64), (300, 64, 1536)]
@@ -170,7 +170,7 @@ def test_switch_off_leaves_onednn(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(50, 100), (64, 64), (33, 576), (7, 31)])
 def test_the_one_pass_copy_has_the_torch_ways_bits(dtype, n, k):
-    """engine/native/quantize_groups.c against quantize_groups then pack_w8 (runs on any CPU)."""
+    """engine/kernels/native/quantize_groups.c against quantize_groups then pack_w8 (runs on any CPU)."""
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * torch.logspace(-3, 1, k)).to(dtype)
     w[0, :32] = 0  # an all-zero group's scale: bf16's smallest normal
     w[1, 0] = 1e4  # an outlier that takes its group's scale

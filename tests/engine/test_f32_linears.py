@@ -1,4 +1,4 @@
-"""engine/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512,
+"""engine/kernels/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512,
 the kernel within a plain fp32 GEMM's error bound, with and without a bias, at any row count."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import f32_linears
+from engine.kernels import f32_linears
 
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel serves only on AVX-512 CPUs")
 
@@ -37,7 +37,7 @@ def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
 
 @pytest.mark.parametrize("n,k", [(1536, 576), (50, 100), (33, 7), (32, 1), (1, 64)])
 def test_the_one_pass_pack_is_torchs_pack(n, k):
-    """engine/native/f32_linear.c's f32_pack_rows against the torch ops it replaces: the same bytes."""
+    """engine/kernels/native/f32_linear.c's f32_pack_rows against the torch ops it replaces: the same bytes."""
     if f32_linears._pack_fn() is None:
         pytest.skip("no C compiler for the native kernels")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))
@@ -68,7 +68,7 @@ def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
 def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     """f32_linear_rows, both of its ways (the rows broadcast at 8-32 rows, panels made per call
     otherwise), against the packed kernel: the same sums in the same order, so the same bits."""
-    from engine.derived_weights import rows_of
+    from engine.kernels.derived_weights import rows_of
 
     g = torch.Generator().manual_seed(m + n + k)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)

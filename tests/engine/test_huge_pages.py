@@ -1,4 +1,4 @@
-"""engine/huge_pages.py: the weights onto 2 MB pages (MADV_COLLAPSE, Linux 6.1+) under a running
+"""engine/kernels/huge_pages.py: the weights onto 2 MB pages (MADV_COLLAPSE, Linux 6.1+) under a running
 engine, their values untouched; where the kernel cannot, nothing changes."""
 
 import mmap
@@ -6,7 +6,9 @@ import mmap
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, huge_pages, llama_model
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import huge_pages
+from engine.models import llama_model
 from tests.engine.helpers import random_prompts
 
 

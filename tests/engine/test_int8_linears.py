@@ -1,12 +1,13 @@
-"""int8 linears (engine/int8_linears.py): the product within the error int8 rounding allows, the copy
+"""int8 linears (engine/kernels/int8_linears.py): the product within the error int8 rounding allows, the copy
 derived again whenever the full-precision weight (the truth) changes, and an int8 engine's
 logprobs those of the int8 policy, not of the fp32 one."""
 
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, derived_weights, int8_linears
-from engine.model_loader import quantized_bytes
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import derived_weights, int8_linears
+from engine.models.model_loader import quantized_bytes
 
 pytestmark = pytest.mark.skipif(int8_linears.kernel() is None, reason="no exact int8 kernel on this CPU")
 
@@ -158,9 +159,9 @@ def test_the_copy_bytes_are_one_byte_a_weight_and_its_scales():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_row_quantizer_gives_torchs_bits(dtype, monkeypatch):
-    """engine/native/quantize_rows.c against the torch ops it replaces: the same scales and codes,
+    """engine/kernels/native/quantize_rows.c against the torch ops it replaces: the same scales and codes,
     ties (x / scale exactly k + 0.5) rounded to even, an all-zero row, rows of several widths."""
-    from engine import native_quantize
+    from engine.kernels import native_quantize
 
     if native_quantize.quantize_rows(torch.ones(1, 4, dtype=dtype)) is None:
         pytest.skip("no C compiler here: the torch ops run")
@@ -180,7 +181,7 @@ def test_the_c_row_quantizer_gives_torchs_bits(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_row_scaling_gives_torchs_bits(dtype):
-    from engine import native_quantize
+    from engine.kernels import native_quantize
 
     g = torch.Generator().manual_seed(6)
     out = (torch.randn(33, 960, generator=g) * 50).to(dtype)

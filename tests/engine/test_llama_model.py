@@ -1,4 +1,4 @@
-"""engine/llama_model.py: the engine's own Llama-shaped models hold HF's parameters under HF's
+"""engine/models/llama_model.py: the engine's own Llama-shaped models hold HF's parameters under HF's
 names (Llama 3's scaled rope and Qwen3's q/k norms too), greedy tokens are HF's in fp32 for each
 family, a core loads them without importing transformers, and what they do not cover is loaded by
 transformers as before."""
@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, llama_model
-from engine.model_loader import load_model
+from engine import LLM, EngineConfig, SamplingParams
+from engine.models import llama_model
+from engine.models.model_loader import load_model
 from tests.engine.helpers import hf_greedy, random_prompts
 
 
@@ -39,7 +40,7 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
     tested on its own in test_native_layers.py) against HF's generate, token for token."""
     monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
     llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=128))
-    assert type(llm.core.worker.model).__module__ == "engine.llama_model"
+    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
     prompts = random_prompts(4, 3, 40, 400, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
@@ -48,11 +49,11 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
 
 @pytest.mark.parametrize("rope,factor", [("default", None), ("linear", 4.0), ("llama3", 8.0)])
 def test_the_rope_frequencies_are_transformers_own(rope, factor):
-    """engine/rope_scaling.py against transformers' ROPE_INIT_FUNCTIONS on a Llama 3-sized head."""
+    """engine/models/rope_scaling.py against transformers' ROPE_INIT_FUNCTIONS on a Llama 3-sized head."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine import rope_scaling
+    from engine.models import rope_scaling
 
     params = {"rope_type": rope, "rope_theta": 500000.0}
     if factor is not None:
@@ -77,11 +78,12 @@ def _default_rope(cfg):
 
 
 def test_a_core_loads_its_model_without_transformers(qwen2_dir):
-    code = ("import sys, torch\nfrom engine.config import EngineConfig\nfrom engine.model_loader import load_model\n"
+    code = ("import sys, torch\nfrom engine.config import EngineConfig\n"
+            "from engine.models.model_loader import load_model\n"
             f"m = load_model(EngineConfig(model={qwen2_dir!r}), torch.device('cpu'))\n"
             "print(type(m).__module__, sorted(k for k in ('transformers', 'sympy', 'torch._dynamo') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["engine.llama_model", "[]"]
+    assert out == ["engine.models.llama_model", "[]"]
 
 
 def _variant(src: str, dst, **config) -> str:
@@ -117,7 +119,7 @@ def test_a_sliding_window_no_shorter_than_the_engines_sequences_runs_on_our_laye
     assert llama_model.unsupported(mistral, max_model_len=256).startswith("sliding-window attention (a window of 128")
     assert llama_model.unsupported(mistral) is not None  # no length given: not known to fit
     llm = LLM(EngineConfig(model=mistral, max_model_len=128))
-    assert type(llm.core.worker.model).__module__ == "engine.llama_model"
+    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
     prompts = random_prompts(3, 4, 40, 400, seed=13)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     hf = hf_models["llama"]  # the same weights; within its window Mistral's attention is Llama's
@@ -150,7 +152,7 @@ def test_fused_rms_norm_is_hfs_arithmetic(dtype):
     times the weight: at most 2 ulp of the output)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from engine.fused_layers import rms_norm
+    from engine.models.fused_layers import rms_norm
 
     gen = torch.Generator().manual_seed(0)
     norm = LlamaRMSNorm(576, eps=1e-5).to(dtype)

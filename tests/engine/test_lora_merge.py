@@ -1,12 +1,12 @@
-"""engine/lora_merge.py: the merge into a kept buffer gives the bits of PEFT's own arithmetic
+"""engine/kernels/lora_merge.py: the merge into a kept buffer gives the bits of PEFT's own arithmetic
 (`weight.data += get_delta_weight()`), in one dtype and with fp32 factors into a bf16 base (a
 trainer's adapter into a bf16 engine), and leaves W0 as it was."""
 
 import pytest
 import torch
 
-from engine import lora_merge, native_kernels
-from engine.lora_merge import _native_add, delta, merge
+from engine.kernels import lora_merge, native_kernels
+from engine.kernels.lora_merge import _native_add, delta, merge
 
 
 # (1000, 333): threads' chunks that end mid-row and a last chunk shorter than the rest, rows merged

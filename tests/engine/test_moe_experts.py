@@ -1,10 +1,11 @@
-"""engine/moe_experts.py and engine/expert_names.py: the router's choice, the grouping of picks by
+"""engine/kernels/moe_experts.py and engine/models/expert_names.py: the router's choice, the grouping of picks by
 expert in HF's order, and the per-expert names of checkpoints against transformers 5's fused ones."""
 
 import pytest
 import torch
 
-from engine import amx_linears, expert_names, f32_linears, moe_experts
+from engine.kernels import amx_linears, f32_linears, moe_experts
+from engine.models import expert_names
 
 
 def test_route_renormalises_the_top_k_only_when_asked():
@@ -80,7 +81,7 @@ def _kernels_run(dtype) -> bool:
 @pytest.mark.parametrize("scores_fp32", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_block_is_the_torch_path_within_its_roundings(dtype, scores_fp32):
-    """engine/native/moe_experts.c against `route` + `run`: the same experts wherever the k-th and
+    """engine/kernels/native/moe_experts.c against `route` + `run`: the same experts wherever the k-th and
     (k+1)-th probabilities are apart by more than both softmaxes' error (a few fp32 ulps; bf16
     logits tie often, and a tie is broken either way); on those tokens the output within the
     GEMMs' reordered sums (fp32: (H + I) roundings of the magnitudes) plus, in bf16, one rounding
@@ -131,7 +132,7 @@ def test_a_fused_push_is_checked_and_handed_over_as_the_checkpoints_blocks():
 
 GROUPS_ACROSS_CALLS = """
 import ctypes, torch
-from engine import amx_linears, native_kernels
+from engine.kernels import amx_linears, native_kernels
 assert amx_linears.available()  # asks the kernel for the AMX tiles (arch_prctl) first
 P, I = ctypes.c_void_p, ctypes.c_int64
 fn = native_kernels.function("amx_linear", "amx_linear_bf16_groups", (P, I, P, P, I, P, I, P), ctypes.c_int)

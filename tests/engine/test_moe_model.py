@@ -1,12 +1,14 @@
-"""engine/moe_model.py: the engine's own mixture-of-experts layers hold HF's parameters under
+"""engine/models/moe_model.py: the engine's own mixture-of-experts layers hold HF's parameters under
 transformers 5's names, load per-expert checkpoints into them, compute HF's sparse block bit for bit
 (fp32 and bf16: the same operations in the same order), and give HF's greedy tokens in fp32."""
 
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, moe_experts, moe_model
-from engine.tiny_model import MOE_ARCHS
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import moe_experts
+from engine.models import moe_model
+from engine.models.tiny_model import MOE_ARCHS
 from tests.engine.helpers import hf_greedy, random_prompts
 
 
@@ -61,8 +63,9 @@ def test_a_core_loads_an_moe_without_transformers(moe_dirs):
     import subprocess
     import sys
 
-    code = ("import sys, torch\nfrom engine.config import EngineConfig\nfrom engine.model_loader import load_model\n"
+    code = ("import sys, torch\nfrom engine.config import EngineConfig\n"
+            "from engine.models.model_loader import load_model\n"
             f"m = load_model(EngineConfig(model={moe_dirs['qwen3_moe']!r}), torch.device('cpu'))\n"
             "print(type(m.model.layers[0].mlp).__module__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["engine.moe_model", "False"]
+    assert out == ["engine.models.moe_model", "False"]

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (engine/native/paged_decode.c): against float64 attention within a
+"""The C decode-attention kernel (engine/kernels/native/paged_decode.c): against float64 attention within a
 bound derived from the arithmetic, in the engine against HF's greedy output with it and without
 it, and the torch path taken when no compiler can build it."""
 
@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, native_decode, native_kernels
-from engine.native_decode import NativeDecode
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import native_decode, native_kernels
+from engine.kernels.native_decode import NativeDecode
 from tests.engine.helpers import hf_greedy, random_prompts
 
 U32 = 2.0**-24  # fp32's unit roundoff
@@ -153,7 +154,7 @@ def test_engine_greedy_matches_hf_with_and_without_the_kernel(native, model_dirs
 def test_a_compiler_that_fails_leaves_the_torch_path(model_dirs, hf_models, monkeypatch, tmp_path, caplog,
                                                      restore_kernels):
     _fresh_kernels(monkeypatch, CC="false", ROLLOUT_KERNEL_CACHE=str(tmp_path), ROLLOUT_NATIVE_KERNELS="1")
-    with caplog.at_level(logging.WARNING, logger="engine.native_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.native_kernels"):
         llm = LLM(EngineConfig(model=model_dirs["llama"], max_num_seqs=4, max_model_len=128))
     assert not llm.core.runner.native_decode
     assert any("using the torch path" in r.getMessage() for r in caplog.records)

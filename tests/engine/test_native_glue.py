@@ -1,4 +1,4 @@
-"""The decoder layer's elementwise steps in C (engine/native/layer_glue.c) against the torch ops they
+"""The decoder layer's elementwise steps in C (engine/kernels/native/layer_glue.c) against the torch ops they
 replace: the rotation and cache writes bit for bit, the bf16 norm and silu * up within the one bf16
 rounding their header names."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native_glue
-from engine.attention import _rotate_sign
-from engine.fused_layers import _rotate
+from engine.kernels import native_glue
+from engine.models.attention import _rotate_sign
+from engine.models.fused_layers import _rotate
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 

@@ -1,4 +1,4 @@
-"""engine/native_layers.py: a decode step's layers in one C call give the Python forward's bits
+"""engine/models/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
 and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope) and
 Qwen3's (q/k norms per head), and mixtures of experts' sparse MLPs (their routed experts too); in fp32 (C's norm and
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import amx_linears, f32_linears, native_layers
+from engine.kernels import amx_linears, f32_linears
+from engine.models import native_layers
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, mo
 def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing(moe_dirs, monkeypatch, calls, arch):
     """bf16: a sparse MLP (router, routing, experts) in the C loop gives the Python forward's tokens,
     logprobs and each step's routed experts; qwen2_moe's shared expert keeps Python's forward."""
-    from engine import moe_model
+    from engine.models import moe_model
 
     llm = LLM(EngineConfig(model=moe_dirs[arch], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
     blocks = moe_model.sparse_blocks(llm.core.worker.model)

@@ -1,4 +1,4 @@
-"""engine/native_sampler.py (sampling's common case in C) against sampler.inverse_cdf on the same
+"""engine/kernels/native_sampler.py (sampling's common case in C) against sampler.inverse_cdf on the same
 uniforms: the same tokens, logprobs within the error its fp32 arithmetic allows, no zero weight ever
 picked, the tail resolved as finely as the float64 uniform allows, and sample() taking it only when
 a step asks for nothing but sampling."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine import native_sampler
+from engine.kernels import native_sampler
 from engine.sampler import SamplingTensors, block_size_for, inverse_cdf, sample
 
 native = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""Prepacked linears (engine/packed_linears.py): the packed copy follows every way a push changes a
+"""Prepacked linears (engine/kernels/packed_linears.py): the packed copy follows every way a push changes a
 weight, frees with the weights, and the engine on it still gives HF's greedy tokens."""
 
 import math
@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, amx_linears, f32_linears, packed_linears
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import amx_linears, f32_linears, packed_linears
 from tests.engine.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not packed_linears.supported(torch.float32),

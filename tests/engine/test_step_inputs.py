@@ -53,9 +53,9 @@ def test_greedy_exact_whatever_the_cut(cost, model_dirs, hf_models):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_fused_layers_compute_what_hf_layers_do_bit_for_bit(arch, model_dirs, monkeypatch):
-    """The fused decoder layers (engine/fused_layers.py) do HF's arithmetic op for op: the
+    """The fused decoder layers (engine/models/fused_layers.py) do HF's arithmetic op for op: the
     same prompts give identical logits, in prefill (with a cached prefix) and decode."""
-    from engine import fused_layers, native_layers
+    from engine.models import fused_layers, native_layers
 
     monkeypatch.setenv(native_layers.ENV_SWITCH, "0")  # the fp32 C loop's norm is C's (tests/engine/test_native_layers.py)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny_model import STAMP, build_tiny_model
+from engine.models.tiny_model import STAMP, build_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 TARGET = "qwen2-tiny"  # default_model_dir()'s name under the cache root
@@ -103,7 +103,7 @@ def _build_and_load(rank: int | None = None, port: int | None = None) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.tiny_model import cache_root, default_model_dir
+    from engine.models.tiny_model import cache_root, default_model_dir
 
     if rank is not None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

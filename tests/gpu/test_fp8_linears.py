@@ -1,11 +1,12 @@
-"""fp8 linears on CUDA (engine/fp8_linears.py), run where a Hopper (or Ada) GPU is
+"""fp8 linears on CUDA (engine/kernels/fp8_linears.py), run where a Hopper (or Ada) GPU is
 (`python -m pytest -m gpu tests/gpu`); skipped elsewhere."""
 
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams, derived_weights, fp8_linears
-from engine.model_loader import quantized_bytes
+from engine import LLM, EngineConfig, SamplingParams
+from engine.kernels import derived_weights, fp8_linears
+from engine.models.model_loader import quantized_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not fp8_linears.supported("cuda"),
                                                   reason="needs a CUDA GPU of compute capability 8.9+")]

@@ -144,7 +144,7 @@ def test_smollm2_hosts_lost_at_twenty_pushes():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.real_models import real_model_dir
+    from engine.models.real_models import real_model_dir
 
     why = unavailable()
     if why:

@@ -181,7 +181,7 @@ def test_lora_grpo_learns_and_saves_the_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from engine.model_names import resolve_model_arg
+    from engine.models.model_names import resolve_model_arg
 
     out = tmp_path / "lora"
     summary = grpo.main(["--output-dir", str(out), "--lora-r", "8", "--check-sync"])

@@ -156,7 +156,7 @@ def test_levels_grow_harder():
 def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from engine.tiny_model import build_tiny_model, default_model_dir
+    from engine.models.tiny_model import build_tiny_model, default_model_dir
     return PreTrainedTokenizerFast.from_pretrained(build_tiny_model(default_model_dir("tiny"), "tiny"))
 
 

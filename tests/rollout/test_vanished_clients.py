@@ -9,7 +9,7 @@ many rounds follow; what killed clients leave behind adds up with every round. S
 warmed up first over every shape a round of killed clients can make it run:
 
 - oneDNN's prepacked linears keep one primitive per weight shape and row bucket
-  (engine/packed_linears.py): a step of a round runs at most MAX_NUM_SEQS x PROMPT_TOKENS rows
+  (engine/kernels/packed_linears.py): a step of a round runs at most MAX_NUM_SEQS x PROMPT_TOKENS rows
   (a prefill; a decode runs at most MAX_NUM_SEQS), so each bucket up to that runs once;
 - decode's gather buffers are kept at the largest chunk decoded: MAX_NUM_SEQS rows at the full
   context, decoded once;
@@ -30,7 +30,7 @@ from dataclasses import replace
 import pytest
 
 from engine import SamplingParams
-from engine.packed_linears import ROW_BUCKETS
+from engine.kernels.packed_linears import ROW_BUCKETS
 from rollout import RolloutClient
 from tests.engine.helpers import random_prompts
 from tests.rollout.sidecar import TOKEN, Sidecar
@@ -133,7 +133,7 @@ def _round_of_killed_clients(url: str, client) -> None:
 
 
 def test_clients_killed_mid_generate_leave_no_work_or_memory_behind(qwen2_dir):
-    # NOTE: on 4 KB pages: with the weights moved onto 2 MB pages (engine/huge_pages.py, done before
+    # NOTE: on 4 KB pages: with the weights moved onto 2 MB pages (engine/kernels/huge_pages.py, done before
     # the rounds) the core's RSS grew 4-8 MiB over the rounds in 2 of 5 runs, never without; what
     # a round of killed clients keeps is measured here, at the allocators' granularity
     s = Sidecar(qwen2_dir, "--max-model-len", str(CONTEXT), "--max-num-seqs", str(MAX_NUM_SEQS),
@@ -151,7 +151,7 @@ def test_clients_killed_mid_generate_leave_no_work_or_memory_behind(qwen2_dir):
         for _ in range(ROUNDS):
             _round_of_killed_clients(s.url, client)
         names = ["sidecar", *(f"engine core {i}" for i in range(len(pids) - 1))]
-        # the KV cache's pages become resident as blocks are first written (engine/zero_pages.py): a
+        # the KV cache's pages become resident as blocks are first written (engine/kernels/zero_pages.py): a
         # round may write blocks no round wrote before, which is the cache filling, not a leak
         kv_grown = [0] + [b - a for a, b in zip(kv_start, _kv_resident(client))]
         for pid, name, before, kv in zip(pids, names, start, kv_grown):

@@ -1,14 +1,14 @@
 """Our engine's worker extension with two more RPCs, to watch its derived copies
-(engine/derived_weights.py: the prepacked linears) from a test: how many times a derive function
+(engine/kernels/derived_weights.py: the prepacked linears) from a test: how many times a derive function
 ran, and which copies the forward reads."""
 
-from engine import derived_weights
+from engine.kernels import derived_weights
 from weight_sync.engine_side.extension import WeightSyncExtension
 
 
 def served_copies(model) -> int:
     """How many copies an engine of `model` serves: one per linear, but one for each layer's q/k/v
-    and one for its gate/up (engine/fused_linears.py)."""
+    and one for its gate/up (engine/kernels/fused_linears.py)."""
     import torch
 
     return sum(isinstance(m, torch.nn.Linear) for m in model.modules()) - 3 * model.config.num_hidden_layers

@@ -90,7 +90,7 @@ def test_a_delta_needs_the_shape_and_dtype_of_its_base():
 
 @pytest.mark.parametrize("fraction", [0.0, 0.01, 0.035, 0.3, 1.0])
 def test_the_one_pass_kernels_give_torchs_delta_bit_for_bit(monkeypatch, fraction):
-    """engine/native/delta_bits.c against the torch path it replaces for 2-byte values (a length
+    """engine/kernels/native/delta_bits.c against the torch path it replaces for 2-byte values (a length
     that is no multiple of the vector's 32, -0.0 and a NaN among the changes)."""
     from weight_sync.common import delta as D
 

@@ -1,4 +1,4 @@
-"""Derived copies of the weights (engine/derived_weights.py: the prepacked linears) follow a push
+"""Derived copies of the weights (engine/kernels/derived_weights.py: the prepacked linears) follow a push
 without a forward paying for them: a push derives them from its staged weights while the engine
 serves, its commit swaps them in, a delta derives only the tensors it changed, and a push that is
 refused, dropped or cut by a dead trainer leaves the old copies serving. The engine is a real
@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams, f32_linears, packed_linears
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.kernels import f32_linears, packed_linears
 from tests.engine.helpers import random_prompts
 from tests.weight_sync.derive_count_extension import served_copies
 from tests.weight_sync.test_push import _Trainer
@@ -35,7 +36,7 @@ PROMPTS = random_prompts(3, 4, 12, 500, seed=5)
 @pytest.fixture(scope="module", autouse=True)
 def packed_copies():
     """fp32 linears on a packed copy (the derived kind these tests follow), not on the weights in
-    place (engine/f32_linears.py's default on AVX-512: nothing to derive); the engine cores inherit it."""
+    place (engine/kernels/f32_linears.py's default on AVX-512: nothing to derive); the engine cores inherit it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(f32_linears.IN_PLACE_SWITCH, "0")
         yield

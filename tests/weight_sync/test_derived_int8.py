@@ -1,5 +1,5 @@
-"""An int8 engine's copies are derived copies too (engine/int8_linears.py through
-engine/derived_weights.py): a push builds them from its staged full-precision weights while the
+"""An int8 engine's copies are derived copies too (engine/kernels/int8_linears.py through
+engine/kernels/derived_weights.py): a push builds them from its staged full-precision weights while the
 engine serves, the first forward after the commit derives nothing, the checksums are the
 trainer's (the full-precision truth) and greedy output is a fresh int8 engine's on the same weights."""
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import AsyncEngine, EngineConfig, int8_linears
+from engine import AsyncEngine, EngineConfig
+from engine.kernels import int8_linears
 from tests.weight_sync.test_derived_copies import (EXTENSION, PROMPTS, TIMEOUT_S, _form, fresh_engine_greedy, greedy,
                                                    overlapped_push, packed_copies, perturb, rpc, run, served_copies)
 from weight_sync import WeightSender, weights_checksum

@@ -1,4 +1,4 @@
-"""Pushes into the engine's own layers of today's dense families (engine/llama_model.py): Qwen3 (its
+"""Pushes into the engine's own layers of today's dense families (engine/models/llama_model.py): Qwen3 (its
 per-head q/k norms are weights a push carries) and Llama 3 (a scaled rope: nothing to push, but the
 tables the engine keeps must survive the push). The trainer is this pytest process, the engines real
 AsyncEngines (bf16 and fp32) over one gloo group: a full push and a delta after it land bit for bit

@@ -1,4 +1,4 @@
-"""Pushes into mixture-of-experts engines (engine/moe_model.py): the trainer is this pytest process,
+"""Pushes into mixture-of-experts engines (engine/models/moe_model.py): the trainer is this pytest process,
 the engines real AsyncEngines (bf16 and fp32) on the tiny Qwen3-MoE over one gloo group. What a
 transformers 5 trainer holds (each layer's experts fused into two 3-D tensors) lands bit for bit,
 and so does a checkpoint's per-expert naming (stacked on the way); a delta after them is exact; a

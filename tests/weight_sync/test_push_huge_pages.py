@@ -1,4 +1,4 @@
-"""A push and the huge-page collapser (engine/huge_pages.py): after a commit, the memory the next
+"""A push and the huge-page collapser (engine/kernels/huge_pages.py): after a commit, the memory the next
 push writes into (the staging buffer the commit freed) goes onto 2 MB pages before the served
 weights, so that in a sidecar that keeps its staging the next push's weights arrive on huge pages
 and no page is moved under a running decode step."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, EngineConfig, huge_pages
+from engine import LLM, EngineConfig
+from engine.kernels import huge_pages
 from tests.engine.test_huge_pages import needs_collapse
 from weight_sync.trainer.file_push import write_safetensors
 

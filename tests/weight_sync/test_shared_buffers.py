@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from engine import huge_pages
+from engine.kernels import huge_pages
 from tests.engine.test_huge_pages import needs_collapse
 from weight_sync.engine_side import shared_buffers
 

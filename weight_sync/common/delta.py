@@ -76,8 +76,8 @@ class Delta:
 
 @functools.cache
 def _native() -> dict | None:
-    """engine/native/delta_bits.c's functions (2-byte values), or None where the kernels do not build."""
-    from engine import native_kernels
+    """engine/kernels/native/delta_bits.c's functions (2-byte values), or None where the kernels do not build."""
+    from engine.kernels import native_kernels
 
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fns = {"encode": native_kernels.function("delta_bits", "delta_encode_u16", (ptr, ptr, i64, ptr, ptr), i64),
@@ -113,7 +113,7 @@ def encode(old: torch.Tensor, new: torch.Tensor) -> Delta:
 
 
 def _encode_native(native: dict, old: torch.Tensor, new: torch.Tensor) -> Delta:
-    """`encode` in one pass (engine/native/delta_bits.c): the same Delta, bit for bit."""
+    """`encode` in one pass (engine/kernels/native/delta_bits.c): the same Delta, bit for bit."""
     flat, n = new.reshape(-1), new.numel()
     bitmap = torch.empty((n + 7) // 8, dtype=torch.uint8)
     values = torch.empty(n, dtype=new.dtype)

@@ -8,7 +8,7 @@ name, with `Manifest.adapter` saying which base they apply to (`base_id`, a chec
 trainer's base weights) and each module's scale. An engine whose base is not that one votes
 "needs base" before any byte moves; the trainer then pushes once more with the base weights in
 the same manifest (`with_base`), which the engine keeps as `W0`. The merge is PEFT's own
-arithmetic (`LoraLayer.get_delta_weight`, then `weight += delta`; engine/lora_merge.py, the engine's
+arithmetic (`LoraLayer.get_delta_weight`, then `weight += delta`; engine/kernels/lora_merge.py, the engine's
 own), so the engine's weights are bit for bit the trainer's `merge_and_unload()` on the same kind of device.
 
 Here: the wire's names and the engine's checks of an adapter

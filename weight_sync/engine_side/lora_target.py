@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.lora_merge import merge
+from engine.kernels.lora_merge import merge
 from weight_sync.common.lora import A_SUFFIX, B_SUFFIX, adapter_problems, adapter_views
 from weight_sync.common.manifest import Manifest, model_params, param_infos
 from weight_sync.engine_side.targets import CommitPlan

@@ -68,7 +68,8 @@ class Arrived:
 
 def pages_held(method):
     """`method` (of a PushReceiver, or a function taking one first) run with the host's pages held
-    still (`hold_pages`): a push's staging writes, merges and derived copies go before the host's huge-page mover (engine/huge_pages.py)."""
+    still (`hold_pages`): a push's staging writes, merges and derived copies go before the host's
+    huge-page mover (engine/kernels/huge_pages.py)."""
     @functools.wraps(method)
     def held(self, *args, **kwargs):
         with self.hold_pages():

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from engine import huge_pages
+from engine.kernels import huge_pages
 from weight_sync.common.shm_names import SHM_DIR, STAGING_PREFIX, _remove, owned_name
 
 log = logging.getLogger(__name__)

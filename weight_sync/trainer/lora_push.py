@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora_merge import merge  # the arithmetic is the engine's: the trainer's merged weights are its bits
+from engine.kernels.lora_merge import merge  # the arithmetic is the engine's: the trainer's merged weights are its bits
 from weight_sync.common.checksum import dedup_tied, weights_checksum
 from weight_sync.common.lora import A_SUFFIX, B_SUFFIX
 from weight_sync.common.manifest import AdapterSpec

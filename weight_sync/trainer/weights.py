@@ -13,7 +13,7 @@ parameters out as a push does.
 - A mixture of experts named per expert (a checkpoint's `mlp.experts.3.up_proj.weight`, Mixtral's
   `block_sparse_moe.experts.3.w3.weight`: transformers 4, or a trainer's own export) is sent as
   transformers 5 names it and the engine holds it, each layer's experts stacked into
-  `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (engine/expert_names.py; a copy of the
+  `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (engine/models/expert_names.py; a copy of the
   experts on the trainer's side, the only way one contiguous tensor lands in one piece).
 """
 
@@ -140,7 +140,7 @@ def flatten_parameters(model: torch.nn.Module, shared: bool = False) -> torch.Te
 
 def _fused_experts(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Per-expert names stacked into transformers 5's fused tensors (the pairs as they are without any)."""
-    from engine.expert_names import expert_part, fuse_checkpoint
+    from engine.models.expert_names import expert_part, fuse_checkpoint
 
     if not any(expert_part(n) is not None for n, _ in named):
         return named

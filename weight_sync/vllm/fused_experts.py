@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.expert_names import ExpertPart, block, expert_part, fused_name
+from engine.models.expert_names import ExpertPart, block, expert_part, fused_name
 from weight_sync.common.manifest import ParamInfo
 
 

@@ -1,0 +1,137 @@
+"""fp32 linears through engine/kernels/native/f32_linear.c where the CPU has AVX-512: each weight packed
+once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 12 rows x 32
+columns of fp32 accumulators in registers, K in chunks that stay in L2, the weights prefetched.
+
+On an Intel Xeon (AVX-512, 2 cores), swept over SmolLM2's linears as a decode step streams them, it
+ran 1.20-1.31x / 1.15x / 1.01-1.05x oneDNN's prepacked matmul at 1 / 32 / 256 rows
+(bench.f32_linears); oneDNN's op also costs a primitive lookup per call, and MKL's packed GEMM
+(faster still on some shapes) pads each weight's copy to at least 8 MB (2 GB for SmolLM2's
+538 MB). Being ours, the decode step's C loop (engine/models/native_layers.py) can call it too, which it
+cannot do with torch's ops.
+
+Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
+its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 24
+accumulators would spill) and with ROLLOUT_F32_KERNEL=0, oneDNN stays."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import derived_weights, native_kernels
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "ROLLOUT_F32_KERNEL"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+PANEL = 32  # output columns a panel
+
+
+@dataclass(frozen=True)
+class F32Weight(derived_weights.PackedWeight):
+    """A [n, k] fp32 weight in panels of PANEL columns: [ceil(n/32), k, 32], zero-padded."""
+
+
+def _fn():
+    return native_kernels.function("f32_linear", "f32_linear", (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR), ctypes.c_int)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel serves fp32 linears here (probed once per process)."""
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or "avx512f" not in native_kernels.cpu_flags():
+        return False
+    if _fn() is None:
+        return False
+    log.info("fp32 linears on engine/kernels/native/f32_linear.c")
+    return True
+
+
+native_kernels.forget_with_kernels(available.cache_clear)
+
+
+
+def _pack_fn():
+    return native_kernels.function("f32_linear", "f32_pack_rows", (_PTR, _PTR, _I64, _I64, _PTR), None)
+
+
+def pack(weights, into: F32Weight | None = None) -> F32Weight:
+    """`weights` [n, k] (or up to three [n_i, k], stacked by rows as a group's copy is: no stacked
+    copy made) in panels (fp32): in one pass of engine/kernels/native/f32_linear.c where it builds, else
+    torch's (the same bytes). `into`: a copy of the same shape whose memory takes the panels (one a
+    commit retired: fresh pages fault in at ~1 GB/s here, twice the pack's own time)."""
+    parts = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+    native = _pack_fn() if all(w.device.type == "cpu" for w in parts) and len(parts) <= 3 else None
+    if native is None:
+        return pack_torch(parts[0] if len(parts) == 1 else torch.cat(parts))
+    parts = [w.to(torch.float32).contiguous() for w in parts]
+    fits = into is not None and (into.n, into.k) == (n, k)
+    out = into.packed if fits else torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+    segs = (ctypes.c_void_p * 3)(*[w.data_ptr() for w in parts])
+    rows = (ctypes.c_int64 * 3)(*[w.shape[0] for w in parts])
+    native(segs, rows, len(parts), k, out.data_ptr())
+    return into if fits else F32Weight(out, n, k)
+
+
+def pack_torch(weight: torch.Tensor) -> F32Weight:
+    """`pack` in torch's ops (the reference the one-pass pack is held to)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    return F32Weight(padded.view(panels, PANEL, k).transpose(1, 2).contiguous(), n, k)
+
+
+IN_PLACE_SWITCH = "ROLLOUT_F32_IN_PLACE"
+
+
+def in_place() -> bool:
+    """Whether the fp32 engine's linears read their weights in place (`linear_rows`: no panels to
+    hold or to derive, the same bits) rather than a packed copy: ROLLOUT_F32_IN_PLACE=1, for a
+    sidecar short of memory (the panels are the model's bytes again). Off by default: on SmolLM2's
+    shapes a decode step's few rows read the weights slower that way (a rollout workload ran 0.76x
+    the packed copy's tokens/s: bench/RESULTS.md), though at 1.7B's shapes and 32 rows it was faster."""
+    return os.environ.get(IN_PLACE_SWITCH, "0").lower() in ("1", "on", "true", "yes")
+
+
+def rows_fit(weights) -> bool:
+    """Whether `linear_rows` takes these weights: fp32 [n_i, k] each, rows contiguous, at most three,
+    one k, on the CPU."""
+    return (0 < len(weights) <= 3 and all(w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
+                                          and w.shape[1] == weights[0].shape[1] and w.is_contiguous()
+                                          for w in weights))
+
+
+def _rows_fn():
+    return native_kernels.function("f32_linear", "f32_linear_rows", (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
+                                   ctypes.c_int)
+
+
+def linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] fp32 @ (w's rows).T (+ bias [n]) -> [m, n] fp32: `linear`'s bits, read from the
+    weights where they lie."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    d = w.desc.data_ptr()
+    if _rows_fn()(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights), None if b is None else b.data_ptr(),
+                  out.data_ptr()) != 0:
+        raise MemoryError("f32_linear_rows: no memory for its partial sums")
+    return out
+
+
+def linear(x: torch.Tensor, w: F32Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [m, k] fp32 @ w.T (+ bias [n]) -> [m, n] fp32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()
+    if _fn()(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, None if b is None else b.data_ptr(),
+             out.data_ptr()) != 0:
+        raise MemoryError("f32_linear: no memory for its partial sums")
+    return out

@@ -1,0 +1,171 @@
+"""A sparse MLP's maths as pure functions: the router's top-k choice and the experts' weighted sum.
+
+`route` is HF's TopKRouter (softmax in fp32, top-k, optionally renormalised). `run` groups the
+step's (token, slot) picks by expert and runs each active expert once over its tokens (one grouped
+GEMM call: one pass over each active expert's weights a step, however many tokens chose it, no
+Python loop over experts), in the operations and order of transformers' default experts forward,
+so its output has HF's bits: the reference. `block_native` is both in one C call a layer on the
+weights in place (engine/kernels/native/moe_experts.c), what the engine runs where its kernels do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import amx_linears, f32_linears, native_kernels
+
+ENV_SWITCH = "ROLLOUT_NATIVE_EXPERTS"  # 0: torch's grouped GEMM (`run`) always
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) from router logits [T, E]: softmax in fp32, the top k,
+    renormalised to sum to one when `norm_topk`; the weights back in the logits' dtype unless
+    `scores_fp32` (Mixtral's router keeps them in fp32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if scores_fp32 else weights.to(logits.dtype)), ids
+
+
+def groups(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pick order, the end of each expert's picks in it): the step's picks (token-major, pick
+    i * k + j is token i's slot j) sorted by expert, stably, as HF sorts them."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.cumsum(torch.bincount(flat, minlength=experts), 0, dtype=torch.int32)
+
+
+def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's k picks of weight * down_e(act(gate_e(x)) * up_e(x)): x [T, H], ids and
+    weights [T, k], gate_up [E, 2I, H] (gate rows first), down [E, H, I]. HF's grouped experts
+    (transformers' `grouped_mm` experts, its default) op for op: both GEMMs as one grouped GEMM
+    over the picks sorted by expert, the weights applied per pick, each token's k picks summed at
+    once in the picks' dtype (fp32 where the weights are) and rounded to x's dtype once."""
+    t, k = ids.shape
+    order, ends = groups(ids, gate_up.shape[0])
+    gate, up = grouped_linear(x[order // k], gate_up, ends).chunk(2, dim=-1)
+    picks = grouped_linear(act(gate) * up, down, ends) * weights.reshape(-1)[order, None]
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return picks[back].view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ends[e-1]:ends[e] of x times w[e].T: torch's grouped GEMM, or, on shapes it refuses (rows
+    not a multiple of 16 bytes), one GEMM an expert (the same bits: both run each group's mm)."""
+    if all(n * x.element_size() % 16 == 0 for n in w.shape[1:]) and x.data_ptr() % 16 == 0 == w.data_ptr() % 16:
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    out, start = x.new_empty(x.shape[0], w.shape[1]), 0
+    for e, end in enumerate(ends.tolist()):
+        torch.mm(x[start:end], w[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [T, H] . weight [E, H]^T in C (engine/kernels/native/moe_experts.c's router_logits_*: fp32 sums,
+    rounded once), where the C block runs for this dtype; None elsewhere (then F.linear). Both of
+    the engine's forwards route through it, so that the C decode loop's routing is the Python
+    forward's to the bit."""
+    dtype = x.dtype
+    loaded = _native(dtype) if dtype in _KERNELS else None
+    if (loaded is None or weight.dtype != dtype or torch.is_grad_enabled() or x.dim() != 2
+            or not (x.is_contiguous() and weight.is_contiguous()) or x.device.type != "cpu"):
+        return None
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    loaded[2](x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], out.data_ptr())
+    return out
+
+
+def loop_kernels(dtype: torch.dtype) -> tuple[int, int, int] | None:
+    """(moe_block_*, its kernel table, router_logits_*) as addresses, for the C decode loop
+    (engine/models/native_layers.py), or None where the C block does not run for `dtype`."""
+    loaded = _native(dtype) if dtype in _KERNELS else None
+    if loaded is None:
+        return None
+    entry, table, router = loaded
+    return ctypes.cast(entry, _PTR).value, table.data_ptr(), ctypes.cast(router, _PTR).value
+
+
+def fits(h: int, i: int, dtype: torch.dtype) -> bool:
+    """Whether the C block's kernels take a hidden size `h` and an expert width `i` in `dtype`."""
+    return dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
+
+
+_KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
+            torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_loaded: dict = {}
+
+
+def _native(dtype: torch.dtype):
+    """(entry, kernel table, router) of engine/kernels/native/moe_experts.c for `dtype`, or None where its
+    kernels do not run here (no AMX for bf16, no AVX-512 for fp32, no compiler, switched off)."""
+    if dtype not in _loaded:
+        ok = (amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()) and \
+            os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+        libs = [native_kernels.library(lib) for lib, _ in _KERNELS[dtype]] if ok else []
+        entry = native_kernels.function("moe_experts", f"moe_block_{_SUFFIX[dtype]}",
+                                        (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR,
+                                         _PTR, _I64, *(_PTR,) * 10), ctypes.c_int) if ok else None
+        if entry is None or not all(libs):
+            _loaded[dtype] = None
+        else:
+            table = torch.tensor([ctypes.cast(getattr(lib, sym), _PTR).value
+                                  for lib, (_, sym) in zip(libs, _KERNELS[dtype])], dtype=torch.int64)
+            router = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
+                                             (_PTR, _I64, _I64, _PTR, _I64, _PTR))
+            _loaded[dtype] = (entry, table, router)
+    return _loaded[dtype]
+
+
+def reset() -> None:
+    _loaded.clear()
+
+
+native_kernels.forget_with_kernels(reset)
+
+
+def _fits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the C block takes these: contiguous on the CPU, one dtype, and for the bf16 rows
+    kernel rows in sixteens and its k in thirty-twos."""
+    if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == x.dtype for t in (x, logits, gate_up, down)):
+        return False
+    return fits(x.shape[1], down.shape[2], x.dtype)
+
+
+def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`run` of `route`'s choice, the expert ids [T, k]) in one C call on the weights in place
+    (engine/kernels/native/moe_experts.c; silu experts), or None where it does not run (another dtype,
+    shapes its kernels refuse, gradients). Its softmax, and each GEMM's order of sums, are C's:
+    within their roundings of torch's."""
+    dtype = x.dtype
+    if dtype not in _KERNELS or torch.is_grad_enabled() or not _fits(x, logits, gate_up, down):
+        return None
+    loaded = _native(dtype)
+    if loaded is None:
+        return None
+    entry, table, _ = loaded
+    (t, h), e, i = x.shape, gate_up.shape[0], down.shape[2]
+    s = t * top_k
+    scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)
+    xg, gu, act, dn = scratch.split([s * h, s * 2 * i, s * i, s * h])
+    index = torch.empty(3 * s + e, dtype=torch.int64)
+    inv, order, ids, ends = index.split([s, s, s, e])
+    weights, out = torch.empty(s, dtype=torch.float32), torch.empty_like(x)
+    rc = entry(table.data_ptr(), x.data_ptr(), logits.data_ptr(), t, h, e, top_k, int(norm_topk),
+               int(scores_fp32 and dtype != torch.float32), gate_up.data_ptr(), down.data_ptr(), i, xg.data_ptr(),
+               gu.data_ptr(), act.data_ptr(), dn.data_ptr(), inv.data_ptr(), order.data_ptr(), ends.data_ptr(),
+               weights.data_ptr(), ids.data_ptr(), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"moe_block_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
+    return out, ids.view(t, top_k)

@@ -1,0 +1,472 @@
+/* Linears on Intel AMX tiles for the row counts of a decode step (1-256 rows): int8 x int8 -> int32
+   (TDPBSSD) and weight-only int8 (widened to bf16, then TDPBF16PS) for the int8 engine,
+   bf16 x bf16 -> fp32 (TDPBF16PS) for the bf16 one. At these sizes a
+   linear is a stream of its weight through the cores: the tiles do a 32 x 32 block of outputs per
+   1 KB weight tile pair, so the kernel's job is to read each weight byte once, in order, and keep
+   the per-call work (no primitive lookup, no reorder) small.
+
+   Weights are packed once (amx_linears.py: the pure layouts) into [N/32][K/TK][2][16][64 bytes]: for
+   each pair of 16-column tiles and each K chunk, the two B tiles side by side, so one linear's
+   weight is one sequential stream. Activations are [M, K] row-major; rows past M and columns past
+   K are read from a zero-padded copy when the shape asks for one.
+
+   Only built with -mamx-* and only called where the CPU has AMX (amx_linears.py probes
+   /proc/cpuinfo) and the kernel asked the OS for the tile state (amx_init: Linux's
+   ARCH_REQ_XCOMP_PERM, once per process). */
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "common.h"
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* 0 where this process may use the tiles (asked once; the OS keeps the grant). */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { /* every tile 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7 */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* A copy of `a` ([rows, cols] of `elem`-byte values) padded with zeros to [prows, pcols]. */
+static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, int64_t pcols, int elem) {
+    uint8_t *p = aligned_alloc(64, (size_t)(((prows * pcols * elem) + 63) / 64 * 64));
+    if (p == NULL) return NULL;
+    memset(p, 0, (size_t)(prows * pcols * elem));
+    for (int64_t r = 0; r < rows; r++) memcpy(p + r * pcols * elem, (const uint8_t *)a + r * cols * elem, (size_t)(cols * elem));
+    return p;
+}
+
+/* How far ahead of the tiles the weight stream is fetched: tile loads that miss the caches stall
+   the tile unit, and the hardware prefetcher follows them poorly. */
+#define PREFETCH_CHUNKS 8
+
+static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K chunk's tile pair */
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* One chunk of a weight-only int8 weight to bf16 tiles: 32 bf16 scales (one per column of the
+   chunk's 32, for its 32 values of K) then the two B tiles' 1024 int8, each widened to fp32
+   (exact), times its scale, and rounded once to bf16. Every CPU with AMX has AVX512-BF16 (the one
+   path that runs); the other builds only so that the file compiles anywhere. */
+static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
+    const uint16_t *scales = (const uint16_t *)chunk;
+    const int8_t *q = (const int8_t *)(chunk + 64);
+#ifdef __AVX512BF16__
+    /* a tile row is 16 columns x 2 values of K: column j's scale twice, for 8 columns a half */
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+    for (int t = 0; t < 2; t++) {
+        const __m512 s = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * t))), 16));
+        const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
+        for (int i = 512 * t; i < 512 * (t + 1); i += 32) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
+            _mm512_store_si512((void *)(dst + i),
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
+        }
+    }
+#else
+    for (int i = 0; i < 1024; i++) dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
+#endif
+}
+
+/* The 32 x 32 block of outputs at (m0, n0) from the four C tiles stored in c[2][2][16][16]
+   (row tile, column tile): `finish` turns a tile row of 16 into the output's values. */
+#define STORE_TILES(C_TYPE)                                          \
+    C_TYPE c[2][2][16][16] __attribute__((aligned(64)));             \
+    _tile_stored(0, c[0][0], 64);                                    \
+    _tile_stored(1, c[0][1], 64);                                    \
+    _tile_stored(2, c[1][0], 64);                                    \
+    _tile_stored(3, c[1][1], 64);
+
+/* How many chunks ahead of the tiles the weights are widened: a tile load of bytes the vector
+   stores have just written waits for them to reach L1 (no store forwarding into tiles), which
+   took a quarter of the kernel's time when each chunk was widened right before its loads. */
+#define WIDEN_AHEAD 2
+
+/* A call's scratch (the widened weights; the activations as tiles), kept between calls (a fresh
+   one of this size is an mmap and its page faults on every call), one per calling thread (its
+   OpenMP team shares it by slices); a call uses it only while it runs. */
+static uint8_t *scratch_buffer(int64_t bytes) {
+    static __thread uint8_t *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        capacity = buffer == NULL ? 0 : bytes;
+    }
+    return buffer;
+}
+
+/* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
+   values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16
+   outputs of row m from column n. `WIDE`: the weight is int8 with scales (widen_chunk's 1088
+   bytes a chunk), widened to bf16 by the first row block's pass into a per-thread buffer that the
+   later row blocks read again from the caches (K/32 x 2 KB: 96 KB for K = 1536). */
+#define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE, WIDE)                                                \
+    const int64_t mp_count = (m + 31) / 32, np_count = (n + 31) / 32, kc_count = (k + TK - 1) / TK; \
+    const int64_t pm = mp_count * 32, pk = kc_count * TK;                                           \
+    const int64_t chunk = WIDE ? 1088 : 2048; /* bytes of packed weight per K chunk's tile pair */  \
+    const A_TYPE *a = x;                                                                            \
+    void *copy = NULL;                                                                              \
+    uint8_t *wide = NULL;                                                                           \
+    if (pm != m || pk != k) {                                                                       \
+        copy = padded(x, m, k, pm, pk, sizeof(A_TYPE));                                             \
+        if (copy == NULL) return -1;                                                                \
+        a = copy;                                                                                   \
+    }                                                                                               \
+    if (WIDE && (wide = scratch_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {           \
+        free(copy);                                                                                 \
+        return -1;                                                                                  \
+    }                                                                                               \
+    const int64_t stride = pk * (int64_t)sizeof(A_TYPE);                                            \
+    _Pragma("omp parallel") {                                                                       \
+        configure_tiles();                                                                          \
+        uint8_t *mine = WIDE ? wide + omp_get_thread_num() * kc_count * 2048 : NULL;                \
+        _Pragma("omp for schedule(static)")                                                         \
+        for (int64_t np = 0; np < np_count; np++) {                                                 \
+            const uint8_t *wb = (const uint8_t *)w + np * kc_count * chunk;                         \
+            for (int64_t mp = 0; mp < mp_count; mp++) {                                             \
+                const uint8_t *ab = (const uint8_t *)(a + mp * 32 * pk);                            \
+                _tile_zero(0);                                                                      \
+                _tile_zero(1);                                                                      \
+                _tile_zero(2);                                                                      \
+                _tile_zero(3);                                                                      \
+                const int row_tiles = m - mp * 32 > 16 ? 2 : 1; /* <= 16 rows left: half the work */ \
+                if (WIDE && mp == 0)                                                                \
+                    for (int64_t kw = 0; kw < WIDEN_AHEAD && kw < kc_count; kw++)                   \
+                        widen_chunk(wb + kw * chunk, (uint16_t *)(mine + kw * 2048));               \
+                for (int64_t kc = 0; kc < kc_count; kc++) {                                         \
+                    const uint8_t *wt = WIDE ? mine + kc * 2048 : wb + kc * 2048;                   \
+                    if (mp == 0) {                                                                  \
+                        prefetch_weights(wb + kc * chunk + PREFETCH_CHUNKS * chunk, chunk);         \
+                        if (WIDE && kc + WIDEN_AHEAD < kc_count)                                    \
+                            widen_chunk(wb + (kc + WIDEN_AHEAD) * chunk,                            \
+                                        (uint16_t *)(mine + (kc + WIDEN_AHEAD) * 2048));            \
+                    }                                                                               \
+                    _tile_loadd(4, ab + kc * 64, stride);                                           \
+                    _tile_loadd(6, wt, 64);                                                         \
+                    _tile_loadd(7, wt + 1024, 64);                                                  \
+                    DP(0, 4, 6);                                                                    \
+                    DP(1, 4, 7);                                                                    \
+                    if (row_tiles == 2) {                                                           \
+                        _tile_loadd(5, ab + 16 * stride + kc * 64, stride);                         \
+                        DP(2, 5, 6);                                                                \
+                        DP(3, 5, 7);                                                                \
+                    }                                                                               \
+                }                                                                                   \
+                STORE_TILES(C_TYPE)                                                                 \
+                for (int rt = 0; rt < row_tiles; rt++)                                              \
+                    for (int r = 0; r < 16; r++) {                                                  \
+                        const int64_t row = mp * 32 + rt * 16 + r;                                  \
+                        if (row >= m) break;                                                        \
+                        for (int ct = 0; ct < 2; ct++) {                                            \
+                            const int64_t col = np * 32 + ct * 16;                                  \
+                            if (col >= n) break;                                                    \
+                            EPILOGUE(row, col, c[rt][ct][r]);                                       \
+                        }                                                                           \
+                    }                                                                               \
+            }                                                                                       \
+        }                                                                                           \
+        _tile_release();                                                                            \
+    }                                                                                               \
+    free(copy);                                                                                     \
+    return 0;
+
+/* Writes the `cols` (<= 16) first of 16 values v to p, rounded to bf16 or as fp32. */
+static inline void put_f32(float *p, v16f v, int64_t cols) {
+    if (cols >= 16) store16_f32(p, v);
+    else for (int64_t i = 0; i < cols; i++) p[i] = v[i];
+}
+
+static inline void put_bf16(uint16_t *p, v16f v, int64_t cols) {
+    if (cols >= 16) store16_bf16(p, v);
+    else for (int64_t i = 0; i < cols; i++) p[i] = f32_to_bf16(v[i]);
+}
+
+static inline v16f load_cols(const float *p, int64_t cols) { /* 16 floats, zero past `cols` */
+    if (cols >= 16) return load16_f32(p);
+    v16f v = {0};
+    for (int64_t i = 0; i < cols; i++) v[i] = p[i];
+    return v;
+}
+
+static inline v16f int_row(const int32_t *c) {
+    v16i v;
+    memcpy(&v, c, sizeof v);
+    return __builtin_convertvector(v, v16f);
+}
+
+/* int8: out[r, j] = (c[r, j] * wscale[j], rounded to the output's dtype) * xscale[r], rounded again:
+   the bits of the oneDNN path it replaces (its output scaled per channel, then engine/kernels/native's
+   scale_rows per token). */
+#define EPI_S8_F32(row, col, crow)                                                                   \
+    do {                                                                                             \
+        const int64_t left = n - (col);                                                              \
+        const v16f v = (int_row(crow) * load_cols(wscale + (col), left)) * xscale[row];              \
+        put_f32(out_f32 + (row) * n + (col), v, left);                                               \
+    } while (0)
+
+#define EPI_S8_BF16(row, col, crow)                                                                  \
+    do {                                                                                             \
+        const int64_t left = n - (col);                                                              \
+        const v16f v = round16_bf16(int_row(crow) * load_cols(wscale + (col), left)) * xscale[row];  \
+        put_bf16(out_bf16 + (row) * n + (col), v, left);                                             \
+    } while (0)
+
+static inline v16f load_bias(const uint16_t *bias, int64_t col, int64_t cols) { /* zero without a bias */
+    v16f v = {0};
+    if (bias == NULL) return v;
+    if (cols >= 16) return load16_bf16(bias + col);
+    for (int64_t i = 0; i < cols; i++) v[i] = bf16_to_f32(bias[col + i]);
+    return v;
+}
+
+#define EPI_BF16(row, col, crow) \
+    put_bf16(out_bf16 + (row) * n + (col), load16_f32(crow) + load_bias(bias, col, n - (col)), n - (col))
+
+#define DP_S8(c, a, b) _tile_dpbssd(c, a, b)
+#define DP_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+
+/* q [m, k] int8 (per-row scales xscale [m]), w packed int8 with per-column scales wscale [n]. */
+int amx_linear_s8_f32(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
+                      const float *xscale, float *out_f32) {
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_F32, 0)
+}
+
+int amx_linear_s8_bf16(const int8_t *x, int64_t m, int64_t k, const int8_t *w, int64_t n, const float *wscale,
+                       const float *xscale, uint16_t *out_bf16) {
+    AMX_LOOP(int8_t, 64, DP_S8, int32_t, EPI_S8_BF16, 0)
+}
+
+/* x [m, k] bf16, w packed bf16, bias [n] bf16 or NULL: out [m, n] bf16, each output the fp32 sum
+   (with its bias) rounded once, as a bf16 GEMM with a bias does. */
+int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const uint16_t *bias,
+                    uint16_t *out_bf16) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_BF16, 0)
+}
+
+/* Weight-only int8: x [m, k] bf16, w int8 with a bf16 scale per 32 values of K of each column,
+   packed with them (widen_chunk). Each output is the fp32 sum of bf16 x bf16 products, the weight
+   being q * scale rounded once to bf16: out fp32, or rounded once more to bf16. */
+#define EPI_W8_F32(row, col, crow) put_f32(out_f32 + (row) * n + (col), load16_f32(crow), n - (col))
+#define EPI_W8_BF16(row, col, crow) put_bf16(out_bf16 + (row) * n + (col), load16_f32(crow), n - (col))
+
+int amx_linear_w8_f32(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *out_f32) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_W8_F32, 1)
+}
+
+int amx_linear_w8_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16) {
+    AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_W8_BF16, 1)
+}
+
+/* ---- bf16 on the weight as the engine holds it: no packed copy ---------------------------------
+
+   The same tile products on the parameter itself ([n, k] row-major, possibly in up to three row
+   segments: a layer's q/k/v or gate/up, each its own tensor), so a bf16 engine keeps no second copy
+   of its linears and a push derives nothing for them. The weight rows are the tiles' A operand (16
+   rows x 32 values of K: each row's 64 bytes at its row stride) and the activations the B operand,
+   laid out per call in pairs of K (VNNI: each 16 x 16 block of 4-byte pairs transposed), which is
+   m * k values against the weight's n * k. A C tile is then 16 columns of the output by 16 rows of
+   x, transposed at the store. TDPBF16PS sums a pair's two products and adds them to the fp32
+   accumulator in the same order whichever operand is which, so each output has the packed kernel's
+   bits (tested). Needs k % 32 == 0 and each segment's rows % 16 == 0 (amx_linears.rows_fit). */
+
+/* The 64 bytes of K chunk `kc` of the 32 rows of tiles t0 and t0 + 1, or, past the rows' end, of
+   the next two tiles' (the panel this thread does next under a static schedule): the weights come
+   from memory once, and the tile loads stall on a miss. */
+static inline void prefetch_rows(const uint8_t **tiles, int64_t nt_count, int64_t t0, int64_t kc, int64_t kc_count,
+                                 int64_t stride) {
+    if (kc >= kc_count) {
+        t0 += 2;
+        kc -= kc_count;
+    }
+    for (int64_t t = t0; t < t0 + 2 && t < nt_count; t++)
+        for (int r = 0; r < 16; r++) _mm_prefetch((const char *)tiles[t] + r * stride + kc * 64, _MM_HINT_T0);
+}
+
+/* x [m, k] as B tiles: [m/32][k/32][2 row tiles][16 pairs][16 rows][2], rows past m zero. */
+static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint32_t *xv) {
+    const int64_t mt_count = (m + 15) / 16, kc_count = k / 32, pairs = k / 2;
+#pragma omp for schedule(static)
+    for (int64_t mt = 0; mt < mt_count; mt++) {
+        uint32_t block[16 * 16] __attribute__((aligned(64)));
+        const uint32_t *src = (const uint32_t *)x + mt * 16 * pairs;
+        const int64_t rows = m - mt * 16 < 16 ? m - mt * 16 : 16;
+        for (int64_t kc = 0; kc < kc_count; kc++) {
+            uint32_t *dst = xv + ((mt / 2) * kc_count + kc) * 512 + (mt % 2) * 256;
+            const uint32_t *from[16];
+            if (rows == 16) {
+                for (int r = 0; r < 16; r++) from[r] = src + r * pairs + kc * 16;
+            } else {
+                memset(block, 0, sizeof block);
+                for (int64_t r = 0; r < rows; r++) memcpy(block + r * 16, src + r * pairs + kc * 16, 64);
+                for (int r = 0; r < 16; r++) from[r] = block + r * 16;
+            }
+            transpose16_u32(from, dst, 16);
+        }
+    }
+}
+
+/* Panel `np` (32 output columns: tiles 2np and 2np + 1 of `tiles`) of out [m, n] = x . w^T, for
+   every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles. */
+static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t np, const uint32_t *xv, int64_t m,
+                              int64_t kc_count, int64_t stride, const uint16_t *bias, uint16_t *out_bf16, int64_t n) {
+    const int64_t mp_count = (m + 31) / 32;
+    const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
+    for (int64_t mp = 0; mp < mp_count; mp++) {
+        const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
+        const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < kc_count; kc++) {
+            if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
+                prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, kc_count, stride);
+            _tile_loadd(6, xb + kc * 2048, 64);
+            _tile_loadd(4, w0 + kc * 64, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_m) {
+                _tile_loadd(7, xb + kc * 2048 + 1024, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (w1) {
+                _tile_loadd(5, w1 + kc * 64, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two_m) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
+        for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
+            for (int mt = 0; mt < (two_m ? 2 : 1); mt++) {
+                switch (nt * 2 + mt) { /* tile ids are immediates */
+                case 0: _tile_stored(0, c, 64); break;
+                case 1: _tile_stored(1, c, 64); break;
+                case 2: _tile_stored(2, c, 64); break;
+                default: _tile_stored(3, c, 64); break;
+                }
+                const uint32_t *from[16];
+                for (int r = 0; r < 16; r++) from[r] = (const uint32_t *)c + 16 * r;
+                transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
+                const int64_t col = np * 32 + nt * 16;
+                for (int r = 0; r < 16; r++) {
+                    const int64_t row = mp * 32 + mt * 16 + r;
+                    if (row >= m) break;
+                    put_bf16(out_bf16 + row * n + col, load16_f32(ct + 16 * r) + load_bias(bias, col, 16), 16);
+                }
+            }
+    }
+}
+
+/* out [m, n] bf16 = x [m, k] bf16 . w^T (+ bias [n] bf16, or NULL), w the rows of `nseg` (1-3)
+   segments: seg_ptr[s] a [seg_rows[s], k] bf16 weight. Each output is the fp32 sum of its products
+   in the packed kernel's order, plus its bias, rounded once to bf16. Returns -1 without memory, -2
+   for a shape it does not take. */
+int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                         int64_t nseg, const uint16_t *bias, uint16_t *out_bf16) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_rows[s] % 16) return -2;
+        n += seg_rows[s];
+    }
+    if (k % 32 || nseg < 1 || nseg > 3) return -2;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, mp_count = (m + 31) / 32, kc_count = k / 32;
+    const int64_t stride = k * 2; /* bytes between weight rows */
+    /* kept between calls, per calling thread (scratch_buffer): a decode step makes a few hundred calls */
+    static __thread const uint8_t **kept_tiles = NULL;
+    static __thread int64_t kept_cap = 0;
+    if (nt_count > kept_cap) {
+        free(kept_tiles);
+        kept_tiles = malloc((size_t)nt_count * sizeof *kept_tiles);
+        kept_cap = kept_tiles == NULL ? 0 : nt_count;
+    }
+    const uint8_t **tiles = kept_tiles; /* each 16-row tile's first row; a local: the team shares it */
+    uint32_t *xv = (uint32_t *)scratch_buffer(mp_count * kc_count * 2048);
+    if (tiles == NULL || xv == NULL) return -1;
+    for (int64_t s = 0, t = 0; s < nseg; s++)
+        for (int64_t r = 0; r < seg_rows[s]; r += 16) tiles[t++] = (const uint8_t *)seg_ptr[s] + r * stride;
+#pragma omp parallel
+    {
+        activations_as_b_tiles(x, m, k, xv);
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < np_count; np++)
+            rows_panel(tiles, nt_count, np, xv, m, kc_count, stride, bias, out_bf16, n);
+        _tile_release();
+    }
+    return 0;
+}
+
+/* A sparse MLP's experts at one GEMM each, in one parallel region: group g's rows
+   [starts[g], starts[g + 1]) of x times expert experts[g]'s weight, w + experts[g] * n * k ([E, n, k]
+   contiguous), into the same rows of out [rows, n]. The rows kernel's tiles and bits; one team and
+   its barriers for the whole layer instead of one per expert (a quarter of a decode step's expert
+   time at 1-10 rows an expert went to starting and joining teams). */
+int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const uint16_t *w, int64_t n, uint16_t *out_bf16) {
+    if (k % 32 || n % 16) return -2;
+    if (G == 0 || n == 0) return 0;
+    const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, kc_count = k / 32, stride = k * 2;
+    /* kept between calls, each grown to what a call needs (their sizes apart: a call with more
+       groups of fewer tiles needs more offsets and no more tiles) */
+    static __thread const uint8_t **kept_tiles = NULL;
+    static __thread int64_t *kept_offsets = NULL, tiles_cap = 0, offsets_cap = 0;
+    if (G * nt_count > tiles_cap) {
+        free(kept_tiles);
+        kept_tiles = malloc((size_t)(G * nt_count) * sizeof *kept_tiles);
+        tiles_cap = kept_tiles == NULL ? 0 : G * nt_count;
+    }
+    if (G + 1 > offsets_cap) {
+        free(kept_offsets);
+        kept_offsets = malloc((size_t)(G + 1) * sizeof *kept_offsets);
+        offsets_cap = kept_offsets == NULL ? 0 : G + 1;
+    }
+    const uint8_t **tiles = kept_tiles;
+    int64_t *xoff = kept_offsets; /* each group's activations in xv, in 4-byte words */
+    if (tiles_cap == 0 || offsets_cap == 0) return -1;
+    xoff[0] = 0;
+    for (int64_t g = 0; g < G; g++) {
+        xoff[g + 1] = xoff[g] + (starts[g + 1] - starts[g] + 31) / 32 * kc_count * 512;
+        const uint8_t *base = (const uint8_t *)(w + experts[g] * n * k);
+        for (int64_t t = 0; t < nt_count; t++) tiles[g * nt_count + t] = base + t * 16 * stride;
+    }
+    uint32_t *xv = (uint32_t *)scratch_buffer(xoff[G] * 4);
+    if (xv == NULL) return -1;
+#pragma omp parallel
+    {
+        for (int64_t g = 0; g < G; g++)
+            activations_as_b_tiles(x + starts[g] * k, starts[g + 1] - starts[g], k, xv + xoff[g]);
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < G * np_count; i++) {
+            const int64_t g = i / np_count;
+            rows_panel(tiles + g * nt_count, nt_count, i % np_count, xv + xoff[g], starts[g + 1] - starts[g],
+                       kc_count, stride, NULL, out_bf16 + starts[g] * n, n);
+        }
+        _tile_release();
+    }
+    return 0;
+}

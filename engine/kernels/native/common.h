@@ -1,0 +1,176 @@
+/* What the engine's C kernels share: bf16 <-> fp32 as torch converts, 16-float vectors (GCC's
+   vector extensions: zmm on AVX512, pairs of ymm on AVX2) and a vectorised e^x. */
+#ifndef ROLLOUT_NATIVE_COMMON_H
+#define ROLLOUT_NATIVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t x) { /* exact: the high half of the bits */
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* One value of either dtype to fp32 and back, and fp32's rounding (none): for code written once for
+   both dtypes, which takes these by name as it takes the 16-value loads and stores below. */
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline float store_f32(float x) { return x; }
+static inline uint16_t store_bf16(float x) { return f32_to_bf16(x); }
+static inline float round_f32(float x) { return x; }
+
+/* 16 values at a time, widened to fp32 on load and rounded (to nearest even, as torch) on store. */
+static inline v16f load16_f32(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+#ifdef __AVX512F__
+/* One widening load: GCC splits the generic version's 16-lane conversion into two ymm halves and
+   a merge (-march=native prefers 256-bit vectors), which showed in decode attention's profile. */
+static inline v16f load16_bf16(const uint16_t *p) {
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#else
+static inline v16f load16_bf16(const uint16_t *p) { /* bf16 -> fp32 is exact: the high half of the bits */
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+#endif
+
+static inline v16f round16_bf16(v16f x) { /* to the nearest bf16 (ties even), kept in fp32 */
+    v16u u;
+    memcpy(&u, &x, sizeof u);
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    const v16i bits = ((v16i)rounded & ~nan) | ((v16i)u & nan);
+    v16f y;
+    memcpy(&y, &bits, sizeof y);
+    return y;
+}
+
+static inline void store16_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline void store16_bf16(uint16_t *p, v16f x) {
+    v16u u;
+    memcpy(&u, &x, sizeof u);
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16u quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
+    const v16h h = __builtin_convertvector((v16u)(((v16i)rounded & ~nan) | ((v16i)quiet & nan)), v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+/* Code written once for both dtypes as functions: each takes `bf16` (0: fp32, 1: bf16 bit patterns)
+   and is always inlined into a caller that passes a constant, so each dtype compiles to its own loops,
+   as a template would, and a debugger steps through them as functions. These are their loads and
+   stores: element `at` of `base` in that dtype, widened to fp32 on load and rounded on store. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE float load_at(const void *base, int64_t at, int bf16) {
+    return bf16 ? load_bf16(((const uint16_t *)base)[at]) : load_f32(((const float *)base)[at]);
+}
+
+ALWAYS_INLINE v16f load16_at(const void *base, int64_t at, int bf16) {
+    return bf16 ? load16_bf16((const uint16_t *)base + at) : load16_f32((const float *)base + at);
+}
+
+ALWAYS_INLINE void store16_at(void *base, int64_t at, v16f x, int bf16) {
+    if (bf16)
+        store16_bf16((uint16_t *)base + at, x);
+    else
+        store16_f32((float *)base + at, x);
+}
+
+#ifdef __AVX512F__
+/* A 16 x 16 block of 4-byte values transposed in registers: r[i]'s lane j becomes r[j]'s lane i. */
+static inline void transpose16_regs(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4g + c]'s lane L: rows 4g..4g+3 of column 4L + c; output row j = 4L + c takes lane L of
+       r[c], r[4 + c], r[8 + c], r[12 + c] */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+#endif
+
+/* dst[j * dst_stride + i] = rows[i][j] for a 16 x 16 block of 4-byte values: row i read at rows[i]
+   (16 floats or bf16 pairs). The AMX kernel lays activations out as tiles with it, the fp32 kernel
+   a weight's panel. */
+static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst, int64_t dst_stride) {
+#ifdef __AVX512F__
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)rows[i]);
+    transpose16_regs(r);
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + dst_stride * i), r[i]);
+#else
+    for (int i = 0; i < 16; i++)
+        for (int j = 0; j < 16; j++) dst[j * dst_stride + i] = rows[i][j];
+#endif
+}
+
+/* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
+   about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
+   clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */
+static inline v16f vexp(v16f x) {
+    const v16i tiny = x < -87.3f, huge = x > 88.3f;
+    x = (v16f)(((v16i)x & ~(tiny | huge)) | ((v16i)((v16f){0} - 87.3f) & tiny) | ((v16i)((v16f){0} + 88.3f) & huge));
+    const v16f shift = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
+    const v16f n = (x * 1.44269504088896341f + shift) - shift;
+    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    v16f p = (v16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (v16f)(((v16i)p + (__builtin_convertvector(n, v16i) << 23)) & ~tiny);
+}
+
+#endif

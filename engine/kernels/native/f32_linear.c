@@ -1,0 +1,411 @@
+/* An fp32 linear, out [m, n] = x [m, k] . w^T (+ bias), over a weight packed once into panels of
+   32 output columns: [n/32][k][32] floats, zero-padded to whole panels (engine/kernels/f32_linears.py).
+
+   oneDNN's fp32 matmul, through torch's op, costs a primitive lookup and its own blocking per call
+   and MKL's packed GEMM pads every weight's copy to at least 8 MB (2 GB for SmolLM2's 538 MB); a
+   decode step's GEMMs are small (32-256 rows), so one panel of 32 columns at a time, 12 rows x 32
+   columns of accumulators held in 24 vector registers, each weight row of the panel (128 bytes)
+   read once per 12 rows from L1. Threads take whole panels.
+
+   Arithmetic: each output is the fp32 sum of its k products in order of k (FMA: each product added
+   exact, one rounding per step), then its bias added: a plain fp32 GEMM's error bound. */
+
+#include <stdlib.h>
+
+#include "common.h"
+
+/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB): the
+   first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
+#define PREFETCH_FLOATS 1024
+#define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
+/* Values of K a chunk: 96 KB of a panel, within L2. Chunks of 256 (32 KB, within L1) ran 6% slower
+   at 256 rows (SmolLM2's linears swept, bench/RESULTS.md): the hardware streams a panel's rows
+   into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
+#define KC 768
+
+/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32]) into acc[rows][2],
+   starting from acc's sums (`more`) or from zero. */
+#define PANEL_ROWS(R)                                                                                    \
+    static inline void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) { \
+        v16f c[R][2];                                                                                    \
+        for (int r = 0; r < R; r++) {                                                                    \
+            c[r][0] = more ? acc[2 * r] : (v16f){0};                                                     \
+            c[r][1] = more ? acc[2 * r + 1] : (v16f){0};                                                 \
+        }                                                                                                \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS);                                           \
+            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + 16);                                      \
+            const v16f b0 = load16_f32(p + kk * 32), b1 = load16_f32(p + kk * 32 + 16);                  \
+            for (int r = 0; r < R; r++) {                                                                \
+                const float a = x[r * ldx + kk];                                                         \
+                c[r][0] += a * b0;                                                                       \
+                c[r][1] += a * b1;                                                                       \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) acc[2 * r] = c[r][0], acc[2 * r + 1] = c[r][1];                      \
+    }
+
+PANEL_ROWS(1)
+PANEL_ROWS(2)
+PANEL_ROWS(3)
+PANEL_ROWS(4)
+PANEL_ROWS(5)
+PANEL_ROWS(6)
+PANEL_ROWS(7)
+PANEL_ROWS(8)
+PANEL_ROWS(9)
+PANEL_ROWS(10)
+PANEL_ROWS(11)
+PANEL_ROWS(12)
+
+static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
+    switch (rows) {
+    case 1: panel_1(x, ldx, kc, p, acc, more); break;
+    case 2: panel_2(x, ldx, kc, p, acc, more); break;
+    case 3: panel_3(x, ldx, kc, p, acc, more); break;
+    case 4: panel_4(x, ldx, kc, p, acc, more); break;
+    case 5: panel_5(x, ldx, kc, p, acc, more); break;
+    case 6: panel_6(x, ldx, kc, p, acc, more); break;
+    case 7: panel_7(x, ldx, kc, p, acc, more); break;
+    case 8: panel_8(x, ldx, kc, p, acc, more); break;
+    case 9: panel_9(x, ldx, kc, p, acc, more); break;
+    case 10: panel_10(x, ldx, kc, p, acc, more); break;
+    case 11: panel_11(x, ldx, kc, p, acc, more); break;
+    default: panel_12(x, ldx, kc, p, acc, more); break;
+    }
+}
+
+/* x [m, k], w packed [ceil(n/32)][k][32], bias [n] or NULL: out [m, n], all fp32 and contiguous.
+   K runs in chunks of KC (a chunk of a panel, 96 KB, stays in L2 while every row block reads it):
+   each row block's sums are kept between chunks (stored and loaded exactly), so every output is
+   still one sum in order of k. Returns 0, or -1 when out of memory. */
+int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {
+    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
+    int failed = 0;
+    _Pragma("omp parallel if (m * n * k > 32768)") {
+        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
+        if (k > KC && sums == NULL) failed = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t np = 0; np < panels; np++) {
+            if (k > KC && sums == NULL) continue;
+            const float *p = w + np * k * 32;
+            const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
+            float b[32] = {0};
+            if (bias)
+                for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
+            v16f one[2 * MR];
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                for (int64_t blk = 0; blk < blocks; blk++) {
+                    const int64_t m0 = blk * MR;
+                    const int rows = m - m0 < MR ? (int)(m - m0) : MR;
+                    v16f *acc = sums ? sums + blk * 2 * MR : one;
+                    panel(rows, x + m0 * k + k0, k, kc, p + k0 * 32, acc, k0 > 0);
+                    if (k0 + kc < k) continue;
+                    for (int r = 0; r < rows; r++) {
+                        float *o = out + (m0 + r) * n + n0;
+                        if (cols == 32) {
+                            store16_f32(o, acc[2 * r] + load16_f32(b));
+                            store16_f32(o + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                        } else {
+                            float v[32];
+                            store16_f32(v, acc[2 * r] + load16_f32(b));
+                            store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                            for (int64_t j = 0; j < cols; j++) o[j] = v[j];
+                        }
+                    }
+                }
+            }
+        }
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The pack f32_linears.pack describes, in one pass: the rows of up to three segments (a layer's
+   q/k/v or gate/up, one after the other as if stacked, so a group is packed with no concatenated copy;
+   seg[i] holds rows[i] rows of k floats) into panels [ceil(n/32)][k][32], the rows past n zero. A
+   push derives it for every fp32 linear it changes (an adapter's merge: all of them), where torch's
+   zero-fill, copy and transposing copy took three passes (~1.7 GB/s here). Each thread takes whole
+   panels. On AVX-512 a 16 x 16 block (16 rows, 16 values of K) is transposed in registers and
+   written as whole cache lines that bypass the cache (the panels are read at the next forward, long
+   after): scalar stores 128 bytes apart read each line in before writing it. */
+static const float *segment_row(const float *const *seg, const int64_t *rows, int64_t count, int64_t row,
+                                int64_t k) {
+    for (int64_t i = 0; i < count; i++) {
+        if (row < rows[i]) return seg[i] + row * k;
+        row -= rows[i];
+    }
+    return NULL; /* past the last row: a zero row */
+}
+
+void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, int64_t k, float *out) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) n += rows[i];
+    const int64_t panels = (n + 31) / 32;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = out + p * k * 32;
+        const float *src[32];
+        for (int j = 0; j < 32; j++) src[j] = segment_row(seg, rows, count, p * 32 + j, k);
+        int64_t k0 = 0;
+#ifdef __AVX512F__
+        /* whole lines: the panel's rows are 128 bytes, at 64-byte aligned addresses when out is */
+        const int stream = ((uintptr_t)out & 63) == 0;
+        for (; k0 < k; k0 += 16) {
+            const int64_t kb = k - k0 < 16 ? k - k0 : 16;
+            const __mmask16 m = (__mmask16)((1u << kb) - 1u);
+            for (int half = 0; half < 2; half++) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++) {
+                    const float *row = src[half * 16 + j];
+                    r[j] = row ? _mm512_maskz_loadu_epi32(m, row + k0) : _mm512_setzero_si512();
+                }
+                transpose16_regs(r);
+                for (int64_t kk = 0; kk < kb; kk++) {
+                    float *d = dst + (k0 + kk) * 32 + half * 16;
+                    if (stream) _mm512_stream_si512((void *)d, r[kk]);
+                    else _mm512_storeu_si512((void *)d, r[kk]);
+                }
+            }
+        }
+#endif
+        for (; k0 < k; k0 += 16) {
+            const int64_t kb = k - k0 < 16 ? k - k0 : 16;
+            for (int j = 0; j < 32; j++)
+                for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + j] = src[j] ? src[j][k0 + kk] : 0.0f;
+        }
+    }
+#ifdef __AVX512F__
+    _mm_sfence(); /* this thread's streamed lines are visible before the panels are read */
+#endif
+    }
+}
+
+/* ---- fp32 on the weight as the engine holds it: no packed copy --------------------------------
+
+   The same block product with the roles swapped: 12 weight rows are broadcast a value at a time
+   (each row read in place, a stream of its own) against 32 rows of the activations laid out per
+   call as a panel [k][32] (x transposed: m * k values against the weight's n * k). Each output is
+   still the fp32 sum of its k products in order of k, one FMA a product (a * b + c is the same
+   whichever factor is broadcast): the packed kernel's bits (tested). The weight may come in up to
+   three row segments (a layer's q/k/v, gate/up), each read where it lies. */
+
+#define ROWS_AHEAD 64 /* values of K a weight row is fetched ahead of the block's loads */
+
+/* rows (1..MR) weight rows w[0..rows) from value k0, kc values of K, times a panel of the
+   activations ([kc][32]) into acc[rows][2], starting from acc's sums (`more`) or from zero. */
+#define WEIGHT_ROWS(R)                                                                                   \
+    static inline void wrows_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) { \
+        v16f c[R][2];                                                                                    \
+        for (int r = 0; r < R; r++) {                                                                    \
+            c[r][0] = more ? acc[2 * r] : (v16f){0};                                                     \
+            c[r][1] = more ? acc[2 * r + 1] : (v16f){0};                                                 \
+        }                                                                                                \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            if ((kk & 15) == 0)                                                                          \
+                for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k0 + kk + ROWS_AHEAD);             \
+            const v16f b0 = load16_f32(p + kk * 32), b1 = load16_f32(p + kk * 32 + 16);                  \
+            for (int r = 0; r < R; r++) {                                                                \
+                const float a = w[r][k0 + kk];                                                           \
+                c[r][0] += a * b0;                                                                       \
+                c[r][1] += a * b1;                                                                       \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) acc[2 * r] = c[r][0], acc[2 * r + 1] = c[r][1];                      \
+    }
+
+WEIGHT_ROWS(1)
+WEIGHT_ROWS(2)
+WEIGHT_ROWS(3)
+WEIGHT_ROWS(4)
+WEIGHT_ROWS(5)
+WEIGHT_ROWS(6)
+WEIGHT_ROWS(7)
+WEIGHT_ROWS(8)
+WEIGHT_ROWS(9)
+WEIGHT_ROWS(10)
+WEIGHT_ROWS(11)
+WEIGHT_ROWS(12)
+
+static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
+    switch (rows) {
+    case 1: wrows_1(w, k0, kc, p, acc, more); break;
+    case 2: wrows_2(w, k0, kc, p, acc, more); break;
+    case 3: wrows_3(w, k0, kc, p, acc, more); break;
+    case 4: wrows_4(w, k0, kc, p, acc, more); break;
+    case 5: wrows_5(w, k0, kc, p, acc, more); break;
+    case 6: wrows_6(w, k0, kc, p, acc, more); break;
+    case 7: wrows_7(w, k0, kc, p, acc, more); break;
+    case 8: wrows_8(w, k0, kc, p, acc, more); break;
+    case 9: wrows_9(w, k0, kc, p, acc, more); break;
+    case 10: wrows_10(w, k0, kc, p, acc, more); break;
+    case 11: wrows_11(w, k0, kc, p, acc, more); break;
+    default: wrows_12(w, k0, kc, p, acc, more); break;
+    }
+}
+
+/* x [m, k] as panels of 32 rows, [ceil(m/32)][k][32], rows past m zero. */
+static void activations_as_panels(const float *x, int64_t m, int64_t k, float *xp) {
+    static const float zeros[16] = {0};
+    const int64_t halves = (m + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < halves; h++) {
+        float *dst = xp + (h / 2) * k * 32 + (h % 2) * 16;
+        const float *src[16];
+        int64_t kk = 0;
+        for (; kk + 16 <= k; kk += 16) {
+            for (int r = 0; r < 16; r++) src[r] = h * 16 + r < m ? x + (h * 16 + r) * k + kk : zeros;
+            transpose16_u32((const uint32_t *const *)src, (uint32_t *)(dst + kk * 32), 32);
+        }
+        for (; kk < k; kk++)
+            for (int r = 0; r < 16; r++) dst[kk * 32 + r] = h * 16 + r < m ? x[(h * 16 + r) * k + kk] : 0.0f;
+    }
+    if (halves % 2) { /* the last panel's second half: zeros */
+#pragma omp single
+        for (int64_t kk = 0; kk < k; kk++) memset(xp + (halves / 2) * k * 32 + kk * 32 + 16, 0, 64);
+    }
+}
+
+/* Each output column's weight row, kept between calls per calling thread (NULL without memory). */
+static const float **row_pointers(const int64_t *seg_ptr, const int64_t *seg_rows, int64_t nseg, int64_t n, int64_t k) {
+    static __thread const float **kept = NULL;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(kept);
+        kept = malloc((size_t)n * sizeof *kept);
+        cap = kept == NULL ? 0 : n;
+        if (kept == NULL) return NULL;
+    }
+    for (int64_t s = 0, r = 0; s < nseg; s++)
+        for (int64_t i = 0; i < seg_rows[s]; i++) kept[r++] = (const float *)seg_ptr[s] + i * k;
+    return kept;
+}
+
+/* Up to 32 rows with the weight rows broadcast (the block product above). */
+static int rows_broadcast(const float *x, int64_t m, int64_t k, const float **rows, int64_t n, const float *bias,
+                          float *out) {
+    static __thread float *kept_panels = NULL;
+    static __thread int64_t panels_cap = 0;
+    const int64_t mpanels = (m + 31) / 32, need = mpanels * k * 32;
+    if (need > panels_cap) {
+        free(kept_panels);
+        kept_panels = aligned_alloc(64, (size_t)need * sizeof(float));
+        panels_cap = kept_panels == NULL ? 0 : need;
+    }
+    if (kept_panels == NULL) return -1;
+    float *xp = kept_panels; /* a local: the team shares it */
+    const int64_t nblocks = (n + MR - 1) / MR;
+    int failed = 0;
+    _Pragma("omp parallel if (m * n * k > 32768)") {
+        activations_as_panels(x, m, k, xp);
+        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)mpanels) : NULL;
+        if (k > KC && sums == NULL) failed = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (k > KC && sums == NULL) continue;
+            const int64_t n0 = nb * MR;
+            const int nr = n - n0 < MR ? (int)(n - n0) : MR;
+            const float *const *w = rows + n0;
+            v16f one[2 * MR];
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                for (int64_t mp = 0; mp < mpanels; mp++) {
+                    v16f *acc = sums ? sums + mp * 2 * MR : one;
+                    weight_rows(nr, w, k0, kc, xp + mp * k * 32 + k0 * 32, acc, k0 > 0);
+                    if (k0 + kc < k) continue;
+                    for (int r = 0; r < nr; r++) { /* acc[r]: column n0 + r of 32 output rows */
+                        float v[32];
+                        const float b = bias ? bias[n0 + r] : 0.0f;
+                        store16_f32(v, acc[2 * r] + b);
+                        store16_f32(v + 16, acc[2 * r + 1] + b);
+                        for (int64_t i = 0; i < 32 && mp * 32 + i < m; i++) out[(mp * 32 + i) * n + n0 + r] = v[i];
+                    }
+                }
+            }
+        }
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Rows [row0, row0 + 32) of the weight, values [k0, k0 + kc) of K, into buf [kc][32] (a panel). */
+static void panel_from_rows(const float *const *rows, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
+    static const float zeros[16] = {0};
+    for (int half = 0; half < 2; half++) {
+        const float *src[16];
+        int64_t kk = 0;
+        for (; kk + 16 <= kc; kk += 16) {
+            for (int r = 0; r < 16; r++) {
+                const int64_t row = row0 + half * 16 + r;
+                src[r] = row < n ? rows[row] + k0 + kk : zeros;
+            }
+            transpose16_u32((const uint32_t *const *)src, (uint32_t *)(buf + kk * 32 + half * 16), 32);
+        }
+        for (; kk < kc; kk++) /* K's tail */
+            for (int r = 0; r < 16; r++) {
+                const int64_t row = row0 + half * 16 + r;
+                buf[kk * 32 + half * 16 + r] = row < n ? rows[row][k0 + kk] : 0.0f;
+            }
+    }
+}
+
+/* Any rows, with each weight panel's K chunk laid out per call (in L2) and the packed kernel's
+   row blocks run over it: at a step's many rows the layout is paid once for many blocks. */
+static int rows_as_panels(const float *x, int64_t m, int64_t k, const float **rows, int64_t n, const float *bias,
+                          float *out) {
+    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
+    int failed = 0;
+    _Pragma("omp parallel if (m * n * k > 32768)") {
+        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
+        static __thread float *buf = NULL; /* a panel chunk, [KC][32]: each thread's own, kept */
+        if (buf == NULL) buf = aligned_alloc(64, sizeof(float) * 32 * KC);
+        if ((k > KC && sums == NULL) || buf == NULL) failed = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t np = 0; np < panels; np++) {
+            if ((k > KC && sums == NULL) || buf == NULL) continue;
+            const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
+            float b[32] = {0};
+            if (bias)
+                for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
+            v16f one[2 * MR];
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {
+                const int64_t kc = k - k0 < KC ? k - k0 : KC;
+                panel_from_rows(rows, n, n0, k0, kc, buf);
+                for (int64_t blk = 0; blk < blocks; blk++) {
+                    const int64_t m0 = blk * MR;
+                    const int nrows = m - m0 < MR ? (int)(m - m0) : MR;
+                    v16f *acc = sums ? sums + blk * 2 * MR : one;
+                    panel(nrows, x + m0 * k + k0, k, kc, buf, acc, k0 > 0);
+                    if (k0 + kc < k) continue;
+                    for (int r = 0; r < nrows; r++) {
+                        float v[32];
+                        store16_f32(v, acc[2 * r] + load16_f32(b));
+                        store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                        memcpy(out + (m0 + r) * n + n0, v, (size_t)cols * sizeof(float));
+                    }
+                }
+            }
+        }
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out [m, n] = x [m, k] . w^T (+ bias [n] or NULL), w the rows of `nseg` (1-3) segments: seg_ptr[s]
+   a [seg_rows[s], k] fp32 weight, read where it lies. Both ways compute f32_linear's sums in its
+   order, so the bits are the packed kernel's whichever runs (and whatever shares the step): the
+   rows broadcast at a decode step's 8-32 rows (0.85-1.06x the packed kernel's time), the panels
+   laid out per call below and above (1.0-1.06x at 256 rows, 1.2-1.3x at 1; bench/RESULTS.md).
+   Returns 0, or -1 without memory. */
+int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows, int64_t nseg,
+                    const float *bias, float *out) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) n += seg_rows[s];
+    if (m == 0 || n == 0) return 0;
+    const float **rows = row_pointers(seg_ptr, seg_rows, nseg, n, k);
+    if (rows == NULL) return -1;
+    return m >= 8 && m <= 32 ? rows_broadcast(x, m, k, rows, n, bias, out) : rows_as_panels(x, m, k, rows, n, bias, out);
+}

@@ -1,0 +1,226 @@
+/* A sparse MLP's experts over a step's tokens in one call: each active expert's gate/up and down
+   GEMMs on its weights in place (bf16: amx_linear.c's rows kernel over all experts in one team; fp32:
+   dot products over K at a decode step's few rows an expert, f32_linear.c's rows kernel an expert at
+   a time above; kernels through the addresses engine/kernels/moe_experts.py hands over), the silu between
+   them, the routing weights and each token's sum over its k picks (and, in moe_block_*, the routing
+   before them).
+
+   torch's grouped GEMM, at a decode step's 1-10 rows an expert, ran oneDNN's small-M path at about a
+   sixth of the memory's speed (a 32-sequence bf16 step of the 0.94B Qwen3-MoE shape spent 82% of
+   its time there); the rows kernels stream a weight once whatever the rows. The operations and
+   their order are transformers' grouped experts' (engine/kernels/moe_experts.run): the picks sorted by
+   expert, gate/up rounded to the dtype, silu(gate) rounded times up rounded, down rounded, times the
+   pick's weight (rounded in bf16 unless the weights are fp32: Mixtral's), the k products of a token
+   summed in fp32 in slot order and rounded once. Only each GEMM's sum runs in the rows kernel's
+   order, within a GEMM's error of torch's. */
+
+#include <immintrin.h> /* _mm_prefetch, on any x86-64 */
+#include <stdlib.h>
+
+#include "common.h"
+
+typedef int (*rows_f32_fn)(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                           int64_t nseg, const float *bias, float *out);
+typedef void (*silu_bf16_fn)(const uint16_t *gate_up, int64_t stride, int64_t T, int64_t I, uint16_t *out);
+typedef void (*silu_f32_fn)(const float *gate_up, int64_t stride, int64_t T, int64_t I, float *out);
+
+typedef int (*groups_bf16_fn)(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                              const uint16_t *w, int64_t n, uint16_t *out);
+
+/* Each active expert's GEMM over its rows: bf16 in one team (amx_linear_bf16_groups), fp32 one rows
+   call an expert. starts [G + 1]: where each of the G active experts' rows start in x and out. */
+static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, const int64_t *starts,
+                       const int64_t *experts, int64_t G, const uint16_t *w, int64_t n, uint16_t *out) {
+    return ((groups_bf16_fn)kernels[0])(x, k, starts, experts, G, w, n, out);
+}
+
+/* out rows of group g = its x rows . w_g^T as dot products over K, 16 lanes at a time: 4 weight rows
+   against up to 4 x rows an item, every (expert, 4 weight rows) one item of one team. At a decode
+   step's few rows an expert this streams each weight row once at memory speed, where laying the
+   weight out as panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each
+   output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order. */
+#define DOT_MAX_ROWS 16
+static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const float *w, int64_t n, float *out) {
+    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t i = 0; i < G * nb; i++) {
+        const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
+        const float *wj = w + (experts[g] * n + j0) * k, *xg = x + starts[g] * k;
+        float *og = out + starts[g] * n + j0;
+        const float *wr[4]; /* past the last row: the last row again, its sums dropped (constant bounds: registers) */
+        for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
+        /* the next item's rows, fetched one item (16 KB) ahead of the loads: rows a few KB long give
+           the hardware's stream prefetcher little to learn from */
+        const int64_t ni = i + 1 < G * nb ? i + 1 : i, ng = ni / nb, nj0 = (ni % nb) * 4;
+        const char *next = (const char *)(w + (experts[ng] * n + nj0) * k);
+        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * 4;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            const int64_t nr = m - r0 < 4 ? m - r0 : 4;
+            const float *xr[4];
+            for (int64_t r = 0; r < 4; r++) xr[r] = xg + (r0 + (r < nr ? r : nr - 1)) * k;
+            v16f acc[4][4] = {{{0}}};
+            for (int64_t kk = 0; kk < k16; kk += 16) {
+                if (r0 == 0) /* the next block (4 rows, contiguous) in k / 16 steps of 4 lines */
+                    for (int64_t off = kk * 16; off < kk * 16 + 256 && off < next_bytes; off += 64)
+                        _mm_prefetch(next + off, _MM_HINT_T0);
+                const v16f w0 = load16_f32(wr[0] + kk), w1 = load16_f32(wr[1] + kk), w2 = load16_f32(wr[2] + kk),
+                           w3 = load16_f32(wr[3] + kk);
+                for (int r = 0; r < 4; r++) {
+                    const v16f xv = load16_f32(xr[r] + kk);
+                    acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
+                }
+            }
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t j = 0; j < nj; j++) {
+                    float sum = 0.0f;
+                    for (int l = 0; l < 16; l++) sum += acc[r][j][l];
+                    for (int64_t kk = k16; kk < k; kk++) sum += wr[j][kk] * xr[r][kk];
+                    og[(r0 + r) * n + j] = sum;
+                }
+        }
+    }
+}
+
+static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
+                      int64_t G, const float *w, int64_t n, float *out) {
+    int64_t most = 0;
+    for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
+    if (most <= DOT_MAX_ROWS) {
+        groups_f32_dot(x, k, starts, experts, G, w, n, out);
+        return 0;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t seg = (int64_t)(w + experts[g] * n * k);
+        const int rc = ((rows_f32_fn)kernels[0])(x + starts[g] * k, starts[g + 1] - starts[g], k, &seg, &n, 1, NULL,
+                                                 out + starts[g] * n);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* kernels: [the rows linear, the silu * up] of the dtype; order [S] the picks (token-major, pick
+   t * k + j) sorted by expert, ends [E] where each expert's picks end in it; weights [S] per pick in
+   pick order, fp32 when weights_f32 else the dtype; gate_up [E, 2I, H], down [E, H, I]; scratch
+   xg [S, H], gu [S, 2I], act [S, I], dn [S, H] and inv [S] (int64); out [T, H]. Returns 0, or a
+   kernel's code (-1: no memory, -2: a shape the rows kernel does not take). */
+#define DEFINE_EXPERTS(NAME, T_, GROUPS, SILU_FN, LOAD, STORE, ROUND)                                           \
+    static int NAME(const int64_t *kernels, const T_ *x, int64_t T, int64_t H, int64_t k, const int64_t *order, \
+             const int64_t *ends, int64_t E, const void *weights, int weights_f32, const T_ *gate_up,            \
+             const T_ *down, int64_t I, T_ *xg, T_ *gu, T_ *act, T_ *dn, int64_t *inv, T_ *out) {               \
+        const int64_t S = T * k;                                                                              \
+        _Pragma("omp parallel for schedule(static) if (S * H > 65536)")                                       \
+        for (int64_t j = 0; j < S; j++) {                                                                     \
+            memcpy(xg + j * H, x + (order[j] / k) * H, H * sizeof(T_));                                      \
+            inv[order[j]] = j;                                                                                \
+        }                                                                                                     \
+        int64_t starts[E + 1], active[E], G = 0; /* the experts with picks, and where their rows start */     \
+        starts[0] = 0;                                                                                        \
+        for (int64_t e = 0; e < E; e++)                                                                       \
+            if (ends[e] > starts[G]) active[G] = e, starts[++G] = ends[e];                                    \
+        int rc = GROUPS(kernels, xg, H, starts, active, G, gate_up, 2 * I, gu);                               \
+        if (rc) return rc;                                                                                    \
+        ((SILU_FN)kernels[1])(gu, 2 * I, S, I, act);                                                          \
+        if ((rc = GROUPS(kernels, act, I, starts, active, G, down, H, dn))) return rc;                        \
+        _Pragma("omp parallel for schedule(static) if (T * H > 16384)")                                       \
+        for (int64_t t = 0; t < T; t++) {                                                                     \
+            float acc[H];                                                                                     \
+            for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;                                                    \
+            for (int64_t j = 0; j < k; j++) {                                                                 \
+                const int64_t p = t * k + j;                                                                  \
+                const T_ *d = dn + inv[p] * H;                                                                \
+                if (weights_f32) {                                                                            \
+                    const float w = ((const float *)weights)[p];                                              \
+                    for (int64_t h = 0; h < H; h++) acc[h] += LOAD(d[h]) * w;                                 \
+                } else {                                                                                      \
+                    const float w = LOAD(((const T_ *)weights)[p]);                                           \
+                    for (int64_t h = 0; h < H; h++) acc[h] += ROUND(LOAD(d[h]) * w);                          \
+                }                                                                                             \
+            }                                                                                                 \
+            T_ *o = out + t * H;                                                                              \
+            for (int64_t h = 0; h < H; h++) o[h] = STORE(acc[h]);                                             \
+        }                                                                                                     \
+        return 0;                                                                                             \
+    }
+
+DEFINE_EXPERTS(experts_bf16, uint16_t, groups_bf16, silu_bf16_fn, load_bf16, store_bf16, round_bf16)
+DEFINE_EXPERTS(experts_f32, float, groups_f32, silu_f32_fn, load_f32, store_f32, round_f32)
+
+/* HF's TopKRouter on router logits [T, E]: softmax in fp32, the k largest (ties: the lower id first),
+   renormalised when `norm`; weights [T * k] kept in fp32 when weights_f32 (Mixtral's) else rounded to
+   the dtype; ids [T, k]. Then the picks (token-major) sorted by expert, stably: order [S], ends [E]. */
+#define DEFINE_ROUTE(NAME, T_, LOAD, STORE)                                                                      \
+    static void NAME(const T_ *logits, int64_t T, int64_t E, int64_t k, int norm, int weights_f32, int64_t *ids, \
+                     void *weights, int64_t *order, int64_t *ends) {                                            \
+        _Pragma("omp parallel for schedule(static) if (T * E > 65536)")                                       \
+        for (int64_t t = 0; t < T; t++) {                                                                     \
+            const T_ *l = logits + t * E;                                                                     \
+            float p[E], top[k], mx = -INFINITY, sum = 0.0f;                                                  \
+            for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, LOAD(l[e]));                                       \
+            for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(LOAD(l[e]) - mx));                            \
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                      \
+            for (int64_t j = 0; j < k; j++) { /* k passes of a selection: k is a handful */                 \
+                int64_t best = -1;                                                                            \
+                for (int64_t e = 0; e < E; e++)                                                               \
+                    if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;                              \
+                ids[t * k + j] = best, top[j] = p[best], p[best] = -1.0f;                                     \
+            }                                                                                                 \
+            float total = 0.0f;                                                                               \
+            for (int64_t j = 0; j < k; j++) total += top[j];                                                  \
+            for (int64_t j = 0; j < k; j++) {                                                                 \
+                const float w = norm ? top[j] / total : top[j];                                               \
+                if (weights_f32)                                                                              \
+                    ((float *)weights)[t * k + j] = w;                                                        \
+                else                                                                                          \
+                    ((T_ *)weights)[t * k + j] = STORE(w);                                                    \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t e = 0; e < E; e++) ends[e] = 0;                                                          \
+        for (int64_t p = 0; p < T * k; p++) ends[ids[p]]++;                                                   \
+        for (int64_t e = 1; e < E; e++) ends[e] += ends[e - 1];                                               \
+        int64_t pos[E];                                                                                       \
+        for (int64_t e = 0; e < E; e++) pos[e] = ends[e];                                                     \
+        for (int64_t p = T * k - 1; p >= 0; p--) order[--pos[ids[p]]] = p; /* backwards: stable */           \
+    }
+
+DEFINE_ROUTE(route_bf16, uint16_t, load_bf16, store_bf16)
+DEFINE_ROUTE(route_f32, float, load_f32, store_f32)
+
+/* A router's logits [T, E] = x [T, H] . w [E, H]^T on its weight in place, each a fp32 sum over H
+   in 16 lanes (then the lanes in order) rounded to the dtype once. The engine's routers run here in
+   both its forwards (Python's, engine/models/moe_model.Router, and the C decode loop's), so that both route
+   every token alike to the bit; within a GEMM's rounding of F.linear's. E is a router's few outputs
+   (8-256), below what the rows kernels take in bf16. */
+#define DEFINE_ROUTER(NAME, T_, LOAD16, LOAD)                                                                    \
+    void NAME(const T_ *x, int64_t T, int64_t H, const T_ *w, int64_t E, T_ *out) {                            \
+        _Pragma("omp parallel for schedule(static) if (T * E * H > (1 << 20))")                               \
+        for (int64_t i = 0; i < T * E; i++) {                                                                 \
+            const T_ *xr = x + (i / E) * H, *wr = w + (i % E) * H;                                            \
+            v16f acc = {0};                                                                                   \
+            int64_t h = 0;                                                                                    \
+            for (; h + 16 <= H; h += 16) acc += LOAD16(xr + h) * LOAD16(wr + h);                              \
+            float sum = 0.0f;                                                                                 \
+            for (int l = 0; l < 16; l++) sum += acc[l];                                                       \
+            for (; h < H; h++) sum += LOAD(xr[h]) * LOAD(wr[h]);                                              \
+            out[i] = STORE_##T_(sum);                                                                         \
+        }                                                                                                     \
+    }
+#define STORE_uint16_t store_bf16
+#define STORE_float store_f32
+
+DEFINE_ROUTER(router_logits_bf16, uint16_t, load16_bf16, load_bf16)
+DEFINE_ROUTER(router_logits_f32, float, load16_f32, load_f32)
+
+/* The sparse block after its router's GEMM: route (above), then the experts (DEFINE_EXPERTS). The
+   scratch as there, plus weights [S] (4 bytes each) and ends [E]; ids [T, k] out. */
+#define DEFINE_BLOCK(NAME, T_, ROUTE, EXPERTS)                                                                   \
+    int NAME(const int64_t *kernels, const T_ *x, const T_ *logits, int64_t T, int64_t H, int64_t E, int64_t k, \
+             int norm, int weights_f32, const T_ *gate_up, const T_ *down, int64_t I, T_ *xg, T_ *gu, T_ *act,   \
+             T_ *dn, int64_t *inv, int64_t *order, int64_t *ends, void *weights, int64_t *ids, T_ *out) {       \
+        ROUTE(logits, T, E, k, norm, weights_f32, ids, weights, order, ends);                                 \
+        return EXPERTS(kernels, x, T, H, k, order, ends, E, weights, weights_f32, gate_up, down, I, xg, gu, act, \
+                       dn, inv, out);                                                                         \
+    }
+
+DEFINE_BLOCK(moe_block_bf16, uint16_t, route_bf16, experts_bf16)
+DEFINE_BLOCK(moe_block_f32, float, route_f32, experts_f32)

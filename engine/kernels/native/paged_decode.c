@@ -1,0 +1,309 @@
+/* Decode attention over the paged KV cache, reading every key and value where it lies.
+
+   The torch path (engine/models/attention.py) gathers each row's blocks into a dense buffer and then
+   runs SDPA over it: every key and value is read, written and read again, per layer and step
+   (a third of a 256-sequence fp32 decode step on 2 cores). Here one pass reads the keys, one
+   the values, straight from the cache through the block table, as vLLM's CPU paged attention does.
+
+   Work item: one row (sequence), all its heads, rows taken in sibling runs (below): a cache slot
+   holds every kv head's key side by side, so each slot is read once, whole. Vectors of 16 floats
+   (GCC vector extensions: zmm on AVX512, pairs of ymm on AVX2), the head size a compile-time
+   multiple of 16, so a key's vectors stay in registers while every query head of its group takes
+   its dot product.
+   Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
+   does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
+   Compiled at first use by engine/kernels/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
+   threads are torch's own (the same libgomp, already loaded). */
+
+#include <stdlib.h>
+
+#include "common.h"
+
+#define MAX_HEADS 128
+#define MAX_VECS 16 /* head size up to 256 */
+
+static inline float hsum(v16f x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+static inline v16f vmax16(v16f a, v16f b) { /* lane-wise max */
+    const v16i c = a > b;
+    return (v16f)(((v16i)a & c) | ((v16i)b & ~c));
+}
+
+static inline float hmax(v16f x) {
+    for (int i = 8; i >= 1; i /= 2) {
+        v16f y;
+        for (int l = 0; l < 16; l++) y[l] = x[l ^ i];
+        x = vmax16(x, y);
+    }
+    return x[0];
+}
+
+/* The four dot products a0..a3 hold in their lanes, summed across lanes at once: two rounds of
+   pairing halves, then two within each group of four (a tenth of four separate sums' shuffles). */
+static inline void reduce4(v16f a0, v16f a1, v16f a2, v16f a3, float *out) {
+    const v16f x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16f y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* lanes: a0 in 0-3, a2 in 4-7, a1 in 8-11, a3 in 12-15 */
+    v16f z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+             __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    z += __builtin_shufflevector(z, z, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = z[0], out[1] = z[8], out[2] = z[4], out[3] = z[12];
+}
+
+/* The cache's two dtypes, one code: every function below that reads or writes the cache takes `bf16`
+   and is inlined with it constant (common.h's ALWAYS_INLINE functions, load16_at and store16_at). */
+
+/* A row's sizes: H query heads in groups of G per kv head (KVH of them), NV vectors a head (D
+   values), `slot` values a cache slot (every kv head's), `padded` scores a head (len rounded up to
+   16), the cache's `bs` slots a block. */
+typedef struct {
+    int H, KVH, G, NV, D;
+    int64_t slot, padded, len, bs;
+} RowShape;
+
+/* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
+   slot's head) on: x[s] the slot s after it. */
+ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v16f x[4][MAX_VECS], int bf16) {
+    for (int i = 0; i < r->NV; i++) {
+        x[0][i] = load16_at(cache, at + i * 16, bf16), x[1][i] = load16_at(cache, at + r->slot + i * 16, bf16);
+        x[2][i] = load16_at(cache, at + 2 * r->slot + i * 16, bf16);
+        x[3][i] = load16_at(cache, at + 3 * r->slot + i * 16, bf16);
+    }
+}
+
+/* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
+ALWAYS_INLINE void score_four(const v16f *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
+                              int bf16) {
+    const int NV = r->NV, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        v16f k[4][MAX_VECS];
+        load_four(kc, keys + kh * r->D, r, k, bf16);
+        for (int g = 0; g < G; g++) {
+            const v16f *q = qs + (kh * G + g) * NV;
+            v16f a0 = q[0] * k[0][0], a1 = q[0] * k[1][0], a2 = q[0] * k[2][0], a3 = q[0] * k[3][0];
+            for (int i = 1; i < NV; i++)
+                a0 += q[i] * k[0][i], a1 += q[i] * k[1][i], a2 += q[i] * k[2][i], a3 += q[i] * k[3][i];
+            reduce4(a0, a1, a2, a3, scores + (kh * G + g) * r->padded);
+        }
+    }
+}
+
+/* The score of the key at element `key` of the cache for every query head. */
+ALWAYS_INLINE void score_one(const v16f *qs, const void *kc, int64_t key, const RowShape *r, float *scores,
+                             int bf16) {
+    const int NV = r->NV, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        const int64_t k = key + kh * r->D;
+        for (int g = 0; g < G; g++) {
+            const v16f *q = qs + (kh * G + g) * NV;
+            v16f a = q[0] * load16_at(kc, k, bf16);
+            for (int i = 1; i < NV; i++) a += q[i] * load16_at(kc, k + i * 16, bf16);
+            scores[(kh * G + g) * r->padded] = hsum(a);
+        }
+    }
+}
+
+/* Every head's scores of the row's `len` keys, block by block through `table`: four keys at a time
+   within a block (their vectors in registers, each query head's four sums reduced together), the
+   block's rest one at a time. */
+ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const int64_t *table, const RowShape *r,
+                              float *scores, int bf16) {
+    for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
+        const int64_t n = r->len - t0 < r->bs ? r->len - t0 : r->bs;
+        const int64_t kb = table[blk] * r->bs * r->slot;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) score_four(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+        for (; j < n; j++) score_one(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+    }
+}
+
+/* Each head's scores to e^(s - max) in place (padded with -inf: e^-inf = 0), and 1 / their sum in inv. */
+static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
+    for (int h = 0; h < r->H; h++) {
+        float *s = scores + h * r->padded;
+        for (int64_t t = r->len; t < r->padded; t++) s[t] = -INFINITY;
+    }
+    for (int h = 0; h < r->H; h++) {
+        float *s = scores + h * r->padded;
+        v16f mv = load16_f32(s); /* in vectors: a scalar max's chain of compares took an eighth */
+        for (int64_t t = 16; t < r->padded; t += 16) mv = vmax16(load16_f32(s + t), mv);
+        const float m = hmax(mv);
+        v16f sum = {0};
+        for (int64_t t = 0; t < r->padded; t += 16) {
+            v16f e = vexp(load16_f32(s + t) - m);
+            memcpy(s + t, &e, sizeof e);
+            sum += e;
+        }
+        inv[h] = 1.f / hsum(sum);
+    }
+}
+
+/* acc += the weights p[0..3] of values j..j+3 of a block (at element `values` of the cache), every head. */
+ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t values, const RowShape *r, v16f *acc,
+                              int bf16) {
+    const int NV = r->NV, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        v16f v[4][MAX_VECS];
+        load_four(vc, values + kh * r->D, r, v, bf16);
+        for (int g = 0; g < G; g++) {
+            const int h = kh * G + g;
+            const float *p = scores + h * r->padded;
+            for (int i = 0; i < NV; i++)
+                acc[h * NV + i] += p[0] * v[0][i] + p[1] * v[1][i] + p[2] * v[2][i] + p[3] * v[3][i];
+        }
+    }
+}
+
+/* acc += the weight of the value at element `value` of the cache, every head. */
+ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value, const RowShape *r, v16f *acc,
+                             int bf16) {
+    const int NV = r->NV, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        const int64_t v = value + kh * r->D;
+        for (int g = 0; g < G; g++) {
+            const int h = kh * G + g;
+            const float p = scores[h * r->padded];
+            for (int i = 0; i < NV; i++) acc[h * NV + i] += p * load16_at(vc, v + i * 16, bf16);
+        }
+    }
+}
+
+/* acc [H][NV] = every head's values weighted by its (unnormalised) scores, as score_keys goes. */
+ALWAYS_INLINE void weigh_values(const float *scores, const void *vc, const int64_t *table, const RowShape *r,
+                                v16f *acc, int bf16) {
+    for (int i = 0; i < r->H * r->NV; i++) acc[i] = (v16f){0};
+    for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
+        const int64_t n = r->len - t0 < r->bs ? r->len - t0 : r->bs;
+        const int64_t vb = table[blk] * r->bs * r->slot;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) weigh_four(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+        for (; j < n; j++) weigh_one(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+    }
+}
+
+/* One row: qs [H][NV] vectors (scaled), its `len` keys through `table`; out [H][D] (element `at` of
+   `out`). `scores` holds H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
+   inlined (attend_row's cases), so each head size gets loops unrolled for it. */
+ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const int64_t *table, int64_t len,
+                          int64_t bs, int H, int KVH, const int NV, float *scores, v16f *acc, void *out, int64_t at,
+                          int bf16) {
+    const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * 16, .slot = (int64_t)KVH * NV * 16,
+                        .padded = (len + 15) & ~(int64_t)15, .len = len, .bs = bs};
+    float inv[MAX_HEADS];
+    score_keys(qs, kc, table, &r, scores, bf16);
+    softmax_heads(scores, &r, inv);
+    weigh_values(scores, vc, table, &r, acc, bf16);
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < NV; i++) store16_at(out, at + h * r.D + i * 16, acc[h * NV + i] * inv[h], bf16);
+}
+
+/* The shapes and buffers of one call (the entry points' arguments). */
+typedef struct {
+    const void *q, *kc, *vc;
+    const int64_t *table, *lengths;
+    void *out;
+    int64_t table_stride, H, KVH, D, bs;
+    float scale;
+} Call;
+
+/* Row b of the call: its query scaled into qs, then attend with NV a constant in each case. */
+ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, v16f *buf, int bf16) {
+    const int NV = (int)(c->D / 16), H = (int)c->H, KVH = (int)c->KVH;
+    v16f *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
+    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = load16_at(c->q, b * c->H * c->D + i * 16, bf16) * c->scale;
+    const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
+    switch (NV) {
+    case 1: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
+    case 2: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 2, scores, acc, c->out, at, bf16); break;
+    case 4: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 4, scores, acc, c->out, at, bf16); break;
+    case 8: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 8, scores, acc, c->out, at, bf16); break;
+    default: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 16, scores, acc, c->out, at, bf16); break;
+    }
+}
+
+/* attend_row for each dtype: its own code, the dtype a constant in it. */
+static void attend_row_f32(const Call *c, int64_t b, float *scores, v16f *buf) { attend_row(c, b, scores, buf, 0); }
+static void attend_row_bf16(const Call *c, int64_t b, float *scores, v16f *buf) { attend_row(c, b, scores, buf, 1); }
+
+/* Sibling runs: adjacent rows whose first cache block is the same one are the n samples of one
+   prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together).
+   One thread takes a run, row after row, so the shared blocks it read for the first row are still
+   in its L2 for the others (a 256-row GRPO-shaped step of SmolLM2: 5-7% less time). A run is cut at
+   MAX_RUN rows so that rows which all share one system prompt still spread over the threads. */
+#define MAX_RUN 8
+
+/* The first row of each sibling run of the B rows, then B: count + 1 values (malloc'd; NULL when out
+   of memory). */
+static int64_t *sibling_runs(const int64_t *table, int64_t table_stride, int64_t B, int64_t *count) {
+    int64_t *runs = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (runs == NULL) return NULL;
+    *count = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (b == 0 || b - runs[*count - 1] >= MAX_RUN || table[b * table_stride] != table[(b - 1) * table_stride])
+            runs[(*count)++] = b;
+    runs[*count] = B;
+    return runs;
+}
+
+/* The rows of `c`, a thread a sibling run at a time, each thread with scratch of its own. */
+static int attend_rows(const Call *c, const int64_t *runs, int64_t count, int64_t max_len, int bf16) {
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)c->H * (size_t)(max_len + 16));
+        v16f *buf = aligned_alloc(64, sizeof(v16f) * 2 * MAX_HEADS * MAX_VECS);
+        if (!scores || !buf) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < count; r++)
+            for (int64_t b = runs[r]; b < runs[r + 1]; b++) {
+                if (!scores || !buf) continue;
+                if (bf16)
+                    attend_row_bf16(c, b, scores, buf);
+                else
+                    attend_row_f32(c, b, scores, buf);
+            }
+        free(scores);
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
+
+/* q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype; k/v cache [blocks, bs, KVH, D];
+   block_table [B, table_stride] int64; lengths [B] int64 (keys per row, all written already).
+   Returns 0, -1 for shapes this kernel does not take (the caller uses torch then), -2 when out
+   of memory. */
+static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
+    const int64_t NV = c->D / 16;
+    if (c->KVH <= 0 || c->H % c->KVH || c->H > MAX_HEADS || c->D % 16 || NV > MAX_VECS || (NV & (NV - 1)) ||
+        max_len <= 0)
+        return -1;
+    int64_t count;
+    int64_t *runs = sibling_runs(c->table, c->table_stride, B, &count);
+    if (runs == NULL) return -2;
+    const int rc = attend_rows(c, runs, count, max_len, bf16);
+    free(runs);
+    return rc;
+}
+
+int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t table_stride,
+                     const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
+                     int64_t max_len, float scale) {
+    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, scale};
+    return paged_decode(&c, B, max_len, 0);
+}
+
+int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
+                      int64_t table_stride, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H, int64_t KVH,
+                      int64_t D, int64_t bs, int64_t max_len, float scale) {
+    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, scale};
+    return paged_decode(&c, B, max_len, 1);
+}

@@ -1,0 +1,158 @@
+/* Sampling's common case, one call a step: every row sampled at its temperature from the model's
+   logits, with no processors, penalties, min_p, top-k / top-p, greedy rows or top logprobs (an RL
+   rollout's step). engine/sampler.py's torch path does it in about eight passes over the [B, V]
+   logits (a copy to fp32, the division by the temperature, softmax's three, the block sums, the
+   gathers); this reads each row twice (its max, then its block sums) and one block a third time.
+
+   The same sampling as sampler.inverse_cdf: the uniform u in (0, 1] (float64) picks the first block
+   whose cumulative mass reaches u times the row's total, then the first token inside it whose
+   cumulative mass reaches the rest. Each token's weight is e^(l / T - max) in fp32 (l / T rounded
+   as torch divides; e^x within about an ulp of torch's), summed in float64, so a token's
+   probability is off by a relative ~1e-7 at most. A zero weight is never picked. The logprob is
+   log(weight) - log(total), in float64. */
+
+#include <float.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* acc += x, 16 fp32 values widened to float64 in two vectors of 8 (no dependent chain of scalar
+   adds: that cost 4 times the rest of the pass) */
+static inline void add_wide(v8d *acc, v16f x) {
+    acc[0] += __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7), v8d);
+    acc[1] += __builtin_convertvector(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15), v8d);
+}
+
+static inline double sum_wide(const v8d *acc) {
+    double s = 0;
+    for (int i = 0; i < 8; i++) s += acc[0][i] + acc[1][i];
+    return s;
+}
+
+/* A row's logits (element `row` of `logits` on) and its temperature t (unit: t is 1, no division:
+   x / 1 is x, and the division is the step's costliest op); `bf16` a constant where it is inlined. */
+typedef struct {
+    const void *logits;
+    int64_t row, vocab;
+    float t;
+    int unit;
+} Row;
+
+/* l / t as torch divides, 16 values from index c of the row, and one value at c. */
+ALWAYS_INLINE v16f scaled16(const Row *r, int64_t c, int bf16) {
+    return r->unit ? load16_at(r->logits, r->row + c, bf16) : load16_at(r->logits, r->row + c, bf16) / r->t;
+}
+
+ALWAYS_INLINE float scaled(const Row *r, int64_t c, int bf16) {
+    return r->unit ? load_at(r->logits, r->row + c, bf16) : load_at(r->logits, r->row + c, bf16) / r->t;
+}
+
+/* max(l / t) = max(l) / t: a correctly rounded division by t > 0 keeps the order. */
+ALWAYS_INLINE float scaled_max(const Row *r, int bf16) {
+    int64_t c = 0;
+    v16f mv = (v16f){0} - INFINITY;
+    for (; c + 16 <= r->vocab; c += 16) {
+        const v16f s = load16_at(r->logits, r->row + c, bf16);
+        const v16i gt = s > mv;
+        mv = (v16f)(((v16i)s & gt) | ((v16i)mv & ~gt));
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);
+    for (; c < r->vocab; c++) m = fmaxf(m, load_at(r->logits, r->row + c, bf16));
+    return m / r->t;
+}
+
+/* sums[b] = the weights e^(l / t - m) of block b (float64); returns their total. */
+ALWAYS_INLINE double block_sums(const Row *r, float m, int64_t block, int64_t nblocks, double *sums, int bf16) {
+    double total = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t end = b * block + block < r->vocab ? b * block + block : r->vocab;
+        v8d acc[2] = {{0}, {0}};
+        int64_t c;
+        for (c = b * block; c + 16 <= end; c += 16) add_wide(acc, vexp(scaled16(r, c, bf16) - m));
+        double s = sum_wide(acc);
+        for (; c < end; c++) s += (double)vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        sums[b] = s;
+        total += s;
+    }
+    return total;
+}
+
+/* The token the uniform u picks (its block by the sums, then the token by its weights), and its
+   weight in *weight; -1 where no weight in its block is positive. */
+ALWAYS_INLINE int64_t pick_token(const Row *r, float m, int64_t block, int64_t nblocks, const double *sums,
+                                 double target, float *weight, int bf16) {
+    int64_t j = 0;
+    double before = 0;
+    while (j < nblocks - 1 && before + sums[j] < target) before += sums[j++];
+    double rest = target - before;
+    if (rest < DBL_MIN) rest = DBL_MIN; /* some weight must be reached: never a zero one */
+    const int64_t start = j * block, end = start + block < r->vocab ? start + block : r->vocab;
+    int64_t pick = -1;
+    double cum = 0;
+    for (int64_t c = start; c < end; c++) {
+        const float e = vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        if (e > 0) {
+            pick = c; /* the last positive weight so far: where rounding overshoots the block */
+            *weight = e;
+        }
+        cum += (double)e;
+        if (e > 0 && cum >= rest) break;
+    }
+    return pick;
+}
+
+/* Row r of the call: its token and logprob. `sums` holds nblocks doubles. */
+ALWAYS_INLINE void sample_row(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                              double *sums, int64_t *token, float *logprob, int bf16) {
+    const Row row = {.logits = logits, .row = r * vocab, .vocab = vocab, .t = t, .unit = t == 1.0f};
+    const int64_t nblocks = (vocab + block - 1) / block;
+    const float m = scaled_max(&row, bf16);
+    const double total = block_sums(&row, m, block, nblocks, sums, bf16);
+    float weight = 0;
+    *token = pick_token(&row, m, block, nblocks, sums, u * total, &weight, bf16);
+    *logprob = (float)(log((double)weight) - log(total));
+}
+
+static void sample_row_f32(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                           double *sums, int64_t *token, float *logprob) {
+    sample_row(logits, r, vocab, t, u, block, sums, token, logprob, 0);
+}
+
+static void sample_row_bf16(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
+                            double *sums, int64_t *token, float *logprob) {
+    sample_row(logits, r, vocab, t, u, block, sums, token, logprob, 1);
+}
+
+/* logits [rows, vocab]; temperature [rows]; uniforms [rows] in (0, 1]; the block sums' block size.
+   Writes tokens [rows] and logprobs [rows]; returns 0, or -1 when out of memory. */
+static int sample_rows(const void *logits, int64_t rows, int64_t vocab, const float *temperature,
+                       const double *uniforms, int64_t block, int64_t *tokens, float *logprobs, int bf16) {
+    const int64_t nblocks = (vocab + block - 1) / block;
+    double *sums_all = malloc(sizeof(double) * (size_t)(nblocks * rows));
+    if (sums_all == NULL) return -1;
+#pragma omp parallel for schedule(static) if (rows * vocab > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            sample_row_bf16(logits, r, vocab, temperature[r], uniforms[r], block, sums_all + r * nblocks, tokens + r,
+                            logprobs + r);
+        else
+            sample_row_f32(logits, r, vocab, temperature[r], uniforms[r], block, sums_all + r * nblocks, tokens + r,
+                           logprobs + r);
+    }
+    free(sums_all);
+    return 0;
+}
+
+int sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const float *temperature,
+                    const double *uniforms, int64_t block, int64_t *tokens, float *logprobs) {
+    return sample_rows(logits, rows, vocab, temperature, uniforms, block, tokens, logprobs, 0);
+}
+
+int sample_rows_bf16(const uint16_t *logits, int64_t rows, int64_t vocab, const float *temperature,
+                     const double *uniforms, int64_t block, int64_t *tokens, float *logprobs) {
+    return sample_rows(logits, rows, vocab, temperature, uniforms, block, tokens, logprobs, 1);
+}

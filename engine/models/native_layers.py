@@ -1,0 +1,280 @@
+"""A decode step's decoder layers in one C call (engine/kernels/native/decode_layers.c), where every
+kernel of engine/models/fused_layers.py's forward is native: in bf16, AMX linears (bf16, or weight-only
+int8), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
+and silu * up; in fp32, the
+linears on engine/kernels/native/f32_linear.c (AVX-512) and the same glue in fp32.
+
+Driven from Python, a 32-sequence bf16 decode step on 2 cores spent about a third of its main
+thread's time between those kernels (torch's dispatch, views, module calls), with the other core
+idle meanwhile. The C loop calls the same kernels in the same order on the same values, through
+the addresses of the functions loaded here, so in bf16 its output has the Python forward's bits
+(tested). In fp32 its norm and silu are C's where Python runs torch's (an ulp or so apart a value):
+the fp32 engine's tests hold it to HF's greedy tokens and, within the bound derived from fp32's
+rounding, to HF's logprobs, as they hold the Python forward.
+
+It runs only where all of that holds for the step; anything else (a prefill, a linear on oneDNN,
+a bias outside q/k/v or on an int8 copy, a LoRA hook on any module of a layer, gradients, no C
+compiler, ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
+are looked up per step through derived_weights, so a push's copies serve from the first step
+after its commit, as they do in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from engine.kernels import amx_linears, derived_weights, f32_linears, moe_experts, native_kernels
+from engine.models import attention, fused_layers
+
+ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
+_PTR = ctypes.c_void_p
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _kernel_names(dtype: torch.dtype) -> tuple:
+    """Kernels' fields in decode_layers.c, (library, symbol) each: the linears, then the loop's dtype's."""
+    x = _SUFFIX[dtype]
+    return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
+            ("amx_linear", "amx_linear_w8_f32"), ("amx_linear", "amx_linear_bf16_rows"),
+            ("f32_linear", "f32_linear_rows"),
+            ("layer_glue", f"rope_cache_{x}"),
+            ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
+
+
+LAYER_FIELDS = 28  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE
+MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
+_MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
+BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
+_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}  # the linears each loop takes
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("layers", "T", "hidden", "heads", "kv_heads", "head_dim",
+                                               "intermediate", "block_size", "max_len", "table_stride")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+_SCRATCH = ("x", "qkv", "q", "k", "attn", "o", "h", "h2", "gate_up", "act", "down", "x16")
+_MOE_SCRATCH = ("logits", "xg", "gu", "eact", "dn", "inv", "order", "ends", "pick_weights")
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(n, _PTR) for n in _SCRATCH + _MOE_SCRATCH]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+
+
+_kernels_cache: dict = {}
+
+
+def _kernels(dtype: torch.dtype):
+    """(the loop's entry, the kernels' addresses: Kernels in decode_layers.c) for `dtype`, or None
+    where a kernel it needs does not run here."""
+    if dtype not in _kernels_cache:
+        names = _kernel_names(dtype)
+        libs = {name: native_kernels.library(name) for name in {lib for lib, _ in names}}
+        entry = native_kernels.function("decode_layers", f"decode_layers_{_SUFFIX[dtype]}", (_PTR,) * 11,
+                                        ctypes.c_int)
+        ok = entry is not None and all(libs.values())  # each layer's copies say which linears run (_copy)
+        table = (ctypes.c_int64 * (len(names) + _MOE_KERNELS))(
+            *[ctypes.cast(getattr(libs[lib], sym), _PTR).value for lib, sym in names]) if ok else None
+        _kernels_cache[dtype] = (entry, table) if ok else None
+    return _kernels_cache[dtype]
+
+
+def reset() -> None:
+    """Forget the loaded kernels (with native_kernels.reset)."""
+    _kernels_cache.clear()
+
+
+native_kernels.forget_with_kernels(reset)
+
+
+def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
+    """(address, kind, n, k) of the copy serving `linear` (its group's when it has one), or None when
+    it is not one of the loop's kernels'."""
+    copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
+    if isinstance(copy, derived_weights.WeightRows):
+        return copy.desc.data_ptr(), BF16_ROWS if copy.dtype == torch.bfloat16 else F32_ROWS, copy.n, copy.k
+    if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
+        return copy.packed.data_ptr(), BF16, copy.n, copy.k
+    if isinstance(copy, f32_linears.F32Weight):
+        return copy.packed.data_ptr(), F32, copy.n, copy.k
+    amx = getattr(copy, "packed", None)
+    if getattr(copy, "kernel", None) == "amx_w8" and isinstance(amx, amx_linears.AmxWeight):
+        return amx.packed.data_ptr(), W8, amx.n, amx.k
+    return None
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def is_sparse(mlp) -> bool:
+    """Whether `mlp` is a sparse block (engine/models/moe_model.SparseMoeBlock: a router and 3-D experts)."""
+    return hasattr(mlp, "gate") and hasattr(mlp, "experts")
+
+
+def _sparse_fields(mlp, shape: dict, t: int, routed: list) -> list[int] | None:
+    """A sparse MLP's MOE_FIELDS (its expert ids [t, k] made here, added to `routed` with it), or None when
+    the C block does not take it (a shared expert, another activation, shapes its kernels refuse)."""
+    e, dtype = mlp.experts, shape["dtype"]
+    weights = (mlp.gate.weight, e.gate_up_proj, e.down_proj)
+    if (hasattr(mlp, "shared_expert") or not isinstance(e.act_fn, torch.nn.SiLU)
+            or not all(w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu" for w in weights)
+            or not moe_experts.fits(shape["hidden"], e.down_proj.shape[2], dtype)
+            or (e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2]) != (shape["experts"], shape["top_k"],
+                                                                              shape["expert_width"])):
+        return None  # (the step's scratch is sized once, by the first sparse block's sizes)
+    ids = torch.empty(t, mlp.top_k, dtype=torch.int64)
+    routed.append((mlp, ids))
+    return [1, *(w.data_ptr() for w in weights), e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2],
+            int(mlp.norm_topk), int(mlp.scores_fp32 and dtype != torch.float32), ids.data_ptr()]
+
+
+def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t: int) -> list[int] | None:
+    """The layer's row of LAYER_FIELDS, or None when some part of it must run in Python; `keep`
+    holds the tensors made for it (its q/k/v bias) until the call, `routed` a sparse MLP's (block,
+    expert ids [t, k])."""
+    attn, mlp = layer.self_attn, layer.mlp
+    sparse = is_sparse(mlp)
+    qkv_group, gate_up_group = getattr(attn, "_fused", None), None if sparse else getattr(mlp, "_fused", None)
+    if qkv_group is None or (gate_up_group is None and not sparse) or _hooked(layer):
+        return None
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+               *(() if sparse else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+    if any(m.bias is not None for m in linears[3:]) or not all(hasattr(m, "_derive") for m in linears):
+        return None  # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
+    qk_norm = getattr(attn, "qk_norm", None)
+    if qk_norm not in (None, "head"):
+        return None  # a norm over the whole projection (olmoe's) is not the loop's
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
+    dtype = shape["dtype"]
+    if any(n.weight.dtype != dtype or n.variance_epsilon != shape["eps"] for n in norms):
+        return None
+    h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
+        shape["intermediate"]
+    row = [norms[0].weight.data_ptr(), norms[1].weight.data_ptr()]
+    mlp_linears = () if sparse else ((None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i))
+    for linear, group, n, k in ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q), *mlp_linears):
+        copy = _copy(linear, group)
+        if copy is None or copy[2:] != (n, k) or copy[1] not in _KINDS[dtype]:
+            return None
+        bias = 0
+        if group is qkv_group and attn.q_proj.bias is not None:
+            if copy[1] == W8:
+                return None  # Python adds it after the rounding
+            b = torch.cat([m.bias for m in group.members]).to(dtype)
+            keep.append(b)
+            bias = b.data_ptr()
+        row += [*copy[:2], bias]
+    k_cache, v_cache = ctx.k_blocks[index], ctx.v_blocks[index]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    if sparse:
+        row += [0, 0, 0] * 2  # no gate_up, no down: the sparse fields below
+    heads = [attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()] if qk_norm else [0, 0]
+    moe = _sparse_fields(mlp, shape, t, routed) if sparse else [0] * MOE_FIELDS
+    if moe is None:
+        return None
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe]
+
+
+def _shape(model, dtype: torch.dtype) -> dict | None:
+    """The model's sizes, or None when it is not one this runs (its layers not fused_layers')."""
+    layers = model.layers
+    if not len(layers) or any(getattr(layer.forward, "__func__", None) is not fused_layers._layer_forward
+                              and not getattr(type(layer), "C_DECODE_LOOP", False) for layer in layers):
+        return None
+    attn = layers[0].self_attn
+    heads = attn.q_proj.weight.shape[0] // attn.head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    dense = [layer.mlp for layer in layers if not is_sparse(layer.mlp)]
+    sparse = [layer.mlp for layer in layers if is_sparse(layer.mlp)]
+    return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
+            "intermediate": dense[0].gate_proj.weight.shape[0] if dense else 0, "eps": model.norm.variance_epsilon,
+            "scale": attn.scaling, "dtype": dtype,
+            # the sparse MLPs' sizes (one for all: a model's sparse layers are alike), for their scratch
+            "experts": sparse[0].experts.gate_up_proj.shape[0] if sparse else 0,
+            "top_k": sparse[0].top_k if sparse else 0,
+            "expert_width": sparse[0].experts.down_proj.shape[2] if sparse else 0}
+
+
+def _scratch_bytes(shape: dict, t: int, dtype: torch.dtype, sparse: bool) -> dict[str, int]:
+    """The bytes of each of the step's scratch buffers (decode_layers.c's scratch struct) for `t` rows;
+    a sparse MLP's too where the model has one."""
+    h, d, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["intermediate"]
+    kv = shape["kv_heads"] * shape["head_dim"]
+    widths = {"x": h, "qkv": d + 2 * kv, "q": d, "k": kv, "attn": d, "o": h, "h": h, "h2": h, "gate_up": 2 * i,
+              "act": i, "down": h, "x16": max(h, d, i)}
+    size = torch.finfo(dtype).bits // 8
+    nbytes = {name: t * widths[name] * (2 if name == "x16" else size) for name in _SCRATCH}
+    if sparse:
+        picks, e, w = t * shape["top_k"], shape["experts"], shape["expert_width"]
+        nbytes.update({"logits": t * e * size, "xg": picks * h * size, "gu": picks * 2 * w * size,
+                       "eact": picks * w * size, "dn": picks * h * size, "inv": picks * 8, "order": picks * 8,
+                       "ends": e * 8, "pick_weights": picks * 4})
+    return nbytes
+
+
+def _scratch(nbytes: dict[str, int]) -> tuple[torch.Tensor, _Scratch]:
+    """One buffer holding each of `nbytes`' parts from a 64-byte boundary, and their addresses (the
+    buffer must outlive the call)."""
+    buffer = torch.empty(sum(-(-b // 64) * 64 for b in nbytes.values()), dtype=torch.uint8)
+    pointers, offset = {}, 0
+    for name, size in nbytes.items():
+        pointers[name] = buffer.data_ptr() + offset
+        offset += -(-size // 64) * 64
+    return buffer, _Scratch(**pointers)
+
+
+def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | None:
+    """The decoder model's layers and final norm over `hidden` [1, T, H] (the step's embeddings,
+    overwritten) at a decode step: the normed hidden states, or None when Python must run them."""
+    ctx = attention._ctx
+    dtype = hidden.dtype
+    if (ctx is None or ctx.is_prefill or ctx.native is None or dtype not in _SUFFIX or torch.is_grad_enabled()
+            or not enabled()):
+        return None
+    loaded = _kernels(dtype)
+    shape = _shape(model, dtype)
+    if loaded is None or shape is None or model.norm.weight.dtype != dtype or _hooked(model.norm):
+        return None
+    t = hidden.shape[1]
+    nd, slots = ctx.native, ctx.slot_mapping
+    if (nd.block_table.shape[0] != t or not hidden.is_contiguous() or slots.dtype != torch.int64
+            or not slots.is_contiguous()):
+        return None
+    rows, keep, sparse = [], [], []
+    for index, layer in enumerate(model.layers):
+        row = _layer_row(layer, ctx, index, shape, keep, sparse, t)
+        if row is None:
+            return None
+        rows.append(row)
+    if sparse:
+        moe = moe_experts.loop_kernels(dtype)
+        if moe is None:
+            return None
+        loaded[1][-_MOE_KERNELS:] = list(moe)
+    cos, sin_signed = attention.rope_tables(position_embeddings)
+    if cos.dtype != dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+        return None
+    entry, kernels = loaded
+    table = torch.tensor(rows, dtype=torch.int64)
+    bs = ctx.k_blocks[0].shape[1]
+    s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
+               **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
+    buffer, scratch = _scratch(_scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
+    rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
+               cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
+               nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"decode_layers_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
+    for mlp, ids in sparse:
+        mlp.last_ids = ids  # the step's routed experts, as the Python block keeps them
+    return hidden
