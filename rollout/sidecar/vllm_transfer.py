@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = {mode: mode for mode in ("abort", "wait", "keep")}  # vLLM's modes are ours
-__all__ = ["TransferError", "VllmTransfer"]  # TransferError: the foreign fronts' one, imported from here as before
 
 
 def _init_fields(info: dict) -> dict:

@@ -12,7 +12,8 @@ import asyncio
 
 from fastapi import Body, FastAPI, HTTPException, Query
 
-from rollout.sidecar.vllm_transfer import TransferError, VllmTransfer
+from rollout.sidecar.foreign_group import TransferError
+from rollout.sidecar.vllm_transfer import VllmTransfer
 
 
 async def run(coro):

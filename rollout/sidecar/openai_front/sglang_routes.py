@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from rollout.sidecar.openai_front.disconnect import until_disconnected
 from rollout.sidecar.openai_front.sglang_generate import BadField, SglangGenerate
 from rollout.sidecar.sglang_transfer import SglangTransfer
-from rollout.sidecar.vllm_transfer import TransferError
+from rollout.sidecar.foreign_group import TransferError
 
 _encode = msgspec.json.Encoder().encode
 
