@@ -92,6 +92,8 @@ async def trainer_lost(owner: Owner, push_id: str, stall_s: float, period_s: flo
     timeout ends the wait). Returns how it was lost."""
     if owner.host is None:
         await asyncio.Event().wait()
+    if owner.store is not None:  # a no-op after the first push: the sidecar's front loads torch only here
+        await asyncio.to_thread(PushProgress.load)
     marks = None if owner.store is None else _ProgressMarks(owner.store, push_id, period_s, stall_s)
     missed, why = 0, None
     try:

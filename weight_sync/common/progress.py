@@ -18,6 +18,12 @@ class PushProgress:
         self.info, self.key, self.timeout_s = info, f"mark/progress/{push_id}", timeout_s
         self._prefix = None  # the group's keys in the trainer's store, once connected
 
+    @staticmethod
+    def load() -> None:
+        """Import what a read needs (torch's TCPStore: seconds on a loaded host), so that a watcher can
+        do it before its stall clock runs: the watcher's own start-up is not the trainer's stall."""
+        import weight_sync.common.group_store  # noqa: F401
+
     def read(self) -> int | None:
         """A count that moves while the trainer's push moves (weight_sync/trainer/progress_marks.py;
         FAILED_MARK: given up; WITHDRAWN_MARK: withdrawn before the vote, to be pushed again on a
