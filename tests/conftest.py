@@ -20,14 +20,28 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    """Tiny Qwen2, Llama, Llama 3 (scaled rope) and Qwen3 (q/k norms) model directories, built offline
-    once per test session."""
-    from engine.models.tiny_model import build_tiny_model
+def _run_tmp(tmp_path_factory):
+    """A temporary directory of this whole run, which xdist's workers share (the basetemp's parent
+    under xdist; pytest's retention removes it with the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    root = tmp_path_factory.mktemp("models")
-    return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in ("qwen2", "llama", "llama3", "qwen3")}
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Every tiny model family the engine serves (engine.models.tiny_model.ARCHS), built offline
+    once per run: by one process (a build is mostly its imports), the other xdist workers waiting
+    on its locks and reusing its directories."""
+    from engine.models.tiny_model import ARCHS, build_tiny_models
+
+    root = _run_tmp(tmp_path_factory) / "tiny_models"
+    return {arch: str(d) for arch, d in build_tiny_models({arch: root / arch for arch in ARCHS}).items()}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tiny_dirs):
+    """Tiny Qwen2, Llama, Llama 3 (scaled rope) and Qwen3 (q/k norms) model directories."""
+    return {arch: tiny_dirs[arch] for arch in ("qwen2", "llama", "llama3", "qwen3")}
 
 
 @pytest.fixture(scope="session")
@@ -71,13 +85,11 @@ def eos_model_dir(qwen2_dir, hf_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def moe_dirs(tmp_path_factory):
-    """Tiny mixtures of experts of each family the engine runs on its own layers (8 experts, 2 a
-    token), built offline on first use."""
-    from engine.models.tiny_model import MOE_ARCHS, build_tiny_model
+def moe_dirs(tiny_dirs):
+    """Tiny mixtures of experts of each family the engine runs on its own layers (8 experts, 2 a token)."""
+    from engine.models.tiny_model import MOE_ARCHS
 
-    root = tmp_path_factory.mktemp("moe_models")
-    return {arch: str(build_tiny_model(root / arch, "tiny", arch)) for arch in MOE_ARCHS}
+    return {arch: tiny_dirs[arch] for arch in MOE_ARCHS}
 
 
 @pytest.fixture(scope="session")

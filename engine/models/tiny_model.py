@@ -158,9 +158,33 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
     Safe from several processes at once (torchrun's ranks): under a lock beside `out_dir`, one
     builds into a temporary directory and renames it into place, so `out_dir` is only ever
     absent or whole; the others wait for the lock and reuse its build."""
+    return _build(Path(out_dir), size, arch, seed, _write_in_fresh_process)
+
+
+def build_tiny_models(outs: dict[str, str | os.PathLike], size: str = "tiny", seed: int = 0) -> dict[str, Path]:
+    """`build_tiny_model` for several architectures ({arch: out_dir}), those not built yet written by
+    one fresh process: its imports (torch, transformers: seconds) are most of a tiny build's time."""
+    for arch in outs:
+        _check(size, arch)
+    paths = {arch: Path(out) for arch, out in outs.items()}
+    todo = [arch for arch, out in paths.items() if _stamp_of(out) != _recipe(size, arch, seed)]
+    if len(todo) > 1:
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-m", "engine.models.tiny_model", "--size", size, "--seed", str(seed),
+                        "--each", *(f"{arch}={paths[arch]}" for arch in todo)], env=env, check=True)
+    return {arch: build_tiny_model(out, size, arch, seed) for arch, out in paths.items()}  # reuses, or builds one
+
+
+def _check(size: str, arch: str) -> None:
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    out = Path(out_dir)
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _build(out: Path, size: str, arch: str, seed: int, write) -> Path:
+    _check(size, arch)
     stamp = _recipe(size, arch, seed)
     if _stamp_of(out) == stamp:
         return out
@@ -173,7 +197,7 @@ def build_tiny_model(out_dir: str | os.PathLike, size: str = "tiny", arch: str =
         tmp = _fresh_dir(out)
         try:
             log.info("building %s %s model in %s", size, arch, out)
-            _write_in_fresh_process(tmp, size, arch, seed)
+            write(tmp, size, arch, seed)
             _rename_into_place(tmp, out, stamp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -304,11 +328,19 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")
     where.add_argument("--into", default=None, help="write into this existing directory as it is: no reuse, lock or "
                        "rename (what build_tiny_model runs in a fresh process)")
+    where.add_argument("--each", nargs="+", metavar="ARCH=DIR", default=None,
+                       help="build (or reuse) each ARCH into its DIR, here (what build_tiny_models runs)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.into:
         _exit_with_parent()
         _write_model(Path(args.into), args.size, args.arch, args.seed)
+        return
+    if args.each:
+        _exit_with_parent()
+        for item in args.each:
+            arch, _, out = item.partition("=")
+            _build(Path(out), args.size, arch, args.seed, _write_model)  # this process is the fresh one
         return
     out = build_tiny_model(args.out or default_model_dir(args.size, args.arch), args.size, args.arch, args.seed)
     log.info("model ready at %s", out)

@@ -4,14 +4,17 @@ from tests.docs.snippets import collect, inventory
 
 
 @pytest.fixture(scope="session")
-def snippet_env(tmp_path_factory):
-    """The environment snippets run in, with the tiny model already built into its cache (where
-    `--model tiny` and `resolve_model("tiny")` find it)."""
-    from engine.models.tiny_model import build_tiny_model
+def snippet_env(tmp_path_factory, tiny_dirs):
+    """The environment snippets run in, with the tiny models already in its cache (where `--model
+    tiny`, `tiny-moe` and `resolve_model("tiny")` find them): copies of the run's builds."""
+    import shutil
+
+    from engine.models.tiny_model import default_model_dir
     from tests.docs.runner import environment
 
     cache = tmp_path_factory.mktemp("rollout_cache")
-    build_tiny_model(cache / "qwen2-tiny", "tiny")
+    for arch, built in tiny_dirs.items():
+        shutil.copytree(built, cache / default_model_dir("tiny", arch).name)
     return environment(cache)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.models.tiny_model import STAMP, build_tiny_model
+from engine.models.tiny_model import STAMP, build_tiny_model, build_tiny_models
 
 pytestmark = pytest.mark.timeout(300)
 TARGET = "qwen2-tiny"  # default_model_dir()'s name under the cache root
@@ -91,6 +91,22 @@ def test_a_directory_that_is_not_a_build_is_refused_not_deleted(tmp_path):
     with pytest.raises(FileExistsError, match="not a tiny-model build"):
         build_tiny_model(mine)
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_families_built_by_one_process_are_the_bytes_each_built_alone_gives(tmp_path, tiny_dirs):
+    """`build_tiny_models` (the suite's `tiny_dirs`: every family by one process) writes what
+    `build_tiny_model` writes for each family in a process of its own: the same seeded weights."""
+    alone = build_tiny_model(tmp_path / "llama3", "tiny", "llama3")
+    together = Path(tiny_dirs["llama3"])
+    assert sorted(os.listdir(alone)) == sorted(os.listdir(together))
+    for name in os.listdir(alone):
+        assert (alone / name).read_bytes() == (together / name).read_bytes(), name
+
+
+def test_an_unknown_family_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="unknown arch 'gpt9'"):
+        build_tiny_models({"qwen2": tmp_path / "a", "gpt9": tmp_path / "b"})
+    assert not any(tmp_path.iterdir())
 
 
 def _build_started(cache: Path) -> bool:

@@ -153,11 +153,10 @@ def test_levels_grow_harder():
 # -- prompts and rewards ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(qwen2_dir):
     from transformers import PreTrainedTokenizerFast
 
-    from engine.models.tiny_model import build_tiny_model, default_model_dir
-    return PreTrainedTokenizerFast.from_pretrained(build_tiny_model(default_model_dir("tiny"), "tiny"))
+    return PreTrainedTokenizerFast.from_pretrained(qwen2_dir)  # the tiny model's, as `--model tiny` has it
 
 
 def test_a_chat_tokenizer_gets_a_conversation_and_a_plain_one_a_string(tokenizer):
