@@ -96,20 +96,3 @@ def moe_dirs(tiny_dirs):
 def moe_dir(moe_dirs):
     """The tiny Qwen3-MoE (`--model tiny-moe`'s recipe)."""
     return moe_dirs["qwen3_moe"]
-
-
-# The longest modules (about a minute or more each on 2 AVX2 cores), run first: xdist hands whole
-# files out in collection order (--dist loadfile), and a long file handed out last leaves the other
-# worker idle until it ends (the suite took ~100 s longer that way).
-LONGEST_FIRST = (
-    "tests/recipes/test_recipes_e2e.py", "tests/vllm/test_vllm_sidecar.py", "tests/vllm/test_vllm_push.py",
-    "tests/rl_routes/test_vllm_rl_routes.py", "tests/rollout/test_sidecar.py", "tests/rollout/test_lora_push.py",
-    "tests/ray_cluster/test_ray_sidecars.py", "tests/rollout/test_overlap.py", "tests/engine/test_tiny_model_build.py",
-    "tests/vllm/test_vllm_pauses.py", "tests/docs/test_python_snippets_odd.py", "tests/vllm/test_vllm_tensor_parallel.py",
-    "tests/vllm/test_vllm_recipes.py", "tests/sglang_routes/test_sglang_routes.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
