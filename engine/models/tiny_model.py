@@ -169,10 +169,7 @@ def build_tiny_models(outs: dict[str, str | os.PathLike], size: str = "tiny", se
     paths = {arch: Path(out) for arch, out in outs.items()}
     todo = [arch for arch, out in paths.items() if _stamp_of(out) != _recipe(size, arch, seed)]
     if len(todo) > 1:
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        subprocess.run([sys.executable, "-m", "engine.models.tiny_model", "--size", size, "--seed", str(seed),
-                        "--each", *(f"{arch}={paths[arch]}" for arch in todo)], env=env, check=True)
+        _run_fresh("--size", size, "--seed", str(seed), "--each", *(f"{arch}={paths[arch]}" for arch in todo))
     return {arch: build_tiny_model(out, size, arch, seed) for arch, out in paths.items()}  # reuses, or builds one
 
 
@@ -213,10 +210,14 @@ def _write_in_fresh_process(out: Path, size: str, arch: str, seed: int) -> None:
     """`_write_model` in a new interpreter (`--into`). NOTE: in a torch.distributed rank other than
     0, save_pretrained silently writes no config and no weights (transformers 5); and the seeded
     init would reset the caller's torch RNG."""
+    _run_fresh("--size", size, "--arch", arch, "--seed", str(seed), "--into", str(out))
+
+
+def _run_fresh(*args: str) -> None:
+    """This module's command line in a new interpreter, which finds this repository's packages."""
     root = str(Path(__file__).resolve().parents[2])  # the repository's root
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-m", "engine.models.tiny_model", "--size", size, "--arch", arch,
-                    "--seed", str(seed), "--into", str(out)], env=env, check=True)
+    subprocess.run([sys.executable, "-m", "engine.models.tiny_model", *args], env=env, check=True)
 
 
 def _write_model(out: Path, size: str, arch: str, seed: int) -> None:
