@@ -47,15 +47,14 @@ def test_a_push_serves_the_pushed_weights_as_hf_does(client, trainer, hf_models)
     before = greedy(client, PROMPTS)
     assert client.init_weight_sync(take_over=True)
     assert client.weights_checksums() == [weights_checksum(trainer.named_parameters())]  # the checkpoint's
-    pushed = _pushed(hf_models)
-    trainer.load_state_dict(pushed.state_dict())
+    trainer.load_state_dict(_pushed(hf_models).state_dict())
     version = client.stats()["version"] + 1
     client.push_weights(trainer, version=version)
     assert client.weights_checksums() == [client._client.sender.checksum(trainer)]
     after = client.generate(PROMPTS, GREEDY)
     assert [g[0].token_ids for g in after] != before  # the push changed what comes out
     assert all(g[0].weight_versions == [version] * 12 for g in after)
-    assert [g[0].token_ids for g in after] == hf_greedy_all(pushed, PROMPTS)
+    assert [g[0].token_ids for g in after] == hf_greedy_all(trainer, PROMPTS)
 
 
 def test_bad_manifests_change_nothing_and_the_next_push_lands(client, trainer):
