@@ -70,6 +70,7 @@ class ModelRunner:
         self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/models/moe_model.py's, in layer order
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
+        self._logits_fp32 = None  # the step's fp32 logits on the CPU, kept between steps (_fp32_logits)
         # One attention call for a whole prefill (its spans padded to one shape) on GPUs, where
         # launches cost; on the CPU the per-span calls do less arithmetic.
         self.padded_prefill = self.device.type == "cuda"
@@ -270,7 +271,7 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=keep if keep is not None else 0,
             )
-            logits = out.logits[0].float()
+            logits = self._fp32_logits(out.logits[0])
             if self.prompt_rows:
                 logits = take_prompt_logprobs(seqs, logits, self.prompt_rows, self.prompt_logprobs)
             self.routed = routed_experts.take(seqs, is_prefill, self.sparse_blocks)
@@ -282,6 +283,18 @@ class ModelRunner:
                 self.lora_bank.end_step()
         self.forward_seconds += time.perf_counter() - t0
         return logits
+
+    def _fp32_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits in fp32. On the CPU into a buffer kept between steps (grown when a step
+        needs more): a 256-row step's are 50 MB, past malloc's mmap threshold, and fresh pages each step
+        were 2% of a bf16 MoE decode step zeroing them. The step's sampling reads them and keeps none
+        of them (sample returns new tensors), so the next step may overwrite them."""
+        if logits.dtype == torch.float32 or logits.device.type != "cpu":
+            return logits.float()
+        n = logits.numel()
+        if self._logits_fp32 is None or self._logits_fp32.numel() < n:
+            self._logits_fp32 = torch.empty(n, dtype=torch.float32)
+        return self._logits_fp32[:n].view(logits.shape).copy_(logits)
 
     @torch.inference_mode()
     def probe(self, num_tokens: int = 4) -> bool:

@@ -222,10 +222,15 @@ def _scratch_bytes(shape: dict, t: int, dtype: torch.dtype, sparse: bool) -> dic
     return nbytes
 
 
-def _scratch(nbytes: dict[str, int]) -> tuple[torch.Tensor, _Scratch]:
+def _scratch(model, nbytes: dict[str, int]) -> tuple[torch.Tensor, _Scratch]:
     """One buffer holding each of `nbytes`' parts from a 64-byte boundary, and their addresses (the
-    buffer must outlive the call)."""
-    buffer = torch.empty(sum(-(-b // 64) * 64 for b in nbytes.values()), dtype=torch.uint8)
+    buffer must outlive the call). The model keeps the buffer for its next steps, grown when a step
+    needs more: a fresh one each step was fresh pages each step (megabytes at 256 rows, past malloc's
+    mmap threshold), and zeroing them was 1-2% of an MoE decode step."""
+    total = sum(-(-b // 64) * 64 for b in nbytes.values())
+    buffer = getattr(model, "_decode_scratch", None)
+    if buffer is None or buffer.numel() < total:
+        buffer = model._decode_scratch = torch.empty(total, dtype=torch.uint8)
     pointers, offset = {}, 0
     for name, size in nbytes.items():
         pointers[name] = buffer.data_ptr() + offset
@@ -269,7 +274,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     bs = ctx.k_blocks[0].shape[1]
     s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
                **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
-    buffer, scratch = _scratch(_scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
+    buffer, scratch = _scratch(model, _scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
                cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
                nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
