@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from argparse import SUPPRESS
 
+from recipes import corrections as C
 from recipes import losses as L
 from recipes.algorithms import ALGORITHMS
 from recipes.lora import add_lora_args
@@ -18,7 +19,7 @@ DELTA = {"auto": None, "on": True, "off": False}  # --delta -> push_weights(delt
 def build_parser(algo: str, prog: str | None = None, description: str | None = None,
                  tasks: bool = True) -> argparse.ArgumentParser:
     """`tasks=False`: without the --task flags (recipes.agent's environments take their place)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog or f"python -m recipes.{algo}",
         description=description or (
             f"{algo.upper()} on the rollout sidecar. With no flags: builds the embedded tiny model, starts "
@@ -38,6 +39,19 @@ def build_parser(algo: str, prog: str | None = None, description: str | None = N
     add_lora_args(p)
     ALGORITHMS[algo].add_args(p)
     return p
+
+
+class _Parser(argparse.ArgumentParser):
+    """Refuses, at parse time, what one flag alone cannot (a correction's band upside down)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if parsed.is_mode != "none" and (parsed.is_cap is None or parsed.is_cap > 0):
+            try:
+                C.band(parsed.is_mode, parsed.is_cap, parsed.is_floor)
+            except ValueError as e:
+                self.error(f"--is-mode {parsed.is_mode} --is-cap {parsed.is_cap} --is-floor {parsed.is_floor}: {e}")
+        return parsed
 
 
 def _add_run_flags(p, algo: str) -> None:
@@ -107,7 +121,7 @@ def _add_device_flags(p) -> None:
     p.add_argument("--sidecar-quantization", default="none", choices=["none", "int8", "fp8", "auto"],
                    help="what that sidecar serves from (rollout.serve --quantization): an 8-bit copy derived from "
                         "the full-precision weights this run pushes; the sampling/* metrics show the mismatch "
-                        "and --is-cap's truncated importance sampling corrects it")
+                        "and --is-mode's importance weights correct for it")
 
 
 def add_loss_args(p) -> None:
@@ -121,7 +135,16 @@ def add_loss_args(p) -> None:
     p.add_argument("--loss-agg", default="token-mean", choices=list(L.AGGREGATIONS),
                    help="how token losses make the batch's: the mean over all tokens (DAPO), the mean of each "
                         "sequence's mean (GRPO's paper), or each sequence's sum over the longest possible (Dr. GRPO)")
-    p.add_argument("--is-cap", type=float, default=2.0, help="truncated importance-sampling cap (0: off)")
+    p.add_argument("--is-mode", default="token_truncate", choices=[*C.MODES, "none"],
+                   help="how the loss corrects for the engine sampling from other probabilities than the trainer's "
+                        "(recipes/corrections.py): truncated or masked importance weights per token or per "
+                        "sequence (TRL's names), geometric_mask (verl's geometric rejection), icepop (Ring-1T's "
+                        "IcePop), or none; mismatch/* logs how far apart the two are either way")
+    p.add_argument("--is-cap", type=float, default=None,
+                   help="the upper end of the correction's band (default the mode's: 2 for the token and sequence "
+                        "modes, 1.001 for geometric_mask, 5 for icepop); 0: no correction, as --is-mode none")
+    p.add_argument("--is-floor", type=float, default=None,
+                   help="the lower end of a masking mode's band (default 1 / --is-cap; icepop 0.5)")
     p.add_argument("--routing-replay", action="store_true",
                    help="a mixture of experts: the trainer's forwards route every token to the experts the engine "
                         "routed it to (R3; recipes/routing_replay.py). Without it the routes are still asked for "

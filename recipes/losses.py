@@ -94,12 +94,6 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float = 2.0) -> torch.Tensor:
-    """min(pi_old / pi_behaviour, cap) per token: corrects for the engine's sampling distribution
-    differing from the trainer's (TRL's vLLM importance-sampling correction)."""
-    return torch.exp(old_logp - behaviour_logp).clamp(max=cap)
-
-
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                        clip: float = 0.2) -> torch.Tensor:
     """PPO's clipped value loss per token: 0.5 * max((v - R)^2, (clip(v) - R)^2)."""

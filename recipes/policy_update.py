@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from recipes import corrections as C
 from recipes import losses as L
 from recipes import routing_replay as RR
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
@@ -35,10 +36,13 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
             own[idx] = True
             _minibatch_step(run, batch, old, idx, stats)
     mask = batch.mask * own.unsqueeze(1)
-    diff = (old.logp - batch.engine_logp).abs() * mask
-    is_ratio = torch.exp(old.logp - batch.engine_logp)
+    log_r = C.log_ratios(old.logp, batch.engine_logp, mask)
+    diff = log_r.abs()
+    is_ratio = torch.exp(log_r)
     n_tok = mask.sum().clamp(min=1)
     mean = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    # share of tokens the run's correction truncated or dropped (0 without one)
+    cut = C.correct(args.is_mode, log_r, mask, args.is_cap, args.is_floor).cut if correcting(args) else None
     return {
         **mean,
         **routing,
@@ -48,10 +52,15 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
         "sampling/importance_sampling_ratio/min": is_ratio[mask.bool()].min().item(),
         "sampling/importance_sampling_ratio/mean": L.masked_mean(is_ratio, mask).item(),
         "sampling/importance_sampling_ratio/max": is_ratio[mask.bool()].max().item(),
-        # share of tokens whose weight the cap truncated (0 with --is-cap 0: no weights)
-        "sampling/importance_sampling_ratio/capped": (
-            L.masked_mean((is_ratio > args.is_cap).float(), mask).item() if args.is_cap > 0 else 0.0),
+        "sampling/importance_sampling_ratio/capped": 0.0 if cut is None else cut.sum().item() / n_tok.item(),
+        **{f"mismatch/{k}": v for k, v in C.mismatch(log_r, mask).items()},
+        **{f"mismatch/cut/{k}": v for k, v in C.cut_shares(log_r, mask).items()},
     }
+
+
+def correcting(args) -> bool:
+    """Whether the loss carries a correction's weights (--is-mode, not switched off by --is-cap 0)."""
+    return args.is_mode != "none" and (args.is_cap is None or args.is_cap > 0)
 
 
 def _before_update(run: Run, batch: Batch, rewards: torch.Tensor, routing: dict) -> SimpleNamespace:
@@ -100,11 +109,12 @@ def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Ten
     # The clip is around the trainer's policy before this update (the proximal policy); truncated
     # importance weights correct for the engine having sampled from another policy: its own
     # numerics in sync mode, the previous step's weights with --async (AReaL's decoupled PPO).
-    # With --is-cap 0 and --async, the ratio is taken against the sampling policy instead.
-    behaviour = batch.engine_logp if args.async_ and args.is_cap <= 0 else old.logp
+    # Without a correction and with --async, the ratio is taken against the sampling policy instead.
+    behaviour = batch.engine_logp if args.async_ and not correcting(args) else old.logp
     is_w = None
-    if args.is_cap > 0:
-        is_w = L.truncated_is_weights(old.logp[idx], batch.engine_logp[idx], args.is_cap)
+    if correcting(args):  # whole rows: a sequence mode's ratio is over the sequence
+        log_r = C.log_ratios(old.logp[idx], batch.engine_logp[idx], m)
+        is_w = C.correct(args.is_mode, log_r, m, args.is_cap, args.is_floor).weights
     pg, clipped = L.clipped_policy_loss(logp, behaviour[idx], old.adv[idx], m, args.clip_low, args.clip_high, is_w)
     loss = L.aggregate(pg, m, args.loss_agg, args.max_tokens)
     kl = torch.zeros((), device=logp.device)

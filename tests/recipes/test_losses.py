@@ -73,12 +73,6 @@ def test_k3_kl_by_hand():
     assert (L.k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()
 
 
-def test_truncated_is_weights():
-    old = torch.log(torch.tensor([0.5, 0.9, 0.1]))
-    beh = torch.log(torch.tensor([0.25, 0.9, 0.4]))
-    assert L.truncated_is_weights(old, beh, cap=1.5).tolist() == pytest.approx([1.5, 1.0, 0.25])
-
-
 def test_clipped_value_loss_by_hand():
     values = torch.tensor([[1.0, 0.0]])
     old = torch.tensor([[0.5, 0.5]])

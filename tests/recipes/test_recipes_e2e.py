@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from recipes import corrections as C
 from recipes import grpo, ppo
 from recipes.tasks import JsonlTask, final_number
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
@@ -20,6 +21,8 @@ TRL_METRICS = ["reward", "reward_std", "kl", "entropy", "clip_ratio", "completio
                "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
                "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_ratio/capped", "timing/generate", "timing/weight_sync", "timing/train",
                "timing/step", "staleness", "weight_version"]
+MISMATCH_METRICS = [f"mismatch/{k}" for k in ("outside_band", "max_abs_log_ratio", "k3_kl", "chi2_token",
+                                                "chi2_sequence")] + [f"mismatch/cut/{m}" for m in C.MODES]
 
 
 def _rows(out_dir):
@@ -37,7 +40,7 @@ def _mean_logprob_tolerance(model_dir):
 
 def _check_run(out_dir, steps):
     rows = _rows(out_dir)
-    assert len(rows) == steps and all(m in rows[0] for m in TRL_METRICS)
+    assert len(rows) == steps and all(m in rows[0] for m in TRL_METRICS + MISMATCH_METRICS)
     # the engine's sampled-token logprobs equal the trainer's forward (fp32) after every push,
     # within what fp32 rounding explains at the trained model's magnitudes
     tol = _mean_logprob_tolerance(out_dir / "checkpoint-final")
@@ -103,16 +106,20 @@ def test_ppo_learns_on_the_default_task_and_logs_to_wandb(tmp_path, monkeypatch)
 
 
 def test_async_grpo_is_one_step_stale(qwen2_dir, tmp_path):
+    """--async with IcePop's correction: the weights see the one-step-stale policy (the trainer's
+    pre-update logprobs against the engine's, far beyond fp32 rounding), and the share the run's
+    correction cut is the share IcePop cuts at its band among the ones logged for every mode."""
     out = tmp_path / "async"
-    grpo.main(["--model", qwen2_dir, "--max-steps", "4", "--check-sync", "--output-dir", str(out), "--async"])
+    grpo.main(["--model", qwen2_dir, "--max-steps", "4", "--check-sync", "--output-dir", str(out), "--async",
+               "--is-mode", "icepop"])
     rows = _rows(out)
     assert len(rows) == 4 and max(r["staleness"] for r in rows) <= 1 and rows[-1]["staleness"] == 1
-    # truncated importance sampling is on in --async: the weights see the one-step-stale policy
-    # (the trainer's pre-update logprobs against the engine's, far beyond fp32 rounding)
     stale = [r for r in rows if r["staleness"] == 1]
     assert all(r["sampling/sampling_logp_difference/mean"] > 10 * _mean_logprob_tolerance(out / "checkpoint-final")
                for r in stale)
-    assert all(0 <= r["sampling/importance_sampling_ratio/capped"] <= 1 for r in rows)
+    assert all(m in r for r in rows for m in MISMATCH_METRICS)
+    assert all(r["sampling/importance_sampling_ratio/capped"] == r["mismatch/cut/icepop"] for r in rows)
+    assert all(r["mismatch/k3_kl"] > 0 and r["mismatch/max_abs_log_ratio"] > 0 for r in stale)
 
 
 @forty_steps
