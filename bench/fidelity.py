@@ -1,5 +1,6 @@
 """How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic
-prompts, sampled at temperature 1 from fp32, bf16 and int8 engines (the int8 one as the engine
+prompts, sampled at temperature 1 from fp32, bf16 (with its LM head in bf16, and in fp32) and int8
+engines (the int8 one as the engine
 serves it: weight-only on AMX, its lm_head in full precision; with the lm_head quantized too; and
 W8A8, activations per token, the scheme of CPUs without AMX), and every sampled
 token scored again by the trainer (transformers' model, fp32). The figure is the share of sampled
@@ -26,12 +27,13 @@ import torch
 
 log = logging.getLogger("bench.fidelity")
 
-ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 activations too)
-    "fp32": ("float32", "none", False, False),
-    "bf16": ("bfloat16", "none", False, False),
-    "int8": ("float32", "int8", False, False),  # the engine's int8: weight-only where the CPU has AMX
-    "int8+lm_head": ("float32", "int8", True, False),
-    "w8a8": ("float32", "int8", False, True),  # activations quantized per token as well
+ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 activations too, head dtype)
+    "fp32": ("float32", "none", False, False, "auto"),
+    "bf16": ("bfloat16", "none", False, False, "auto"),
+    "bf16+fp32head": ("bfloat16", "none", False, False, "float32"),  # the LM head in fp32 (engine/kernels/fp32_head.py)
+    "int8": ("float32", "int8", False, False, "auto"),  # the engine's int8: weight-only where the CPU has AMX
+    "int8+lm_head": ("float32", "int8", True, False, "auto"),
+    "w8a8": ("float32", "int8", False, True, "auto"),  # activations quantized per token as well
 }
 
 
@@ -42,12 +44,13 @@ def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, se
     from engine import LLM, EngineConfig, SamplingParams
     from engine.kernels import int8_linears
 
-    dtype, quantization, lm_head, activations = ENGINES[name]
+    dtype, quantization, lm_head, activations, head_dtype = ENGINES[name]
     keep = int8_linears.KEEP_FULL_PRECISION
     int8_linears.KEEP_FULL_PRECISION = () if lm_head else keep  # both read when the engine loads
     os.environ[int8_linears.ENV_ACTIVATIONS] = "int8" if activations else "bf16"
     try:
-        llm = LLM(EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed))
+        llm = LLM(EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed,
+                               head_dtype=head_dtype))
         if quantization == "int8":
             log.info("%s: int8 kernel %s", name, int8_linears.kernel())
     finally:

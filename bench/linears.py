@@ -82,7 +82,7 @@ def main() -> None:
         ways = {"F.linear": lambda x, s: torch.nn.functional.linear(x, plain[s]),
                 "oneDNN packed": lambda x, s: linear(x.to(wide), packed[s], None, "none", [], "").to(dtype),
                 # what the engine runs: rows padded to a bucketed count, 1024-row blocks beyond
-                "engine (bucketed)": lambda x, s: packed_linears._blocked_linear(x.to(wide), packed[s], None).to(dtype)}
+                "engine (bucketed)": lambda x, s: packed_linears.blocked_linear(x.to(wide), packed[s], None).to(dtype)}
         if packed_linears.supported(dtype):
             ways["oneDNN plain"] = lambda x, s: linear(x, plain[s], None, "none", [], "")
         seconds = {}

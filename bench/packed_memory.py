@@ -43,7 +43,7 @@ def _run_one(way: str, shapes: list[tuple[int, int]], rows: int) -> float:
     packed = {s: torch.ops.mkldnn._reorder_linear_weight(w) for s, w in plain.items()}
     x = {s: torch.randn(rows, s[1]) for s in shapes}
     run = {"F.linear": lambda a, s: torch.nn.functional.linear(a, plain[s]),
-           "packed, bucketed": lambda a, s: packed_linears._blocked_linear(a, packed[s], None),
+           "packed, bucketed": lambda a, s: packed_linears.blocked_linear(a, packed[s], None),
            "packed, exact rows": lambda a, s: packed_linears._onednn_linear(a, packed[s], None)}[way]
     with torch.inference_mode():
         for s in shapes:

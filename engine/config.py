@@ -84,6 +84,9 @@ class EngineConfig:
     # pushes, checksums and deltas use: "none", "int8" (CPU), "fp8" (CUDA, Hopper), "auto" (the
     # device's own 8 bits). The logprobs are the 8-bit policy's
     quantization: str = "none"
+    # "float32": the LM head in fp32 in a bf16/fp16 engine (engine/kernels/fp32_head.py; vLLM's
+    # hf_overrides {"head_dtype": "float32"}): logits never rounded to the model's dtype. "auto": the model's
+    head_dtype: str = "auto"
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)
     reserve_push_staging: bool = False
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"model directory {self.model!r} does not exist or has no config.json")
         self.dtype = resolve_dtype(self.dtype, self.device, self.model)
         self.quantization = resolve_quantization(self.quantization, self.device)
+        if self.head_dtype not in ("auto", "float32"):
+            raise ValueError(f"head_dtype must be 'auto' or 'float32', got {self.head_dtype!r}")
         if self.logprobs_mode not in ("processed", "raw"):
             raise ValueError(f"logprobs_mode must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

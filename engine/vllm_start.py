@@ -96,6 +96,8 @@ def engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
         logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
         tensor_parallel_size=tensor_parallel_size, enforce_eager=on_cpu,  # CPU: torch.compile costs minutes
         disable_log_stats=True,
+        # vLLM's own fp32 head (its hf_overrides key; absent: its default, the model's dtype on CPU)
+        **({"hf_overrides": {"head_dtype": "float32"}} if cfg.head_dtype == "float32" else {}),
         # our weight receiver in every worker (weight_sync/vllm/extension.py); vLLM takes dotted names
         worker_extension_cls=(cfg.worker_extension_cls or "").replace(":", "."),
     )

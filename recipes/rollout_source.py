@@ -27,7 +27,8 @@ def sidecar_command(args, model_dir: str, trainer_device: torch.device, device: 
     return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", "128",
             "--device", device or sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
             "--engine", args.engine, "--dtype", getattr(args, "sidecar_dtype", "auto"),
-            "--quantization", getattr(args, "sidecar_quantization", "none"), *getattr(args, "sidecar_args", ())]
+            "--quantization", getattr(args, "sidecar_quantization", "none"),
+            "--head-dtype", getattr(args, "sidecar_head_dtype", "auto"), *getattr(args, "sidecar_args", ())]
 
 
 def seeds_requests(args, trainer_device: torch.device) -> bool:

@@ -167,11 +167,11 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     elif isinstance(packed, f32_linears.F32Weight):
         out = f32_linears.linear(rows, packed, bias)
     else:
-        out = _blocked_linear(rows, packed, bias)
+        out = blocked_linear(rows, packed, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-def _blocked_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def blocked_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`rows` @ packed.T (+ bias), run only at the bucketed row counts."""
     return blocked(rows, lambda block: _onednn_linear(block, packed, bias))
 

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from engine.kernels import derived_weights, fused_linears, huge_pages, int8_linears, packed_linears
+from engine.kernels import derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, packed_linears
 from engine.models import attention, fused_layers, llama_model, moe_model
 from engine.config import EngineConfig
 
@@ -33,9 +33,11 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if device.type == "cpu" and not cfg.reserve_push_staging:  # a sidecar's engine moves them at start (adopt)
         huge_pages.move_parameters(model)  # out of the checkpoint's file mapping: the worker's Collapser takes them
     _quantize(model, cfg.quantization)
+    if cfg.head_dtype == "float32":
+        fp32_head.install(model)  # after _quantize: the head keeps the model's precision there
     if cfg.fuse_layers:
         fused_linears.group(model)  # after _quantize: a group serves its members' kind of copy
-    if cfg.quantization in ("int8", "fp8") or derived_weights.groups(model):
+    if cfg.quantization in ("int8", "fp8") or cfg.head_dtype == "float32" or derived_weights.groups(model):
         derived_weights.refresh(model)  # now, not at the first request
     return model
 

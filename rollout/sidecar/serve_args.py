@@ -113,6 +113,10 @@ def _add_engine_flags(p) -> None:
                         "weights stay the truth of checksums, deltas and catch-ups; logprobs are the 8-bit "
                         "policy's): int8 on the CPU, fp8 on CUDA (Hopper); auto: the device's own. Memory: the "
                         "weights plus about one byte per linear weight")
+    p.add_argument("--head-dtype", default="auto", choices=["auto", "float32"],
+                   help="float32: the LM head in fp32 in a bf16/fp16 engine, so no logit is rounded to the model's "
+                        "dtype (native: an fp32 copy of the head's weight beside it; vllm: its hf_overrides "
+                        "head_dtype); auto: the model's dtype")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"],
                    help="native on CPU: run the linear layers on oneDNN weights reordered once (on, default: "
                         "1.2-1.7x faster in fp32, 5-7x in bf16 on CPUs without bf16 kernels), or on torch's "

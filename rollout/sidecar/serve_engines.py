@@ -82,7 +82,8 @@ def engine_config(args, model: str, device: str, i: int, **extra):
     memory = args.gpu_memory_utilization or (0.3 if args.engine == "vllm" and device == "cpu" else 0.9)
     return EngineConfig(model=model, device=device, dtype=args.dtype, gpu_memory_utilization=memory,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
-                        prepack_linears=args.prepack_linears == "on", quantization=args.quantization, **extra)
+                        prepack_linears=args.prepack_linears == "on", quantization=args.quantization,
+                        head_dtype=args.head_dtype, **extra)
 
 
 def _engine_factory(args, model: str, devices: list[str]):

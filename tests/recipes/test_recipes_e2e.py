@@ -61,10 +61,11 @@ def test_grpo_short_run_keeps_engine_and_trainer_in_sync(qwen2_dir, tmp_path):
 
 def test_grpo_with_delta_pushes_into_a_bf16_sidecar_matches_every_step(qwen2_dir, tmp_path):
     """--delta on: after the first (full) push every step's push carries only what changed, and the
-    sidecar's weights equal the trainer's (in bf16) after each one (--check-sync raises if not)."""
+    sidecar's weights equal the trainer's (in bf16) after each one (--check-sync raises if not); its
+    LM head in fp32 (a derived copy each push stages)."""
     out = tmp_path / "delta"
     grpo.main(["--model", qwen2_dir, "--max-steps", "3", "--check-sync", "--output-dir", str(out),
-               "--sidecar-dtype", "bfloat16", "--delta", "on"])
+               "--sidecar-dtype", "bfloat16", "--delta", "on", "--sidecar-head-dtype", "float32"])
     rows = _rows(out)
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
     assert all(r["weight_sync/delta"] == 1 and 0 < r["weight_sync/bytes"] < r["weight_sync/full_bytes"]

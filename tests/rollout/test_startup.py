@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def test_the_engine_cores_start_before_the_front_end_imports_torch(qwen2_dir):
     code = textwrap.dedent(f"""
@@ -35,6 +37,20 @@ def test_prepacked_linears_follow_the_flag(qwen2_dir):
     on, off = (serve.engine_config(serve.build_parser().parse_args(flags), qwen2_dir, "cpu", 0)
                for flags in (["--max-model-len", "128"], ["--max-model-len", "128", "--prepack-linears", "off"]))
     assert on.prepack_linears and not off.prepack_linears
+
+
+def test_the_head_dtype_flag_reaches_both_engines(qwen2_dir):
+    """--head-dtype float32: our engine's config, and vLLM's engine arguments (its hf_overrides)."""
+    from engine.vllm_start import engine_args
+    from rollout.sidecar import main as serve
+
+    cfg = serve.engine_config(serve.build_parser().parse_args(["--head-dtype", "float32", "--dtype", "bfloat16", "--max-model-len", "128"]),
+                              qwen2_dir, "cpu", 0)
+    assert cfg.head_dtype == "float32"
+    pytest.importorskip("vllm")
+    assert engine_args(cfg, 1, on_cpu=True).hf_overrides == {"head_dtype": "float32"}
+    default = serve.engine_config(serve.build_parser().parse_args(["--max-model-len", "128"]), qwen2_dir, "cpu", 0)
+    assert default.head_dtype == "auto" and not engine_args(default, 1, on_cpu=True).hf_overrides
 
 
 def test_vllm_engines_start_no_cores_of_ours():
