@@ -48,6 +48,7 @@ _SIGNATURES = {
     "amx_linear_w8_f32": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
     "amx_linear_w8_bf16": (_PTR, _I64, _I64, _PTR, _I64, _PTR),
     "amx_linear_bf16_rows": (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
+    "amx_linear_bf16_rows_f32": (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
 }
 # K values per 64-byte tile row: 64 int8, 32 bf16
 _TILE_K = {torch.int8: 64, torch.bfloat16: 32}
@@ -144,18 +145,21 @@ def linear_bf16(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None)
     return out
 
 
-def linear_bf16_rows(x: torch.Tensor, w: AmxRows, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_bf16_rows(x: torch.Tensor, w: AmxRows, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [m, k] bf16 @ (w's rows).T (+ bias [n] bf16) -> [m, n] bf16: `linear_bf16`'s bits, read from
-    the weights in place."""
+    the weights in place. out_dtype fp32: the fp32 sums unrounded (exact products, fp32 sums: an
+    fp32 GEMM of the upcast operands, engine/kernels/fp32_head.py's)."""
     x = x.contiguous()
-    out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
+    out = torch.empty(x.shape[0], w.n, dtype=out_dtype)
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
     d = w.desc.data_ptr()
-    rc = _fn("amx_linear_bf16_rows")(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights),
-                                     None if b is None else b.data_ptr(), out.data_ptr())
+    symbol = "amx_linear_bf16_rows_f32" if out_dtype == torch.float32 else "amx_linear_bf16_rows"
+    rc = _fn(symbol)(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights),
+                     None if b is None else b.data_ptr(), out.data_ptr())
     if rc != 0:
-        raise MemoryError("amx_linear_bf16_rows: no memory for the tiles' activations") if rc == -1 else \
-            ValueError(f"amx_linear_bf16_rows: shape {[tuple(t.shape) for t in w.weights]} not taken")
+        raise MemoryError(f"{symbol}: no memory for the tiles' activations") if rc == -1 else \
+            ValueError(f"{symbol}: shape {[tuple(t.shape) for t in w.weights]} not taken")
     return out
 
 

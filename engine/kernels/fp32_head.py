@@ -4,11 +4,13 @@ vLLM's `hf_overrides={"head_dtype": "float32"}`; issue 65 item 3).
 The logits are the policy's log-probabilities one softmax away, and a half-precision head rounds
 each of them to 8 (bf16) or 11 (fp16) bits: ScaleRL measured a better asymptote from the fp32 head
 alone. Here the head's weight stays the parameter the engine holds (a tied embedding's too: pushes,
-checksums and deltas read it as before); its forward reads a derived copy of it upcast to fp32
-(exact) and packed for the fp32 kernels where they run (engine/kernels/packed_linears.pack_weight),
-multiplies the hidden states upcast to fp32 (exact), and returns fp32 logits, so no logit is
-rounded to the model's dtype. A push stages the copy from its staged weights and swaps it in at
-its commit, as every derived copy (engine/kernels/derived_weights.py).
+checksums and deltas read it as before), and the logits come out in fp32, never rounded to the
+model's dtype: where the bf16 weight runs on AMX tiles in place, the tiles' fp32 sums are stored as
+they are (every bf16 x bf16 product is exact in fp32, so this is the fp32 GEMM of the upcast
+operands, at the bf16 head's speed); elsewhere the forward reads a derived copy of the weight
+upcast to fp32 (exact), packed for the fp32 kernels where they run, and multiplies the upcast
+hidden states. A push stages such a copy from its staged weights and swaps it in at its commit, as
+every derived copy (engine/kernels/derived_weights.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import types
 
 import torch
 
-from engine.kernels import derived_weights, f32_linears, packed_linears
+from engine.kernels import amx_linears, derived_weights, f32_linears, packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +34,23 @@ def install(model: torch.nn.Module) -> bool:
     if head.weight.dtype == torch.float32:
         return False
     cpu = head.weight.device.type == "cpu"
-    if cpu and packed_linears.supported(torch.float32):
+    if packed_linears.reads_in_place(head.weight, torch.bfloat16):
+        # AMX tiles on the bf16 weight in place, the fp32 sums stored unrounded: every bf16 product is
+        # exact in fp32, so this is the fp32 GEMM of the upcast operands at the bf16 head's speed
+        derived_weights.attach(head, derived_weights.rows_of, in_place=True)
+        kind = "AMX tiles on the bf16 weight in place, fp32 sums"
+    elif cpu and packed_linears.supported(torch.float32):
         derive = functools.partial(packed_linears.pack_weight, dtype=torch.float32)
         derive.takes_parts = True
+        derived_weights.attach(head, derive)
+        kind = "an fp32 packed copy"
     else:  # CUDA, or a CPU without oneDNN's fp32 linears: the upcast weight itself
-        derive = _upcast
-    derived_weights.attach(head, derive)
+        derived_weights.attach(head, _upcast)
+        kind = "an fp32 copy"
+    head._fp32_head_plain = kind == "an fp32 copy"
     head._apply_derived = _apply
     head.forward = types.MethodType(_forward, head)
-    head._fp32_plain = derive is _upcast
-    log.info("LM head in fp32 (a %s copy of its %s weight)", "packed" if derive is not _upcast else "plain",
-             head.weight.dtype)
+    log.info("LM head in fp32: %s", kind)
     return True
 
 
@@ -59,11 +67,15 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _apply(self: torch.nn.Linear, x: torch.Tensor, copy, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., hidden] (any dtype) @ the fp32 copy's transpose (+ bias): fp32 logits."""
-    rows = x.reshape(-1, x.shape[-1]).float()
+    rows = x.reshape(-1, x.shape[-1])
+    if isinstance(copy, derived_weights.WeightRows):  # bf16 in place (install): exact upcasts, fp32 sums
+        out = amx_linears.linear_bf16_rows(rows.to(torch.bfloat16), copy, bias, out_dtype=torch.float32)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    rows = rows.float()
     b = None if bias is None else bias.float()
     if isinstance(copy, f32_linears.F32Weight):  # our AVX-512 kernel's panels
         out = f32_linears.linear(rows, copy, b)
-    elif self._fp32_plain:  # the upcast weight itself
+    elif self._fp32_head_plain:  # the upcast weight itself (_upcast)
         out = torch.nn.functional.linear(rows, copy, b)
     else:  # oneDNN's reordered weight
         out = packed_linears.blocked_linear(rows, copy, b)

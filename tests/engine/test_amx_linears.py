@@ -115,6 +115,25 @@ def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, wit
 
 
 @amx
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (33, 576, 1536), (300, 48, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_out_is_the_bf16_outs_sums_before_their_rounding(m, n, k, with_bias):
+    """out_dtype fp32 (the fp32 LM head): the very sums the bf16 output rounds (rounded here, the
+    bf16 output's bits), and an fp32 GEMM of the upcast operands within fp32's bound of a reordered sum."""
+    g = torch.Generator().manual_seed(n + k + m + 1)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    rows = amx_linears.rows_of(w)
+    out = amx_linears.linear_bf16_rows(x, rows, bias, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out.bfloat16(), amx_linears.linear_bf16_rows(x, rows, bias))
+    exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    bound = 2 * k * 2.0**-24 * (x.double().abs() @ w.double().abs().t()) + 2.0**-24 * exact.abs() + 1e-30
+    assert ((out.double() - exact).abs() <= bound).all()
+    assert not torch.equal(out, out.bfloat16().float())  # not rounded to bf16 on the way out
+
+
+@amx
 def test_a_groups_segments_are_read_where_each_weight_lies():
     """q/k/v as three tensors of their own: the product with the rows stacked, without stacking them."""
     g = torch.Generator().manual_seed(5)

@@ -332,7 +332,8 @@ static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint
 /* Panel `np` (32 output columns: tiles 2np and 2np + 1 of `tiles`) of out [m, n] = x . w^T, for
    every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles. */
 static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t np, const uint32_t *xv, int64_t m,
-                              int64_t kc_count, int64_t stride, const uint16_t *bias, uint16_t *out_bf16, int64_t n) {
+                              int64_t kc_count, int64_t stride, const uint16_t *bias, uint16_t *out_bf16,
+                              float *out_f32, int64_t n) {
     const int64_t mp_count = (m + 31) / 32;
     const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
     for (int64_t mp = 0; mp < mp_count; mp++) {
@@ -374,7 +375,11 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
                 for (int r = 0; r < 16; r++) {
                     const int64_t row = mp * 32 + mt * 16 + r;
                     if (row >= m) break;
-                    put_bf16(out_bf16 + row * n + col, load16_f32(ct + 16 * r) + load_bias(bias, col, 16), 16);
+                    const v16f v = load16_f32(ct + 16 * r) + load_bias(bias, col, 16);
+                    if (out_f32) /* the fp32 sums as they are (an fp32 LM head) */
+                        put_f32(out_f32 + row * n + col, v, 16);
+                    else
+                        put_bf16(out_bf16 + row * n + col, v, 16);
                 }
             }
     }
@@ -382,10 +387,11 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
 
 /* out [m, n] bf16 = x [m, k] bf16 . w^T (+ bias [n] bf16, or NULL), w the rows of `nseg` (1-3)
    segments: seg_ptr[s] a [seg_rows[s], k] bf16 weight. Each output is the fp32 sum of its products
-   in the packed kernel's order, plus its bias, rounded once to bf16. Returns -1 without memory, -2
-   for a shape it does not take. */
-int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
-                         int64_t nseg, const uint16_t *bias, uint16_t *out_bf16) {
+   in the packed kernel's order, plus its bias, rounded once to bf16 (or, with out_f32, not rounded:
+   every bf16 x bf16 product is exact in fp32, so this is an fp32 GEMM of the upcast operands, in
+   another order of sums). Returns -1 without memory, -2 for a shape it does not take. */
+static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                       int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
     int64_t n = 0;
     for (int64_t s = 0; s < nseg; s++) {
         if (seg_rows[s] % 16) return -2;
@@ -414,10 +420,20 @@ int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t 
         configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t np = 0; np < np_count; np++)
-            rows_panel(tiles, nt_count, np, xv, m, kc_count, stride, bias, out_bf16, n);
+            rows_panel(tiles, nt_count, np, xv, m, kc_count, stride, bias, out_bf16, out_f32, n);
         _tile_release();
     }
     return 0;
+}
+
+int amx_linear_bf16_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                         int64_t nseg, const uint16_t *bias, uint16_t *out_bf16) {
+    return rows_linear(x, m, k, seg_ptr, seg_rows, nseg, bias, out_bf16, NULL);
+}
+
+int amx_linear_bf16_rows_f32(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr,
+                             const int64_t *seg_rows, int64_t nseg, const uint16_t *bias, float *out_f32) {
+    return rows_linear(x, m, k, seg_ptr, seg_rows, nseg, bias, NULL, out_f32);
 }
 
 /* A sparse MLP's experts at one GEMM each, in one parallel region: group g's rows
@@ -464,7 +480,7 @@ int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, 
         for (int64_t i = 0; i < G * np_count; i++) {
             const int64_t g = i / np_count;
             rows_panel(tiles + g * nt_count, nt_count, i % np_count, xv + xoff[g], starts[g + 1] - starts[g],
-                       kc_count, stride, NULL, out_bf16 + starts[g] * n, n);
+                       kc_count, stride, NULL, out_bf16 + starts[g] * n, NULL, n);
         }
         _tile_release();
     }
