@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 class AsyncEngine:
     num_workers = 1  # one worker on one device: one rank in a weight-sync group (EngineClient)
+    prefix_cache_keyed_by_version = True  # a commit keeps the cache (engine/block_manager.py)
 
     def __init__(self, cfg: EngineConfig, log_level: str = "WARNING", start_timeout: float = 300.0,
                  standby: subprocess.Popen | None = None):

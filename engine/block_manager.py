@@ -4,6 +4,13 @@ A block holds `block_size` tokens. A full block gets a hash chained on its prede
 the same prefix always hashes the same: the n samples of a GRPO group, repeated prompts and
 resubmitted rollouts share the prompt's blocks (ref-counted). Freed blocks keep their hash and
 contents until they are handed out again, so a later request can still hit them.
+
+Every chain starts from the weight version its sequence's KV is computed under (`version`, fixed
+when the sequence is allocated), so a push drops nothing: KV of version v serves requests under v,
+never a request under v + 1 (issue 65 item 5), and the old version's blocks age out of the free
+list as any other. A request may ask for an older version's prefix (`SamplingParams.prefix_version`:
+a multi-turn episode keeping the KV it started under); `prefix_hits_other_version` counts those
+tokens, 0 unless asked.
 """
 
 from __future__ import annotations
@@ -44,6 +51,25 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.prefix_hits = 0  # tokens served from cache
         self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits_other_version = 0  # of the hits, tokens computed under another version (asked for)
+        self.prefix_blocks_dropped = 0  # cached blocks forgotten by reset_prefix_cache
+        # the weights' version now, the key of the chains allocated from now on (the core reads its worker's)
+        self.current_version: Callable[[], int] = lambda: 0
+
+    @property
+    def version(self) -> int:
+        return self.current_version()
+
+    def _key_version(self, seq: Sequence) -> int:
+        asked = seq.params.prefix_version
+        return self.version if asked is None else asked
+
+    def _root(self, seq: Sequence) -> bytes:
+        """Where `seq`'s chain starts: the version its KV is keyed under (and hash_root's part)."""
+        root = getattr(seq, "prefix_root", None)
+        if root is None:
+            root = self.hash_root(seq) + b"v:%d" % self._key_version(seq)
+        return root
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,7 +91,7 @@ class BlockManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         """Hash full block i of `seq` and make it findable, if the chain before it is intact."""
-        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self.hash_root(seq)
+        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self._root(seq)
         if prev is None:  # the chain was cut by a prefix-cache reset
             return
         block, tokens = self.blocks[seq.block_table[i]], seq.block_tokens(i)
@@ -77,7 +103,7 @@ class BlockManager:
         """Block ids that already hold a prefix of `seq` (always leaving >= 1 token to compute)."""
         if not self.enable_prefix_caching:
             return []
-        hits, h = [], self.hash_root(seq)
+        hits, h = [], self._root(seq)
         for i in range(seq.num_blocks):
             if (i + 1) * self.block_size >= len(seq):  # partial block, or the one holding the last token
                 break
@@ -95,6 +121,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, hits: list[int]) -> None:
         assert not seq.block_table
+        seq.prefix_root = None
+        seq.prefix_root = self._root(seq)  # fixed: its later blocks chain from the version it starts under
         for bid in hits:
             block = self.blocks[bid]
             if block.ref_count == 0:
@@ -111,6 +139,8 @@ class BlockManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         self.prefix_queries += len(seq)
         self.prefix_hits += seq.num_computed_tokens
+        if self._key_version(seq) != self.version:
+            self.prefix_hits_other_version += seq.num_computed_tokens
 
     def free_seq(self, seq: Sequence) -> None:
         for bid in reversed(seq.block_table):  # tail first, so prefixes stay cached longest
@@ -134,6 +164,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update the cached KV is stale). Blocks of
         running sequences lose their hash too, so nothing computed before the reset is shared."""
+        self.prefix_blocks_dropped += len(self.hash_to_block)
         self.hash_to_block.clear()
         for block in self.blocks:
             block.hash, block.token_ids = None, []

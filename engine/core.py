@@ -37,6 +37,7 @@ class EngineCore:
         self.eos_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.block_manager.hash_root = self._hash_root
+        self.block_manager.current_version = lambda: self.worker.weight_version
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_generated_tokens = 0
@@ -58,7 +59,10 @@ class EngineCore:
 
     @weight_version.setter
     def weight_version(self, version: int) -> None:
-        self.worker.weight_version = int(version)
+        version = int(version)
+        if version <= self.worker.weight_version:  # a number again (or back): blocks keyed by it may be stale
+            self.block_manager.reset_prefix_cache()
+        self.worker.weight_version = version
 
     # -- requests -------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -223,6 +227,14 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters since start (tokens, but blocks_dropped): hits, prompt tokens
+        looked up, hits on blocks of another weight version (0 unless a request asked for one:
+        SamplingParams.prefix_version) and cached blocks forgotten by resets (a push keeps them)."""
+        bm = self.block_manager
+        return {"hit_tokens": bm.prefix_hits, "query_tokens": bm.prefix_queries,
+                "hit_tokens_other_version": bm.prefix_hits_other_version, "blocks_dropped": bm.prefix_blocks_dropped}
+
     def stats(self) -> dict:
         bm = self.block_manager
         return {
@@ -232,6 +244,8 @@ class EngineCore:
             "num_blocks": len(bm.blocks),
             "prefix_cache_hit_tokens": bm.prefix_hits,
             "prefix_cache_query_tokens": bm.prefix_queries,
+            "prefix_cache_hit_tokens_other_version": bm.prefix_hits_other_version,
+            "prefix_cache_blocks_dropped": bm.prefix_blocks_dropped,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
             "forward_seconds": self.runner.forward_seconds,

@@ -258,7 +258,7 @@ class EngineCoreProc:
         return True
 
     def _check_health(self):
-        return self.core.worker.check_health()
+        return {**self.core.worker.check_health(), "prefix_cache": self.core.prefix_cache_stats()}
 
     def _stats(self):
         return self.core.stats()

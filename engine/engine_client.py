@@ -36,6 +36,9 @@ class EngineClient(Protocol):
     num_workers: int  # the ranks this engine brings to a weight-sync group
     proc: EngineProcess
     dead_reason: str  # why it died, once `errored`
+    # True: its prefix cache keys each block by the weight version its KV was computed under, so a
+    # push's commit leaves the cache as it is (engine/block_manager.py); False: a commit resets it
+    prefix_cache_keyed_by_version: bool
 
     @property
     def errored(self) -> bool:

@@ -38,6 +38,10 @@ class SamplingParams:
     return_routed_experts: bool = False
     routed_experts_prompt_start: int = 0
     detokenize: bool = True  # False: outputs carry token ids only, text "" (a caller that decodes itself)
+    # the weight version whose cached prefix this request may reuse: a multi-turn episode keeping the
+    # KV of the version it started under across pushes (miles' session prefix); None: only the
+    # blocks computed under the version the engine serves now (engine/block_manager.py)
+    prefix_version: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +78,9 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {k!r}")
+        v = self.prefix_version
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"prefix_version must be None or an int >= 0 (a weight version), got {v!r}")
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         start = self.routed_experts_prompt_start

@@ -38,6 +38,7 @@ class Sequence:
         # a recompute after preemption returns none twice, and keeps those the tokens were sampled under
         self.routed_from = params.routed_experts_prompt_start
         self.lora_version: int | None = None  # the adapter version it decodes with (engine/lora_bank.py)
+        self.prefix_root: bytes | None = None  # where its block hashes chain from (engine/block_manager.py)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_check_from = 0  # output-text offset before which no stop string can start

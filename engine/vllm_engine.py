@@ -83,6 +83,7 @@ async def _pump(req: _Request, index: int, collector, processor) -> None:
 
 
 class VllmEngine:
+    prefix_cache_keyed_by_version = False  # vLLM's cache is not: a commit resets it (EngineClient)
     def __init__(self, cfg: EngineConfig, tensor_parallel_size: int = 1, log_level: str = "WARNING",
                  standby=None):
         """Starts vLLM's engine core (and its workers) on `cfg`. `standby` is our engine's warm

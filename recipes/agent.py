@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from recipes import prefix_metrics as PM
 from recipes.algorithms import GRPO
 from recipes.episode_metrics import episode_metrics, episode_rewards, transcript_rows
 from recipes.episodes import Settings, run_episodes
@@ -219,10 +220,21 @@ def agent_step(run, episodes_source: Episodes, step: int) -> dict:
         "timing/step": time.perf_counter() - t_step, "episodes/per_second": len(episodes) / max(t_gen, 1e-9),
         "staleness": run.version - 1 - min(starts) if starts else 0, "weight_version": run.version,
         **push_metrics(run.pushed),
+        **_prefix_cache(run),
     })
     run.tracker.log(step + 1, metrics)
     run.tracker.log_completions(step + 1, transcript_rows(episodes, rewards, run.args.log_completions,
                                                           run.args.group_size))
+    return metrics
+
+
+def _prefix_cache(run) -> dict:
+    """The sidecars' prefix caches over the step (recipes/prefix_metrics.py): multi-turn episodes
+    reuse each turn's prefix, within a version."""
+    if run.client is None:
+        return {}
+    now = PM.totals(run.client.health())
+    metrics, run.prefix_seen = PM.step_metrics(now, run.prefix_seen), now
     return metrics
 
 

@@ -33,6 +33,7 @@ class Run:
     version: int = 0
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
     pushed: dict | None = None  # the last push's reply (rank 0): its bytes go in the step's metrics
+    prefix_seen: dict | None = None  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
 
     def policy(self) -> torch.nn.Module:
         return self.algo.policy_of(self.accelerator.unwrap_model(self.module))

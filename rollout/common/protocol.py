@@ -137,6 +137,9 @@ class EngineState(msgspec.Struct, omit_defaults=True):
     # derived_copies, kv_cache (budget), kv_cache_resident, staging_kept; host_copy_links_weights;
     # huge_pages_moving (1 while its weights are still being moved onto 2 MB pages)
     memory: dict[str, int] | None = None
+    # its prefix cache's counters (engine/core.py prefix_cache_stats: hit_tokens, query_tokens,
+    # hit_tokens_other_version, blocks_dropped); None for an engine that does not report them (vLLM)
+    prefix_cache: dict[str, int] | None = None
 
 
 class HealthReply(msgspec.Struct, omit_defaults=True):

@@ -82,3 +82,55 @@ def test_block_hash_is_chained():
     bm.allocate(a, [])
     b = _seq([9, 9, 9, 9, 5, 6, 7, 8, 9])  # same second block, different first
     assert bm.cached_prefix_blocks(b) == []
+
+
+def _seq_at(tokens, prefix_version=None, bs=4):
+    return Sequence("r", 0, tokens, SP(max_tokens=4, prefix_version=prefix_version), bs)
+
+
+def test_blocks_are_keyed_by_the_version_their_kv_was_computed_under():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    version = [3]
+    bm.current_version = lambda: version[0]
+    a = _seq_at(list(range(10)))
+    bm.allocate(a, bm.cached_prefix_blocks(a))
+    assert bm.cached_prefix_blocks(_seq_at(list(range(10)))) == a.block_table[:2]  # same version: a hit
+    version[0] = 4  # a push committed
+    assert bm.cached_prefix_blocks(_seq_at(list(range(10)))) == []  # never another version's KV...
+    kept = _seq_at(list(range(10)), prefix_version=3)
+    assert bm.cached_prefix_blocks(kept) == a.block_table[:2]  # ...unless asked for by version
+    bm.allocate(kept, bm.cached_prefix_blocks(kept))
+    assert bm.prefix_hits_other_version == 8 and bm.prefix_blocks_dropped == 0
+    # a sequence started under 3 keeps chaining its later blocks from 3's root after the push
+    for t in (10, 11):
+        a.token_ids.append(t)  # what a decode step appends
+        bm.append_slot(a)
+    assert bm.cached_prefix_blocks(_seq_at(list(range(12)) + [0], prefix_version=3)) == a.block_table[:3]
+    assert bm.cached_prefix_blocks(_seq_at(list(range(12)) + [0])) == []
+
+
+def test_a_push_keeps_the_cache_and_a_version_number_again_drops_it(qwen2_dir):
+    """In the engine: after a version bump the same prompt hits nothing and no block was dropped;
+    asked by version, it hits the old blocks (counted apart); setting a version number that is not
+    newer drops the cache (its keys may now name other weights)."""
+    llm = LLM(EngineConfig(model=qwen2_dir, max_model_len=256, block_size=8))
+    prompt = random_prompts(1, 30, 30, 2000, seed=34)[0]  # 3 full blocks + 6 tokens
+    params = SamplingParams(max_tokens=2)
+    llm.generate([prompt], params, use_tqdm=False)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 24
+    llm.core.weight_version = 1
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+    asked = SamplingParams(max_tokens=2, prefix_version=0)
+    assert llm.generate([prompt], asked, use_tqdm=False)[0].num_cached_tokens == 24
+    stats = llm.core.prefix_cache_stats()
+    assert stats["hit_tokens_other_version"] == 24 and stats["blocks_dropped"] == 0
+    assert stats["hit_tokens"] == 48 and stats["query_tokens"] == 4 * 30
+    llm.core.weight_version = 1  # the same number again
+    assert llm.core.prefix_cache_stats()["blocks_dropped"] > 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_a_bad_prefix_version_is_refused():
+    for bad in (-1, "0", True, 1.5):
+        with pytest.raises(ValueError, match="prefix_version must be None or an int >= 0"):
+            SP(prefix_version=bad)

@@ -35,6 +35,13 @@ def test_the_agent_recipe_trains_on_episodes_through_either_transport(qwen2_dir,
     assert all(r["episodes/turns"] == 3 and r["episodes/errors"] == 0 and r["episodes/tool_calls"] == 0
                for r in rows)
     assert all(0 < r["tokens/policy"] <= 3 * 8 and r["tokens/context"] > 0 for r in rows)
+    # each turn's prompt extends the last one's: the sidecar's prefix cache serves it within a version,
+    # never from another version's blocks (nothing asks), and no push drops a block (with --async a
+    # step's episodes may have played before the last step's count: its own change can be 0)
+    assert sum(r["prefix_cache/hit_tokens"] for r in rows) > 0 and rows[0]["prefix_cache/hit_rate"] > 0
+    assert all(0 <= r["prefix_cache/hit_rate"] <= 1 and r["prefix_cache/hit_tokens_other_version"] == 0
+               and r["prefix_cache/blocks_dropped"] == 0 for r in rows), [
+        {k: v for k, v in r.items() if k.startswith("prefix_cache/")} for r in rows]
     # the trainer's forward gives the engine's logprobs back on the policy's tokens (fp32); with
     # --async a step trains on episodes the previous push may have landed in: staleness at most 1
     tol = _mean_logprob_tolerance(out / "checkpoint-final")

@@ -229,6 +229,13 @@ def test_models_and_metrics(front, oai):
                  "rollout_weight_pushes_total", "rollout_pause_seconds_total", "rollout_weight_version"):
         assert name in samples, sorted(samples)
     assert samples["rollout_generated_tokens_total"] > 0
+    # each engine's prefix cache (engine/block_manager.py), labelled by engine and kind, and in /health
+    prefix = {s.labels["kind"]: s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+              if s.name == "rollout_prefix_cache_total" and s.labels["engine"] == "0"}
+    assert set(prefix) == {"hit_tokens", "query_tokens", "hit_tokens_other_version", "blocks_dropped"}, prefix
+    assert prefix["query_tokens"] > 0 and prefix["hit_tokens_other_version"] == 0
+    state = _raw(front, "GET", "/health", token="").json()["engine_states"][0]
+    assert state["prefix_cache"]["query_tokens"] >= prefix["query_tokens"]
 
 
 AGENT = r"""

@@ -103,10 +103,13 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     `refused` (nothing changed, the group still usable) when every engine refused the push
     (error kind "refused": engine.errors.RefusedError) and the trainer, if it failed, was refused too."""
     committed = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
-    # Their weights did change: the cache and the version tag must follow. Both calls go out at
-    # once (the core answers them in order), one round trip instead of two.
+    # Their weights did change: the version tag must follow, and the prefix cache of an engine that
+    # does not key its blocks by version (ours does: the old version's KV then serves no new request).
+    # The calls go out at once (the core answers them in order), one round trip.
     await asyncio.gather(*(call for i in committed
-                           for call in (engines[i].reset_prefix_cache(), engines[i].set_weight_version(version))))
+                           for call in ((engines[i].set_weight_version(version),)
+                                        if getattr(engines[i], "prefix_cache_keyed_by_version", False)
+                                        else (engines[i].reset_prefix_cache(), engines[i].set_weight_version(version)))))
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     reasons = [f"engine {i}: {describe(r)}" for i, r in failed]
     if trainer_error is not None:

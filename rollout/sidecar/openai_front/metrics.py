@@ -42,6 +42,13 @@ class _ManagerCollector:
                 if state.memory and part in state.memory:
                     memory.add_metric([str(i), part], float(state.memory[part]))
         yield memory
+        prefix = CounterMetricFamily("rollout_prefix_cache", "an engine's prefix cache since start: tokens hit, "
+                                     "looked up, hit on another weight version's blocks (asked for), and blocks "
+                                     "forgotten by resets (engine/block_manager.py)", labels=["engine", "kind"])
+        for i, state in enumerate(self.engine_states):
+            for kind, value in (state.prefix_cache or {}).items():
+                prefix.add_metric([str(i), kind], float(value))
+        yield prefix
 
 
 class FrontMetrics:

@@ -68,6 +68,9 @@ class _Request(BaseModel):
     return_routed_experts: bool = False
     routed_experts_prompt_start: int = Field(0, ge=0)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>" (TRL asks for it)
+    # the weight version whose cached prefix this request may reuse (a multi-turn episode keeping the KV
+    # it started under across pushes; SamplingParams.prefix_version); None: the version served now only
+    prefix_version: int | None = Field(None, ge=0)
     user: str | None = None
 
     @field_validator("stream_options")
@@ -102,7 +105,8 @@ class _Request(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               return_routed_experts=self.return_routed_experts,
-                              routed_experts_prompt_start=self.routed_experts_prompt_start)
+                              routed_experts_prompt_start=self.routed_experts_prompt_start,
+                              prefix_version=self.prefix_version)
 
     @property
     def include_usage(self) -> bool:
