@@ -87,6 +87,11 @@ class EngineConfig:
     # "float32": the LM head in fp32 in a bf16/fp16 engine (engine/kernels/fp32_head.py; vLLM's
     # hf_overrides {"head_dtype": "float32"}): logits never rounded to the model's dtype. "auto": the model's
     head_dtype: str = "auto"
+    # a request's tokens and logprobs the same bits whatever shares its steps (batch size, neighbours,
+    # prefix hits, thread count): every kernel sums each row in one fixed order. Costs something only
+    # in fp32 mixtures of experts (the experts' dot products at every row count: 1.1x the expert GEMMs'
+    # time at 32 rows an expert, 1.2x at a prefill's hundreds); False lets those take the faster kernel
+    batch_invariant: bool = True
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)
     reserve_push_staging: bool = False

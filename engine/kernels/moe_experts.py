@@ -85,14 +85,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def loop_kernels(dtype: torch.dtype) -> tuple[int, int, int] | None:
+def loop_kernels(dtype: torch.dtype, invariant: bool = True) -> tuple[int, int, int] | None:
     """(moe_block_*, its kernel table, router_logits_*) as addresses, for the C decode loop
     (engine/models/native_layers.py), or None where the C block does not run for `dtype`."""
     loaded = _native(dtype) if dtype in _KERNELS else None
     if loaded is None:
         return None
-    entry, table, router = loaded
-    return ctypes.cast(entry, _PTR).value, table.data_ptr(), ctypes.cast(router, _PTR).value
+    entry, tables, router = loaded
+    return ctypes.cast(entry, _PTR).value, tables[invariant].data_ptr(), ctypes.cast(router, _PTR).value
 
 
 def fits(h: int, i: int, dtype: torch.dtype) -> bool:
@@ -100,6 +100,12 @@ def fits(h: int, i: int, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
 
 
+# fp32 experts: the dot products up to this many rows an expert, the rows kernel above (moe_experts.c
+# groups_f32); a batch-invariant engine takes the dot products at every size (no limit), so that a
+# token's sums do not depend on how many other tokens chose its experts in the step. bf16's tiles sum
+# each output in one order at any row count: invariant either way.
+DOT_MAX_ROWS = 16
+NO_LIMIT = 2**62
 _KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -119,11 +125,12 @@ def _native(dtype: torch.dtype):
         if entry is None or not all(libs):
             _loaded[dtype] = None
         else:
-            table = torch.tensor([ctypes.cast(getattr(lib, sym), _PTR).value
-                                  for lib, (_, sym) in zip(libs, _KERNELS[dtype])], dtype=torch.int64)
+            fns = [ctypes.cast(getattr(lib, sym), _PTR).value for lib, (_, sym) in zip(libs, _KERNELS[dtype])]
+            tables = {invariant: torch.tensor(fns + [NO_LIMIT if invariant else DOT_MAX_ROWS], dtype=torch.int64)
+                      for invariant in (False, True)}
             router = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
                                              (_PTR, _I64, _I64, _PTR, _I64, _PTR))
-            _loaded[dtype] = (entry, table, router)
+            _loaded[dtype] = (entry, tables, router)
     return _loaded[dtype]
 
 
@@ -143,18 +150,21 @@ def _fits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: to
 
 
 def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool,
-                 gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 gate_up: torch.Tensor, down: torch.Tensor, invariant: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(`run` of `route`'s choice, the expert ids [T, k]) in one C call on the weights in place
     (engine/kernels/native/moe_experts.c; silu experts), or None where it does not run (another dtype,
     shapes its kernels refuse, gradients). Its softmax, and each GEMM's order of sums, are C's:
-    within their roundings of torch's."""
+    within their roundings of torch's. `invariant`: each token's sums in one order whatever shares
+    the call (DOT_MAX_ROWS)."""
     dtype = x.dtype
     if dtype not in _KERNELS or torch.is_grad_enabled() or not _fits(x, logits, gate_up, down):
         return None
     loaded = _native(dtype)
     if loaded is None:
         return None
-    entry, table, _ = loaded
+    entry, tables, _ = loaded
+    table = tables[invariant]
     (t, h), e, i = x.shape, gate_up.shape[0], down.shape[2]
     s = t * top_k
     scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)

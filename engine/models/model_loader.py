@@ -33,6 +33,8 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if device.type == "cpu" and not cfg.reserve_push_staging:  # a sidecar's engine moves them at start (adopt)
         huge_pages.move_parameters(model)  # out of the checkpoint's file mapping: the worker's Collapser takes them
     _quantize(model, cfg.quantization)
+    for block in moe_model.sparse_blocks(model):
+        block.batch_invariant = cfg.batch_invariant
     if cfg.head_dtype == "float32":
         fp32_head.install(model)  # after _quantize: the head keeps the model's precision there
     if cfg.fuse_layers:

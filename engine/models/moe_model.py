@@ -95,6 +95,7 @@ class SparseMoeBlock(nn.Module):
                                                                  intermediate_size=moe.shared))
             self.shared_expert_gate = Router(cfg.hidden_size, 1)
         self.last_ids: torch.Tensor | None = None  # [T, k], the step's choices (routing replay)
+        self.batch_invariant = True  # EngineConfig.batch_invariant (set by the loader): moe_experts.block_native's
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         """y [1, T, H], normed: the experts' weighted sum (plus the gated shared expert's output)."""
@@ -102,7 +103,7 @@ class SparseMoeBlock(nn.Module):
         shared = fused_layers.mlp_forward(self.shared_expert, y).view_as(x) if hasattr(self, "shared_expert") else None
         e, logits = self.experts, self.gate(x)
         done = moe_experts.block_native(x, logits, self.top_k, self.norm_topk, self.scores_fp32, e.gate_up_proj,
-                                        e.down_proj) if isinstance(e.act_fn, nn.SiLU) else None
+                                        e.down_proj, self.batch_invariant) if isinstance(e.act_fn, nn.SiLU) else None
         if done is None:
             weights, ids = moe_experts.route(logits, self.top_k, self.norm_topk, self.scores_fp32)
             done = moe_experts.run(x, ids, weights, e.gate_up_proj, e.down_proj, e.act_fn), ids

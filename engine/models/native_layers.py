@@ -262,7 +262,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
             return None
         rows.append(row)
     if sparse:
-        moe = moe_experts.loop_kernels(dtype)
+        moe = moe_experts.loop_kernels(dtype, getattr(sparse[0][0], "batch_invariant", True))
         if moe is None:
             return None
         loaded[1][-_MOE_KERNELS:] = list(moe)

@@ -117,6 +117,10 @@ def _add_engine_flags(p) -> None:
                    help="float32: the LM head in fp32 in a bf16/fp16 engine, so no logit is rounded to the model's "
                         "dtype (native: an fp32 copy of the head's weight beside it; vllm: its hf_overrides "
                         "head_dtype); auto: the model's dtype")
+    p.add_argument("--batch-invariant", default="on", choices=["on", "off"],
+                   help="native: a request's tokens and logprobs the same bits whatever shares its steps (on, "
+                        "default; costs only fp32 mixtures of experts ~10%% of their experts' time); off lets "
+                        "those take the faster kernel")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"],
                    help="native on CPU: run the linear layers on oneDNN weights reordered once (on, default: "
                         "1.2-1.7x faster in fp32, 5-7x in bf16 on CPUs without bf16 kernels), or on torch's "

@@ -39,7 +39,6 @@ static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, con
    step's few rows an expert this streams each weight row once at memory speed, where laying the
    weight out as panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each
    output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order. */
-#define DOT_MAX_ROWS 16
 static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
                            const float *w, int64_t n, float *out) {
     const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16;
@@ -82,11 +81,15 @@ static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, con
     }
 }
 
+/* kernels[2]: the most rows an expert may have for the dot products; above, the rows kernel (faster
+   there: 1.1x at 32 rows an expert, 1.2x at prefill's hundreds), whose sums run in another order. A
+   batch-invariant engine passes no limit: then a token's experts sum in one order whatever else
+   shares its step (engine/kernels/moe_experts.py). */
 static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
                       int64_t G, const float *w, int64_t n, float *out) {
     int64_t most = 0;
     for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
-    if (most <= DOT_MAX_ROWS) {
+    if (most <= kernels[2]) {
         groups_f32_dot(x, k, starts, experts, G, w, n, out);
         return 0;
     }
@@ -99,7 +102,7 @@ static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const i
     return 0;
 }
 
-/* kernels: [the rows linear, the silu * up] of the dtype; order [S] the picks (token-major, pick
+/* kernels: [the rows linear, the silu * up, fp32's dot-product row limit (groups_f32)] of the dtype; order [S] the picks (token-major, pick
    t * k + j) sorted by expert, ends [E] where each expert's picks end in it; weights [S] per pick in
    pick order, fp32 when weights_f32 else the dtype; gate_up [E, 2I, H], down [E, H, I]; scratch
    xg [S, H], gu [S, 2I], act [S, I], dn [S, H] and inv [S] (int64); out [T, H]. Returns 0, or a
