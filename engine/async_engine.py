@@ -39,13 +39,13 @@ log = logging.getLogger(__name__)
 
 class AsyncEngine:
     num_workers = 1  # one worker on one device: one rank in a weight-sync group (EngineClient)
-    prefix_cache_keyed_by_version = True  # a commit keeps the cache (engine/block_manager.py)
 
     def __init__(self, cfg: EngineConfig, log_level: str = "WARNING", start_timeout: float = 300.0,
                  standby: subprocess.Popen | None = None):
         """Starts the core process, or hands `standby` (from `engine.standby.spawn_standby`, still
         alive) its arguments instead."""
         self.cfg = cfg
+        self.prefix_cache_keyed_by_version = True  # a commit keeps the cache (engine/block_manager.py)
         self._core = CoreConnection(cfg, log_level, standby)
         self.proc = self._core.proc
         self._shutdown_called = False

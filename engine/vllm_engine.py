@@ -83,7 +83,6 @@ async def _pump(req: _Request, index: int, collector, processor) -> None:
 
 
 class VllmEngine:
-    prefix_cache_keyed_by_version = False  # vLLM's cache is not: a commit resets it (EngineClient)
     def __init__(self, cfg: EngineConfig, tensor_parallel_size: int = 1, log_level: str = "WARNING",
                  standby=None):
         """Starts vLLM's engine core (and its workers) on `cfg`. `standby` is our engine's warm
@@ -92,6 +91,7 @@ class VllmEngine:
         from vllm.platforms import current_platform
 
         self.cfg = cfg
+        self.prefix_cache_keyed_by_version = False  # vLLM's is not: a commit resets it (EngineClient)
         self.tensor_parallel_size = tensor_parallel_size
         self.num_workers = tensor_parallel_size  # ranks in a weight-sync group (weight_sync.engine_side.engines)
         self.on_cpu = current_platform.is_cpu()
