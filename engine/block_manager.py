@@ -65,11 +65,9 @@ class BlockManager:
         return self.version if asked is None else asked
 
     def _root(self, seq: Sequence) -> bytes:
-        """Where `seq`'s chain starts: the version its KV is keyed under (and hash_root's part)."""
-        root = getattr(seq, "prefix_root", None)
-        if root is None:
-            root = self.hash_root(seq) + b"v:%d" % self._key_version(seq)
-        return root
+        """Where `seq`'s chain starts: fixed at its allocation, else the version its KV would be keyed
+        under now (and hash_root's part)."""
+        return seq.prefix_root or self.hash_root(seq) + b"v:%d" % self._key_version(seq)
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,7 +119,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, hits: list[int]) -> None:
         assert not seq.block_table
-        seq.prefix_root = None
+        seq.prefix_root = None  # (a preempted sequence computes its KV again, under the version now)
         seq.prefix_root = self._root(seq)  # fixed: its later blocks chain from the version it starts under
         for bid in hits:
             block = self.blocks[bid]

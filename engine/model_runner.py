@@ -288,10 +288,13 @@ class ModelRunner:
         """The step's logits in fp32. On the CPU into a buffer kept between steps (grown when a step
         needs more): a 256-row step's are 50 MB, past malloc's mmap threshold, and fresh pages each step
         were 2% of a bf16 MoE decode step zeroing them. The step's sampling reads them and keeps none
-        of them (sample returns new tensors), so the next step may overwrite them."""
-        if logits.dtype == torch.float32 or logits.device.type != "cpu":
-            return logits.float()
+        of them (sample returns new tensors), so the next step may overwrite them. A step with more
+        rows than a decode step's most (a prefill asking for its prompt's logprobs) gets fresh memory:
+        the kept buffer stays at a decode step's size."""
         n = logits.numel()
+        if (logits.dtype == torch.float32 or logits.device.type != "cpu"
+                or n > self.cfg.max_num_seqs * logits.shape[-1]):
+            return logits.float()
         if self._logits_fp32 is None or self._logits_fp32.numel() < n:
             self._logits_fp32 = torch.empty(n, dtype=torch.float32)
         return self._logits_fp32[:n].view(logits.shape).copy_(logits)

@@ -54,9 +54,8 @@ def install(model: torch.nn.Module) -> bool:
     return True
 
 
-def _upcast(weight):
-    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
-    return torch.cat([w.float() for w in parts]) if len(parts) > 1 else parts[0].float().contiguous()
+def _upcast(weight: torch.Tensor) -> torch.Tensor:
+    return weight.float().contiguous()
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
