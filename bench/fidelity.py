@@ -85,6 +85,7 @@ def trainer_logprobs(trainer, prompt_ids: list[int], completion: list[int], rout
 def mismatch(trainer, samples: list[tuple], replayed: bool = False) -> dict:
     """Share of tokens with trainer/engine probability ratio outside [0.9, 1.1], mean and max |log ratio|;
     with routed experts, the share of routed tokens the trainer routes otherwise in some layer."""
+    from recipes import corrections as C
     from recipes.routing_replay import align, own_routing, routing_mismatch
 
     logs, differ, routed_tokens = [], 0.0, 0
@@ -98,9 +99,9 @@ def mismatch(trainer, samples: list[tuple], replayed: bool = False) -> dict:
                 differ += routing_mismatch(own_routing(trainer, seq)[0], routes, mask) * int(mask.sum())
                 routed_tokens += int(mask.sum())
     log_ratio = torch.cat(logs)
-    ratio = log_ratio.exp()
-    return {"tokens": log_ratio.numel(), "outside": ((ratio < 0.9) | (ratio > 1.1)).float().mean().item(),
-            "mean_abs_log": log_ratio.abs().mean().item(), "max_abs_log": log_ratio.abs().max().item(),
+    m = C.mismatch(log_ratio[None], torch.ones(1, log_ratio.numel()))  # the recipes' per-step measures
+    return {"tokens": log_ratio.numel(), "outside": m["outside_band"], "mean_abs_log": log_ratio.abs().mean().item(),
+            "max_abs_log": m["max_abs_log_ratio"], "k3_kl": m["k3_kl"], "chi2": m["chi2_token"],
             "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 
 
@@ -174,12 +175,13 @@ def main() -> None:
             ablated = ablation(trainer, samples)
     if args.ablation:
         rows.update(ablated)
-    log.info("%-13s %7s %22s %14s %13s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
-             "max|log r|", "routing differs" if moe else "")
+    log.info("%-13s %7s %22s %14s %13s %10s %10s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
+             "max|log r|", "k3 KL", "chi2", "routing differs" if moe else "")
     for name, r in rows.items():
         routing = "" if r.get("routing") is None else f"{100 * r['routing']:.2f}%"
-        log.info("%-13s %7d %22.2f%% %14.4f %13.3f %s", name, r["tokens"], 100 * r["outside"], r["mean_abs_log"],
-                 r["max_abs_log"], routing)
+        log.info("%-13s %7d %22.2f%% %14.4f %13.3f %10.2e %10.2e %s", name, r["tokens"], 100 * r["outside"],
+                 r["mean_abs_log"], r["max_abs_log"], r["k3_kl"], r["chi2"],
+                 routing)
 
 
 if __name__ == "__main__":
