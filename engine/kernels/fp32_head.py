@@ -26,14 +26,13 @@ from engine.kernels import amx_linears, derived_weights, f32_linears, packed_lin
 log = logging.getLogger(__name__)
 
 
-
 def install(model: torch.nn.Module) -> bool:
     """Route `model`'s output embedding (its LM head) through an fp32 copy of its weight; False
     where the head is fp32 already (nothing to do)."""
     head = model.get_output_embeddings()
     if head.weight.dtype == torch.float32:
         return False
-    cpu = head.weight.device.type == "cpu"
+    cpu, head._fp32_head_plain = head.weight.device.type == "cpu", False
     if packed_linears.reads_in_place(head.weight, torch.bfloat16):
         # AMX tiles on the bf16 weight in place, the fp32 sums stored unrounded: every bf16 product is
         # exact in fp32, so this is the fp32 GEMM of the upcast operands at the bf16 head's speed
@@ -46,8 +45,7 @@ def install(model: torch.nn.Module) -> bool:
         kind = "an fp32 packed copy"
     else:  # CUDA, or a CPU without oneDNN's fp32 linears: the upcast weight itself
         derived_weights.attach(head, _upcast)
-        kind = "an fp32 copy"
-    head._fp32_head_plain = kind == "an fp32 copy"
+        kind, head._fp32_head_plain = "an fp32 copy", True  # _apply's F.linear on it
     head._apply_derived = _apply
     head.forward = types.MethodType(_forward, head)
     log.info("LM head in fp32: %s", kind)
@@ -60,7 +58,8 @@ def _upcast(weight: torch.Tensor) -> torch.Tensor:
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and self.weight.requires_grad:
-        return torch.nn.functional.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
     return _apply(self, x, derived_weights.current(self), self.bias)
 
 

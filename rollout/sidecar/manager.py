@@ -291,7 +291,8 @@ class RolloutManager:
             if isinstance(r, BaseException):
                 state.state, state.reason = "dead", f"{type(r).__name__}: {r}"
             elif r is not None:
-                state.version, state.memory, state.prefix_cache = r["weight_version"], r.get("memory"), r.get("prefix_cache")
+                state.version, state.memory = r["weight_version"], r.get("memory")
+                state.prefix_cache = r.get("prefix_cache")
             elif sup.reasons[i]:
                 state.reason = sup.reasons[i]
             states.append(state)

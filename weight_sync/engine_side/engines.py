@@ -106,10 +106,12 @@ async def commit_results(engines: Sequence, results: list, version: int, what: s
     # Their weights did change: the version tag must follow, and the prefix cache of an engine that
     # does not key its blocks by version (ours does: the old version's KV then serves no new request).
     # The calls go out at once (the core answers them in order), one round trip.
-    await asyncio.gather(*(call for i in committed
-                           for call in ((engines[i].set_weight_version(version),)
-                                        if getattr(engines[i], "prefix_cache_keyed_by_version", False)
-                                        else (engines[i].reset_prefix_cache(), engines[i].set_weight_version(version)))))
+    calls = []
+    for i in committed:
+        if not getattr(engines[i], "prefix_cache_keyed_by_version", False):
+            calls.append(engines[i].reset_prefix_cache())
+        calls.append(engines[i].set_weight_version(version))
+    await asyncio.gather(*calls)
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     reasons = [f"engine {i}: {describe(r)}" for i, r in failed]
     if trainer_error is not None:
