@@ -38,3 +38,24 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch
           logprobs.data_ptr()) != 0 or bool((tokens < 0).any()):
         return None
     return tokens, logprobs
+
+
+def score_rows(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor, block: int) -> torch.Tensor | None:
+    """The logprobs [B] (fp32) `sample_rows` reports when row b of logits [B, V] at temperature [B] (> 0)
+    samples tokens[b]: the same arithmetic, so the same bits; None where no kernel takes it."""
+    if logits.device.type != "cpu" or logits.dtype not in _SUFFIX or logits.dim() != 2:
+        return None
+    fn = native_kernels.function("sample_rows", f"score_rows_{_SUFFIX[logits.dtype]}",
+                                 (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR), ctypes.c_int)
+    if fn is None:
+        return None
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    temperature = temperature.to(torch.float32).contiguous()
+    tokens = tokens.to(torch.int64).contiguous()
+    if tokens.shape != (rows,) or temperature.shape != (rows,) or bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise ValueError(f"score_rows takes one token in [0, {vocab}) and one temperature a row of {rows}")
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    if fn(logits.data_ptr(), rows, vocab, temperature.data_ptr(), tokens.data_ptr(), block, logprobs.data_ptr()) != 0:
+        return None
+    return logprobs

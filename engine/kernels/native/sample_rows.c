@@ -81,6 +81,11 @@ ALWAYS_INLINE double block_sums(const Row *r, float m, int64_t block, int64_t nb
     return total;
 }
 
+/* A token's weight e^(l / t - m): one expression for the sampler and the scorer, so both round alike. */
+ALWAYS_INLINE float token_weight(const Row *r, int64_t c, float m, int bf16) {
+    return vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+}
+
 /* The token the uniform u picks (its block by the sums, then the token by its weights), and its
    weight in *weight; -1 where no weight in its block is positive. */
 ALWAYS_INLINE int64_t pick_token(const Row *r, float m, int64_t block, int64_t nblocks, const double *sums,
@@ -94,7 +99,7 @@ ALWAYS_INLINE int64_t pick_token(const Row *r, float m, int64_t block, int64_t n
     int64_t pick = -1;
     double cum = 0;
     for (int64_t c = start; c < end; c++) {
-        const float e = vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        const float e = token_weight(r, c, m, bf16);
         if (e > 0) {
             pick = c; /* the last positive weight so far: where rounding overshoots the block */
             *weight = e;
@@ -115,6 +120,17 @@ ALWAYS_INLINE void sample_row(const void *logits, int64_t r, int64_t vocab, floa
     float weight = 0;
     *token = pick_token(&row, m, block, nblocks, sums, u * total, &weight, bf16);
     *logprob = (float)(log((double)weight) - log(total));
+}
+
+/* The logprob sample_row gives token `token` of row r when it picks it: the same max, block sums and
+   weight, so the same bits (the trainer's exact forward scores a rollout's tokens with it). */
+ALWAYS_INLINE float score_row(const void *logits, int64_t r, int64_t vocab, float t, int64_t token, int64_t block,
+                              double *sums, int bf16) {
+    const Row row = {.logits = logits, .row = r * vocab, .vocab = vocab, .t = t, .unit = t == 1.0f};
+    const int64_t nblocks = (vocab + block - 1) / block;
+    const float m = scaled_max(&row, bf16);
+    const double total = block_sums(&row, m, block, nblocks, sums, bf16);
+    return (float)(log((double)token_weight(&row, token, m, bf16)) - log(total));
 }
 
 static void sample_row_f32(const void *logits, int64_t r, int64_t vocab, float t, double u, int64_t block,
@@ -155,4 +171,29 @@ int sample_rows_f32(const float *logits, int64_t rows, int64_t vocab, const floa
 int sample_rows_bf16(const uint16_t *logits, int64_t rows, int64_t vocab, const float *temperature,
                      const double *uniforms, int64_t block, int64_t *tokens, float *logprobs) {
     return sample_rows(logits, rows, vocab, temperature, uniforms, block, tokens, logprobs, 1);
+}
+
+/* logits [rows, vocab]; temperature [rows] (> 0); tokens [rows] in [0, vocab). Writes logprobs [rows]:
+   what sample_rows reports for each row when it samples that token. Returns 0, or -1 when out of memory. */
+static int score_rows(const void *logits, int64_t rows, int64_t vocab, const float *temperature,
+                      const int64_t *tokens, int64_t block, float *logprobs, int bf16) {
+    const int64_t nblocks = (vocab + block - 1) / block;
+    double *sums_all = malloc(sizeof(double) * (size_t)(nblocks * rows));
+    if (sums_all == NULL) return -1;
+#pragma omp parallel for schedule(static) if (rows * vocab > 65536)
+    for (int64_t r = 0; r < rows; r++)
+        logprobs[r] = bf16 ? score_row(logits, r, vocab, temperature[r], tokens[r], block, sums_all + r * nblocks, 1)
+                           : score_row(logits, r, vocab, temperature[r], tokens[r], block, sums_all + r * nblocks, 0);
+    free(sums_all);
+    return 0;
+}
+
+int score_rows_f32(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const int64_t *tokens,
+                   int64_t block, float *logprobs) {
+    return score_rows(logits, rows, vocab, temperature, tokens, block, logprobs, 0);
+}
+
+int score_rows_bf16(const uint16_t *logits, int64_t rows, int64_t vocab, const float *temperature,
+                    const int64_t *tokens, int64_t block, float *logprobs) {
+    return score_rows(logits, rows, vocab, temperature, tokens, block, logprobs, 1);
 }
