@@ -42,6 +42,10 @@ class SamplingTensors:
     edits: LogitsEdits | None = None
     num_top_logprobs: int | None = None  # the most top logprobs any row asked for; None: no row asked
     raw_logprobs: bool = False
+    # [B] bool on the host: rows sampled at their temperature alone (step_sampling.plain_row), whose
+    # token and logprob must not depend on what their neighbours ask; None: no row is
+    plain: torch.Tensor | None = None
+    asks_top: torch.Tensor | None = None  # [B] bool: the rows that asked for top logprobs; None: none did
 
 
 @dataclass
@@ -158,7 +162,23 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torc
         native = native_sampler.sample_rows(logits, t.temperature, t.uniforms, block_size_for(logits.shape[-1]))
         if native is not None:
             return *native, None
-    return sample_with_torch(logits, t)
+    tokens, logprobs, top = sample_with_torch(logits, t)
+    if t.plain is not None and not t.raw_logprobs and logits.device.type == "cpu":
+        _plain_rows_native(logits, t, tokens, logprobs)
+    return tokens, logprobs, top
+
+
+def _plain_rows_native(logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """The plain rows of a step that also holds others take the native sampler's token and logprob,
+    as in a step of plain rows alone: a row's bits never depend on what its neighbours ask (batch
+    invariance; the trainer's exact logprobs score with the native arithmetic)."""
+    rows = t.plain.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return
+    native = native_sampler.sample_rows(logits.index_select(0, rows), t.temperature.index_select(0, rows),
+                                        t.uniforms.index_select(0, rows), block_size_for(logits.shape[-1]))
+    if native is not None:
+        tokens[rows], logprobs[rows] = native
 
 
 def sample_with_torch(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, TopLogprobs | None]:
@@ -179,15 +199,20 @@ def sample_with_torch(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.T
     tokens = inverse_cdf(probs, t.uniforms)
     if t.any_greedy:
         tokens = torch.where(greedy, steered.argmax(dim=-1), tokens)
+    # a sampled row's processed logprob, the log of its token's probability: far above float32's
+    # underflow, so the log loses nothing a log_softmax would keep
+    own = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()
     if t.raw_logprobs or t.any_greedy or t.num_top_logprobs is not None:  # whole log-distributions needed
         raw = torch.log_softmax(logits, dim=-1) if t.raw_logprobs or t.any_greedy else None
         source = raw if t.raw_logprobs else torch.log_softmax(scaled, dim=-1)
         if t.any_greedy and not t.raw_logprobs:
             source = torch.where(greedy.unsqueeze(-1), raw, source)
-        return tokens, *_chosen(source, tokens, t.num_top_logprobs)
-    # the common case: only the sampled tokens' processed logprobs. A sampled token's probability
-    # is far above float32's underflow, so its log loses nothing a log_softmax would keep.
-    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(), None
+        chosen, top = _chosen(source, tokens, t.num_top_logprobs)
+        if not t.raw_logprobs:  # each row by its own rule, whatever its neighbours asked (batch invariance)
+            by_source = greedy if t.asks_top is None else greedy | t.asks_top
+            chosen = torch.where(by_source, chosen, own)
+        return tokens, chosen, top
+    return tokens, own, None
 
 
 def _only_sampling(t: SamplingTensors) -> bool:

@@ -61,11 +61,26 @@ def sampling_tensors(seqs: list[Sequence], vocab: int, device: torch.device, sha
         t.min_p = cols["min_p"].float()
     if any(p.penalised for p in params):
         t.penalties = penalties(seqs, vocab, cols, device)
+    if t.num_top_logprobs is not None:
+        t.asks_top = torch.tensor([p.logprobs is not None for p in params], device=device)
+    plain = [plain_row(s) for s in seqs]
+    if any(plain):
+        t.plain = torch.tensor(plain)
     if not all(p.greedy for p in params):
         t.uniforms = uniform_noise(shared_generator, len(seqs), device)
         if cols.any_seed:  # a seeded row's draw, made on the host: a function of its seed and position alone
             t.uniforms = torch.where(cols["seeded"] > 0, cols["seeded_uniform"], t.uniforms)
     return t
+
+
+def plain_row(s: Sequence) -> bool:
+    """Whether the row is sampled at its temperature alone (no processor, penalty, filter, top
+    logprobs; not greedy): a property of the row itself, so that its sampling rule never depends on
+    its neighbours (engine/sampler.py runs such rows natively in any step)."""
+    p = s.params
+    return (not p.greedy and p.logprobs is None and not p.penalised and p.top_k == 0 and p.top_p == 1
+            and p.min_p == 0 and p.allowed_token_ids is None and not p.logit_bias and not s.min_tokens_bans
+            and not s.bad_words)
 
 
 def logits_edits(seqs: list[Sequence], vocab: int, device: torch.device):

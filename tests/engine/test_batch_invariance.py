@@ -77,3 +77,21 @@ def test_the_flag_reaches_every_sparse_block(tiny_dirs):
         llm = LLM(EngineConfig(model=tiny_dirs["qwen3_moe"], max_model_len=128, batch_invariant=flag))
         blocks = [m for m in llm.core.runner.model.modules() if hasattr(m, "batch_invariant")]
         assert blocks and all(b.batch_invariant is flag for b in blocks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sampled_row_keeps_its_bits_whatever_its_neighbours_ask(tiny_dirs, dtype):
+    """A row sampled at its temperature alone takes the same token and logprob next to rows that are
+    greedy, filtered, penalised or asking for top logprobs (those steps go through torch's sampler;
+    the plain row still through the native one)."""
+    llm = _engine(tiny_dirs["qwen2"], dtype)
+    probe = {"prompt_token_ids": [5, 9, 17, 33, 2, 8, 40]}
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, seed=7, ignore_eos=True)
+    alone = _bits(llm.generate([probe], sampled, use_tqdm=False)[0])
+    neighbours = [SamplingParams(temperature=0.0), SamplingParams(top_p=0.9), SamplingParams(top_k=5),
+                  SamplingParams(min_p=0.1), SamplingParams(logprobs=3), SamplingParams(presence_penalty=0.5),
+                  SamplingParams(logit_bias={3: 2.0}), SamplingParams(min_tokens=10, stop_token_ids=[4])]
+    for nb in neighbours:
+        nb.max_tokens, nb.ignore_eos = 30, True
+        outs = llm.generate([probe, {"prompt_token_ids": [7, 7, 7]}], [sampled, nb], use_tqdm=False)
+        assert _bits(outs[0]) == alone, nb
