@@ -20,9 +20,10 @@ class Batch:
     routes: torch.Tensor | None = None
     route_mask: torch.Tensor | None = None
     replay: bool = False  # the forwards route by `routes` (--routing-replay)
+    rollouts: list | None = None  # the rollouts themselves (a whole batch's; --on-policy exact scores them)
 
     def _map(self, fn) -> "Batch":
-        return Batch(*(v if v is None or isinstance(v, bool) else fn(v)
+        return Batch(*(v if v is None or isinstance(v, (bool, list)) else fn(v)
                        for v in (getattr(self, f) for f in self.__dataclass_fields__)))
 
     def to(self, device) -> "Batch":

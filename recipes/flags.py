@@ -149,6 +149,10 @@ def add_loss_args(p) -> None:
                         "modes, 1.001 for geometric_mask, 5 for icepop); 0: no correction, as --is-mode none")
     p.add_argument("--is-floor", type=float, default=None,
                    help="the lower end of a masking mode's band (default 1 / --is-cap; icepop 0.5)")
+    p.add_argument("--on-policy", default="plain", choices=["plain", "exact"],
+                   help="exact: the trainer's logprobs of each rollout are the engine's bit for bit (the sidecar's "
+                        "engine rebuilt in the trainer's process, its values with torch's gradients: "
+                        "recipes/exact_policy.py), so the importance weights are exactly 1; our engine on the CPU")
     p.add_argument("--routing-replay", action="store_true",
                    help="a mixture of experts: the trainer's forwards route every token to the experts the engine "
                         "routed it to (R3; recipes/routing_replay.py). Without it the routes are still asked for "

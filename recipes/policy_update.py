@@ -13,6 +13,7 @@ from recipes import corrections as C
 from recipes import losses as L
 from recipes import routing_replay as RR
 from recipes.batch import Batch, build_batch, completion_logits, token_logprobs
+from recipes.exact_policy import straight_through
 from recipes.ranks import my_rows, same_permutation
 from recipes.run import Run
 
@@ -23,6 +24,7 @@ def update(run: Run, rollouts: list, rewards: torch.Tensor) -> dict:
     batch = build_batch(rollouts, run.tokenizer.pad_token_id or 0).to(device)
     batch.replay = bool(getattr(args, "routing_replay", False))
     routing = {}
+    batch.rollouts = rollouts  # --on-policy exact scores them (recipes/exact_policy.py)
     old = _before_update(run, batch, rewards.to(device), routing)
     stats = {"clip_ratio": [], "kl": [], "loss": [], "value_loss": []}
     if len(rollouts) // args.minibatches < run.accelerator.num_processes:
@@ -80,13 +82,23 @@ def _before_update(run: Run, batch: Batch, rewards: torch.Tensor, routing: dict)
                 logits, old.values = completion_logits(run.module, batch, args.temperature)
             if batch.routes is not None:
                 routing["routing/mismatch"] = _mismatch(run.module, batch, seen)
-            old.logp = token_logprobs(logits, batch.targets)
+            old.logp = _logprobs(run, batch, logits, range(len(batch.rollouts)))
             old.entropy = L.masked_mean(L.entropy_from_logits(logits), batch.mask).item()
             del logits
         if run.ref is not None:
             old.ref_logp = token_logprobs(completion_logits(run.ref, batch, args.temperature)[0], batch.targets)
         old.adv, old.returns = run.algo.advantages(rewards, batch.mask, old.values)
     return old
+
+
+def _logprobs(run: Run, batch: Batch, logits: torch.Tensor, rows) -> torch.Tensor:
+    """The completion tokens' logprobs from the trainer's logits; with --on-policy exact, the engine's
+    bits for them (`rows` of the step's rollouts) with the logits' gradient."""
+    logp = token_logprobs(logits, batch.targets)
+    if run.exact is None:
+        return logp
+    exact = run.exact.logprobs(run.policy(), batch.rollouts, list(rows), logp.shape[1])
+    return straight_through(logp, exact) if torch.is_grad_enabled() else exact.to(logp.device)
 
 
 def _mismatch(model, batch: Batch, seen: list | None = None) -> float:
@@ -100,7 +112,7 @@ def _minibatch_step(run: Run, batch: Batch, old: SimpleNamespace, idx: torch.Ten
     mb = batch.select(idx)
     m = mb.mask
     logits, values = completion_logits(run.module, mb, args.temperature)
-    logp = token_logprobs(logits, mb.targets)
+    logp = _logprobs(run, mb, logits, idx.tolist())
     if run.algo.single_pass:  # one minibatch step per row: its pre-update logprobs are these
         old.logp[idx] = logp.detach()
         with torch.no_grad():

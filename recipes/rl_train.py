@@ -64,6 +64,13 @@ def setup(algo, args, make_task=None) -> Run:
 
     # a name (smollm2, tiny, ...): its cached directory; no model there: one line, as rollout.serve says it
     model_dir = model_dir_or_exit(args.model)
+    exact = None
+    if getattr(args, "on_policy", "plain") == "exact":  # refused before anything starts
+        from recipes.exact_policy import ExactPolicy, refusal
+
+        if (why := refusal(args)) is not None:
+            raise ValueError(f"--on-policy exact: {why}")
+        exact = ExactPolicy(model_dir, args)
     torch.manual_seed(args.seed)
     accelerator = Accelerator(cpu=args.device == "cpu")
     out_dir = Path(args.output_dir)
@@ -86,7 +93,7 @@ def setup(algo, args, make_task=None) -> Run:
     run = Run(args, algo, accelerator, module, optimizer, ref, tokenizer, task, tracker, client, sidecar,
               params=SamplingParams(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
                                     return_routed_experts=bool(routing_replay.routers(policy))),
-              seed_requests=seeds_requests(args, accelerator.device) if main else True)
+              seed_requests=seeds_requests(args, accelerator.device) if main else True, exact=exact)
     if args.async_ and main:
         run.gen_client = sidecar.client() if args.ray else RolloutClient(url, token=args.token)
         run.pool = concurrent.futures.ThreadPoolExecutor(1)

@@ -33,6 +33,7 @@ class Run:
     version: int = 0
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
     pushed: dict | None = None  # the last push's reply (rank 0): its bytes go in the step's metrics
+    exact: object | None = None  # --on-policy exact: recipes.exact_policy.ExactPolicy
     prefix_seen: dict | None = None  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
 
     def policy(self) -> torch.nn.Module:
