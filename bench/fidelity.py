@@ -8,7 +8,9 @@ tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what trun
 sampling has to correct), with the mean and largest |log ratio|. On a mixture of experts every sample carries its routed experts,
 and each engine gets a second row: the same tokens scored with the trainer's routers replaying the
 engine's experts (recipes/routing_replay.py), beside the share of tokens whose routing differs from
-the engine's in some layer without replay.
+the engine's in some layer without replay. On a dense model each engine gets an "exact" row too: the
+same tokens scored as `--on-policy exact` scores them (engine/exact_logprobs.py, the engine's
+arithmetic in the trainer's process, given the trainer's weights), which must be 0 throughout.
 
     python -m bench.fidelity                                 # smollm2, 32 prompts x 4, 64 tokens
     python -m bench.fidelity --prompts 8 --max-tokens 32     # quicker
@@ -37,20 +39,43 @@ ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 ac
 }
 
 
+def engine_config(model_dir: str, name: str, seed: int = 0):
+    from engine import EngineConfig
+
+    dtype, quantization, _, _, head_dtype = ENGINES[name]
+    return EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed,
+                        head_dtype=head_dtype)
+
+
+def exact_mismatch(trainer, model_dir: str, name: str, samples: list[tuple]) -> dict:
+    """`mismatch` of the samples scored as --on-policy exact scores them: engine `name`'s arithmetic in this
+    process, loaded with the trainer's weights."""
+    from engine.exact_logprobs import ExactLogprobs
+
+    scorer = ExactLogprobs(engine_config(model_dir, name))
+    scorer.load_weights((n, p.detach()) for n, p in trainer.named_parameters())
+    kept = [s for s in samples if s[1]]
+    t0 = time.perf_counter()
+    scored = scorer.logprobs([list(p) for p, *_ in kept], [list(c) for _, c, *_ in kept], 1.0)
+    log.info("%s exact: %d tokens scored in %.1f s", name, sum(map(len, scored)), time.perf_counter() - t0)
+    return mismatch(None, [(p, c, lp, None) for p, c, lp, _ in kept], scored=scored)
+
+EXACT = ("fp32", "bf16", "bf16+fp32head", "int8")  # the engines --on-policy exact serves (their own kernels)
+
+
 def sample(model_dir: str, prompts: list, name: str, n: int, max_tokens: int, seed: int, moe: bool = False
            ) -> list[tuple]:
     """(prompt ids, completion ids, the engine's logprobs, its routed experts or None) per sample of
     engine `name`."""
-    from engine import LLM, EngineConfig, SamplingParams
+    from engine import LLM, SamplingParams
     from engine.kernels import int8_linears
 
-    dtype, quantization, lm_head, activations, head_dtype = ENGINES[name]
+    _, quantization, lm_head, activations, _ = ENGINES[name]
     keep = int8_linears.KEEP_FULL_PRECISION
     int8_linears.KEEP_FULL_PRECISION = () if lm_head else keep  # both read when the engine loads
     os.environ[int8_linears.ENV_ACTIVATIONS] = "int8" if activations else "bf16"
     try:
-        llm = LLM(EngineConfig(model=model_dir, dtype=dtype, quantization=quantization, max_model_len=1024, seed=seed,
-                               head_dtype=head_dtype))
+        llm = LLM(engine_config(model_dir, name, seed))
         if quantization == "int8":
             log.info("%s: int8 kernel %s", name, int8_linears.kernel())
     finally:
@@ -82,16 +107,18 @@ def trainer_logprobs(trainer, prompt_ids: list[int], completion: list[int], rout
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def mismatch(trainer, samples: list[tuple], replayed: bool = False) -> dict:
+def mismatch(trainer, samples: list[tuple], replayed: bool = False, scored: list | None = None) -> dict:
     """Share of tokens with trainer/engine probability ratio outside [0.9, 1.1], mean and max |log ratio|;
-    with routed experts, the share of routed tokens the trainer routes otherwise in some layer."""
+    with routed experts, the share of routed tokens the trainer routes otherwise in some layer. `scored`:
+    the trainer's logprobs of each sample given (no trainer forward then)."""
     from recipes import corrections as C
     from recipes.routing_replay import align, own_routing, routing_mismatch
 
     logs, differ, routed_tokens = [], 0.0, 0
-    for prompt_ids, completion, engine_lp, routed in samples:
+    for k, (prompt_ids, completion, engine_lp, routed) in enumerate(samples):
         if completion:
-            lp = trainer_logprobs(trainer, list(prompt_ids), list(completion), routed if replayed else None)
+            lp = scored[k] if scored is not None else trainer_logprobs(trainer, list(prompt_ids), list(completion),
+                                                                       routed if replayed else None)
             logs.append(lp - torch.tensor(engine_lp))
             if routed is not None and not replayed:
                 seq = torch.tensor([list(prompt_ids) + list(completion)])
@@ -171,15 +198,17 @@ def main() -> None:
         rows[name] = mismatch(trainer, samples)
         if moe:
             rows[f"{name} replay"] = mismatch(trainer, samples, replayed=True)
+        elif name in EXACT:
+            rows[f"{name} exact"] = exact_mismatch(trainer, model_dir, name, samples)
         if args.ablation and name == "fp32":
             ablated = ablation(trainer, samples)
     if args.ablation:
         rows.update(ablated)
-    log.info("%-13s %7s %22s %14s %13s %10s %10s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
+    log.info("%-20s %7s %22s %14s %13s %10s %10s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
              "max|log r|", "k3 KL", "chi2", "routing differs" if moe else "")
     for name, r in rows.items():
         routing = "" if r.get("routing") is None else f"{100 * r['routing']:.2f}%"
-        log.info("%-13s %7d %22.2f%% %14.4f %13.3f %10.2e %10.2e %s", name, r["tokens"], 100 * r["outside"],
+        log.info("%-20s %7d %22.2f%% %14.4f %13.3f %10.2e %10.2e %s", name, r["tokens"], 100 * r["outside"],
                  r["mean_abs_log"], r["max_abs_log"], r["k3_kl"], r["chi2"],
                  routing)
 

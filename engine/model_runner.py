@@ -189,6 +189,8 @@ class ModelRunner:
         spans = [(a, b, c, None if at is None else rest[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
         ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots_d,
                                     prefill_spans=spans, **self._cache_views)
+        if self.native_decode and self.cfg.batch_invariant:  # every prompt row attends as a decode row: see attention._prefill
+            ctx.native = _prefill_rows(seqs, pos, t)
         if padded is not None:
             ctx.padded_prefill = step_inputs.padded_on_device(rest[n_tables:], *padded[4:], bs)
         return ids_d, pos_d, ctx, last_d
@@ -329,3 +331,16 @@ class ModelRunner:
         tokens = [int(x) for x in tokens]
         top_rows = None if top is None else step_sampling.top_entries(seqs, tokens, logprobs, top)
         return SampleResult(tokens, logprobs, top_rows)
+
+
+def _prefill_rows(seqs: list[Sequence], positions: list[np.ndarray], rows: int) -> NativeDecode:
+    """A prefill step's rows as the decode kernel takes them: each row its sequence's block table and
+    the keys up to its own position."""
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    counts = [len(p) for p in positions]
+    lengths = np.concatenate(positions) + 1
+    return NativeDecode(torch.from_numpy(np.repeat(tables, counts, axis=0)), torch.from_numpy(lengths),
+                        int(lengths.max()) if rows else 1)

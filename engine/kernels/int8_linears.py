@@ -216,9 +216,8 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
                     "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX: 9%%; bench.fidelity)", how[0])
     count = 0
+    native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it
     for name, module in model.named_modules():
-        if hasattr(module, "variance_epsilon") or hasattr(module, "act_fn"):  # a norm, an MLP
-            setattr(module, native_glue.C_GLUE, True)  # fp32 glue in C, as the C decode loop runs it
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in keep:
             # in place of a prepacked copy, if it had one; the kernel is fixed for the model's life
             derived_weights.attach(module, functools.partial(derive, how=how))

@@ -13,9 +13,20 @@ import torch
 from engine.kernels import native_kernels
 
 # Set on a norm or an MLP whose fp32 glue runs in C (this module) rather than torch's ops: a quantized
-# engine's (int8_linears.install), whose C decode loop (engine/models/native_layers.py) runs the same,
-# so both give the same bits. The full-precision fp32 engine keeps torch's ops: HF's arithmetic op for op.
+# engine's (int8_linears.install) and a batch-invariant one's (model_loader), whose C decode loop
+# (engine/models/native_layers.py) runs the same, so prefill and decode rows give the same bits. An fp32
+# engine with batch_invariant off keeps torch's ops in its prefills: HF's arithmetic op for op.
 C_GLUE = "_c_glue"
+
+
+
+def glue_in_c(model: torch.nn.Module) -> None:
+    """Every norm and MLP of `model` runs its fp32 glue in C (C_GLUE), as the C decode loop does: a row
+    then has the same bits in a prefill step as in a decode step (batch invariance across step kinds)."""
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon") or hasattr(module, "act_fn"):  # a norm, an MLP
+            setattr(module, C_GLUE, True)
+
 
 _I64, _PTR, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {

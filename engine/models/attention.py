@@ -108,6 +108,8 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
     """Prefill attention, query [1, H, T, d], key/value [1, KVH, T, d] (written to the cache
     already): [1, H, T, d]."""
     gqa = query.shape[1] != key.shape[1]
+    if ctx.native is not None:  # the CPU's kernel, each row as a decode row: see _native_prefill
+        return _native_prefill(ctx, layer, query, scaling)
     if ctx.padded_prefill is not None:
         return _padded_prefill(ctx.padded_prefill, ctx.k_blocks[layer], ctx.v_blocks[layer], query, scaling, gqa)
     k_cache, v_cache = ctx.k_blocks[layer], ctx.v_blocks[layer]
@@ -128,6 +130,20 @@ def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outs.append(out)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+def _native_prefill(ctx: AttnContext, layer: int, query, scaling) -> torch.Tensor:
+    """Prefill attention through the decode kernel (engine/kernels/native/paged_decode.c): every row
+    attends its keys in the cache up to its own position, one row's sums in one fixed order. So a
+    prompt row's bits do not depend on how its prompt was cut (whole, chunked, after a prefix-cache
+    hit, or sharing the step with its own samples'), which SDPA's blocked kernel does not promise (a
+    prefix hit at 80 or 129 tokens moved a bf16 logprob), and equal what the engine's exact trainer
+    forward recomputes (engine/exact_logprobs.py). query [1, H, T, d] -> [1, H, T, d]."""
+    q = query[0].transpose(0, 1)  # [T, H, d]
+    out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling)
+    if out is None:
+        raise RuntimeError(f"the native attention kernel refused q {tuple(q.shape)} on a {ctx.k_cache.dtype} cache")
+    return out.transpose(0, 1).unsqueeze(0)
 
 
 def _causal_mask(rows: int, keys: int, computed: int, dtype, device) -> torch.Tensor:

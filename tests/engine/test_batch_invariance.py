@@ -95,3 +95,26 @@ def test_a_sampled_row_keeps_its_bits_whatever_its_neighbours_ask(tiny_dirs, dty
         nb.max_tokens, nb.ignore_eos = 30, True
         outs = llm.generate([probe, {"prompt_token_ids": [7, 7, 7]}], [sampled, nb], use_tqdm=False)
         assert _bits(outs[0]) == alone, nb
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_row_has_the_same_bits_in_a_prefill_as_in_a_decode_and_after_any_prefix_hit(tiny_dirs, dtype):
+    """Every attention row goes through the decode kernel, prefill rows too, and fp32 norms and silu run
+    the C loop's: a token's next-token logprob is the same computed by a decode step, by a prefill of
+    the text so far (a recompute after preemption, an agent's next turn), and after a prefix hit of any
+    length (SDPA's blocked prefill had moved bf16 bits at hits of 80 and 129 tokens on SmolLM2)."""
+    llm = LLM(EngineConfig(model=tiny_dirs["qwen2"], dtype=dtype, max_model_len=512, num_threads=2))
+    rng = random.Random(4)
+    vocab = llm.core.runner.vocab_size
+    one = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    prompt = [rng.randrange(3, vocab) for _ in range(37)]
+    decoded = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0]
+    for j in (1, 5, 11, 23):
+        again = llm.generate([{"prompt_token_ids": prompt + decoded.token_ids[:j]}], one, use_tqdm=False)[0]
+        assert again.outputs[0].logprobs[0] == decoded.logprobs[j], j
+    for length in (33, 48, 65, 80, 129, 200):
+        text = [rng.randrange(3, vocab) for _ in range(length)]
+        llm.core.reset_prefix_cache()
+        whole = llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)[0]
+        hit = llm.generate([{"prompt_token_ids": text}], one, use_tqdm=False)[0]
+        assert hit.num_cached_tokens == length - 1 - (length - 1) % 16 and _bits(hit) == _bits(whole), length
