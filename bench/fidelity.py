@@ -127,7 +127,7 @@ def mismatch(trainer, samples: list[tuple], replayed: bool = False, scored: list
                 routed_tokens += int(mask.sum())
     log_ratio = torch.cat(logs)
     m = C.mismatch(log_ratio[None], torch.ones(1, log_ratio.numel()))  # the recipes' per-step measures
-    return {"tokens": log_ratio.numel(), "outside": m["outside_band"], "mean_abs_log": log_ratio.abs().mean().item(),
+    return {"tokens": log_ratio.numel(), "differ": int((log_ratio != 0).sum()), "outside": m["outside_band"], "mean_abs_log": log_ratio.abs().mean().item(),
             "max_abs_log": m["max_abs_log_ratio"], "k3_kl": m["k3_kl"], "chi2": m["chi2_token"],
             "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 
@@ -204,13 +204,12 @@ def main() -> None:
             ablated = ablation(trainer, samples)
     if args.ablation:
         rows.update(ablated)
-    log.info("%-20s %7s %22s %14s %13s %10s %10s %s", "engine", "tokens", "ratio outside [0.9,1.1]", "mean|log r|",
-             "max|log r|", "k3 KL", "chi2", "routing differs" if moe else "")
+    log.info("%-20s %7s %12s %22s %14s %13s %10s %10s %s", "engine", "tokens", "bits differ", "ratio outside [0.9,1.1]",
+             "mean|log r|", "max|log r|", "k3 KL", "chi2", "routing differs" if moe else "")
     for name, r in rows.items():
         routing = "" if r.get("routing") is None else f"{100 * r['routing']:.2f}%"
-        log.info("%-20s %7d %22.2f%% %14.4f %13.3f %10.2e %10.2e %s", name, r["tokens"], 100 * r["outside"],
-                 r["mean_abs_log"], r["max_abs_log"], r["k3_kl"], r["chi2"],
-                 routing)
+        log.info("%-20s %7d %12d %22.2f%% %14.4f %13.3g %10.2e %10.2e %s", name, r["tokens"], r["differ"],
+                 100 * r["outside"], r["mean_abs_log"], r["max_abs_log"], r["k3_kl"], r["chi2"], routing)
 
 
 if __name__ == "__main__":

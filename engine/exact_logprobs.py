@@ -10,19 +10,18 @@ forcing: the rows of one step write their keys and values into the cache, layer 
 row attends, so a step may hold many positions of one sequence), then each row's logits turned into
 the sampled token's logprob by the sampler's own arithmetic (native_sampler.score_rows). The engine's
 steps are batch invariant (tests/engine/test_batch_invariance.py): a row's bits do not depend on what
-else shares its step, nor on the thread count, so these steps give the rollout's bits, whatever the
-sidecar batched with it.
+else shares its step, on the thread count, on a prefix-cache hit, nor on whether a prefill or a decode
+step computed it, so these steps give the rollout's bits whatever the sidecar batched with it (a
+sequence it preempted and recomputed, an agent's later turn prefilled over an earlier turn's tokens).
 
 The weights are the trainer's as the engine holds them after a push: `load_weights` casts them as a
 push's commit does, `load_adapter` merges LoRA factors into the base as an adapter push's commit does
 (engine/kernels/lora_merge.py). Gradients are not this module's: the recipes pass them through torch's
 own forward of the same weights (recipes/exact_policy.py).
 
-Where the bits cannot match: a sequence the engine preempted and recomputed (its later tokens attended
-to keys a prefill made, here a decode step's), a multi-turn episode whose later turn hit the prefix
-cache on blocks an earlier turn decoded, sampling with anything beyond a temperature (top-k / top-p /
-min-p, penalties, processors: refused here), a mixture of experts (refused: its routing is not
-replayed here), the transformers fallback's layers.
+What it does not cover: sampling with anything beyond a temperature (top-k / top-p / min-p, penalties,
+processors), a mixture of experts (refused: its routing is not replayed here), an engine with
+`batch_invariant` off or unmerged LoRA adapters (`lora_versions`), and the GPU.
 """
 
 from __future__ import annotations
