@@ -13,6 +13,7 @@ _WHERE = {
     "EngineDeadError": "engine.errors",
     "EngineGenerateError": "engine.errors",
     "EngineUnhealthyError": "engine.errors",
+    "ExactLogprobs": "engine.exact_logprobs",
     "LLM": "engine.llm",
     "PauseMode": "engine.messages",
     "SamplingParams": "engine.sampling_params",

