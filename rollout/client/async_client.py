@@ -21,7 +21,8 @@ from rollout.common import protocol as P
 from rollout.client.catch_up import catch_up
 from rollout.client.sidecar_link import ACTIVE, CATCHING_UP
 from rollout.client.sidecar_set import SidecarSet
-from rollout.client.spread import Spread, generate_inputs
+from rollout.client.placement import Placement
+from rollout.client.spread import Spread, generate_inputs, session_list
 from rollout.common.types import Rollout
 from rollout.client.weight_sync_client import WeightSyncClient
 
@@ -40,6 +41,7 @@ class AsyncRolloutClient:
         self.links.on_return = self._take_back
         self._release = self.links.release  # the sockets, closed once (also when the client is dropped)
         self.weight_sync = WeightSyncClient(self.links)
+        self.placement = Placement()  # where each named session's calls go (rollout/client/placement.py)
 
     @property
     def urls(self) -> list[str]:
@@ -67,12 +69,17 @@ class AsyncRolloutClient:
         self.weight_sync.anchors.every = n
 
     # -- generation ---------------------------------------------------------------------------
-    async def generate_iter(self, prompts: list, sampling_params=None) -> AsyncIterator[tuple[int, list[Rollout]]]:
+    async def generate_iter(self, prompts: list, sampling_params=None,
+                            sessions=None) -> AsyncIterator[tuple[int, list[Rollout]]]:
         """Yields (prompt index, its n rollouts) as each group finishes. Prompts are spread over
         the active sidecars in contiguous chunks; the unfinished prompts of a sidecar that goes
         are re-sent to the others. A prompt is a string, token ids, or a conversation (a list of
-        {"role", "content"} messages, put through the model's chat template)."""
-        spread = Spread(self.links, *generate_inputs(prompts, sampling_params))
+        {"role", "content"} messages, put through the model's chat template). `sessions`: a name
+        (an agent's episode id) for every prompt, or one name (or None) a prompt: a session's calls
+        go to the sidecar that served its last one, whose prefix cache holds it
+        (rollout/client/placement.py; `end_session` drops it)."""
+        prompts, wire = generate_inputs(prompts, sampling_params)
+        spread = Spread(self.links, prompts, wire, session_list(sessions, len(prompts)), self.placement)
         try:
             await spread.submit(list(range(len(spread.prompts))))
             while spread.calls:
@@ -84,16 +91,26 @@ class AsyncRolloutClient:
         finally:
             await spread.close()
 
-    async def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
-        """One list of n rollouts per prompt, in prompt order."""
+    async def generate(self, prompts: list, sampling_params=None, sessions=None) -> list[list[Rollout]]:
+        """One list of n rollouts per prompt, in prompt order (`sessions` as generate_iter's)."""
         from engine.inputs import is_conversation
 
         if is_conversation(prompts):
             prompts = [prompts]
         groups: list = [None] * len(prompts)
-        async for idx, rollouts in self.generate_iter(prompts, sampling_params):
+        async for idx, rollouts in self.generate_iter(prompts, sampling_params, sessions):
             groups[idx] = rollouts
         return groups
+
+    def end_session(self, session: str) -> None:
+        """The session is over: its sidecar is no longer kept for it."""
+        self.placement.end(session)
+
+    def placement_stats(self) -> dict:
+        """Sessions started and pinned, moves, and this client's prompts in flight per sidecar URL."""
+        stats = self.placement.stats()
+        stats["busy"] = {self.links.url(i): n for i, n in stats["busy"].items()}
+        return stats
 
     # -- the sidecars in use ----------------------------------------------------------------------
     async def add_sidecar(self, url: str, wait: bool = False) -> None:

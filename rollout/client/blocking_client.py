@@ -45,11 +45,11 @@ class RolloutClient:
         """As AsyncRolloutClient.states (as of this client's last call: its loop runs in its calls)."""
         return self._client.states
 
-    def generate(self, prompts: list, sampling_params=None) -> list[list[Rollout]]:
-        return self._run(self._client.generate(prompts, sampling_params))
+    def generate(self, prompts: list, sampling_params=None, sessions=None) -> list[list[Rollout]]:
+        return self._run(self._client.generate(prompts, sampling_params, sessions))
 
-    def generate_iter(self, prompts: list, sampling_params=None) -> Iterator[tuple[int, list[Rollout]]]:
-        agen = self._client.generate_iter(prompts, sampling_params)
+    def generate_iter(self, prompts: list, sampling_params=None, sessions=None) -> Iterator[tuple[int, list[Rollout]]]:
+        agen = self._client.generate_iter(prompts, sampling_params, sessions)
         try:
             while True:
                 try:
@@ -58,6 +58,12 @@ class RolloutClient:
                     return
         finally:
             self._run(agen.aclose())
+
+    def end_session(self, session: str) -> None:
+        self._client.end_session(session)
+
+    def placement_stats(self) -> dict:
+        return self._client.placement_stats()
 
     def add_sidecar(self, url: str, wait: bool = False) -> None:
         """As AsyncRolloutClient.add_sidecar. `wait=False`: the peer sending it the weights works on

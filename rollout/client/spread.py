@@ -1,5 +1,6 @@
 """One `generate_iter` call's prompts spread over the active sidecars (rollout.client.sidecar_set), and
-re-sent to the others when one goes."""
+re-sent to the others when one goes. Prompts of a named session go where the client's placement
+(rollout.client.placement) puts that session; the others in contiguous parts, one a sidecar."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from rollout.common import protocol as P
 from rollout.client.sidecar_link import ACTIVE, SidecarError, SidecarGoneError
+from rollout.client.placement import Placement
 from rollout.client.sidecar_set import SidecarSet
 
 log = logging.getLogger("rollout.client")
@@ -35,6 +37,17 @@ def generate_inputs(prompts, sampling_params) -> tuple[list, Any]:
     return prompts, _params_wire(sampling_params, len(prompts))
 
 
+def session_list(sessions, n_prompts: int) -> list[str | None] | None:
+    """generate_iter's `sessions` as one session (or None) a prompt: None, one name for every prompt, or
+    a list of one name (or None) a prompt."""
+    if sessions is None or isinstance(sessions, str):
+        return None if sessions is None else [sessions] * n_prompts
+    sessions = list(sessions)
+    if len(sessions) != n_prompts or not all(s is None or isinstance(s, str) for s in sessions):
+        raise ValueError(f"sessions must be a name, or one name (or None) for each of the {n_prompts} prompts")
+    return sessions
+
+
 def _chunks(indices: list[int], k: int) -> list[list[int]]:
     """`indices` cut into k contiguous parts of near-equal size (some empty when fewer than k)."""
     n = len(indices)
@@ -45,8 +58,11 @@ class Spread:
     """One generate_iter call's prompts spread over the sidecars: which call carries which
     prompts, and one queue into which a pump per call forwards its answers (or its error)."""
 
-    def __init__(self, links: SidecarSet, prompts: list, wire):
+    def __init__(self, links: SidecarSet, prompts: list, wire, sessions: list[str | None] | None = None,
+                 placement: Placement | None = None):
         self.links, self.prompts, self.wire = links, prompts, wire
+        self.sessions = sessions
+        self.placement = placement or Placement()
         self.merged: asyncio.Queue = asyncio.Queue()
         self.calls: dict[tuple[int, int], list[int]] = {}  # (sidecar, call id) -> the prompts it carries
         self.done: set[int] = set()
@@ -60,10 +76,25 @@ class Spread:
             if not serving:
                 raise SidecarError(f"generate: no sidecar left to serve ({self.links.gone_reasons()})", "gone")
             left = []
-            for i, part in zip(serving, _chunks(indices, len(serving))):
+            for i, part in self._parts(indices, serving).items():
                 if part and not await self._send(i, part):
+                    self.placement.done(i, len(part))
                     left += part
             indices = left
+
+    def _parts(self, indices: list[int], serving: list[int]) -> dict[int, list[int]]:
+        """Each serving sidecar's prompts of `indices`: a named session's where the placement puts it, the
+        others cut into contiguous parts; all counted busy there."""
+        named = [x for x in indices if self.sessions is not None and self.sessions[x] is not None]
+        taken = set(named)
+        free = [x for x in indices if x not in taken]
+        parts = dict(zip(serving, _chunks(free, len(serving))))
+        for i, part in parts.items():
+            self.placement.busy[i] += len(part)
+        if named:
+            for x, i in zip(named, self.placement.place([self.sessions[x] for x in named], serving)):
+                parts[i].append(x)
+        return parts
 
     async def _send(self, i: int, part: list[int]) -> bool:
         """One Generate call of prompts `part` to sidecar i, with its pump; False if the sidecar is gone."""
@@ -91,6 +122,7 @@ class Spread:
         """The prompt index of group `index` of call (i, cid), now done."""
         idx = self.calls[(i, cid)][index]
         self.done.add(idx)
+        self.placement.done(i)
         return idx
 
     async def call_ended(self, i: int, cid: int, msg) -> None:
@@ -103,6 +135,7 @@ class Spread:
             msg = SidecarGoneError(self.links.url(i), msg.error)
         if isinstance(msg, SidecarGoneError):
             rest = [x for x in self.calls.pop((i, cid)) if x not in self.done]
+            self.placement.done(i, len(rest))
             log.warning("re-sending %d unfinished prompts of %s to the other sidecars", len(rest), msg.url)
             await self.submit(rest)
         elif isinstance(msg, Exception):
@@ -119,7 +152,8 @@ class Spread:
         for t in self._pumps:
             t.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)  # let the cancellations land
-        for i, cid in list(self.calls):
+        for (i, cid), part in list(self.calls.items()):
+            self.placement.done(i, sum(1 for x in part if x not in self.done))
             await self.links.give_up(i, cid)
         for i, cid in self._sent:
             self.links.forget(i, cid)

@@ -1,0 +1,76 @@
+"""Where a session's calls go when one client drives several sidecars (issue 66 item 1): every call of a
+session (an agent's episode, GRPO's n samples of a prompt) goes to the sidecar that served its last one,
+whose prefix cache holds the episode so far; a new session goes to the least busy sidecar.
+
+A session moves, once per reason, when its sidecar is gone or paused (not serving), or busier than the
+least busy by more than `margin` prompts in flight; each move is counted. Ties go to the sidecar with
+the fewest sessions pinned, then the lowest index, so that many new sessions at once spread instead of
+all landing on one sidecar (torchtitan #3755: a tie-break that pinned every session to one generator).
+A session ends by `end(session)`, or when it has had no call for `idle_s` seconds: its pin is dropped.
+
+Busy is this client's prompts in flight on each sidecar (sent, not finished): what it knows at once,
+without asking. Pure bookkeeping: no sockets, no clock but the one given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+
+class Placement:
+    def __init__(self, margin: int = 8, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        if margin < 0 or idle_s <= 0:
+            raise ValueError(f"margin must be >= 0 and idle_s > 0, got {margin} and {idle_s}")
+        self.margin, self.idle_s, self.clock = margin, idle_s, clock
+        self.pins: dict[str, tuple[int, float]] = {}  # session -> (sidecar, when its last call was placed)
+        self.busy: Counter = Counter()  # sidecar -> prompts in flight
+        self.moves = 0  # sessions moved off the sidecar they were pinned to
+        self.sessions = 0  # sessions started
+
+    def place(self, sessions: list[str], serving: list[int]) -> list[int]:
+        """The sidecar of each of a call's prompts (one session each; a session named twice goes to one
+        sidecar), among the `serving` ones; counted busy until `done`."""
+        if not serving:
+            raise ValueError("no sidecar serves")
+        self._expire()
+        now, out = self.clock(), []
+        for session in sessions:
+            i = self._sidecar(session, serving)
+            self.pins[session] = (i, now)
+            self.busy[i] += 1
+            out.append(i)
+        return out
+
+    def _sidecar(self, session: str, serving: list[int]) -> int:
+        least = min(serving, key=self._order)
+        pin = self.pins.get(session)
+        if pin is None:
+            self.sessions += 1
+            return least
+        i = pin[0]
+        if i in serving and self.busy[i] - self.busy[least] <= self.margin:
+            return i
+        self.moves += 1
+        return least
+
+    def _order(self, i: int) -> tuple:
+        return self.busy[i], sum(1 for s, _ in self.pins.values() if s == i), i
+
+    def done(self, i: int, n: int = 1) -> None:
+        """n prompts placed on sidecar i finished (or failed, or went elsewhere)."""
+        self.busy[i] = max(0, self.busy[i] - n)
+
+    def end(self, session: str) -> None:
+        self.pins.pop(session, None)
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.idle_s
+        for session in [s for s, (_, when) in self.pins.items() if when < cutoff]:
+            del self.pins[session]
+
+    def stats(self) -> dict:
+        """Sessions started and pinned now, moves, and prompts in flight per sidecar."""
+        return {"sessions": self.sessions, "pinned": len(self.pins), "moves": self.moves,
+                "busy": {i: n for i, n in self.busy.items() if n}}
