@@ -109,6 +109,16 @@ async def run_episode(turns, make_env, seed: int, request_seed: int, s: Settings
 
 
 async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episode:
+    session = f"episode-{request_seed}"  # its turns stay on one sidecar, where their prefix is cached
+    try:
+        return await _turns(turns, env, seed, request_seed, s, session)
+    finally:
+        end = getattr(turns, "end_session", None)
+        if end is not None:
+            end(session)
+
+
+async def _turns(turns, env, seed: int, request_seed: int, s: Settings, session: str) -> Episode:
     ep = Episode()
     try:
         first = env.reset(seed)
@@ -124,7 +134,7 @@ async def _play(turns, env, seed: int, request_seed: int, s: Settings) -> Episod
             ep.end = "stale"
             break
         try:
-            turn = await turns(messages, tools, s.max_tokens, s.temperature, request_seed + t)
+            turn = await turns(messages, tools, s.max_tokens, s.temperature, request_seed + t, session)
         except TurnError as e:  # this request's fault (a refused prompt, a bad message), not the run's
             return _failed(ep, f"turn {t}", e, messages, "turn")
         ep.add_turn(turn)

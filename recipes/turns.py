@@ -85,7 +85,8 @@ class ClientTurns:
         return chat_prompt_ids([ChatMessage.model_validate(m) for m in messages], self.tokenizer,
                                tools if self.takes_tools else None, chat_template=self.chat_template)
 
-    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
+    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None,
+                       session: str | None = None) -> Turn:
         from rollout.sidecar.openai_front.chat_prompt import ChatPromptError
         from rollout.client.sidecar_link import SidecarError
 
@@ -95,13 +96,17 @@ class ClientTurns:
             raise TurnError(str(e), "invalid") from e
         params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, seed=seed)
         try:
-            (r,), = await self.client.generate([ids], params)
+            (r,), = await self.client.generate([ids], params, sessions=session)
         except SidecarError as e:
             if e.kind == "gone":
                 raise
             raise TurnError(str(e), e.kind) from e
         return Turn(r.prompt_token_ids, r.token_ids, r.logprobs, r.weight_versions, r.finish_reason,
                     parsed_message(r.text, self.parser))
+
+    def end_session(self, session: str) -> None:
+        """The episode is over: its sidecar is no longer kept for it (rollout/client/placement.py)."""
+        self.client.end_session(session)
 
     async def close(self) -> None:
         await self.client.close()
@@ -114,9 +119,11 @@ class OpenAITurns:
     def __init__(self, client, model: str):
         self.client, self.model = client, model
 
-    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None) -> Turn:
+    async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None,
+                       session: str | None = None) -> Turn:
         import openai
 
+        del session  # one front, one sidecar: nothing to place (a router's is issue 66 item 2)
         extra = {"tools": tools} if tools else {}
         try:
             r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
