@@ -6,8 +6,10 @@ layer we first write all new keys/values into the cache, then attend. Writing be
 lets sequences scheduled in the same step share prefix blocks that one of them is computing,
 and lets every path read keys from the cache alone.
 
-Prefill: on the CPU one call per sequence (causal over its cached prefix + new tokens: the least
-arithmetic); on a GPU the step's spans padded into one call per layer (`PaddedPrefill`).
+Prefill: on the CPU every row through the decode kernel (batch invariance: a row's bits whatever cut its
+prompt, and a decode row's; `_native_prefill`), or with batch_invariant off one SDPA call per sequence
+(causal over its cached prefix + new tokens); on a GPU the step's spans padded into one call per layer
+(`PaddedPrefill`).
 Decode on the CPU: the C kernel of engine/kernels/native_decode.py, reading keys and values in place.
 Elsewhere (a GPU, no C compiler, ROLLOUT_NATIVE_KERNELS=0): every row's blocks are gathered with
 `index_select` into buffers reused by every layer and step, and the query heads that share a KV head are laid out as query positions, which turns
