@@ -12,6 +12,11 @@
    its dot product.
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
    does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
+   Each row's sums run in one fixed order, set by the row alone (its keys block by block, four at a
+   time then one by one, each head's lanes reduced by reduce4 / hsum; its values the same way), never
+   by the other rows or the threads: batch invariant. A batch-invariant engine's prefill rows come here
+   too (engine/models/attention.py, _native_prefill: a row's keys up to its own position), so a row has
+   the same bits in a prefill as in a decode step.
    Compiled at first use by engine/kernels/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
    threads are torch's own (the same libgomp, already loaded). */
 
