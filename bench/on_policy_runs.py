@@ -22,6 +22,8 @@ MODES = {"exact": ["--on-policy", "exact"], "tis": ["--is-mode", "token_truncate
 
 def run(mode: str, seed: int, args) -> list[dict]:
     out = Path(args.output_dir) / f"{mode}-{seed}"
+    if args.replot:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cmd = [sys.executable, "-m", "recipes.grpo", "--model", args.model, "--task", "arithmetic", "--max-steps",
            str(args.steps), "--sidecar-dtype", "bfloat16", "--seed", str(seed), "--output-dir", str(out),
            "--log-level", "WARNING", *MODES[mode]]
@@ -44,7 +46,7 @@ def plot(runs: dict, path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for (mode, seed), rows in runs.items():
         style = {"color": "tab:green" if mode == "exact" else "tab:orange", "alpha": 0.8,
-                 "label": f"{mode}, seed {seed}"}
+                 "linestyle": ("-", "--", ":", "-.")[seed % 4], "label": f"{mode}, seed {seed}"}
         steps = [r["weight_version"] for r in rows]
         top.plot(steps, [r["reward/correct"] for r in rows], **style)
         bottom.plot(steps, [100 * r["mismatch/outside_band"] for r in rows], **style)
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--output-dir", default="out/on_policy_runs")
     ap.add_argument("--figure", default=None, help="where the curves go (default: in --output-dir)")
+    ap.add_argument("--replot", action="store_true", help="no runs: the table and figure of the runs in --output-dir")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = {(mode, int(seed)): run(mode, int(seed), args) for seed in args.seeds.split(",") for mode in MODES}
@@ -73,7 +76,8 @@ def main() -> None:
         c0, c1 = ends(rows, "reward/correct")
         m0, m1 = ends(rows, "mismatch/outside_band")
         worst = max(r["sampling/sampling_logp_difference/max"] for r in rows)
-        log.info("%-6s %4d %11.3f -> %-10.3f %12.2f%% -> %-11.2f%% %14.3f", mode, seed, c0, c1, 100 * m0, 100 * m1, worst)
+        log.info("%-6s %4d %24s %28s %14.3f", mode, seed, f"{c0:.3f} -> {c1:.3f}", f"{100 * m0:.2f}% -> {100 * m1:.2f}%",
+                 worst)
     figure = Path(args.figure or Path(args.output_dir) / "exact_vs_tis.png")
     plot(runs, figure)
     log.info("curves: %s", figure)
