@@ -127,7 +127,8 @@ def mismatch(trainer, samples: list[tuple], replayed: bool = False, scored: list
                 routed_tokens += int(mask.sum())
     log_ratio = torch.cat(logs)
     m = C.mismatch(log_ratio[None], torch.ones(1, log_ratio.numel()))  # the recipes' per-step measures
-    return {"tokens": log_ratio.numel(), "differ": int((log_ratio != 0).sum()), "outside": m["outside_band"], "mean_abs_log": log_ratio.abs().mean().item(),
+    return {"tokens": log_ratio.numel(), "differ": int((log_ratio != 0).sum()), "outside": m["outside_band"],
+            "mean_abs_log": log_ratio.abs().mean().item(),
             "max_abs_log": m["max_abs_log_ratio"], "k3_kl": m["k3_kl"], "chi2": m["chi2_token"],
             "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 

@@ -76,8 +76,8 @@ def main() -> None:
         c0, c1 = ends(rows, "reward/correct")
         m0, m1 = ends(rows, "mismatch/outside_band")
         worst = max(r["sampling/sampling_logp_difference/max"] for r in rows)
-        log.info("%-6s %4d %24s %28s %14.3f", mode, seed, f"{c0:.3f} -> {c1:.3f}", f"{100 * m0:.2f}% -> {100 * m1:.2f}%",
-                 worst)
+        log.info("%-6s %4d %24s %28s %14.3f", mode, seed, f"{c0:.3f} -> {c1:.3f}",
+                 f"{100 * m0:.2f}% -> {100 * m1:.2f}%", worst)
     figure = Path(args.figure or Path(args.output_dir) / "exact_vs_tis.png")
     plot(runs, figure)
     log.info("curves: %s", figure)

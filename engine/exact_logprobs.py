@@ -144,7 +144,8 @@ class ExactLogprobs:
         parts, part, blocks, tokens = [], [], 0, 0
         for i in todo:
             need = self._blocks(len(prompts[i]) + len(completions[i]) - 1)
-            if part and (blocks + need > self.runner.num_blocks or tokens + len(prompts[i]) > self.cfg.max_num_batched_tokens):
+            full = blocks + need > self.runner.num_blocks
+            if part and (full or tokens + len(prompts[i]) > self.cfg.max_num_batched_tokens):
                 parts.append(part)
                 part, blocks, tokens = [], 0, 0
             part.append(i)
@@ -181,6 +182,7 @@ class ExactLogprobs:
         lp = native_sampler.score_rows(logits, torch.full((rows,), temperature), torch.tensor(tokens),
                                        block_size_for(logits.shape[-1]))
         if lp is None:
-            raise RuntimeError("the sampler's scoring kernel does not run here (no C compiler?): exact logprobs need it")
+            raise RuntimeError("the sampler's scoring kernel does not run here (no C compiler?): "
+                               "exact logprobs need it")
         for (i, j), v in zip(where, lp.tolist()):
             out[i][j] = v

@@ -189,7 +189,7 @@ class ModelRunner:
         spans = [(a, b, c, None if at is None else rest[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
         ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots_d,
                                     prefill_spans=spans, **self._cache_views)
-        if self.native_decode and self.cfg.batch_invariant:  # every prompt row attends as a decode row: see attention._prefill
+        if self.native_decode and self.cfg.batch_invariant:  # each row attends as a decode row (attention._prefill)
             ctx.native = _prefill_rows(seqs, pos, t)
         if padded is not None:
             ctx.padded_prefill = step_inputs.padded_on_device(rest[n_tables:], *padded[4:], bs)

@@ -43,7 +43,7 @@ class SamplingTensors:
     num_top_logprobs: int | None = None  # the most top logprobs any row asked for; None: no row asked
     raw_logprobs: bool = False
     # [B] bool on the host: rows sampled at their temperature alone (step_sampling.plain_row), whose
-    # token and logprob must not depend on what their neighbours ask; None: no row is
+    # token and logprob must not depend on what their neighbours ask; None: no row is, or every row is
     plain: torch.Tensor | None = None
     asks_top: torch.Tensor | None = None  # [B] bool: the rows that asked for top logprobs; None: none did
 

@@ -64,7 +64,7 @@ def sampling_tensors(seqs: list[Sequence], vocab: int, device: torch.device, sha
     if t.num_top_logprobs is not None:
         t.asks_top = torch.tensor([p.logprobs is not None for p in params], device=device)
     plain = [plain_row(s) for s in seqs]
-    if any(plain):
+    if any(plain) and not all(plain):  # all plain: the native sampler takes the whole step anyway
         t.plain = torch.tensor(plain)
     if not all(p.greedy for p in params):
         t.uniforms = uniform_noise(shared_generator, len(seqs), device)

@@ -40,7 +40,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch
     return tokens, logprobs
 
 
-def score_rows(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor, block: int) -> torch.Tensor | None:
+def score_rows(logits: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor,
+               block: int) -> torch.Tensor | None:
     """The logprobs [B] (fp32) `sample_rows` reports when row b of logits [B, V] at temperature [B] (> 0)
     samples tokens[b]: the same arithmetic, so the same bits; None where no kernel takes it."""
     if logits.device.type != "cpu" or logits.dtype not in _SUFFIX or logits.dim() != 2:

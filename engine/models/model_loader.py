@@ -9,7 +9,8 @@ import logging
 
 import torch
 
-from engine.kernels import derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, native_glue, packed_linears
+from engine.kernels import (derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, native_glue,
+                            packed_linears)
 from engine.models import attention, fused_layers, llama_model, moe_model
 from engine.config import EngineConfig
 
