@@ -58,6 +58,10 @@ class Placement:
     def _order(self, i: int) -> tuple:
         return self.busy[i], sum(1 for s, _ in self.pins.values() if s == i), i
 
+    def sent(self, i: int, n: int) -> None:
+        """n prompts of no session went to sidecar i (a contiguous part of a call): busy there too."""
+        self.busy[i] += n
+
     def done(self, i: int, n: int = 1) -> None:
         """n prompts placed on sidecar i finished (or failed, or went elsewhere)."""
         self.busy[i] = max(0, self.busy[i] - n)

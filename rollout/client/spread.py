@@ -90,7 +90,7 @@ class Spread:
         free = [x for x in indices if x not in taken]
         parts = dict(zip(serving, _chunks(free, len(serving))))
         for i, part in parts.items():
-            self.placement.busy[i] += len(part)
+            self.placement.sent(i, len(part))
         if named:
             for x, i in zip(named, self.placement.place([self.sessions[x] for x in named], serving)):
                 parts[i].append(x)
