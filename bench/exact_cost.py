@@ -39,7 +39,7 @@ def step(policy, batch, scorer=None) -> dict:
     """One GRPO-shaped forward + backward (the clipped loss at ratio 1); with `scorer`, exact mode's."""
     from recipes import losses as L
     from recipes.batch import completion_logits, token_logprobs
-    from recipes.exact_policy import straight_through
+    from recipes.exact_policy import padded, straight_through
 
     t0 = time.perf_counter()
     policy.zero_grad(set_to_none=True)
@@ -50,10 +50,7 @@ def step(policy, batch, scorer=None) -> dict:
         scorer.load_weights((n, p.detach()) for n, p in policy.named_parameters())
         t2 = time.perf_counter()
         values = scorer.logprobs([r.prompt_token_ids for r in batch.rollouts], [r.token_ids for r in batch.rollouts])
-        exact = torch.zeros_like(logp)
-        for i, v in enumerate(values):
-            exact[i, : len(v)] = v
-        logp = straight_through(logp, exact)
+        logp = straight_through(logp, padded(values, logp.shape[1]))
         times = {"load": t2 - t1, "score": time.perf_counter() - t2}
     adv = torch.linspace(-1, 1, logp.shape[0])
     pg, _ = L.clipped_policy_loss(logp, logp.detach(), adv, batch.mask)

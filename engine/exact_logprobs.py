@@ -48,6 +48,7 @@ class _DecodeRow:
     last: int
     length: int
     block_table: list[int]
+    at: tuple[int, int]  # (rollout, completion position) whose logprob its logits give
     params = SamplingParams()  # not a field: the same plain parameters for every row
 
     @property
@@ -168,13 +169,11 @@ class ExactLogprobs:
         # then every completion position as a decode row, earlier positions in earlier or the same steps
         rows = sorted(((j, i) for i in part for j in range(1, len(completions[i]))))
         for start in range(0, len(rows), self.max_rows):
-            step = [_DecodeRow(completions[i][j - 1], len(prompts[i]) + j, tables[i])
-                    for j, i in rows[start:start + self.max_rows]]
-            where = [(i, j) for j, i in rows[start:start + self.max_rows]]
-            order = sorted(range(len(step)), key=lambda k: len(step[k].block_table))  # runner.decode_order's
-            logits = runner.forward([step[k] for k in order], is_prefill=False)
-            self._put(logits, [completions[i][j] for i, j in (where[k] for k in order)], temperature,
-                      [where[k] for k in order], out)
+            step = runner.decode_order([_DecodeRow(completions[i][j - 1], len(prompts[i]) + j, tables[i], (i, j))
+                                        for j, i in rows[start:start + self.max_rows]])
+            logits = runner.forward(step, is_prefill=False)
+            self._put(logits, [completions[i][j] for i, j in (r.at for r in step)], temperature,
+                      [r.at for r in step], out)
 
     def _put(self, logits: torch.Tensor, tokens: list[int], temperature: float, where: list[tuple[int, int]],
              out: list[torch.Tensor]) -> None:

@@ -38,6 +38,14 @@ def straight_through(reference: torch.Tensor, exact: torch.Tensor) -> torch.Tens
     return _StraightThrough.apply(reference, exact.to(reference.device, reference.dtype))
 
 
+def padded(values: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Each rollout's logprobs as a row of [len(values), width] (fp32), 0 past its completion: a Batch's layout."""
+    out = torch.zeros(len(values), width)
+    for k, v in enumerate(values):
+        out[k, : len(v)] = v
+    return out
+
+
 def refusal(args) -> str | None:
     """Why `--on-policy exact` cannot run with these flags (None: it can)."""
     if args.engine != "native":
@@ -74,9 +82,7 @@ class ExactPolicy:
         picked = [rollouts[i] for i in rows]
         values = self.scorer.logprobs([r.prompt_token_ids for r in picked], [r.token_ids for r in picked],
                                       self.temperature)
-        out = torch.zeros(len(picked), width)
-        for k, v in enumerate(values):
-            out[k, : len(v)] = v
+        out = padded(values, width)
         self._whole = (self._stamp, rollouts, width, out) if len(rows) == len(rollouts) else None
         return out
 

@@ -14,7 +14,7 @@ from engine.exact_logprobs import ExactLogprobs
 from recipes import grpo
 from recipes import losses as L
 from recipes.batch import build_batch, completion_logits, token_logprobs
-from recipes.exact_policy import straight_through
+from recipes.exact_policy import padded, straight_through
 from rollout.common.types import Rollout
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance
 
@@ -50,9 +50,8 @@ def test_the_exact_loss_has_torchs_gradient_and_the_engines_values(qwen2_dir):
     policy = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32)
     batch = build_batch(rollouts, 0)
     scorer = ExactLogprobs(EngineConfig(model=qwen2_dir, dtype="float32", max_model_len=256, num_threads=2))
-    exact = torch.zeros_like(batch.engine_logp)
-    for i, v in enumerate(scorer.logprobs([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts])):
-        exact[i, : len(v)] = v
+    exact = padded(scorer.logprobs([r.prompt_token_ids for r in rollouts], [r.token_ids for r in rollouts]),
+                   batch.engine_logp.shape[1])
     assert torch.equal(exact, batch.engine_logp)
     adv = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(0))
     grads = []
