@@ -1,4 +1,5 @@
-"""Start a local sidecar (`python -m rollout.serve`) as a child process and wait until it serves."""
+"""Start a local sidecar (`python -m rollout.serve`), or a router over sidecars (`python -m rollout.router`),
+as a child process and wait until it serves."""
 
 from __future__ import annotations
 
@@ -65,6 +66,51 @@ class LocalSidecar:
         return self.proc.returncode
 
     def __enter__(self) -> "LocalSidecar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalRouter:
+    """A router (`python -m rollout.router`) over sidecars' HTTP fronts, on a free loopback port; `url` is
+    its base URL. `stop()` sends SIGTERM (SIGKILL after `timeout_s`); it also exits when this process does."""
+
+    def __init__(self, sidecar_http_urls: Sequence[str], *extra_args: str, token: str = "",
+                 timeout_s: float = 60.0, log_path: str | None = None):
+        cmd = [sys.executable, "-m", "rollout.router", "--sidecars", *sidecar_http_urls, "--port", "0",
+               "--parent-pid", str(os.getpid()), *extra_args]
+        if token:
+            cmd += ["--token", token]
+        log = open(log_path, "a") if log_path else None  # noqa: SIM115 - the child holds it from here on
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
+        finally:
+            if log is not None:
+                log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"router exited with code {self.proc.wait()} before it was ready (see its log)")
+            if line.startswith("READY "):
+                self.url = line.split()[1]
+                return
+        self.stop()
+        raise TimeoutError(f"router not ready after {timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "LocalRouter":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from rollout.common import protocol as P
 from rollout.client.catch_up import catch_up
-from rollout.client.sidecar_link import ACTIVE, CATCHING_UP
+from rollout.client.sidecar_link import ACTIVE, CATCHING_UP, SidecarError
 from rollout.client.sidecar_set import SidecarSet
 from rollout.client.placement import Placement
 from rollout.client.spread import Spread, generate_inputs, session_list
@@ -42,6 +42,8 @@ class AsyncRolloutClient:
         self._release = self.links.release  # the sockets, closed once (also when the client is dropped)
         self.weight_sync = WeightSyncClient(self.links)
         self.placement = Placement()  # where each named session's calls go (rollout/client/placement.py)
+        self.load_poll_s = 1.0  # how often the sidecars' own load is asked, while sessions are placed
+        self._load_watch: asyncio.Task | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -79,6 +81,8 @@ class AsyncRolloutClient:
         go to the sidecar that served its last one, whose prefix cache holds it
         (rollout/client/placement.py; `end_session` drops it)."""
         prompts, wire = generate_inputs(prompts, sampling_params)
+        if sessions is not None and self._load_watch is None and len(self.links.in_use()) > 1:
+            self._load_watch = asyncio.ensure_future(self._watch_load())
         spread = Spread(self.links, prompts, wire, session_list(sessions, len(prompts)), self.placement)
         try:
             await spread.submit(list(range(len(spread.prompts))))
@@ -102,14 +106,27 @@ class AsyncRolloutClient:
             groups[idx] = rollouts
         return groups
 
+    async def _watch_load(self) -> None:
+        """Every `load_poll_s`, each active sidecar's own load (protocol.LoadReply) into the placement: the
+        prompts other clients have in flight there count when sessions are placed."""
+        while True:
+            try:
+                for i, load in await self.links.ask_all(P.Load, "load", 10, (ACTIVE,)):
+                    self.placement.observe(i, load["groups"], load["kv_used"])
+            except (SidecarError, TimeoutError) as e:  # none left, or slow: placement goes on by its own counts
+                log.debug("load poll: %s", e)
+            await asyncio.sleep(self.load_poll_s)
+
     def end_session(self, session: str) -> None:
         """The session is over: its sidecar is no longer kept for it."""
         self.placement.end(session)
 
     def placement_stats(self) -> dict:
-        """Sessions started and pinned, moves, and this client's prompts in flight per sidecar URL."""
+        """Sessions started and pinned, moves, and per sidecar URL: this client's prompts in flight, the others'
+        (as the sidecar last reported) and the sessions pinned there."""
         stats = self.placement.stats()
-        stats["busy"] = {self.links.url(i): n for i, n in stats["busy"].items()}
+        for key in ("busy", "others", "pinned_per_sidecar"):
+            stats[key] = {self.links.url(i): n for i, n in stats[key].items()}
         return stats
 
     # -- the sidecars in use ----------------------------------------------------------------------
@@ -241,7 +258,15 @@ class AsyncRolloutClient:
     async def health(self) -> list[dict]:
         return await self.links.call_all(P.Health, "health", timeout=30)
 
+    async def load(self) -> list[dict]:
+        """Each sidecar's load now (protocol.LoadReply: prompts in flight, the engines' running and waiting
+        sequences, KV use, prefix-cache counters), without running a forward as health does."""
+        return await self.links.call_all(P.Load, "load", timeout=30)
+
     async def close(self) -> None:
+        if self._load_watch is not None:
+            self._load_watch.cancel()
+            await asyncio.gather(self._load_watch, return_exceptions=True)
         await self.weight_sync.close()  # a push still swapping is let go: its sidecars finish on their own
         await self.links.close()
         self._release()

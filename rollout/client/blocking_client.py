@@ -112,6 +112,10 @@ class RolloutClient:
         h = self._run(self._client.health())
         return h[0] if self._client.single else h
 
+    def load(self) -> list[dict] | dict:
+        out = self._run(self._client.load())
+        return out[0] if self._client.single else out
+
     def close(self) -> None:
         self._abandon()  # the same steps as for a dropped client, once
 

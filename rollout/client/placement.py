@@ -8,8 +8,10 @@ the fewest sessions pinned, then the lowest index, so that many new sessions at 
 all landing on one sidecar (torchtitan #3755: a tie-break that pinned every session to one generator).
 A session ends by `end(session)`, or when it has had no call for `idle_s` seconds: its pin is dropped.
 
-Busy is this client's prompts in flight on each sidecar (sent, not finished): what it knows at once,
-without asking. Pure bookkeeping: no sockets, no clock but the one given.
+Busy is this client's prompts in flight on each sidecar (sent, not finished), what it knows at once,
+plus the others' prompts the sidecar itself reported in flight at its last `observe` (its `load` reply:
+other trainers, agents on its HTTP front); ties then go to the emptier KV cache. Pure bookkeeping: no
+sockets, no clock but the one given.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ class Placement:
             raise ValueError(f"margin must be >= 0 and idle_s > 0, got {margin} and {idle_s}")
         self.margin, self.idle_s, self.clock = margin, idle_s, clock
         self.pins: dict[str, tuple[int, float]] = {}  # session -> (sidecar, when its last call was placed)
-        self.busy: Counter = Counter()  # sidecar -> prompts in flight
+        self.busy: Counter = Counter()  # sidecar -> this client's prompts in flight
+        self.others: Counter = Counter()  # sidecar -> other clients' prompts in flight, as last reported
+        self.kv_used: dict[int, float] = {}  # sidecar -> its KV cache's share in use, as last reported
         self.moves = 0  # sessions moved off the sidecar they were pinned to
         self.sessions = 0  # sessions started
 
@@ -50,13 +54,32 @@ class Placement:
             self.sessions += 1
             return least
         i = pin[0]
-        if i in serving and self.busy[i] - self.busy[least] <= self.margin:
+        if i in serving and self.load(i) - self.load(least) <= self.margin:
             return i
         self.moves += 1
         return least
 
+    def load(self, i: int) -> int:
+        """Prompts in flight on sidecar i: this client's now, the others' as last reported."""
+        return self.busy[i] + self.others[i]
+
     def _order(self, i: int) -> tuple:
-        return self.busy[i], sum(1 for s, _ in self.pins.values() if s == i), i
+        return self.load(i), self.kv_used.get(i, 0.0), sum(1 for s, _ in self.pins.values() if s == i), i
+
+    def observe(self, i: int, groups: int, kv_used: float = -1.0) -> None:
+        """Sidecar i reported `groups` prompts in flight (every client's) and its KV cache's share in use
+        (protocol.LoadReply): what is not this client's counts as the others' until the next report."""
+        self.others[i] = max(0, groups - self.busy[i])
+        if kv_used >= 0:
+            self.kv_used[i] = kv_used
+
+    def pick(self, serving: list[int]) -> int:
+        """The sidecar for one call of no session: the least busy; counted busy until `done`."""
+        if not serving:
+            raise ValueError("no sidecar serves")
+        i = min(serving, key=self._order)
+        self.busy[i] += 1
+        return i
 
     def sent(self, i: int, n: int) -> None:
         """n prompts of no session went to sidecar i (a contiguous part of a call): busy there too."""
@@ -75,6 +98,9 @@ class Placement:
             del self.pins[session]
 
     def stats(self) -> dict:
-        """Sessions started and pinned now, moves, and prompts in flight per sidecar."""
+        """Sessions started and pinned now, moves, this client's prompts in flight per sidecar and the
+        others' (as last reported), and the sessions pinned per sidecar."""
         return {"sessions": self.sessions, "pinned": len(self.pins), "moves": self.moves,
-                "busy": {i: n for i, n in self.busy.items() if n}}
+                "busy": {i: n for i, n in self.busy.items() if n},
+                "others": {i: n for i, n in self.others.items() if n},
+                "pinned_per_sidecar": dict(Counter(i for i, _ in self.pins.values()))}

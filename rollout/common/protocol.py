@@ -98,6 +98,11 @@ class Health(_Call, tag="health"):
     pass
 
 
+class Load(_Call, tag="load"):
+    """How busy the sidecar is now (a LoadReply): cheap, asked every second by the clients and
+    routers that place sessions over several sidecars (rollout/client/placement.py)."""
+
+
 class Cancel(_Call, tag="cancel"):
     """The client gave up on its generate call `target` (its timeout passed, or its caller was
     cancelled): the sidecar aborts that call's requests, as vLLM aborts a request whose caller
@@ -107,7 +112,7 @@ class Cancel(_Call, tag="cancel"):
 
 
 Call = Union[Generate, InitWeightSync, PushWeights, LoadWeights, SendWeights, CloseWeightSync, Checksum, Sleep,
-             WakeUp, Stats, Health, Cancel]
+             WakeUp, Stats, Health, Load, Cancel]
 
 
 class GroupOut(msgspec.Struct, tag="group"):
@@ -161,6 +166,26 @@ class HealthReply(msgspec.Struct, omit_defaults=True):
     reason: str = ""  # when not ok: which engines do not serve, and why
     quantization: str = "none"  # what the engines serve from: "none" (the weights), "int8", "fp8"
     quantized_bytes: int = 0  # the 8-bit copy's memory per engine, beside the weights (the truth)
+
+
+class LoadReply(msgspec.Struct):
+    """The value of a `load` call (and of the HTTP front's GET /load), read without running a forward:
+    `groups`: prompts in flight (every client's, ZMQ and HTTP); `sequences`: their samples;
+    `running` / `waiting`: the engines' scheduled and queued sequences (-1: an engine that does not say);
+    `kv_used`: the fraction of KV cache blocks in use (-1: unknown); `prefix_hit_tokens` /
+    `prefix_query_tokens`: the prefix cache's counters since start (rollout_prefix_cache in /metrics);
+    `engines`: how many serve; `version`, `pushing` as in health."""
+
+    version: int
+    pushing: bool
+    engines: int
+    groups: int
+    sequences: int
+    running: int = -1
+    waiting: int = -1
+    kv_used: float = -1.0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
 
 
 # How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or

@@ -25,6 +25,7 @@ import zmq.asyncio
 from engine import SamplingParams
 from engine.errors import error_kind
 from rollout.common import protocol as P
+from rollout.sidecar.load_report import load_report
 from rollout.sidecar.manager import RolloutManager
 from rollout.sidecar.peer_send import send_weights
 from rollout.sidecar.push_coordinator import PushCoordinator
@@ -69,6 +70,7 @@ class RolloutServer:
             P.WakeUp: self._on_wake_up,
             P.Stats: self._on_stats,
             P.Health: self._on_health,
+            P.Load: self._on_load,
         }
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -234,6 +236,9 @@ class RolloutServer:
 
     async def _on_health(self, identity: bytes, call: P.Health) -> P.HealthReply:
         return await self.manager.health(owner=await self.pushes.owner_status())
+
+    async def _on_load(self, identity: bytes, call: P.Load) -> P.LoadReply:
+        return await load_report(self.manager)
 
 
 def _call_id_of(body: bytes) -> int:

@@ -1,4 +1,4 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /load, /metrics.
 
 Every failure is an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`):
 400 a bad field (named) or a value the engine would refuse (checked before a stream's 200 goes
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.inputs import validate_params
 from rollout.sidecar.group_stream import ShuttingDown
+from rollout.sidecar.load_report import load_report
 from rollout.sidecar.openai_front.chat import Chat
 from rollout.sidecar.openai_front.chat_tools import ToolOptions
 from rollout.sidecar.openai_front.completions import Completions
@@ -90,6 +91,11 @@ def _add_info_routes(app: FastAPI, front: _Front) -> None:
     async def health():
         h = await manager.health(timeout=5.0)
         return JSONResponse(msgspec.to_builtins(h), status_code=200 if h.engines > 0 else 503)
+
+    @app.get("/load")
+    async def load():
+        """How busy this sidecar is (protocol.LoadReply), for routers: no forward runs to answer it."""
+        return JSONResponse(msgspec.to_builtins(await load_report(manager)))
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,7 +1,7 @@
 """What every request passes before an endpoint sees it, as pure ASGI middleware (Starlette's
 BaseHTTPMiddleware would pipe each streamed chunk through an extra memory stream):
 - Gate: 503 while the sidecar shuts down, 401 without the bearer token (when one is set; /health
-  is open to load balancers), and the count of answers by path and status for /metrics;
+  and /load are open to load balancers and routers), and the count of answers by path and status for /metrics;
 - BodyLimit: a body over the limit is answered 413 before it is parsed (by its Content-Length
   when it gives one, else as its bytes arrive), so no client makes the server hold more;
 - Crashes: a bug in one request is a 500 for that request alone, and the connection stays open."""
@@ -39,7 +39,7 @@ class Gate:
         path = scope["path"]
         if not self.state.accepting:
             return await _send_error(503, "the sidecar is shutting down", "service_unavailable")(send)
-        if self.expected is not None and path != "/health":
+        if self.expected is not None and path not in ("/health", "/load"):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 self.metrics.request_done(path, 401)

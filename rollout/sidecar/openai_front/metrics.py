@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollout.sidecar.load_report import load_report
 from rollout.sidecar.memory import PARTS
 
 # (stats key, metric name, help, kind)
@@ -24,11 +25,19 @@ _FROM_STATS = [
     ("engine_restarts", "rollout_engine_restarts", "engines restarted after dying", "counter"),
 ]
 
+# (load report field, metric name, help): what routers place sessions by (rollout/sidecar/load_report.py)
+_FROM_LOAD = [
+    ("running", "rollout_sequences_running", "sequences the engines schedule now"),
+    ("waiting", "rollout_sequences_waiting", "sequences queued on the engines (no KV room yet, or held)"),
+    ("kv_used", "rollout_kv_cache_used_ratio", "the share of KV cache blocks in use"),
+]
+
 
 class _ManagerCollector:
     def __init__(self, manager):
         self.manager = manager
         self.engine_states: list = []  # the last health reply's (FrontMetrics.refresh)
+        self.load = None  # the last load report (rollout/sidecar/load_report.py)
 
     def collect(self):
         stats = self.manager.stats()
@@ -49,6 +58,10 @@ class _ManagerCollector:
             for kind, value in (state.prefix_cache or {}).items():
                 prefix.add_metric([str(i), kind], float(value))
         yield prefix
+        if self.load is not None:
+            for key, name, doc in _FROM_LOAD:
+                if getattr(self.load, key) >= 0:
+                    yield GaugeMetricFamily(name, doc, value=float(getattr(self.load, key)))
 
 
 class FrontMetrics:
@@ -68,8 +81,9 @@ class FrontMetrics:
         self.ttft.observe(seconds)
 
     async def refresh(self) -> None:
-        """Each engine's memory as a health check reports it now (for the next render)."""
+        """Each engine's memory as a health check reports it now, and the load (for the next render)."""
         self._collector.engine_states = (await self._collector.manager.health(timeout=5.0)).engine_states
+        self._collector.load = await load_report(self._collector.manager)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

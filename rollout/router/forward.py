@@ -1,0 +1,149 @@
+"""One generation call through the router: its session's sidecar (rollout/client/placement.py), the call
+sent there as it came, and the answer relayed back as it comes.
+
+A call fails over to another serving sidecar only while nothing of its answer has reached the caller:
+the sidecar refused the connection, dropped it before its first byte, or answered 503 (shutting down, no
+engine). A stream is relayed only once its first chunk is in, so a sidecar that dies before that costs a
+retry elsewhere, never a duplicate; one that dies after it ends the stream with an error event (the
+tokens so far were seen: sending the call again would sample them twice). Any other answer (a 400, a
+401 from a sidecar that wants a token) is the caller's, as the sidecar gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rollout.client.placement import Placement
+from rollout.router.metrics import RouterMetrics
+from rollout.router.session_key import session_key
+from rollout.router.sidecars import Sidecars
+
+log = logging.getLogger("rollout.router")
+
+_PASSED = ("authorization", "content-type", "accept", "x-request-id", "x-session-id")  # headers sent on
+
+
+class CallerGone(Exception):
+    """The caller closed its connection before its answer came."""
+
+
+class Forwarder:
+    def __init__(self, sidecars: Sidecars, placement: Placement, http: httpx.AsyncClient, metrics: RouterMetrics):
+        self.sidecars, self.placement, self.http, self.metrics = sidecars, placement, http, metrics
+
+    async def call(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            parsed = msgspec.json.decode(body) if body else None
+        except msgspec.DecodeError:
+            parsed = None  # the sidecar answers a bad body with its own 400
+        try:
+            key = session_key(request.headers, parsed)
+        except ValueError as e:
+            return error(400, str(e), "invalid_request_error")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED}
+        tried: set[int] = set()
+        why = []
+        while True:
+            serving = [i for i in self.sidecars.serving() if i not in tried]
+            if not serving:
+                self.metrics.unavailable.inc()
+                reasons = "; ".join(why + [f"{s.url}: {s.state} ({s.reason})" for j, s in enumerate(self.sidecars.all)
+                                           if j not in tried and s.state != "serving"])
+                return error(503, f"no sidecar can take the call: {reasons or 'none configured'}", "service_unavailable")
+            i = self.placement.place([key], serving)[0] if key is not None else self.placement.pick(serving)
+            tried.add(i)
+            answer = await self._try(request, i, path, body, headers)
+            if isinstance(answer, Response):
+                return answer
+            why.append(f"{self.sidecars.all[i].url}: {answer}")
+            self.metrics.failovers.inc()
+            log.warning("call to %s failed before any byte reached its caller (%s): trying another sidecar",
+                        self.sidecars.all[i].url, answer)
+
+    async def _try(self, request: Request, i: int, path: str, body: bytes, headers: dict) -> Response | str:
+        """The call on sidecar i: its answer, or why it can go elsewhere (nothing was relayed)."""
+        sidecar = self.sidecars.all[i]
+        handed_on = False
+        try:
+            req = self.http.build_request(request.method, sidecar.url + path, content=body, headers=headers,
+                                          params=request.query_params)
+            resp = await self.http.send(req, stream=True)
+            try:
+                if resp.status_code == 503:
+                    return f"503 {(await resp.aread())[:200].decode(errors='replace')}"
+                if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    chunks = resp.aiter_raw()
+                    first = await anext(chunks, b"")
+                    if not first:
+                        return "its stream closed before its first chunk"
+                    handed_on = True
+                    return StreamingResponse(self._relay(i, resp, first, chunks), status_code=resp.status_code,
+                                             media_type="text/event-stream", headers=self._answer_headers(i))
+                try:
+                    content = await _unless_gone(request, resp.aread())
+                except CallerGone:
+                    self.metrics.answered(sidecar.url, 499)
+                    return Response(status_code=499)
+                self.metrics.answered(sidecar.url, resp.status_code)
+                return Response(content, status_code=resp.status_code, headers=self._answer_headers(i),
+                                media_type=resp.headers.get("content-type"))
+            finally:
+                if not handed_on:
+                    await resp.aclose()
+        except httpx.TransportError as e:  # refused, reset, or timed out before an answer reached the caller
+            self.sidecars.lost(sidecar, f"{type(e).__name__}: {e}")
+            return f"{type(e).__name__}: {e}"
+        finally:
+            if not handed_on:
+                self.placement.done(i)
+
+    async def _relay(self, i: int, resp: httpx.Response, first: bytes, chunks):
+        url = self.sidecars.all[i].url
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+            self.metrics.answered(url, resp.status_code)
+        except httpx.TransportError as e:  # its tokens so far reached the caller: never sent again
+            self.sidecars.lost(self.sidecars.all[i], f"{type(e).__name__}: {e}")
+            self.metrics.answered(url, 502)
+            log.warning("sidecar %s went mid-stream (%s): the stream ends with an error", url, e)
+            event = {"error": {"message": f"sidecar {url} went mid-stream ({type(e).__name__}); the call is not "
+                                          "sent again (its first tokens were streamed)", "type": "server_error",
+                               "code": 502}}
+            yield b"data: " + msgspec.json.encode(event) + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await resp.aclose()  # a caller that went: the sidecar sees its connection close and aborts
+            self.placement.done(i)
+
+    def _answer_headers(self, i: int) -> dict:
+        return {"x-routed-to": self.sidecars.all[i].url}
+
+
+async def _unless_gone(request: Request, work):
+    """Awaits `work`; a caller that goes away meanwhile cancels it (the connection to the sidecar closes,
+    and the sidecar aborts the call)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise CallerGone
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def error(status: int, message: str, kind: str) -> JSONResponse:
+    """OpenAI's error body, as the sidecars answer theirs."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status)

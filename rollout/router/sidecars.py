@@ -1,0 +1,110 @@
+"""The sidecars a router serves over, as it sees them by asking each one's GET /load every `poll_s`
+(rollout/sidecar/load_report.py: no forward runs to answer it).
+
+A sidecar is `serving` (it takes calls), `behind` (it answers, but holds older weights than the newest
+the others serve: it came back, or started late, and waits to be caught up by its trainer's client:
+rollout/client/catch_up.py), `gone` (it did not answer: its sessions move) or `starting` (not heard yet).
+A sidecar that serves stays serving while a push moves the others ahead of it for a moment; one that
+comes back (after `gone`, or with a version lower than it served, a restarted process) serves again only
+once it holds the newest version. One whose push has lasted more than `paused_s` takes no calls until it
+ends (its sessions move).
+
+Peers that lie: a reply that is not a load report counts as not answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from rollout.common.protocol import LoadReply
+
+log = logging.getLogger("rollout.router")
+
+SERVING, BEHIND, GONE, STARTING = "serving", "behind", "gone", "starting"
+_decode = msgspec.json.Decoder(LoadReply).decode
+
+
+@dataclass
+class Sidecar:
+    url: str  # its HTTP front's base URL
+    state: str = STARTING
+    load: LoadReply | None = None
+    reason: str = ""
+    pushing_since: float | None = None
+    changes: list[str] = field(default_factory=list)  # its state changes, oldest first (for /health)
+
+
+class Sidecars:
+    def __init__(self, urls: list[str], http: httpx.AsyncClient, token: str = "", poll_s: float = 0.5,
+                 paused_s: float = 60.0, clock=time.monotonic):
+        if not urls:
+            raise ValueError("no sidecar to route to")
+        self.all = [Sidecar(u.rstrip("/")) for u in urls]
+        self.http, self.poll_s, self.paused_s, self.clock = http, poll_s, paused_s, clock
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.polled = asyncio.Event()  # set once every sidecar was asked once
+        self.newest = 0  # the newest weight version a sidecar served under this router
+
+    def serving(self) -> list[int]:
+        """The sidecars that take calls now."""
+        now = self.clock()
+        return [i for i, s in enumerate(self.all) if s.state == SERVING
+                and (s.pushing_since is None or now - s.pushing_since <= self.paused_s)]
+
+    async def watch(self) -> None:
+        while True:
+            await self.poll()
+            self.polled.set()
+            await asyncio.sleep(self.poll_s)
+
+    async def poll(self) -> None:
+        replies = await asyncio.gather(*(self._ask(s) for s in self.all), return_exceptions=True)
+        heard = [(s, r) for s, r in zip(self.all, replies) if isinstance(r, LoadReply)]
+        for s, r in zip(self.all, replies):
+            if not isinstance(r, LoadReply):
+                self.lost(s, f"{type(r).__name__}: {r}" if str(r) else type(r).__name__)
+        # the newest a serving sidecar holds now, or (none serving yet) the newest any holds; never back:
+        # a sidecar restarted on older weights must not serve them because its peers are gone too
+        serving = [r.version for s, r in heard if s.state == SERVING]
+        self.newest = max(self.newest, *(serving or [r.version for _, r in heard] or [0]))
+        for s, r in heard:
+            self._heard(s, r, self.newest)
+
+    async def _ask(self, s: Sidecar) -> LoadReply:
+        resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=5.0)
+        if resp.status_code != 200:
+            raise RuntimeError(f"GET /load answered {resp.status_code}: {resp.text[:200]}")
+        return _decode(resp.content)
+
+    def _heard(self, s: Sidecar, r: LoadReply, newest: int) -> None:
+        restarted = s.load is not None and r.version < s.load.version
+        s.load = r
+        s.pushing_since = (s.pushing_since or self.clock()) if r.pushing else None
+        if r.engines == 0:
+            self._set(s, GONE, "no engine serves")
+        elif s.state == SERVING and not restarted:
+            pass
+        elif r.version >= newest:
+            self._set(s, SERVING, f"holds version {r.version}")
+        else:
+            self._set(s, BEHIND, f"holds version {r.version}, the others {newest}: waits to be caught up")
+
+    def lost(self, s: Sidecar, why: str) -> None:
+        """Sidecar s did not answer (a poll, or a call that could not reach it): no calls until it does."""
+        if s.state != GONE:
+            self._set(s, GONE, why)
+            s.load = None  # a process that comes back is a new one: caught up before it serves
+
+    def _set(self, s: Sidecar, state: str, why: str) -> None:
+        if s.state == state:
+            return
+        level = logging.WARNING if state in (GONE, BEHIND) else logging.INFO
+        log.log(level, "sidecar %s: %s -> %s (%s)", s.url, s.state, state, why)
+        s.state, s.reason = state, why
+        s.changes = (s.changes + [f"{state}: {why}"])[-8:]
