@@ -62,6 +62,23 @@ def test_one_long_session_does_not_pull_every_other_one_onto_its_sidecar():
     assert p.place(["long"], [0, 1]) == [home] and p.stats()["moves"] == 0
 
 
+def test_the_sidecars_own_load_counts_what_other_clients_have_in_flight():
+    """A sidecar that reports prompts of other clients (agents on its HTTP front, another trainer) gets new
+    sessions only once the other is as busy; a pinned session leaves it past the margin; ties go to the
+    emptier KV cache."""
+    p = Placement(margin=4)
+    p.observe(0, groups=10, kv_used=0.9)
+    assert p.place([f"s{k}" for k in range(10)], [0, 1]) == [1] * 10  # 0 has 10 of others' in flight
+    assert p.stats()["others"] == {0: 10} and p.load(0) == 10 and p.load(1) == 10
+    p.observe(1, groups=10 + 30)  # its own 10 (ours) and 30 more: "s0" moves to 0 once, past the margin
+    assert p.place(["s0"], [0, 1]) == [0] and p.stats()["moves"] == 1
+    p.observe(0, groups=p.busy[0])  # the others' prompts there ended: only ours left
+    q = Placement()
+    q.observe(0, groups=0, kv_used=0.8)
+    q.observe(1, groups=0, kv_used=0.1)
+    assert q.place(["x"], [0, 1]) == [1] and q.pick([0, 1]) == 0  # the emptier cache, then the less busy
+
+
 def test_pins_end_by_call_or_by_idling():
     clock = Clock()
     p = Placement(idle_s=10, clock=clock)
@@ -110,6 +127,9 @@ def test_sessions_stay_on_one_sidecar_across_turns_and_move_when_it_is_killed(qw
         stats = client.placement_stats()
         assert stats["sessions"] == 8 and stats["pinned"] == 8 and 1 <= stats["moves"] <= 7
         assert client.urls == [a.url]
+        (load,) = client.load()  # the sidecar's own, as the placement reads it every second
+        assert load["groups"] == 0 and load["version"] == 0 and 0 <= load["kv_used"] <= 1
+        assert load["prefix_hit_tokens"] > 0 and load["prefix_query_tokens"] > load["prefix_hit_tokens"]
     finally:
         client.close()
         a.stop()
