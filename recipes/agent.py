@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recipes import prefix_metrics as PM
+from recipes import routing_metrics as RM
 from recipes.algorithms import GRPO
 from recipes.episode_metrics import episode_metrics, episode_rewards, transcript_rows
 from recipes.episodes import Settings, run_episodes
@@ -70,7 +71,10 @@ def build_agent_parser():
                         "--chat-template). auto: with a tool-call parser, rollout.tool_calls' Hermes ChatML template "
                         "when the model's own renders no tools (the tiny model's, SmolLM2's), else the model's; "
                         "model: the model's own")
-    g.add_argument("--http-url", default=None, help="with --rollout-url and --transport openai: the front's URL")
+    g.add_argument("--http-url", default=None, help="with --rollout-url and --transport openai: the front's URL (a "
+                   "router's: add --routed)")
+    g.add_argument("--routed", action="store_true", help="--http-url is a router's (python -m rollout.router): each "
+                   "episode's turns name their session (X-Session-ID) and end it (/finish_session)")
     g.add_argument("--max-context", type=int, default=1024, help="no turn starts that could not fit this (the sidecar's "
                    "--max-model-len)")
     return p
@@ -84,7 +88,7 @@ def parse_args(argv=None):
     if args.tool_call_parser in ("default", "none"):
         args.tool_call_parser = DEFAULTS[args.env]["tool_call_parser"] if args.tool_call_parser == "default" else None
     if args.ray or args.async_ and args.minibatches > 1:
-        raise SystemExit("error: recipes.agent runs one local sidecar (no --ray), and --async with one minibatch")
+        raise SystemExit("error: recipes.agent runs local sidecars (no --ray), and --async with one minibatch")
     args.task = f"agent-{args.env}"  # names the run
     args.sidecar_args = []
     args.chat_template_text = args.chat_template_source = None  # resolved with the tokenizer (_env_factory)
@@ -154,16 +158,23 @@ def turn_source(run):
 
     args = run.args
     if args.transport == "openai":
-        url = args.http_url or (run.sidecar.http_url if run.sidecar is not None else None)
+        fronts = run.sidecar.http_urls if run.sidecar is not None else []
+        if args.http_url is None and len(fronts) > 1:  # several sidecars: a router keeps each episode on one
+            from rollout.launcher import LocalRouter
+
+            run.router = LocalRouter(fronts, "--log-level", "WARNING", token=args.token)
+            log.info("router over %d sidecars: %s", len(fronts), run.router.url)
+            return openai_turns(run.router.url, args.token, routed=True)
+        url = args.http_url or (fronts[0] if fronts else None)
         if url is None:
             raise SystemExit("error: --transport openai with --rollout-url needs --http-url")
-        return openai_turns(url, args.token)
+        return openai_turns(url, args.token, routed=args.routed)
     parser = None
     if args.tool_call_parser:
         from rollout.tool_calls import get_tool_parser
 
         parser = get_tool_parser(args.tool_call_parser)
-    return client_turns(run.client.urls[0], args.token, run.tokenizer, parser, args.chat_template_text)
+    return client_turns(run.client.urls, args.token, run.tokenizer, parser, args.chat_template_text)
 
 
 def _env_seed(run_seed: int, call: int, group: int) -> int:
@@ -221,6 +232,7 @@ def agent_step(run, episodes_source: Episodes, step: int) -> dict:
         "staleness": run.version - 1 - min(starts) if starts else 0, "weight_version": run.version,
         **push_metrics(run.pushed),
         **_prefix_cache(run),
+        **_routing(run, episodes_source.thread),
     })
     run.tracker.log(step + 1, metrics)
     run.tracker.log_completions(step + 1, transcript_rows(episodes, rewards, run.args.log_completions,
@@ -236,6 +248,32 @@ def _prefix_cache(run) -> dict:
     now = PM.totals(run.client.health())
     metrics, run.prefix_seen = PM.step_metrics(now, run.prefix_seen), now
     return metrics
+
+
+def _routing(run, thread) -> dict:
+    """routing/* over the step when episodes run over several sidecars (recipes/routing_metrics.py)."""
+    if run.client is None or len(run.client.urls) < 2:
+        return {}
+    now = RM.sidecar_counters(run.client)
+    metrics = RM.step_metrics(now, run.routing_seen, _placement(run, thread))
+    run.routing_seen = now
+    return metrics
+
+
+def _placement(run, thread) -> dict | None:
+    """The sessions' placement: the router's, or the turn thread's client's."""
+    if run.router is not None:
+        import httpx
+
+        return httpx.get(run.router.url + "/health", timeout=30).json()
+    turns = thread.turns
+    if hasattr(turns, "client") and hasattr(turns.client, "placement_stats"):
+        return thread.submit(_stats_of).result(30)
+    return None
+
+
+async def _stats_of(turns) -> dict:
+    return turns.client.placement_stats()
 
 
 def _first_and_last(rows: list[dict], names) -> dict:

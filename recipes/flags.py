@@ -59,7 +59,11 @@ def _add_run_flags(p, algo: str) -> None:
     p.add_argument("--model", default=None, help="local HF causal-LM directory, or a name: smollm2 (needs the 'real' "
                    "extra, see docs/guides/real-models.md) or a tiny size (default: the embedded tiny model)")
     p.add_argument("--rollout-url", default=None,
-                   help="tcp://HOST:PORT of a running sidecar (default: start one for this run)")
+                   help="tcp://HOST:PORT of a running sidecar, or several, comma-separated (default: start one for "
+                   "this run)")
+    p.add_argument("--sidecars", type=int, default=1, metavar="N",
+                   help="start N local sidecars (one engine each): each call's prompts spread over them, an agent's "
+                   "episodes each kept on one (rollout/client/placement.py)")
     p.add_argument("--token", default="", help="the sidecar's shared token, if it has one")
     p.add_argument("--max-steps", type=int, default=SUPPRESS, help=f"optimizer steps {default_help('max_steps')}")
     p.add_argument("--output-dir", default=f"out/{algo}", help="checkpoint, metrics.jsonl, reward_curve.png")

@@ -236,6 +236,8 @@ def close(run: Run) -> None:
         run.gen_client.close()
     if run.client is not None:
         run.client.close()
+    if run.router is not None:
+        run.router.stop()
     if run.sidecar is not None:
         run.sidecar.stop()
 

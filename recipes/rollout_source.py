@@ -1,8 +1,9 @@
-"""Where a run's rollouts come from: a sidecar it starts (a local process, or Ray actors with
---ray), or one already running (--rollout-url); and the flags of the sidecar it starts."""
+"""Where a run's rollouts come from: sidecars it starts (local processes, --sidecars N; or Ray actors with
+--ray), or ones already running (--rollout-url); and the flags of the sidecars it starts."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 
 import torch
@@ -41,13 +42,43 @@ def seeds_requests(args, trainer_device: torch.device) -> bool:
     return True
 
 
+class LocalSidecars:
+    """The local sidecars a run started (--sidecars N), as one: their ZMQ `urls` and HTTP fronts' `http_urls`."""
+
+    def __init__(self, model_dir: str, n: int, flags: list[str], token: str):
+        from rollout.launcher import LocalSidecar
+
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:  # they import torch and load the model at once
+            started = [pool.submit(LocalSidecar, model_dir, *flags, token=token) for _ in range(n)]
+        self.all = []
+        for f in started:
+            try:
+                self.all.append(f.result())
+            except Exception:
+                self.stop()
+                raise
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.all]
+
+    @property
+    def http_urls(self) -> list[str]:
+        return [s.http_url for s in self.all if s.http_url]
+
+    def stop(self) -> None:
+        for s in self.all:
+            s.stop()
+
+
 def rollout_source(args, model_dir: str, trainer_device: torch.device):
-    """A connected RolloutClient, and the sidecar we started (or None)."""
+    """A connected RolloutClient, the sidecars we started (or None), and the URLs of the sidecars."""
     from rollout import RolloutClient
-    from rollout.launcher import LocalSidecar
 
     sidecar = None
-    url = args.rollout_url
+    url = args.rollout_url.split(",") if args.rollout_url else None
+    if args.sidecars < 1 or args.sidecars > 1 and (url or args.ray):
+        raise ValueError("--sidecars N starts N >= 1 local sidecars: not with --rollout-url or --ray (--num-sidecars)")
     if args.ray:  # imported only here: without --ray, Ray is never imported
         if url is not None:
             raise ValueError("--ray starts the sidecars on the cluster: drop --rollout-url")
@@ -60,6 +91,6 @@ def rollout_source(args, model_dir: str, trainer_device: torch.device):
                               gpus_per_sidecar=1 if gpu else 0, ray_address=args.ray_address)
         return sidecar.client(), sidecar, None
     if url is None:
-        sidecar = LocalSidecar(model_dir, *sidecar_command(args, model_dir, trainer_device), token=args.token)
-        url = sidecar.url
+        sidecar = LocalSidecars(model_dir, args.sidecars, sidecar_command(args, model_dir, trainer_device), args.token)
+        url = sidecar.urls
     return RolloutClient(url, token=args.token), sidecar, url

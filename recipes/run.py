@@ -24,7 +24,7 @@ class Run:
     task: object
     tracker: object
     client: object | None  # rollout.RolloutClient; None on ranks other than 0 (recipes/ranks.py)
-    sidecar: object | None  # the sidecar this run started, if any
+    sidecar: object | None  # the sidecars this run started, if any (recipes.rollout_source.LocalSidecars, RaySidecars)
     gen_client: object | None = None  # --async: a second client that generates while the first pushes
     pool: concurrent.futures.ThreadPoolExecutor | None = None
     params: object = None  # engine.SamplingParams of every generate (seeded per request in _generate)
@@ -34,7 +34,9 @@ class Run:
     pending: concurrent.futures.Future | None = None  # --async: the next step's rollouts
     pushed: dict | None = None  # the last push's reply (rank 0): its bytes go in the step's metrics
     exact: object | None = None  # --on-policy exact: recipes.exact_policy.ExactPolicy
-    prefix_seen: dict | None = None  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
+    router: object | None = None  # recipes.agent over several sidecars' fronts: rollout.launcher.LocalRouter
+    prefix_seen: dict | None = None
+    routing_seen: list | None = None  # each sidecar's counters at the last step (recipes/routing_metrics.py)  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
 
     def policy(self) -> torch.nn.Module:
         return self.algo.policy_of(self.accelerator.unwrap_model(self.module))

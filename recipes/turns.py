@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from dataclasses import dataclass
 
 from engine import SamplingParams
+
+log = logging.getLogger("recipes")
 
 
 class TurnError(RuntimeError):
@@ -116,15 +119,20 @@ class OpenAITurns:
     """Turns through the sidecar's OpenAI front (`rollout.serve --http-port`) with `openai.AsyncOpenAI`;
     tool calls as the front parsed them (`--tool-call-parser`)."""
 
-    def __init__(self, client, model: str):
-        self.client, self.model = client, model
+    def __init__(self, client, model: str, router=None):
+        """`router`: an httpx.AsyncClient on a router's root (rollout.router), which keeps each episode's turns
+        on one sidecar; None for one sidecar's front."""
+        self.client, self.model, self.router = client, model, router
+        self.routed = router is not None
+        self._finishing: set = set()
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None,
                        session: str | None = None) -> Turn:
         import openai
 
-        del session  # one front, one sidecar: nothing to place (a router's is issue 66 item 2)
         extra = {"tools": tools} if tools else {}
+        if self.routed and session is not None:  # a router keeps the session on one sidecar (rollout.router)
+            extra["extra_headers"] = {"X-Session-ID": session}
         try:
             r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
                                                           temperature=temperature, seed=seed, logprobs=True, **extra)
@@ -137,7 +145,23 @@ class OpenAITurns:
         return Turn(r.prompt_token_ids, c.token_ids, [t.logprob for t in c.logprobs.content], c.weight_versions,
                     c.finish_reason, message)
 
+    def end_session(self, session: str) -> None:
+        """The episode is over: the router drops its pin (its /finish_session, in the background)."""
+        if self.routed:
+            task = asyncio.ensure_future(self._finish(session))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, session: str) -> None:
+        try:
+            (await self.router.post("/finish_session", params={"session_id": session})).raise_for_status()
+        except Exception as e:  # noqa: BLE001 - a pin left behind idles out (the router's --idle-s)
+            log.debug("finish_session %s: %s", session, e)
+
     async def close(self) -> None:
+        await asyncio.gather(*self._finishing, return_exceptions=True)
+        if self.router is not None:
+            await self.router.aclose()
         await self.client.close()
 
 
@@ -167,7 +191,8 @@ class TurnThread:
             self.loop.close()
 
 
-def client_turns(url: str, token: str, tokenizer, parser=None, chat_template: str | None = None) -> TurnThread:
+def client_turns(url: str | list[str], token: str, tokenizer, parser=None,
+                 chat_template: str | None = None) -> TurnThread:
     from rollout import AsyncRolloutClient
 
     async def make():
@@ -176,14 +201,20 @@ def client_turns(url: str, token: str, tokenizer, parser=None, chat_template: st
     return TurnThread(make)
 
 
-def openai_turns(base_url: str, token: str, timeout_s: float = 600.0) -> TurnThread:
-    """`base_url`: the front's root (LocalSidecar.http_url); the served model's name is asked once."""
+def openai_turns(base_url: str, token: str, timeout_s: float = 600.0, routed: bool = False) -> TurnThread:
+    """`base_url`: the front's root (LocalSidecar.http_url, or a router's: `routed`, and each episode's
+    turns name its session); the served model's name is asked once."""
+    import httpx
     import openai
 
     async def make():
         client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=token or "none",
                                     max_retries=0, timeout=timeout_s)
         model = (await client.models.list()).data[0].id
-        return OpenAITurns(client, model)
+        router = None
+        if routed:
+            router = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=30,
+                                       headers={"Authorization": f"Bearer {token}"} if token else {})
+        return OpenAITurns(client, model, router)
 
     return TurnThread(make)

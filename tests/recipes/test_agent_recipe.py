@@ -58,6 +58,23 @@ def test_the_agent_recipe_trains_on_episodes_through_either_transport(qwen2_dir,
     assert transcripts and [m["role"] for m in transcripts[0]["messages"]] == ["user", "assistant"] * 3
 
 
+@pytest.mark.parametrize("transport", ["client", "openai"])
+def test_the_agent_recipe_runs_over_two_sidecars_through_the_client_or_a_router(qwen2_dir, tmp_path, transport):
+    """--sidecars 2: the episodes' turns spread over both (the client's placement, or a router over their
+    fronts with --transport openai), each episode one session that stays where its prefix is; every push
+    reaches both (--check-sync); the step logs each sidecar's hit rate and tokens, sessions and moves."""
+    out = tmp_path / transport
+    result = agent.main(["--model", qwen2_dir, "--sidecars", "2", "--max-steps", "2", "--prompts-per-step", "4",
+                         "--group-size", "4", "--max-tokens", "8", "--transport", transport, "--output-dir", str(out),
+                         "--check-sync"])
+    rows = _rows(out)
+    assert result["steps"] == 2 and all(r["episodes/errors"] == 0 and r["episodes/turns"] == 3 for r in rows)
+    for r in rows:
+        assert r["routing/tokens/0"] > 0 and r["routing/tokens/1"] > 0 and r["routing/tokens_max_over_mean"] <= 1.5, r
+        assert r["routing/prefix_hit_rate/0"] > 0 and r["routing/prefix_hit_rate/1"] > 0, r
+    assert rows[-1]["routing/sessions"] == 2 * 16 and rows[-1]["routing/moves"] <= 4  # an episode is one session
+
+
 def test_the_agent_recipe_says_what_it_cannot_do(capsys):
     with pytest.raises(SystemExit) as e:
         agent.main(["--help"])
