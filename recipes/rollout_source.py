@@ -45,11 +45,13 @@ def seeds_requests(args, trainer_device: torch.device) -> bool:
 class LocalSidecars:
     """The local sidecars a run started (--sidecars N), as one: their ZMQ `urls` and HTTP fronts' `http_urls`."""
 
-    def __init__(self, model_dir: str, n: int, flags: list[str], token: str):
+    def __init__(self, model_dir: str, n: int, flags: list[str], token: str, prefixes: list[list[str]] | None = None):
+        """`prefixes`: a command each sidecar runs under (LocalSidecar's `prefix`), e.g. taskset."""
         from rollout.launcher import LocalSidecar
 
+        prefixes = prefixes or [[]] * n
         with concurrent.futures.ThreadPoolExecutor(n) as pool:  # they import torch and load the model at once
-            started = [pool.submit(LocalSidecar, model_dir, *flags, token=token) for _ in range(n)]
+            started = [pool.submit(LocalSidecar, model_dir, *flags, token=token, prefix=prefixes[k]) for k in range(n)]
         self.all = []
         for f in started:
             try:

@@ -73,6 +73,10 @@ class Placement:
         if kv_used >= 0:
             self.kv_used[i] = kv_used
 
+    def least_busy_first(self, serving: list[int]) -> list[int]:
+        """The serving sidecars, the least busy first (ties as for new sessions)."""
+        return sorted(serving, key=self._order)
+
     def pick(self, serving: list[int]) -> int:
         """The sidecar for one call of no session: the least busy; counted busy until `done`."""
         if not serving:

@@ -84,11 +84,13 @@ class Spread:
 
     def _parts(self, indices: list[int], serving: list[int]) -> dict[int, list[int]]:
         """Each serving sidecar's prompts of `indices`: a named session's where the placement puts it, the
-        others cut into contiguous parts; all counted busy there."""
+        others cut into contiguous parts, the first (and larger) parts to the least busy; all counted busy
+        there."""
         named = [x for x in indices if self.sessions is not None and self.sessions[x] is not None]
         taken = set(named)
         free = [x for x in indices if x not in taken]
-        parts = dict(zip(serving, _chunks(free, len(serving))))
+        by_load = self.placement.least_busy_first(serving)  # a one-prompt call to the least busy, not the first
+        parts = dict(zip(by_load, sorted(_chunks(free, len(serving)), key=len, reverse=True)))
         for i, part in parts.items():
             self.placement.sent(i, len(part))
         if named:

@@ -174,6 +174,7 @@ class LoadReply(msgspec.Struct):
     `running` / `waiting`: the engines' scheduled and queued sequences (-1: an engine that does not say);
     `kv_used`: the fraction of KV cache blocks in use (-1: unknown); `prefix_hit_tokens` /
     `prefix_query_tokens`: the prefix cache's counters since start (rollout_prefix_cache in /metrics);
+    `forward_s`: the seconds the engines spent in forwards since start (their busy time; 0: not said);
     `engines`: how many serve; `version`, `pushing` as in health."""
 
     version: int
@@ -186,6 +187,7 @@ class LoadReply(msgspec.Struct):
     kv_used: float = -1.0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    forward_s: float = 0.0
 
 
 # How a call failed, as data: "invalid" (bad input, nothing changed), "refused" (a weight push or

@@ -31,4 +31,5 @@ async def load_report(manager) -> LoadReply:
         reply.running = sum(s.get("running_requests", 0) for s in stats)
     reply.prefix_hit_tokens = sum(s.get("prefix_cache_hit_tokens", 0) for s in stats)
     reply.prefix_query_tokens = sum(s.get("prefix_cache_query_tokens", 0) for s in stats)
+    reply.forward_s = sum(s.get("forward_seconds", 0.0) for s in stats)
     return reply

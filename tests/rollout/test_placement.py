@@ -2,6 +2,7 @@
 calls stay where its prefix is, new sessions spread by load, a session moves once when its sidecar is
 gone or too busy; and through a real client over two real sidecar processes, one of them killed."""
 
+import asyncio
 import os
 import random
 import signal
@@ -110,6 +111,14 @@ def test_sessions_stay_on_one_sidecar_across_turns_and_move_when_it_is_killed(qw
     client = RolloutClient([a.url, b.url], token=TOKEN)
     try:
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        # calls of one prompt and no session, six at once: each to the least busy, so both serve
+        # (a contiguous cut of one prompt once sent every such call to the same sidecar)
+        before = [s["rollouts"] for s in client.stats()]
+        async def six_calls():
+            return await asyncio.gather(*(client._client.generate([[9, k, 11]], params) for k in range(6)))
+
+        client._run(six_calls())
+        assert sorted(s["rollouts"] - b for s, b in zip(client.stats(), before)) == [3, 3]
         texts = {f"episode-{k}": [5 + k, 17, 33, 2 * k + 40] * 10 for k in range(8)}  # 40 tokens: 2 full blocks
         order = random.Random(0)
         for turn in range(3):
