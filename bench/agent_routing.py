@@ -9,13 +9,14 @@ run (issue 66):
   ours     one call a turn, named as its session: `AsyncRolloutClient` places it
            (rollout/client/placement.py: sticky, the least busy for a new one, moved past a margin)
 
-The workload, the same for all three (seeded: our engine samples a seeded request the same on any
+The workload, the same for all four (seeded: our engine samples a seeded request the same on any
 sidecar in any batch): rounds of E episodes of 3-5 turns (the calculator environment's shape: a first
-prompt of 96-192 tokens, then each turn's prompt is the last one, its completion and an 8-24 token tool
-result); a turn's length is drawn from 8-48 tokens (an answer ends where EOS would end it: EOS is
-ignored so that every policy generates the same tokens). Before each policy's round the trainer pushes new weights to every sidecar (the
-prefix caches are keyed by version: nothing carries over between policies or rounds). Each sidecar is
-bound to one core (`taskset`), N over the machine's cores.
+prompt of 96-192 tokens, `--first-tokens`, then each turn's prompt is the last one, its completion and
+an 8-24 token tool result); a turn's length is drawn from 8-48 tokens (an answer ends where EOS would
+end it: EOS is ignored so that every policy generates the same tokens). Before each policy's round the
+trainer pushes new weights to every sidecar (the prefix caches are keyed by version: nothing carries
+over between policies or rounds). Each sidecar is bound to one core (`taskset`), N over the machine's
+cores.
 
 Prints per policy: episodes/s, p90 episode latency, prefix hits as a share of the reusable prompt tokens
 (each turn's full blocks of the last turn's computed tokens: what a cache that kept everything would
@@ -155,8 +156,8 @@ async def run(args) -> dict:
     block = EngineConfig.block_size
     cores = os.sched_getaffinity(0)
     token = "bench"
-    flags = ["--max-model-len", str(max(1024, args.first[1] + 5 * (48 + 24) + 16)), "--log-level", "WARNING", "--stats-interval", "0", "--warm-standby", "off",
-             "--dtype", args.dtype, "--max-num-seqs", "64"]
+    flags = ["--max-model-len", str(max(1024, args.first[1] + 5 * (48 + 24) + 16)), "--log-level", "WARNING",
+             "--stats-interval", "0", "--warm-standby", "off", "--dtype", args.dtype, "--max-num-seqs", "64"]
     sidecars = LocalSidecars(model_dir, args.sidecars, flags, token,
                              prefixes=[["taskset", "-c", str(sorted(cores)[k % len(cores)])]
                                        for k in range(args.sidecars)])
@@ -220,7 +221,8 @@ def report(out: dict, args) -> None:
         eps = len(o["episodes"]) / o["seconds"]
         p90 = statistics.quantiles([e.seconds for e in o["episodes"]], n=10)[-1]
         mean_busy = sum(o["busy"]) / len(o["busy"])
-        rows.append((policy, eps, p90, o["hits"] / max(o["reusable"], 1), max(o["busy"]) / mean_busy if mean_busy else 0))
+        spread = max(o["busy"]) / mean_busy if mean_busy else 0.0
+        rows.append((policy, eps, p90, o["hits"] / max(o["reusable"], 1), spread))
     base = dict((r[0], r[1]) for r in rows).get("static")
     print(f"\n{args.sidecars} sidecars (one core each, {len(os.sched_getaffinity(0))} cores), {args.rounds} rounds x "
           f"{args.episodes} episodes of 3-5 turns, first prompts of {args.first_tokens} tokens, 8-48 tokens a turn, "

@@ -35,8 +35,8 @@ class Run:
     pushed: dict | None = None  # the last push's reply (rank 0): its bytes go in the step's metrics
     exact: object | None = None  # --on-policy exact: recipes.exact_policy.ExactPolicy
     router: object | None = None  # recipes.agent over several sidecars' fronts: rollout.launcher.LocalRouter
-    prefix_seen: dict | None = None
-    routing_seen: list | None = None  # each sidecar's counters at the last step (recipes/routing_metrics.py)  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
+    prefix_seen: dict | None = None  # the sidecars' prefix-cache counters at the last step (recipes/prefix_metrics.py)
+    routing_seen: list | None = None  # each sidecar's counters at the last step (recipes/routing_metrics.py)
 
     def policy(self) -> torch.nn.Module:
         return self.algo.policy_of(self.accelerator.unwrap_model(self.module))

@@ -33,8 +33,9 @@ def build_app(urls: list[str], token: str = "", margin: int = 8, idle_s: float =
               paused_s: float = 60.0) -> FastAPI:
     http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    sidecars = Sidecars(urls, http, token, poll_s, paused_s)
     placement = Placement(margin, idle_s)
+    sidecars = Sidecars(urls, http, token, poll_s, paused_s,
+                        on_load=lambda i, load: placement.observe(i, load.groups, load.kv_used))
     metrics = RouterMetrics()
     metrics.watch(sidecars, placement)
     forwarder = Forwarder(sidecars, placement, http, metrics)

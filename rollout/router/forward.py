@@ -56,7 +56,8 @@ class Forwarder:
                 self.metrics.unavailable.inc()
                 reasons = "; ".join(why + [f"{s.url}: {s.state} ({s.reason})" for j, s in enumerate(self.sidecars.all)
                                            if j not in tried and s.state != "serving"])
-                return error(503, f"no sidecar can take the call: {reasons or 'none configured'}", "service_unavailable")
+                return error(503, f"no sidecar can take the call: {reasons or 'none configured'}",
+                             "service_unavailable")
             i = self.placement.place([key], serving)[0] if key is not None else self.placement.pick(serving)
             tried.add(i)
             answer = await self._try(request, i, path, body, headers)

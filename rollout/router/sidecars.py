@@ -42,11 +42,13 @@ class Sidecar:
 
 class Sidecars:
     def __init__(self, urls: list[str], http: httpx.AsyncClient, token: str = "", poll_s: float = 0.5,
-                 paused_s: float = 60.0, clock=time.monotonic):
+                 paused_s: float = 60.0, clock=time.monotonic, on_load=None):
+        """`on_load(i, LoadReply)`: called with each answer (the placement reads the sidecars' own load)."""
         if not urls:
             raise ValueError("no sidecar to route to")
         self.all = [Sidecar(u.rstrip("/")) for u in urls]
         self.http, self.poll_s, self.paused_s, self.clock = http, poll_s, paused_s, clock
+        self.on_load = on_load
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.polled = asyncio.Event()  # set once every sidecar was asked once
         self.newest = 0  # the newest weight version a sidecar served under this router
@@ -75,6 +77,8 @@ class Sidecars:
         self.newest = max(self.newest, *(serving or [r.version for _, r in heard] or [0]))
         for s, r in heard:
             self._heard(s, r, self.newest)
+            if self.on_load is not None:
+                self.on_load(self.all.index(s), r)
 
     async def _ask(self, s: Sidecar) -> LoadReply:
         resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=5.0)

@@ -4,6 +4,7 @@ killed mid-session gives its sessions to the others and loses no episode; a stre
 again after its first chunk; a sidecar that comes back on older weights gets no call until its trainer's
 client has caught it up."""
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import SamplingParams
 from rollout import RolloutClient
 from rollout.launcher import LocalRouter
 from rollout.router.session_key import session_key
@@ -99,6 +101,24 @@ def test_sessions_stay_where_their_prefix_is_and_spread_over_the_sidecars(two):
         assert httpx.post(router.url + "/finish_session", params={"session_id": name}, headers=AUTH).status_code == 200
     r = _complete(router, [1, 2, 3], session="fresh")
     assert r.status_code == 200 and r.headers["x-routed-to"] == a.http_url
+
+
+def test_new_sessions_avoid_a_sidecar_busy_with_another_clients_work(two):
+    """A trainer's long rollouts on a (over ZMQ, not through the router): the router reads a's own load
+    and sends new sessions to b."""
+    a, b, router = two
+    zmq = RolloutClient(a.url, token=TOKEN)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            params = SamplingParams(n=2, max_tokens=250, ignore_eos=True)
+            busy = pool.submit(zmq.generate, [[4, 5, 6, k] for k in range(12)], params)
+            _until(lambda: httpx.get(router.url + "/health", timeout=30).json()["sidecars"][a.http_url]["groups"] >= 12,
+                   "the router never saw a's load")
+            placed = [_complete(router, [8, k], session=f"newcomer-{k}").headers["x-routed-to"] for k in range(6)]
+            busy.result(timeout=240)
+        assert placed == [b.http_url] * 6
+    finally:
+        zmq.close()
 
 
 def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(two):
