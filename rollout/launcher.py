@@ -11,20 +11,15 @@ import time
 from collections.abc import Sequence
 
 
-class LocalSidecar:
-    """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
-    SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0). The sidecar also
-    shuts down by itself when this process exits, however it exits (SIGKILL included).
-    `log_path`: a file the sidecar's log is appended to (default: this process's stderr).
-    `prefix`: a command the sidecar runs under, e.g. `ip netns exec HOST` (bench.hostbed)."""
+class _ChildServer:
+    """A server child process that prints `READY <url>` once it serves (and other `KEY value` lines before);
+    `stop()`: SIGTERM, then SIGKILL after `timeout_s`, its own processes too (a vLLM engine's core does not
+    watch its parent as ours do, and outlived a killed sidecar)."""
 
-    def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0,
-                 log_path: str | None = None, prefix: Sequence[str] = ()):
-        cmd = [*prefix, sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0", "--parent-pid", str(os.getpid()),
-               *extra_args]
-        if token:
-            cmd += ["--token", token]
-        self.log_path = log_path
+    what = "server"
+
+    def _start(self, cmd: list[str], timeout_s: float, log_path: str | None) -> dict[str, str]:
+        """Starts `cmd`, its stderr to `log_path` (default: this process's); its first lines up to READY, by key."""
         log = open(log_path, "a") if log_path else None  # noqa: SIM115 - the child holds it from here on
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -32,24 +27,20 @@ class LocalSidecar:
         finally:
             if log is not None:
                 log.close()
-        self.url: str | None = None
-        self.http_url: str | None = None  # with --http-port: the OpenAI-compatible front's base URL
+        said: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"sidecar exited with code {self.proc.wait()} before it was ready (see its log)")
-            if line.startswith("HTTP "):
-                self.http_url = line.split()[1]
-            if line.startswith("READY "):
-                self.url = line.split()[1]
-                return
+                raise RuntimeError(f"{self.what} exited with code {self.proc.wait()} before it was ready (see its log)")
+            key, _, value = line.strip().partition(" ")
+            said[key] = value.split(" ")[0]
+            if key == "READY":
+                return said
         self.stop()
-        raise TimeoutError(f"sidecar not ready after {timeout_s:.0f}s")
+        raise TimeoutError(f"{self.what} not ready after {timeout_s:.0f}s")
 
     def stop(self, timeout_s: float = 20.0) -> int:
-        """SIGTERM, and SIGKILL after `timeout_s`: then the sidecar's own processes too (a vLLM
-        engine's core does not watch its parent as ours do, and outlived a killed sidecar)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -65,16 +56,39 @@ class LocalSidecar:
                         pass
         return self.proc.returncode
 
-    def __enter__(self) -> "LocalSidecar":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-class LocalRouter:
+class LocalSidecar(_ChildServer):
+    """A sidecar subprocess on a free loopback port; `url` is where to connect. `stop()` sends
+    SIGTERM (the sidecar aborts in-flight work, stops its engines and exits 0). The sidecar also
+    shuts down by itself when this process exits, however it exits (SIGKILL included).
+    `log_path`: a file the sidecar's log is appended to (default: this process's stderr).
+    `prefix`: a command the sidecar runs under, e.g. `ip netns exec HOST` (bench.hostbed)."""
+
+    what = "sidecar"
+
+    def __init__(self, model: str, *extra_args: str, token: str = "", timeout_s: float = 300.0,
+                 log_path: str | None = None, prefix: Sequence[str] = ()):
+        cmd = [*prefix, sys.executable, "-m", "rollout.serve", "--model", model, "--port", "0",
+               "--parent-pid", str(os.getpid()), *extra_args]
+        if token:
+            cmd += ["--token", token]
+        self.log_path = log_path
+        said = self._start(cmd, timeout_s, log_path)
+        self.url: str = said["READY"]
+        self.http_url: str | None = said.get("HTTP")  # with --http-port: the OpenAI-compatible front's base URL
+
+
+class LocalRouter(_ChildServer):
     """A router (`python -m rollout.router`) over sidecars' HTTP fronts, on a free loopback port; `url` is
     its base URL. `stop()` sends SIGTERM (SIGKILL after `timeout_s`); it also exits when this process does."""
+
+    what = "router"
 
     def __init__(self, sidecar_http_urls: Sequence[str], *extra_args: str, token: str = "",
                  timeout_s: float = 60.0, log_path: str | None = None):
@@ -82,39 +96,7 @@ class LocalRouter:
                "--parent-pid", str(os.getpid()), *extra_args]
         if token:
             cmd += ["--token", token]
-        log = open(log_path, "a") if log_path else None  # noqa: SIM115 - the child holds it from here on
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])})
-        finally:
-            if log is not None:
-                log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"router exited with code {self.proc.wait()} before it was ready (see its log)")
-            if line.startswith("READY "):
-                self.url = line.split()[1]
-                return
-        self.stop()
-        raise TimeoutError(f"router not ready after {timeout_s:.0f}s")
-
-    def stop(self, timeout_s: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def __enter__(self) -> "LocalRouter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self.url: str = self._start(cmd, timeout_s, log_path)["READY"]
 
 
 def descendants(pid: int) -> list[int]:

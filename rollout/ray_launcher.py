@@ -53,7 +53,8 @@ class SidecarActor:
         self.boot = uuid.uuid4().hex  # this incarnation: a restarted actor has a new one
 
     def info(self) -> dict:
-        return {"url": self.sidecar.url, "boot": self.boot, "pid": os.getpid(), "sidecar_pid": self.sidecar.proc.pid,
+        return {"url": self.sidecar.url, "http_url": self.sidecar.http_url, "boot": self.boot, "pid": os.getpid(),
+                "sidecar_pid": self.sidecar.proc.pid,
                 "node_id": ray.get_runtime_context().get_node_id(), "node_ip": self.node_ip}
 
     def stop(self) -> int:
@@ -126,6 +127,11 @@ class RaySidecars:
     def urls(self) -> list[str]:
         """Each sidecar's address, as last seen."""
         return [s.url for s in self._slots]
+
+    def http_urls(self, timeout_s: float = 60.0) -> list[str]:
+        """Each sidecar's HTTP front now (started with `--http-port`), for `python -m rollout.router --sidecars`;
+        a sidecar Ray restarts comes back on a new port: hand it to the router (`POST /add_worker?url=`)."""
+        return [u for u in (self.info(i, timeout_s)["http_url"] for i in range(len(self.actors))) if u]
 
     def info(self, i: int, timeout_s: float = 60.0) -> dict:
         """Sidecar i's address, node and processes now (waits for a restarting actor)."""

@@ -3,7 +3,10 @@ session (an agent's episode, GRPO's n samples of a prompt) goes to the sidecar t
 whose prefix cache holds the episode so far; a new session goes to the least busy sidecar.
 
 A session moves, once per reason, when its sidecar is gone or paused (not serving), or busier than the
-least busy by more than `margin` prompts in flight; each move is counted. Ties go to the sidecar with
+least busy by more than `margin` prompts in flight and more than twice as busy; each move is counted. A
+move costs the episode's prefix computed again elsewhere, while a few more rows cost a decode step
+little: so a small gap (an episode's tail, where one sidecar's sessions ended sooner) moves nothing,
+and new sessions, placed on the least busy, even the load out instead. Ties go to the sidecar with
 the fewest sessions pinned, then the lowest index, so that many new sessions at once spread instead of
 all landing on one sidecar (torchtitan #3755: a tie-break that pinned every session to one generator).
 A session ends by `end(session)`, or when it has had no call for `idle_s` seconds: its pin is dropped.
@@ -22,7 +25,7 @@ from collections.abc import Callable
 
 
 class Placement:
-    def __init__(self, margin: int = 8, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, margin: int = 16, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         if margin < 0 or idle_s <= 0:
             raise ValueError(f"margin must be >= 0 and idle_s > 0, got {margin} and {idle_s}")
         self.margin, self.idle_s, self.clock = margin, idle_s, clock
@@ -54,7 +57,8 @@ class Placement:
             self.sessions += 1
             return least
         i = pin[0]
-        if i in serving and self.load(i) - self.load(least) <= self.margin:
+        gap = self.load(i) - self.load(least)
+        if i in serving and (gap <= self.margin or self.load(i) <= 2 * self.load(least)):
             return i
         self.moves += 1
         return least
@@ -66,10 +70,12 @@ class Placement:
     def _order(self, i: int) -> tuple:
         return self.load(i), self.kv_used.get(i, 0.0), sum(1 for s, _ in self.pins.values() if s == i), i
 
-    def observe(self, i: int, groups: int, kv_used: float = -1.0) -> None:
+    def observe(self, i: int, groups: int, kv_used: float = -1.0, busy_then: int = 0) -> None:
         """Sidecar i reported `groups` prompts in flight (every client's) and its KV cache's share in use
-        (protocol.LoadReply): what is not this client's counts as the others' until the next report."""
-        self.others[i] = max(0, groups - self.busy[i])
+        (protocol.LoadReply): what is not this client's counts as the others' until the next report.
+        `busy_then`: this client's prompts there when it asked: the report was taken between then and now,
+        so the larger of the two counts as ours (calls that ended meanwhile are not taken for others')."""
+        self.others[i] = max(0, groups - max(self.busy[i], busy_then))
         if kv_used >= 0:
             self.kv_used[i] = kv_used
 

@@ -35,8 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN", ""),
                    help="the sidecars' bearer token: callers must send it, and it goes on to the sidecar "
                    "(default: $ROLLOUT_TOKEN)")
-    p.add_argument("--margin", type=int, default=8, help="a session moves when its sidecar has more than this "
-                   "many calls in flight beyond the least busy one's")
+    p.add_argument("--margin", type=int, default=16, help="a session moves when its sidecar has more than this "
+                   "many calls in flight beyond the least busy one's, and twice its calls")
     p.add_argument("--idle-s", type=float, default=600.0, help="a session with no call for this long is "
                    "forgotten (its next call is placed anew); /finish_session ends one at once")
     p.add_argument("--poll-s", type=float, default=0.5, help="how often each sidecar's GET /load is asked")

@@ -1,5 +1,6 @@
 """The router's FastAPI app: the generation routes of the sidecars' fronts, routed by session
-(rollout/router/forward.py), and its own /health, /metrics, /finish_session and /v1/models.
+(rollout/router/forward.py), and its own /health, /metrics, /finish_session, /add_worker, /remove_worker
+and /v1/models.
 
 Routed: OpenAI's /v1/completions and /v1/chat/completions (streaming and tool calls included: the
 sidecar answers, the router relays), SGLang's /generate, and vLLM's /inference/v1/generate where the
@@ -29,13 +30,12 @@ from rollout.router.sidecars import Sidecars
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1/generate")
 
 
-def build_app(urls: list[str], token: str = "", margin: int = 8, idle_s: float = 600.0, poll_s: float = 0.5,
+def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float = 600.0, poll_s: float = 0.5,
               paused_s: float = 60.0) -> FastAPI:
     http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     placement = Placement(margin, idle_s)
-    sidecars = Sidecars(urls, http, token, poll_s, paused_s,
-                        on_load=lambda i, load: placement.observe(i, load.groups, load.kv_used))
+    sidecars = Sidecars(urls, http, token, poll_s, paused_s, on_load=_LoadIntoPlacement(placement))
     metrics = RouterMetrics()
     metrics.watch(sidecars, placement)
     forwarder = Forwarder(sidecars, placement, http, metrics)
@@ -80,12 +80,25 @@ def build_app(urls: list[str], token: str = "", margin: int = 8, idle_s: float =
         placement.end(key)
         return {"session_id": key, "finished": True}
 
+    @app.post("/add_worker")
+    async def add_worker(url: str):
+        """vllm-router's and SGLang's router's: route to one more sidecar's front (`?url=`); it gets calls once
+        it holds the newest weights the others serve."""
+        return {"url": url, "added": sidecars.add(url)}
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str):
+        """No more calls to that sidecar (`?url=`); its sessions move to the others."""
+        if not sidecars.remove(url):
+            return error(404, f"no sidecar {url} is routed to", "not_found_error")
+        return {"url": url, "removed": True}
+
     @app.get("/health")
     async def health():
         snap = snapshot(sidecars, placement)
         body = {"ok": snap["serving"] > 0, **snap}
-        for s, out in zip(sidecars.all, body["sidecars"].values()):
-            out["reason"], out["changes"] = s.reason, s.changes
+        for s in sidecars.all:  # a sidecar removed and added again: its newest entry (as in the snapshot)
+            body["sidecars"][s.url].update(reason=s.reason, changes=s.changes)
         return JSONResponse(body, status_code=200 if body["ok"] else 503)
 
     @app.get("/metrics")
@@ -94,6 +107,19 @@ def build_app(urls: list[str], token: str = "", margin: int = 8, idle_s: float =
         return Response(data, media_type=content_type)
 
     return app
+
+
+class _LoadIntoPlacement:
+    """Each sidecar's /load reply into the placement, beside the router's own calls there when it asked."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+
+    def snapshot(self) -> dict:
+        return dict(self.placement.busy)
+
+    def __call__(self, i: int, load, asked_at: dict) -> None:
+        self.placement.observe(i, load.groups, load.kv_used, asked_at.get(i, 0))
 
 
 def _routed(forwarder: Forwarder, path: str):

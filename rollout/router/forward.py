@@ -11,7 +11,6 @@ tokens so far were seen: sending the call again would sample them twice). Any ot
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import httpx
@@ -20,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rollout.client.placement import Placement
+from rollout.common.caller_gone import CallerGone, unless_caller_goes
 from rollout.router.metrics import RouterMetrics
 from rollout.router.session_key import session_key
 from rollout.router.sidecars import Sidecars
@@ -27,10 +27,6 @@ from rollout.router.sidecars import Sidecars
 log = logging.getLogger("rollout.router")
 
 _PASSED = ("authorization", "content-type", "accept", "x-request-id", "x-session-id")  # headers sent on
-
-
-class CallerGone(Exception):
-    """The caller closed its connection before its answer came."""
 
 
 class Forwarder:
@@ -88,7 +84,7 @@ class Forwarder:
                     return StreamingResponse(self._relay(i, resp, first, chunks), status_code=resp.status_code,
                                              media_type="text/event-stream", headers=self._answer_headers(i))
                 try:
-                    content = await _unless_gone(request, resp.aread())
+                    content = await unless_caller_goes(request, resp.aread())
                 except CallerGone:
                     self.metrics.answered(sidecar.url, 499)
                     return Response(status_code=499)
@@ -126,22 +122,6 @@ class Forwarder:
 
     def _answer_headers(self, i: int) -> dict:
         return {"x-routed-to": self.sidecars.all[i].url}
-
-
-async def _unless_gone(request: Request, work):
-    """Awaits `work`; a caller that goes away meanwhile cancels it (the connection to the sidecar closes,
-    and the sidecar aborts the call)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise CallerGone
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:

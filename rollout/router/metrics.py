@@ -8,9 +8,9 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from rollout.router.sidecars import BEHIND, GONE, SERVING, STARTING
+from rollout.router.sidecars import BEHIND, GONE, REMOVED, SERVING, STARTING
 
-STATES = (SERVING, BEHIND, GONE, STARTING)
+STATES = (SERVING, BEHIND, GONE, STARTING, REMOVED)
 
 
 class RouterMetrics:

@@ -3,7 +3,9 @@
 
 A sidecar is `serving` (it takes calls), `behind` (it answers, but holds older weights than the newest
 the others serve: it came back, or started late, and waits to be caught up by its trainer's client:
-rollout/client/catch_up.py), `gone` (it did not answer: its sessions move) or `starting` (not heard yet).
+rollout/client/catch_up.py), `gone` (it did not answer: its sessions move), `starting` (not heard yet:
+one added by `add` starts so, and serves once it holds the newest version) or `removed` (by `remove`; it
+keeps its index, as the placement counts by index).
 A sidecar that serves stays serving while a push moves the others ahead of it for a moment; one that
 comes back (after `gone`, or with a version lower than it served, a restarted process) serves again only
 once it holds the newest version. One whose push has lasted more than `paused_s` takes no calls until it
@@ -26,7 +28,7 @@ from rollout.common.protocol import LoadReply
 
 log = logging.getLogger("rollout.router")
 
-SERVING, BEHIND, GONE, STARTING = "serving", "behind", "gone", "starting"
+SERVING, BEHIND, GONE, STARTING, REMOVED = "serving", "behind", "gone", "starting", "removed"
 _decode = msgspec.json.Decoder(LoadReply).decode
 
 
@@ -43,7 +45,8 @@ class Sidecar:
 class Sidecars:
     def __init__(self, urls: list[str], http: httpx.AsyncClient, token: str = "", poll_s: float = 0.5,
                  paused_s: float = 60.0, clock=time.monotonic, on_load=None):
-        """`on_load(i, LoadReply)`: called with each answer (the placement reads the sidecars' own load)."""
+        """`on_load(i, LoadReply, asked_at)`: called with each answer and what `on_load.snapshot()` gave when it
+        was asked (the placement reads the sidecars' own load)."""
         if not urls:
             raise ValueError("no sidecar to route to")
         self.all = [Sidecar(u.rstrip("/")) for u in urls]
@@ -65,10 +68,31 @@ class Sidecars:
             self.polled.set()
             await asyncio.sleep(self.poll_s)
 
+    def add(self, url: str) -> bool:
+        """A sidecar to route to from now on (False: it is routed to already); it serves once a poll finds it
+        holding the newest version."""
+        url = url.rstrip("/")
+        if any(s.url == url and s.state != REMOVED for s in self.all):
+            return False
+        self.all.append(Sidecar(url))
+        log.info("sidecar %s added", url)
+        return True
+
+    def remove(self, url: str) -> bool:
+        """No more calls to this sidecar (False: not routed to); its sessions move."""
+        url = url.rstrip("/")
+        for s in self.all:
+            if s.url == url and s.state != REMOVED:
+                self._set(s, REMOVED, "removed")
+                return True
+        return False
+
     async def poll(self) -> None:
-        replies = await asyncio.gather(*(self._ask(s) for s in self.all), return_exceptions=True)
-        heard = [(s, r) for s, r in zip(self.all, replies) if isinstance(r, LoadReply)]
-        for s, r in zip(self.all, replies):
+        present = [s for s in self.all if s.state != REMOVED]
+        asked_at = self.on_load.snapshot() if self.on_load is not None else None
+        replies = await asyncio.gather(*(self._ask(s) for s in present), return_exceptions=True)
+        heard = [(s, r) for s, r in zip(present, replies) if isinstance(r, LoadReply)]
+        for s, r in zip(present, replies):
             if not isinstance(r, LoadReply):
                 self.lost(s, f"{type(r).__name__}: {r}" if str(r) else type(r).__name__)
         # the newest a serving sidecar holds now, or (none serving yet) the newest any holds; never back:
@@ -78,7 +102,7 @@ class Sidecars:
         for s, r in heard:
             self._heard(s, r, self.newest)
             if self.on_load is not None:
-                self.on_load(self.all.index(s), r)
+                self.on_load(self.all.index(s), r, asked_at)
 
     async def _ask(self, s: Sidecar) -> LoadReply:
         resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=5.0)
@@ -87,6 +111,8 @@ class Sidecars:
         return _decode(resp.content)
 
     def _heard(self, s: Sidecar, r: LoadReply, newest: int) -> None:
+        if s.state == REMOVED:  # removed while its poll was on the wire
+            return
         restarted = s.load is not None and r.version < s.load.version
         s.load = r
         s.pushing_since = (s.pushing_since or self.clock()) if r.pushing else None

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -16,6 +17,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from engine import SamplingParams  # noqa: E402
 from rollout import RolloutClient  # noqa: E402
+from rollout.launcher import LocalRouter  # noqa: E402
 from rollout.ray_launcher import RaySidecars  # noqa: E402
 from tests.engine.helpers import hf_greedy, random_prompts  # noqa: E402
 from tests.rollout.test_engine_faults import _perturbed  # noqa: E402
@@ -23,7 +25,8 @@ from weight_sync import weights_checksum  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-SERVE_ARGS = ["--log-level", "WARNING", "--max-model-len", "256", "--stats-interval", "0", "--warm-standby", "off"]
+SERVE_ARGS = ["--log-level", "WARNING", "--max-model-len", "256", "--stats-interval", "0", "--warm-standby", "off",
+              "--http-port", "0"]
 
 
 ON_A_NODE = {"rollout_host": 1}  # each node has 3: room for both placements' sidecars at once
@@ -90,8 +93,19 @@ def test_two_sidecars_in_one_call_generate_and_take_a_push(sidecars, hf_models):
         for p, [r] in zip(prompts, groups):
             assert r.token_ids == hf_greedy(trainer, p, 8, ignore_eos=True) and set(r.weight_versions) == {2}
         assert all(_requests(u, sidecars.token) > 0 for u in sidecars.urls)  # both took prompts
+        # OpenAI-style environments reach Ray's sidecars through a router over their fronts
+        auth = {"Authorization": f"Bearer {sidecars.token}"}
+        with LocalRouter(sidecars.http_urls(), token=sidecars.token) as router:
+            model = httpx.get(router.url + "/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
+            r = httpx.post(router.url + "/v1/completions", headers={**auth, "X-Session-ID": "e1"}, timeout=120,
+                           json={"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                 "model": model})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == groups[0][0].token_ids
+            assert r.headers["x-routed-to"] in sidecars.http_urls()
     finally:
         client.close()
+
 
 
 def test_a_killed_sidecar_actor_is_restarted_by_ray_and_taken_back(sidecars, hf_models):

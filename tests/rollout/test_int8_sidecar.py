@@ -10,7 +10,6 @@ import sys
 
 import httpx
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from engine import LLM, EngineConfig, SamplingParams

@@ -80,6 +80,27 @@ def test_the_sidecars_own_load_counts_what_other_clients_have_in_flight():
     assert q.place(["x"], [0, 1]) == [1] and q.pick([0, 1]) == 0  # the emptier cache, then the less busy
 
 
+def test_a_small_or_proportionally_small_gap_moves_nothing():
+    """The tail of a step (one sidecar's sessions ended sooner) and a gap within the margin keep sessions home;
+    ours counted by the larger of what was in flight when the load was asked and now."""
+    p = Placement(margin=4)
+    p.place([f"a{k}" for k in range(12)], [0, 1])  # 6 each
+    p.done(1, 6)  # 1's sessions are between turns: 6 against 0, past the margin and more than twice: moves
+    assert p.place(["a0"], [0, 1]) == [1] and p.stats()["moves"] == 1
+    p = Placement(margin=4)
+    p.place([f"a{k}" for k in range(20)], [0, 1])  # 10 each
+    p.done(1, 4)  # 10 against 6: gap 4, within the margin
+    assert p.place(["a0"], [0, 1]) == [0] and p.stats()["moves"] == 0
+    p.done(1, 1)  # 11 against 5: past the margin, and twice as busy: moves
+    assert p.place(["a2"], [0, 1]) == [1] and p.stats()["moves"] == 1
+    q = Placement()
+    q.place(["x", "y"], [0, 1])
+    q.observe(0, groups=1, busy_then=1)  # ours then and now: no one else's
+    q.done(0)
+    q.observe(0, groups=1, busy_then=1)  # the report counted our call that has ended since: still no one else's
+    assert q.others[0] == 0
+
+
 def test_pins_end_by_call_or_by_idling():
     clock = Clock()
     p = Placement(idle_s=10, clock=clock)

@@ -96,11 +96,17 @@ def test_sessions_stay_where_their_prefix_is_and_spread_over_the_sidecars(two):
     assert health["ok"] and health["moves"] == 0 and health["pinned"] >= 6
     m = _metrics(router.url)
     assert m[("rollout_router_session_moves_total", ())] == 0 and m[("rollout_router_prefix_hit_ratio", ())] > 0
-    # ended sessions are dropped; a new one goes to the sidecar with the fewest pinned
+    # ended sessions are dropped
     for name in [n for n, url in home.items() if url == a.http_url]:
         assert httpx.post(router.url + "/finish_session", params={"session_id": name}, headers=AUTH).status_code == 200
-    r = _complete(router, [1, 2, 3], session="fresh")
-    assert r.status_code == 200 and r.headers["x-routed-to"] == a.http_url
+    after = httpx.get(router.url + "/health", timeout=30).json()
+    assert after["pinned"] == health["pinned"] - 3 and after["sidecars"][a.http_url]["sessions_pinned"] == 0
+    # a sidecar taken out of the rotation and put back (vllm-router's and SGLang's routes)
+    assert httpx.post(router.url + "/remove_worker", params={"url": a.http_url}, headers=AUTH).status_code == 200
+    assert all(_complete(router, [2, k], session="fresh").headers["x-routed-to"] == b.http_url for k in range(3))
+    assert httpx.post(router.url + "/remove_worker", params={"url": a.http_url}, headers=AUTH).status_code == 404
+    assert httpx.post(router.url + "/add_worker", params={"url": a.http_url}, headers=AUTH).json()["added"]
+    _until(lambda: _state(router, a.http_url) == "serving", "a was not taken back")
 
 
 def test_new_sessions_avoid_a_sidecar_busy_with_another_clients_work(two):
