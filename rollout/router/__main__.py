@@ -29,8 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sidecars", nargs="+", required=True, metavar="URL",
                    help="each sidecar's HTTP front, e.g. http://host:8000 (its --http-port)")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface; then "
-                   "set --token)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (anything but loopback needs --token, as "
+                   "the sidecars do)")
     p.add_argument("--port", type=int, default=0, help="port to serve on (0: a free one, printed in READY)")
     p.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN", ""),
                    help="the sidecars' bearer token: callers must send it, and it goes on to the sidecar "
@@ -44,7 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "this takes no calls until the push ends")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process does (launchers set it)")
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.token and args.host not in ("127.0.0.1", "localhost", "::1"):
+        p.error(f"--host {args.host} reaches beyond this machine: set --token (the sidecars', as they require)")
+    return args
 
 
 class _Server(uvicorn.Server):

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine import SamplingParams
 from rollout import RolloutClient
 from rollout.launcher import LocalRouter
+from rollout.router.__main__ import parse_args as router_args
 from rollout.router.session_key import session_key
 from tests.procs import descendants
 from tests.rollout.sidecar import TOKEN, Sidecar
@@ -39,6 +40,13 @@ def test_the_session_key_is_the_header_then_the_body_then_sglang_then_the_user()
     for bad in (7, "", "x" * 300):
         with pytest.raises(ValueError, match="session id"):
             session_key({}, {"session_id": bad})
+
+
+def test_a_router_reachable_from_other_hosts_needs_a_token(capsys):
+    with pytest.raises(SystemExit):
+        router_args(["--sidecars", "http://10.0.0.1:8000", "--host", "0.0.0.0"])
+    assert "set --token" in capsys.readouterr().err
+    assert router_args(["--sidecars", "http://10.0.0.1:8000", "--host", "0.0.0.0", "--token", "t"]).token == "t"
 
 
 def _front(model, http_port="0", *extra):
