@@ -81,8 +81,9 @@ class Forwarder:
                     if not first:
                         return "its stream closed before its first chunk"
                     handed_on = True
-                    return StreamingResponse(self._relay(i, resp, first, chunks), status_code=resp.status_code,
-                                             media_type="text/event-stream", headers=self._answer_headers(i))
+                    release = _Once(resp.aclose, lambda: self.placement.done(i))
+                    return _Relay(self._relay(i, resp, first, chunks, release), release, status_code=resp.status_code,
+                                  media_type="text/event-stream", headers=self._answer_headers(i))
                 try:
                     content = await unless_caller_goes(request, resp.aread())
                 except CallerGone:
@@ -101,7 +102,7 @@ class Forwarder:
             if not handed_on:
                 self.placement.done(i)
 
-    async def _relay(self, i: int, resp: httpx.Response, first: bytes, chunks):
+    async def _relay(self, i: int, resp: httpx.Response, first: bytes, chunks, release):
         url = self.sidecars.all[i].url
         try:
             yield first
@@ -117,11 +118,40 @@ class Forwarder:
                                "code": 502}}
             yield b"data: " + msgspec.json.encode(event) + b"\n\ndata: [DONE]\n\n"
         finally:
-            await resp.aclose()  # a caller that went: the sidecar sees its connection close and aborts
-            self.placement.done(i)
+            await release()  # a caller that went: the sidecar sees its connection close and aborts
 
     def _answer_headers(self, i: int) -> dict:
         return {"x-routed-to": self.sidecars.all[i].url}
+
+
+class _Once:
+    """The relayed stream's end, run once: its connection to the sidecar closed, its call no longer busy."""
+
+    def __init__(self, close, done):
+        self.close, self.done, self.ran = close, done, False
+
+    async def __call__(self) -> None:
+        if not self.ran:
+            self.ran = True
+            try:
+                await self.close()
+            finally:
+                self.done()
+
+
+class _Relay(StreamingResponse):
+    """A relayed stream that ends its call even when it is never iterated (a caller gone before its first
+    byte went out: the body's own `finally` would then never run)."""
+
+    def __init__(self, chunks, release: _Once, **kw):
+        super().__init__(chunks, **kw)
+        self.release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
