@@ -10,13 +10,13 @@ run (issue 66):
            (rollout/client/placement.py: sticky, the least busy for a new one, moved past a margin)
 
 The workload, the same for all four (seeded: our engine samples a seeded request the same on any
-sidecar in any batch): rounds of E episodes of 3-5 turns (the calculator environment's shape: a first
-prompt of 96-192 tokens, `--first-tokens`, then each turn's prompt is the last one, its completion and
-an 8-24 token tool result); a turn's length is drawn from 8-48 tokens (an answer ends where EOS would
-end it: EOS is ignored so that every policy generates the same tokens). Before each policy's round the
-trainer pushes new weights to every sidecar (the prefix caches are keyed by version: nothing carries
-over between policies or rounds). Each sidecar is bound to one core (`taskset`), N over the machine's
-cores.
+sidecar in any batch): rounds of E episodes of 3-5 turns, the calculator environment's shape: a first
+prompt of 512-768 tokens (`--first-tokens`; the calculator's is 581-587 with SmolLM2's tokenizer), then
+each turn's prompt is the last one, its completion and an 8-24 token tool result; a turn's length is
+drawn from 8-48 tokens (an answer ends where EOS would end it: EOS is ignored so that every policy
+generates the same tokens). Before each policy's round the trainer pushes new weights to every sidecar
+(the prefix caches are keyed by version: nothing carries over between policies or rounds). Each sidecar
+is bound to one core (`taskset`), N over the machine's cores.
 
 Prints per policy: episodes/s, p90 episode latency, prefix hits as a share of the reusable prompt tokens
 (each turn's full blocks of the last turn's computed tokens: what a cache that kept everything would
@@ -24,7 +24,8 @@ serve), and the load spread, max / mean of each sidecar's forward time (its engi
 Goals (issue 66): ours >= 90% hits, >= 1.3x static's episodes/s, spread <= 1.2. Each policy's round
 follows the others' of the same round (interleaved), so a slower minute of a shared machine falls on all.
 
-    python -m bench.agent_routing                         # SmolLM2's shape if built, 4 sidecars
+    python -m bench.agent_routing                         # SmolLM2 if built, 4 sidecars
+    python -m bench.agent_routing --first-tokens 96-192   # short first prompts
     python -m bench.agent_routing --quick                 # tiny model, 2 sidecars, one round
 """
 
@@ -122,15 +123,18 @@ def parse_args(argv=None):
     p.add_argument("--sidecars", type=int, default=4)
     p.add_argument("--episodes", type=int, default=32, help="episodes per round, all in flight at once")
     p.add_argument("--rounds", type=int, default=3, help="rounds per policy, a push before each")
-    p.add_argument("--first-tokens", default="96-192", metavar="LO-HI",
-                   help="an episode's first prompt length, drawn from LO-HI (a long system prompt: 512-768)")
+    p.add_argument("--first-tokens", default="512-768", metavar="LO-HI",
+                   help="an episode's first prompt length, drawn from LO-HI (default: around the calculator's, "
+                   "581-587 tokens with SmolLM2's tokenizer and three worked examples; 96-192: a short one)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 sidecars, 8 episodes, one round")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 2 sidecars, 8 episodes of short first prompts, one round")
     args = p.parse_args(argv)
     args.first = tuple(int(x) for x in args.first_tokens.split("-"))
     if args.quick:
         args.sidecars, args.episodes, args.rounds, args.model = 2, 8, 1, args.model or "tiny"
+        args.first = (96, 192)
     return args
 
 

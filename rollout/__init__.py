@@ -1,5 +1,6 @@
 """The rollout layer, by process: the trainer's client (rollout.client), the sidecar
-(rollout.sidecar, started by `python -m rollout.serve`), and what both speak (rollout.common).
+(rollout.sidecar, started by `python -m rollout.serve`), the HTTP router over sidecars (rollout.router,
+`python -m rollout.router`), and what they speak (rollout.common).
 
 The client's names are loaded on first use, so that a sidecar, which imports this package
 too, never loads the client's modules (it runs one only to catch a newcomer up)."""

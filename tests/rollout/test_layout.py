@@ -1,6 +1,7 @@
 """rollout's layout holds (rollout/__init__.py): the trainer's client (rollout.client) never imports the
 sidecar (rollout.sidecar), what both speak (rollout.common) imports neither, the sidecar imports the
-client only where it is one (peer_send.py), and a sidecar's process loads no module of the client."""
+client only where it is one (peer_send.py), a sidecar's process loads no module of the client, and the
+router (rollout.router) none of the sidecar's."""
 
 import pathlib
 import subprocess
@@ -11,8 +12,8 @@ from tests.layout import imported
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "rollout"
 # each place, the places it must not import (lazy imports and TYPE_CHECKING ones included), and the
 # files allowed to all the same
-FORBIDDEN = {"common": (("client", "sidecar"), ()), "client": (("sidecar",), ()),
-             "sidecar": (("client",), ("peer_send.py",))}
+FORBIDDEN = {"common": (("client", "sidecar"), ()), "client": (("sidecar", "router"), ()),
+             "sidecar": (("client", "router"), ("peer_send.py",)), "router": (("sidecar",), ())}
 
 
 def test_the_client_never_imports_the_sidecar_and_the_common_ground_neither():
@@ -30,12 +31,23 @@ def test_the_client_never_imports_the_sidecar_and_the_common_ground_neither():
 def test_the_top_of_rollout_holds_the_entry_points_only():
     assert sorted(p.name for p in ROOT.glob("*.py")) == ["__init__.py", "launcher.py", "ray_launcher.py", "serve.py"]
     assert sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("__")) == [
-        "client", "common", "sidecar", "tool_calls"]
+        "client", "common", "router", "sidecar", "tool_calls"]
 
 
 def test_a_sidecar_process_loads_no_module_of_the_client():
     code = ("import sys, rollout.serve, rollout.sidecar.server, rollout.sidecar.openai_front.app; "
             "print(sorted(m for m in sys.modules if m.startswith('rollout.client')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_router_process_loads_no_module_of_the_sidecar_nor_torch():
+    """The router (`python -m rollout.router`) is a light process of its own: the client's placement and the
+    common protocol, no engine."""
+    code = ("import sys, rollout.router.__main__; "
+            "print(sorted(m for m in sys.modules if m.startswith('rollout.sidecar') or m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
