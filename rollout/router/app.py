@@ -52,11 +52,8 @@ def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float 
             await http.aclose()
 
     app = FastAPI(title="rollout router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.sidecars, app.state.placement = sidecars, placement
-
     if token:
         app.add_middleware(_Gate, token=token)
-
     for path in ROUTED:
         app.add_api_route(path, _routed(forwarder, path), methods=["POST"])
 
@@ -64,6 +61,12 @@ def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float 
     async def models(request: Request):
         return await forwarder.call(request, "/v1/models")
 
+    _add_session_and_worker_routes(app, sidecars, placement)
+    _add_status_routes(app, sidecars, placement, metrics)
+    return app
+
+
+def _add_session_and_worker_routes(app: FastAPI, sidecars: Sidecars, placement: Placement) -> None:
     @app.post("/finish_session")
     async def finish_session(request: Request):
         """vllm-router's: the session is over, its pin dropped (`?session_id=`, the header, or the body's)."""
@@ -93,6 +96,8 @@ def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float 
             return error(404, f"no sidecar {url} is routed to", "not_found_error")
         return {"url": url, "removed": True}
 
+
+def _add_status_routes(app: FastAPI, sidecars: Sidecars, placement: Placement, metrics: RouterMetrics) -> None:
     @app.get("/health")
     async def health():
         snap = snapshot(sidecars, placement)
@@ -105,8 +110,6 @@ def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float 
     async def prometheus():
         data, content_type = metrics.render()
         return Response(data, media_type=content_type)
-
-    return app
 
 
 class _LoadIntoPlacement:

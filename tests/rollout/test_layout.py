@@ -3,6 +3,7 @@ sidecar (rollout.sidecar), what both speak (rollout.common) imports neither, the
 client only where it is one (peer_send.py), a sidecar's process loads no module of the client, and the
 router (rollout.router) none of the sidecar's."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -34,24 +35,25 @@ def test_the_top_of_rollout_holds_the_entry_points_only():
         "client", "common", "router", "sidecar", "tool_calls"]
 
 
-def test_a_sidecar_process_loads_no_module_of_the_client():
-    code = ("import sys, rollout.serve, rollout.sidecar.server, rollout.sidecar.openai_front.app; "
-            "print(sorted(m for m in sys.modules if m.startswith('rollout.client')))")
+def _loaded_by(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules under `prefixes` a fresh interpreter holds after `import <imports>`."""
+    code = (f"import json, sys, {imports}; "
+            f"print(json.dumps(sorted(m for m in sys.modules if m == 'torch' or m.startswith({prefixes!r}))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    return json.loads(out.stdout)
+
+
+def test_a_sidecar_process_loads_no_module_of_the_client():
+    imports = "rollout.serve, rollout.sidecar.server, rollout.sidecar.openai_front.app"
+    assert [m for m in _loaded_by(imports, ("rollout.client",)) if m != "torch"] == []
 
 
 def test_a_router_process_loads_no_module_of_the_sidecar_nor_torch():
     """The router (`python -m rollout.router`) is a light process of its own: the client's placement and the
     common protocol, no engine."""
-    code = ("import sys, rollout.router.__main__; "
-            "print(sorted(m for m in sys.modules if m.startswith('rollout.sidecar') or m == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert _loaded_by("rollout.router.__main__", ("rollout.sidecar",)) == []
 
 
 def test_the_public_names_still_import_from_rollout():
