@@ -88,21 +88,21 @@ class Sidecars:
         return False
 
     async def poll(self) -> None:
-        present = [s for s in self.all if s.state != REMOVED]
+        present = [i for i, s in enumerate(self.all) if s.state != REMOVED]
         asked_at = self.on_load.snapshot() if self.on_load is not None else None
-        replies = await asyncio.gather(*(self._ask(s) for s in present), return_exceptions=True)
-        heard = [(s, r) for s, r in zip(present, replies) if isinstance(r, LoadReply)]
-        for s, r in zip(present, replies):
+        replies = await asyncio.gather(*(self._ask(self.all[i]) for i in present), return_exceptions=True)
+        heard = [(i, r) for i, r in zip(present, replies) if isinstance(r, LoadReply)]
+        for i, r in zip(present, replies):
             if not isinstance(r, LoadReply):
-                self.lost(s, f"{type(r).__name__}: {r}" if str(r) else type(r).__name__)
+                self.lost(self.all[i], f"{type(r).__name__}: {r}" if str(r) else type(r).__name__)
         # the newest a serving sidecar holds now, or (none serving yet) the newest any holds; never back:
         # a sidecar restarted on older weights must not serve them because its peers are gone too
-        serving = [r.version for s, r in heard if s.state == SERVING]
+        serving = [r.version for i, r in heard if self.all[i].state == SERVING]
         self.newest = max(self.newest, *(serving or [r.version for _, r in heard] or [0]))
-        for s, r in heard:
-            self._heard(s, r, self.newest)
+        for i, r in heard:
+            self._heard(self.all[i], r, self.newest)
             if self.on_load is not None:
-                self.on_load(self.all.index(s), r, asked_at)
+                self.on_load(i, r, asked_at)
 
     async def _ask(self, s: Sidecar) -> LoadReply:
         resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=5.0)
@@ -127,7 +127,7 @@ class Sidecars:
 
     def lost(self, s: Sidecar, why: str) -> None:
         """Sidecar s did not answer (a poll, or a call that could not reach it): no calls until it does."""
-        if s.state != GONE:
+        if s.state not in (GONE, REMOVED):  # a removed one's calls still failing leave it removed
             self._set(s, GONE, why)
             s.load = None  # a process that comes back is a new one: caught up before it serves
 
