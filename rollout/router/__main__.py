@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--poll-s", type=float, default=0.5, help="how often each sidecar's GET /load is asked")
     p.add_argument("--paused-s", type=float, default=60.0, help="a sidecar pushing weights for longer than "
                    "this takes no calls until the push ends")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies larger than this get 413 (the "
+                   "sidecars' own limit, --http-max-body-mb, is 8 too)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process does (launchers set it)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -62,7 +64,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed call and poll otherwise
-    app = build_app(args.sidecars, args.token, args.margin, args.idle_s, args.poll_s, args.paused_s)
+    app = build_app(args.sidecars, args.token, args.margin, args.idle_s, args.poll_s, args.paused_s,
+                    int(args.max_body_mb * (1 << 20)))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_keep_alive=30)
     server = _Server(config)

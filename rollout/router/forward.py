@@ -30,11 +30,16 @@ _PASSED = ("authorization", "content-type", "accept", "x-request-id", "x-session
 
 
 class Forwarder:
-    def __init__(self, sidecars: Sidecars, placement: Placement, http: httpx.AsyncClient, metrics: RouterMetrics):
+    def __init__(self, sidecars: Sidecars, placement: Placement, http: httpx.AsyncClient, metrics: RouterMetrics,
+                 max_body_bytes: int = 8 << 20):
         self.sidecars, self.placement, self.http, self.metrics = sidecars, placement, http, metrics
+        self.max_body_bytes = max_body_bytes
 
     async def call(self, request: Request, path: str) -> Response:
-        body = await request.body()
+        body = await self._body(request)
+        if body is None:
+            return error(413, f"the request body is over {self.max_body_bytes} bytes (--max-body-mb)",
+                         "invalid_request_error")
         try:
             parsed = msgspec.json.decode(body) if body else None
         except msgspec.DecodeError:
@@ -63,6 +68,19 @@ class Forwarder:
             self.metrics.failovers.inc()
             log.warning("call to %s failed before any byte reached its caller (%s): trying another sidecar",
                         self.sidecars.all[i].url, answer)
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The body, read up to the limit (None past it): a call is relayed whole, so no caller makes the router
+        hold more (its Content-Length is believed only to refuse early)."""
+        if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+            return None
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(part)
+        return b"".join(parts)
 
     async def _try(self, request: Request, i: int, path: str, body: bytes, headers: dict) -> Response | str:
         """The call on sidecar i: its answer, or why it can go elsewhere (nothing was relayed)."""

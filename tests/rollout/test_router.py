@@ -148,6 +148,9 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
         assert _metrics(open_router.url)[("rollout_router_failovers_total", ())] == 0  # a 401 is not a failure
     finally:
         open_router.stop()
+    for body in (b"x" * (9 << 20), iter([b"x" * (1 << 20)] * 9)):  # by its Content-Length, and chunked, as it comes
+        big = httpx.post(router.url + "/v1/completions", headers=AUTH, content=body, timeout=60)
+        assert big.status_code == 413 and "--max-body-mb" in big.json()["error"]["message"]
     bad = _complete(router, "hello", user=7)  # a session id that is not a string: 400, named
     assert bad.status_code == 400 and "session id" in bad.json()["error"]["message"]
     chat = httpx.post(router.url + "/v1/chat/completions", headers=AUTH, timeout=60,
