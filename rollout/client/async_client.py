@@ -81,8 +81,9 @@ class AsyncRolloutClient:
         go to the sidecar that served its last one, whose prefix cache holds it
         (rollout/client/placement.py; `end_session` drops it)."""
         prompts, wire = generate_inputs(prompts, sampling_params)
-        if sessions is not None and self._load_watch is None and len(self.links.in_use()) > 1:
-            self._load_watch = asyncio.ensure_future(self._watch_load())
+        if sessions is not None and len(self.links.in_use()) > 1 and (self._load_watch is None
+                                                                      or self._load_watch.done()):
+            self._load_watch = asyncio.ensure_future(self._watch_load())  # (again, if a fault ended the last)
         spread = Spread(self.links, prompts, wire, session_list(sessions, len(prompts)), self.placement)
         try:
             await spread.submit(list(range(len(spread.prompts))))
