@@ -151,6 +151,9 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
     for body in (b"x" * (9 << 20), iter([b"x" * (1 << 20)] * 9)):  # by its Content-Length, and chunked, as it comes
         big = httpx.post(router.url + "/v1/completions", headers=AUTH, content=body, timeout=60)
         assert big.status_code == 413 and "--max-body-mb" in big.json()["error"]["message"]
+    vllm_route = httpx.post(router.url + "/inference/v1/generate", headers={**AUTH, "X-Session-ID": "tito"}, timeout=60,
+                            json={"token_ids": [3, 4, 5], "sampling_params": {"max_tokens": 4, "ignore_eos": True}})
+    assert vllm_route.status_code == 200 and len(vllm_route.json()["choices"][0]["token_ids"]) == 4  # vLLM's route
     bad = _complete(router, "hello", user=7)  # a session id that is not a string: 400, named
     assert bad.status_code == 400 and "session id" in bad.json()["error"]["message"]
     chat = httpx.post(router.url + "/v1/chat/completions", headers=AUTH, timeout=60,

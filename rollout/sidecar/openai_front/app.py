@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /load, /metrics.
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, vLLM's /inference/v1/generate, /health,
+/load, /metrics.
 
 Every failure is an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`):
 400 a bad field (named) or a value the engine would refuse (checked before a stream's 200 goes
@@ -29,6 +30,7 @@ from rollout.sidecar.openai_front.limits import BodyLimit, Crashes, Gate
 from rollout.sidecar.openai_front.metrics import FrontMetrics
 from rollout.sidecar.openai_front.responses import LogprobFormat, error_body, new_id
 from rollout.sidecar.openai_front.schema import ChatCompletionRequest, CompletionRequest, Limits
+from rollout.sidecar.openai_front.vllm_generate import VllmGenerate
 from rollout.sidecar.supervision import NoEngineError
 
 _encode = msgspec.json.Encoder().encode  # a chunk per token per stream: the fast encoder
@@ -117,6 +119,19 @@ def _add_generation_routes(app: FastAPI, front: _Front) -> None:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         return await _generate(request, front, Chat, req, "chatcmpl")
+
+    @app.post("/inference/v1/generate")
+    async def vllm_generate(request: Request):
+        """vLLM's token-in token-out route (rollout/sidecar/openai_front/vllm_generate.py)."""
+        try:
+            job = VllmGenerate(front, msgspec.json.decode(await request.body()))
+        except msgspec.DecodeError as e:
+            raise HTTPException(400, detail={"message": f"the body is not JSON: {e}", "param": None}) from e
+        except ValueError as e:
+            raise HTTPException(400, detail={"message": str(e), "param": getattr(e, "param", None)}) from e
+        if job.body.get("stream"):
+            return _sse(job.chunks())
+        return job.whole(await until_disconnected(request, whole_choices(front.manager, job.prompts, job.params)))
 
 
 async def _generate(request: Request, front: _Front, endpoint, req, id_prefix: str):

@@ -74,7 +74,8 @@ class FrontMetrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry)
 
     def request_done(self, path: str, status: int) -> None:
-        known = path if path.startswith("/v1/") or path in ("/health", "/metrics") else "other"
+        known = path if path.startswith("/v1/") or path in ("/health", "/load", "/metrics", "/inference/v1/generate") \
+            else "other"
         self.requests.labels(known, str(status)).inc()
 
     def first_token(self, seconds: float) -> None:
