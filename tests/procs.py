@@ -1,6 +1,8 @@
-"""Process helpers for tests: which processes are our descendants."""
+"""Process helpers for tests: which processes are our descendants, signalling a process with all of them, a free
+port."""
 
 import os
+import socket
 
 
 def descendants(pid: int | None = None) -> list[int]:
@@ -23,3 +25,19 @@ def descendants(pid: int | None = None) -> list[int]:
         out += kids
         frontier += kids
     return out
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """`sig` to a process and every process under it (a sidecar and its engines, as to a whole host)."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

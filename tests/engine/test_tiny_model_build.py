@@ -5,7 +5,6 @@ real processes running this file (`python -m tests.engine.test_tiny_model_build`
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 import pytest
 
 from engine.models.tiny_model import STAMP, build_tiny_model, build_tiny_models
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(300)
 TARGET = "qwen2-tiny"  # default_model_dir()'s name under the cache root
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_builder(cache: Path, *rank_and_port: int) -> subprocess.Popen:
@@ -46,7 +40,7 @@ def _is_whole(target: Path) -> bool:
 def test_two_ranks_building_the_default_model_at_once_both_get_it_whole(tmp_path):
     """Rank 1 starts the build (transformers 5 saves weights from rank 0 only); rank 0 asks for
     the model while that build is under way."""
-    cache, port = tmp_path / "cache", _free_port()
+    cache, port = tmp_path / "cache", free_port()
     ranks = [_start_builder(cache, rank, port) for rank in (0, 1)]
     target, torn = cache / TARGET, False
     try:

@@ -6,20 +6,15 @@ rank per GPU, so all but the first need two."""
 import base64
 import concurrent.futures
 import datetime
-import socket
 
 import pytest
 import torch
 
+from tests.procs import free_port
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 _VLLM_CLASS = b"vllm.distributed.device_communicators.pynccl_wrapper"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _vllm_pickle(raw: bytes) -> bytes:
@@ -64,7 +59,7 @@ def test_a_worker_joins_a_vllm_trainers_nccl_group_and_receives_chunks(form):
     from weight_sync.vllm.group import VllmTrainerGroup
     from weight_sync.vllm.nccl_comm import NcclComm, new_unique_id
 
-    uid, port = new_unique_id(), _free_port()
+    uid, port = new_unique_id(), free_port()
     b64 = base64.b64encode(uid).decode() if form == "b64" else None
     store = None
     if form == "store":
@@ -139,7 +134,7 @@ def test_vllms_nccl_trainer_pushes_into_a_sidecar_on_cuda(qwen2_dir):
             for p in model.parameters():
                 p.mul_(1.01)
         world = 1 + httpx.get(side.http_url + "/get_world_size", timeout=30).json()["world_size"]
-        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=_free_port(), world_size=world,
+        info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=world,
                                    packed=True, packed_buffer_size_bytes=8 << 20)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(side.http_url),
                                                            source=ModuleSource(model))

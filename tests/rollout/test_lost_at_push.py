@@ -8,7 +8,6 @@ sidecars' workers arrive at the vote, and only then are the stopped processes ki
 go down a chain, as they do across hosts (the chain held the trainer's closed group open). Before the fix, a live worker that had entered the manifest vote waited out
 gloo's timeout there (the group's 60 s here; 120 s by default)."""
 
-import os
 import signal
 import threading
 import time
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from rollout import RolloutClient
-from tests.procs import descendants
+from tests.procs import signal_tree
 from tests.rollout.sidecar import TOKEN, Sidecar
 from tests.rollout.test_engine_faults import _perturbed
 from weight_sync import weights_checksum
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 
 GROUP_TIMEOUT_S = 60.0  # the transport's timeout: what a live rank would wait without the fix
 SECONDS = 20.0  # what a push with a host lost at its start may cost here (a loaded 2-core machine)
-
-
-def _signal_host(side, sig) -> None:
-    """`sig` to a sidecar and every process under it (its engines), as to a whole host."""
-    for pid in [side.proc.pid, *descendants(side.proc.pid)]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _when_pushing(watcher, n: int, timeout_s: float = 60.0) -> None:
@@ -50,7 +40,7 @@ def three(qwen2_dir, monkeypatch):
     sides = [Sidecar(qwen2_dir) for _ in range(3)]
     yield sides
     for s in sides:
-        _signal_host(s, signal.SIGCONT)
+        signal_tree(s.proc.pid, signal.SIGCONT)
         s.stop()
 
 
@@ -64,14 +54,14 @@ def test_a_host_lost_at_the_manifest_vote_costs_seconds(three, hf_models, delta)
         trainer = _perturbed(hf_models["qwen2"], 1)
         client.push_weights(trainer, version=1)
         trainer = _perturbed(trainer, 2)
-        _signal_host(c, signal.SIGSTOP)  # its manifest waits in its socket; a and b go to the vote
+        signal_tree(c.proc.pid, signal.SIGSTOP)  # its manifest waits in its socket; a and b go to the vote
         out: dict = {}
         t0 = time.monotonic()
         push = threading.Thread(target=lambda: out.update(r=client.push_weights(trainer, version=2, delta=delta)))
         push.start()
         _when_pushing(watcher, 2)
         time.sleep(0.5)  # a and b wait at the vote's gate (before the fix: in the vote itself)
-        _signal_host(c, signal.SIGKILL)
+        signal_tree(c.proc.pid, signal.SIGKILL)
         push.join(GROUP_TIMEOUT_S * 3)
         took = time.monotonic() - t0
         assert out.get("r", {}).get("version") == 2, "the push did not land on the sidecars left"
@@ -94,7 +84,7 @@ def test_a_sidecar_restarted_behind_its_address_is_taken_back_and_caught_up(qwen
         client.init_weight_sync()
         trainer = _perturbed(hf_models["qwen2"], 4)
         client.push_weights(trainer, version=1)
-        _signal_host(b, signal.SIGKILL)
+        signal_tree(b.proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while b.url in client.urls:  # noticed in a call (the client's loop runs in its calls)
             assert time.monotonic() < deadline, "b's death was never noticed"

@@ -5,9 +5,7 @@ again after its first chunk; a sidecar that comes back on older weights gets no 
 client has caught it up."""
 
 import concurrent.futures
-import os
 import signal
-import socket
 import time
 
 import httpx
@@ -20,7 +18,7 @@ from rollout import RolloutClient
 from rollout.launcher import LocalRouter
 from rollout.router.__main__ import parse_args as router_args
 from rollout.router.session_key import session_key
-from tests.procs import descendants
+from tests.procs import free_port, signal_tree
 from tests.rollout.sidecar import TOKEN, Sidecar
 from tests.rollout.test_engine_faults import _perturbed
 
@@ -163,14 +161,6 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
     assert chat.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 7
 
 
-def _kill(side) -> None:
-    for pid in [side.proc.pid, *descendants(side.proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_sidecar_killed_mid_session_moves_its_sessions_and_a_stream_is_never_sent_twice(qwen2_dir):
     """A stream on b has sent its first chunk when b is SIGKILLed: the caller gets an error event, and the
     call is not sent to a (its tokens would be sampled twice). Every episode's next turn is served, b's
@@ -196,7 +186,7 @@ def test_a_sidecar_killed_mid_session_moves_its_sessions_and_a_stream_is_never_s
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 2:
-                        _kill(b)
+                        signal_tree(b.proc.pid, signal.SIGKILL)
         assert events[-1] == "[DONE]"
         error = msgspec.json.decode(events[-2])
         assert "went mid-stream" in error["error"]["message"] and len(events) < 200
@@ -213,17 +203,11 @@ def test_a_sidecar_killed_mid_session_moves_its_sessions_and_a_stream_is_never_s
         b.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_sidecar_back_on_older_weights_serves_only_once_caught_up(qwen2_dir, hf_models):
     """b dies after a push of version 1 and a new b starts on its ports holding version 0: the router
     sends it nothing (every answer is version 1's) until the trainer's client has caught it up from a,
     then sessions go to it again."""
-    zmq_port, http_port = str(_free_port()), str(_free_port())
+    zmq_port, http_port = str(free_port()), str(free_port())
     a, b = _front(qwen2_dir), _front(qwen2_dir, http_port, "--port", zmq_port)
     router = LocalRouter([a.http_url, b.http_url], "--poll-s", "0.2", token=TOKEN)
     client = RolloutClient([a.url, b.url], token=TOKEN)
@@ -231,7 +215,7 @@ def test_a_sidecar_back_on_older_weights_serves_only_once_caught_up(qwen2_dir, h
     try:
         client.init_weight_sync()
         client.push_weights(_perturbed(hf_models["qwen2"], 3), version=1)
-        _kill(b)
+        signal_tree(b.proc.pid, signal.SIGKILL)
         _until(lambda: _state(router, b.http_url) == "gone", "the router never saw b go")
         again = _front(qwen2_dir, http_port, "--port", zmq_port)
         _until(lambda: _state(router, b.http_url) == "behind", "the router never saw b come back")

@@ -3,12 +3,12 @@ following its gathers; the engine ends up with the full model's exact checksum."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.procs import free_port
 from tests.rollout.sidecar import TOKEN, Sidecar
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,15 +21,9 @@ def sidecar(qwen2_dir):
     s.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("wrap,version", [("ddp", 1), ("fsdp2", 2)])
 def test_a_two_rank_trainer_pushes_the_full_model(sidecar, qwen2_dir, wrap, version):
-    port = _free_port()
+    port = free_port()
     ranks = [subprocess.Popen([sys.executable, "-m", "tests.weight_sync.ranks_proc", "--url", sidecar.url, "--token",
                                TOKEN, "--model", qwen2_dir, "--rank", str(r), "--port", str(port), "--wrap", wrap,
                                "--version", str(version)],
