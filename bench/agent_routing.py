@@ -176,9 +176,6 @@ async def run(args) -> dict:
     def params_of(e: Episode, t: int):
         return SamplingParams(n=1, temperature=1.0, max_tokens=e.lengths[t], ignore_eos=True, seed=e.seed + t)
 
-    async def loads():
-        return await pusher.load()
-
     out = {p: {"episodes": [], "seconds": 0.0, "hits": 0, "reusable": 0, "busy": [0.0] * args.sidecars}
            for p in args.policies.split(",")}
     try:
@@ -190,7 +187,7 @@ async def run(args) -> dict:
                     trainer.lm_head.weight.add_(1e-4)  # new weights, the same tokens' likelihoods nearly
                 await pusher.push_weights(trainer, version)
                 episodes = make_round(k, args.episodes, vocab, seed=k + 1, first=args.first)
-                before = await loads()
+                before = await pusher.load()
                 t0 = time.perf_counter()
                 if policy == "static":
                     await play_waves(static, episodes, params_of, block)
@@ -202,7 +199,7 @@ async def run(args) -> dict:
                 else:
                     await play_sessions(lambda e: (ours, e.name), episodes, params_of, block)
                 wall = time.perf_counter() - t0
-                after = await loads()
+                after = await pusher.load()
                 o = out[policy]
                 o["seconds"] += wall
                 o["episodes"] += episodes

@@ -123,7 +123,6 @@ class OpenAITurns:
         """`router`: an httpx.AsyncClient on a router's root (rollout.router), which keeps each episode's turns
         on one sidecar; None for one sidecar's front."""
         self.client, self.model, self.router = client, model, router
-        self.routed = router is not None
         self._finishing: set = set()
 
     async def __call__(self, messages: list[dict], tools, max_tokens: int, temperature: float, seed: int | None,
@@ -131,7 +130,7 @@ class OpenAITurns:
         import openai
 
         extra = {"tools": tools} if tools else {}
-        if self.routed and session is not None:  # a router keeps the session on one sidecar (rollout.router)
+        if self.router is not None and session is not None:  # a router keeps the session on one sidecar (rollout.router)
             extra["extra_headers"] = {"X-Session-ID": session}
         try:
             r = await self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=max_tokens,
@@ -147,7 +146,7 @@ class OpenAITurns:
 
     def end_session(self, session: str) -> None:
         """The episode is over: the router drops its pin (its /finish_session, in the background)."""
-        if self.routed:
+        if self.router is not None:
             task = asyncio.ensure_future(self._finish(session))
             self._finishing.add(task)
             task.add_done_callback(self._finishing.discard)
