@@ -112,9 +112,9 @@ class AsyncRolloutClient:
         prompts other clients have in flight there count when sessions are placed."""
         while True:
             try:
-                then = dict(self.placement.busy)
+                then = self.placement.asked()
                 for i, load in await self.links.ask_all(P.Load, "load", 10, (ACTIVE,)):
-                    self.placement.observe(i, load["groups"], load["kv_used"], then.get(i, 0))
+                    self.placement.observe(i, load["groups"], load["kv_used"], then.get(i, (0, 0)))
             except (SidecarError, TimeoutError) as e:  # none left, or slow: placement goes on by its own counts
                 log.debug("load poll: %s", e)
             await asyncio.sleep(self.load_poll_s)

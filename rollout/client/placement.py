@@ -7,13 +7,13 @@ least busy by more than `margin` prompts in flight and more than twice as busy; 
 move costs the episode's prefix computed again elsewhere, while a few more rows cost a decode step
 little: so a small gap (an episode's tail, where one sidecar's sessions ended sooner) moves nothing,
 and new sessions, placed on the least busy, even the load out instead. Ties go to the sidecar with
-the fewest sessions pinned, then the lowest index, so that many new sessions at once spread instead of
+the fewest sessions pinned, then the emptier KV cache, then the lowest index, so that many new sessions at once spread instead of
 all landing on one sidecar (torchtitan #3755: a tie-break that pinned every session to one generator).
 A session ends by `end(session)`, or when it has had no call for `idle_s` seconds: its pin is dropped.
 
 Busy is this client's prompts in flight on each sidecar (sent, not finished), what it knows at once,
 plus the others' prompts the sidecar itself reported in flight at its last `observe` (its `load` reply:
-other trainers, agents on its HTTP front); ties then go to the emptier KV cache. Pure bookkeeping: no
+other trainers, agents on its HTTP front), with its KV cache's share in use. Pure bookkeeping: no
 sockets, no clock but the one given.
 """
 
@@ -31,6 +31,7 @@ class Placement:
         self.margin, self.idle_s, self.clock = margin, idle_s, clock
         self.pins: dict[str, tuple[int, float]] = {}  # session -> (sidecar, when its last call was placed)
         self.busy: Counter = Counter()  # sidecar -> this client's prompts in flight
+        self.started: Counter = Counter()  # sidecar -> this client's prompts ever sent there (to bound a report)
         self.others: Counter = Counter()  # sidecar -> other clients' prompts in flight, as last reported
         self.kv_used: dict[int, float] = {}  # sidecar -> its KV cache's share in use, as last reported
         self.moves = 0  # sessions moved off the sidecar they were pinned to
@@ -47,6 +48,7 @@ class Placement:
             i = self._sidecar(session, serving)
             self.pins[session] = (i, now)
             self.busy[i] += 1
+            self.started[i] += 1
             out.append(i)
         return out
 
@@ -68,14 +70,22 @@ class Placement:
         return self.busy[i] + self.others[i]
 
     def _order(self, i: int) -> tuple:
-        return self.load(i), self.kv_used.get(i, 0.0), sum(1 for s, _ in self.pins.values() if s == i), i
+        # pinned sessions before KV use: they say where load comes back, and a reported KV share is up to a poll
+        # old (a sidecar that just served looks fuller than it is, and sequential sessions bunched up on that)
+        return self.load(i), sum(1 for s, _ in self.pins.values() if s == i), self.kv_used.get(i, 0.0), i
 
-    def observe(self, i: int, groups: int, kv_used: float = -1.0, busy_then: int = 0) -> None:
+    def asked(self) -> dict[int, tuple[int, int]]:
+        """What to hand `observe` with the report asked now: this client's prompts in flight and sent so far."""
+        return {i: (self.busy[i], self.started[i]) for i in set(self.busy) | set(self.started)}
+
+    def observe(self, i: int, groups: int, kv_used: float = -1.0, then: tuple[int, int] = (0, 0)) -> None:
         """Sidecar i reported `groups` prompts in flight (every client's) and its KV cache's share in use
         (protocol.LoadReply): what is not this client's counts as the others' until the next report.
-        `busy_then`: this client's prompts there when it asked: the report was taken between then and now,
-        so the larger of the two counts as ours (calls that ended meanwhile are not taken for others')."""
-        self.others[i] = max(0, groups - max(self.busy[i], busy_then))
+        `then`: `asked()[i]` when the report was asked. It was taken between then and now, so it may count
+        any of ours in flight then or sent since, even calls that have ended (never taken for others')."""
+        busy_then, started_then = then
+        ours_at_most = busy_then + self.started[i] - started_then
+        self.others[i] = max(0, groups - max(self.busy[i], ours_at_most))
         if kv_used >= 0:
             self.kv_used[i] = kv_used
 
@@ -89,11 +99,13 @@ class Placement:
             raise ValueError("no sidecar serves")
         i = min(serving, key=self._order)
         self.busy[i] += 1
+        self.started[i] += 1
         return i
 
     def sent(self, i: int, n: int) -> None:
         """n prompts of no session went to sidecar i (a contiguous part of a call): busy there too."""
         self.busy[i] += n
+        self.started[i] += n
 
     def done(self, i: int, n: int = 1) -> None:
         """n prompts placed on sidecar i finished (or failed, or went elsewhere)."""

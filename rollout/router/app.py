@@ -119,10 +119,10 @@ class _LoadIntoPlacement:
         self.placement = placement
 
     def snapshot(self) -> dict:
-        return dict(self.placement.busy)
+        return self.placement.asked()
 
     def __call__(self, i: int, load, asked_at: dict) -> None:
-        self.placement.observe(i, load.groups, load.kv_used, asked_at.get(i, 0))
+        self.placement.observe(i, load.groups, load.kv_used, asked_at.get(i, (0, 0)))
 
 
 def _routed(forwarder: Forwarder, path: str):

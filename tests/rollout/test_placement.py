@@ -66,7 +66,7 @@ def test_one_long_session_does_not_pull_every_other_one_onto_its_sidecar():
 def test_the_sidecars_own_load_counts_what_other_clients_have_in_flight():
     """A sidecar that reports prompts of other clients (agents on its HTTP front, another trainer) gets new
     sessions only once the other is as busy; a pinned session leaves it past the margin; ties go to the
-    emptier KV cache."""
+    fewer sessions, then the emptier KV cache."""
     p = Placement(margin=4)
     p.observe(0, groups=10, kv_used=0.9)
     assert p.place([f"s{k}" for k in range(10)], [0, 1]) == [1] * 10  # 0 has 10 of others' in flight
@@ -78,6 +78,10 @@ def test_the_sidecars_own_load_counts_what_other_clients_have_in_flight():
     q.observe(0, groups=0, kv_used=0.8)
     q.observe(1, groups=0, kv_used=0.1)
     assert q.place(["x"], [0, 1]) == [1] and q.pick([0, 1]) == 0  # the emptier cache, then the less busy
+    r = Placement()
+    r.place(["y"], [0, 1])  # on 0; then 1 reports a fuller cache (a poll taken while a call ran there)
+    r.observe(1, groups=0, kv_used=0.5)
+    assert r.place(["z"], [0, 1]) == [1]  # fewer sessions first: a stale KV share does not bunch sessions up
 
 
 def test_a_small_or_proportionally_small_gap_moves_nothing():
@@ -95,10 +99,18 @@ def test_a_small_or_proportionally_small_gap_moves_nothing():
     assert p.place(["a2"], [0, 1]) == [1] and p.stats()["moves"] == 1
     q = Placement()
     q.place(["x", "y"], [0, 1])
-    q.observe(0, groups=1, busy_then=1)  # ours then and now: no one else's
+    then = q.asked()
+    q.observe(0, groups=1, then=then[0])  # ours then and now: no one else's
     q.done(0)
-    q.observe(0, groups=1, busy_then=1)  # the report counted our call that has ended since: still no one else's
+    q.observe(0, groups=1, then=then[0])  # the report counted our call that has ended since: still no one else's
     assert q.others[0] == 0
+    then = q.asked()  # none of ours in flight on 0 when asked; a call starts and ends before the reply is read
+    q.pick([0])
+    q.done(0)
+    q.observe(0, groups=1, then=then[0])  # the report may have counted that call: not taken for another's
+    assert q.others[0] == 0
+    q.observe(0, groups=3, then=q.asked()[0])  # now 3 that are not ours
+    assert q.others[0] == 3
 
 
 def test_pins_end_by_call_or_by_idling():
