@@ -1,8 +1,9 @@
 """The engine's linears on AMX tiles (engine/kernels/amx_linears.py) against oneDNN's op, side by side in
 one run: a whole model's linears swept in a forward's order (each layer's fused q/k/v, o, fused
 gate/up, down, then the lm_head), every layer its own weights, so they stream through the caches as
-in a decode step (each way's sweeps back to back, as an engine's steps are). bf16 (the bf16 engine's packed linears) and int8 (the
-int8 engine's, activations quantized per token, scales applied: what a forward pays).
+in a decode step (each way's sweeps back to back, as an engine's steps are). bf16 (packed copies, and
+"bf16 rows": the bf16 engine's own way, the weights read in place) and int8 (the int8 engine's:
+weight-only "w8", and per token, activations quantized and scales applied: what a forward pays).
 
 Each figure: ms per sweep, the weights' bytes per second, and that against this CPU's memory read
 probe (torch's sum over 1 GiB, the same threads): how far from the machine's limit a sweep is.
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from engine.kernels import amx_linears, int8_linears
+from engine.kernels import amx_linears, derived_weights, int8_linears
 
 log = logging.getLogger("bench.amx_linears")
 
@@ -59,6 +60,7 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     """way -> (fn(rows) running every linear once, bytes of weight it streams)."""
     bf16_dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     bf16_amx = [amx_linears.pack(w) for w in weights]
+    bf16_rows = [derived_weights.rows_of(w) for w in weights]  # what the bf16 engine runs: no copy
     body = weights[:-1]  # the int8 engine keeps the lm_head in bf16 (int8_linears.KEEP_FULL_PRECISION)
     s8_dnn = [int8_linears.derive(w, ("onednn", 127)) for w in body]
     s8_amx = [int8_linears.derive(w, ("amx", 127)) for w in body]
@@ -85,6 +87,9 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     def amx16(i, x):
         amx_linears.linear_bf16(x, bf16_amx[i])
 
+    def rows16(i, x):
+        amx_linears.linear_bf16_rows(x, bf16_rows[i])
+
     def int8(copies, head):
         def apply(i, x):
             if i < len(copies):
@@ -99,6 +104,7 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     w8_bytes = sum(w.nbytes for w in w8_amx)
 
     return {"bf16 oneDNN": (run(x_of, dnn16), dense), "bf16 AMX": (run(x_of, amx16), dense),
+            "bf16 rows": (run(x_of, rows16), dense),
             "int8 oneDNN": (run(x_of, int8(s8_dnn, dnn16)), s8), "int8 AMX": (run(x_of, int8(s8_amx, amx16)), s8),
             "w8 AMX": (run(x_of, int8(w8_amx, amx16)), w8_bytes + weights[-1].numel() * 2),
             "w8 AMX +head": (run(x_of, w8_with_head), w8_bytes + w8_head.nbytes)}
@@ -140,6 +146,8 @@ def main() -> None:
                      best["bf16 oneDNN"] / best["bf16 AMX"], best["int8 oneDNN"] / best["int8 AMX"],
                      best["bf16 AMX"] / best["int8 AMX"], best["bf16 AMX"] / best["w8 AMX"],
                      best["bf16 AMX"] / best["w8 AMX +head"])
+            log.info("rows %3d: the engines' own ways (bf16 engine: bf16 rows in place; int8 engine: w8 AMX, "
+                     "its lm_head in bf16): int8 over bf16 %.2fx", rows, best["bf16 rows"] / best["w8 AMX"])
 
 
 if __name__ == "__main__":
