@@ -7,8 +7,9 @@ least busy by more than `margin` prompts in flight and more than twice as busy; 
 move costs the episode's prefix computed again elsewhere, while a few more rows cost a decode step
 little: so a small gap (an episode's tail, where one sidecar's sessions ended sooner) moves nothing,
 and new sessions, placed on the least busy, even the load out instead. Ties go to the sidecar with
-the fewest sessions pinned, then the emptier KV cache, then the lowest index, so that many new sessions at once spread instead of
-all landing on one sidecar (torchtitan #3755: a tie-break that pinned every session to one generator).
+the fewest sessions pinned, then the emptier KV cache, then the lowest index, so that many new
+sessions at once spread instead of all landing on one sidecar (torchtitan #3755: a tie-break that
+pinned every session to one generator).
 A session ends by `end(session)`, or when it has had no call for `idle_s` seconds: its pin is dropped.
 
 Busy is this client's prompts in flight on each sidecar (sent, not finished), what it knows at once,
@@ -84,8 +85,8 @@ class Placement:
         `then`: `asked()[i]` when the report was asked. It was taken between then and now, so it may count
         any of ours in flight then or sent since, even calls that have ended (never taken for others')."""
         busy_then, started_then = then
-        ours_at_most = busy_then + self.started[i] - started_then
-        self.others[i] = max(0, groups - max(self.busy[i], ours_at_most))
+        ours_at_most = busy_then + self.started[i] - started_then  # never less than ours in flight now
+        self.others[i] = max(0, groups - ours_at_most)
         if kv_used >= 0:
             self.kv_used[i] = kv_used
 
