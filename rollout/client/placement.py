@@ -77,7 +77,7 @@ class Placement:
 
     def asked(self) -> dict[int, tuple[int, int]]:
         """What to hand `observe` with the report asked now: this client's prompts in flight and sent so far."""
-        return {i: (self.busy[i], self.started[i]) for i in set(self.busy) | set(self.started)}
+        return {i: (self.busy[i], n) for i, n in self.started.items()}  # (busy only where something was sent)
 
     def observe(self, i: int, groups: int, kv_used: float = -1.0, then: tuple[int, int] = (0, 0)) -> None:
         """Sidecar i reported `groups` prompts in flight (every client's) and its KV cache's share in use
