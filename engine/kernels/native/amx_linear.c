@@ -62,6 +62,12 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
 /* int8 chunks are half the bytes and take longer (the widening): 4 ahead streamed 5-8% faster than 8
    (1.1 GB of 8192 x 2048 weights at 32 rows, 2 threads; 3 and 6 slower) */
 #define W8_PREFETCH_CHUNKS 4
+/* The most bytes of activations (as B tiles) a rows-kernel pass over the panels reads: each panel
+   reads them all again, so they must stay in a core's L2 (2 MB). A longer K is cut into blocks
+   that do, the sums carried between blocks in fp32 (a down projection at 256 rows, K = 8960:
+   4.6 MB of activations read from L3 per panel ran at 0.6 of the other linears' FLOP/s; in 1 MB
+   blocks 1.45x faster; 512 KB and 1.5 MB blocks slower). */
+#define X_BLOCK_BYTES (1 << 20)
 
 static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K chunk's tile pair */
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
@@ -299,14 +305,14 @@ int amx_linear_w8_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w
    accumulator in the same order whichever operand is which, so each output has the packed kernel's
    bits (tested). Needs k % 32 == 0 and each segment's rows % 16 == 0 (amx_linears.rows_fit). */
 
-/* The 64 bytes of K chunk `kc` of the 32 rows of tiles t0 and t0 + 1, or, past the rows' end, of
-   the next two tiles' (the panel this thread does next under a static schedule): the weights come
-   from memory once, and the tile loads stall on a miss. */
-static inline void prefetch_rows(const uint8_t **tiles, int64_t nt_count, int64_t t0, int64_t kc, int64_t kc_count,
-                                 int64_t stride) {
-    if (kc >= kc_count) {
+/* The 64 bytes of K chunk `kc` of the 32 rows of tiles t0 and t0 + 1, or, past the K block's end
+   k1, of the next two tiles' from k0 (the panel this thread does next under a static schedule): the
+   weights come from memory once, and the tile loads stall on a miss. */
+static inline void prefetch_rows(const uint8_t **tiles, int64_t nt_count, int64_t t0, int64_t kc, int64_t k0,
+                                 int64_t k1, int64_t stride) {
+    if (kc >= k1) {
         t0 += 2;
-        kc -= kc_count;
+        kc = k0 + kc - k1;
     }
     for (int64_t t = t0; t < t0 + 2 && t < nt_count; t++)
         for (int r = 0; r < 16; r++) _mm_prefetch((const char *)tiles[t] + r * stride + kc * 64, _MM_HINT_T0);
@@ -336,22 +342,33 @@ static void activations_as_b_tiles(const uint16_t *x, int64_t m, int64_t k, uint
 }
 
 /* Panel `np` (32 output columns: tiles 2np and 2np + 1 of `tiles`) of out [m, n] = x . w^T, for
-   every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles. */
+   every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles,
+   over K chunks [k0, k1): a block after the first starts from the sums the one before left in
+   `acc` (fp32, 4 tiles per 32 rows per panel: stored and loaded exactly, so the bits are those of
+   one pass), and all but the last leave theirs there. */
 static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t np, const uint32_t *xv, int64_t m,
-                              int64_t kc_count, int64_t stride, const uint16_t *bias, uint16_t *out_bf16,
-                              float *out_f32, int64_t n) {
+                              int64_t kc_count, int64_t k0, int64_t k1, float *acc, int64_t stride,
+                              const uint16_t *bias, uint16_t *out_bf16, float *out_f32, int64_t n) {
     const int64_t mp_count = (m + 31) / 32;
     const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
     for (int64_t mp = 0; mp < mp_count; mp++) {
         const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
         const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kc = 0; kc < kc_count; kc++) {
+        float *a = acc == NULL ? NULL : acc + (np * mp_count + mp) * 1024;
+        if (k0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        } else {
+            _tile_loadd(0, a, 64);
+            _tile_loadd(1, a + 256, 64);
+            _tile_loadd(2, a + 512, 64);
+            _tile_loadd(3, a + 768, 64);
+        }
+        for (int64_t kc = k0; kc < k1; kc++) {
             if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
-                prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, kc_count, stride);
+                prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, k0, k1, stride);
             _tile_loadd(6, xb + kc * 2048, 64);
             _tile_loadd(4, w0 + kc * 64, stride);
             _tile_dpbf16ps(0, 4, 6);
@@ -364,6 +381,13 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
                 _tile_dpbf16ps(2, 5, 6);
                 if (two_m) _tile_dpbf16ps(3, 5, 7);
             }
+        }
+        if (k1 < kc_count) {
+            _tile_stored(0, a, 64);
+            _tile_stored(1, a + 256, 64);
+            _tile_stored(2, a + 512, 64);
+            _tile_stored(3, a + 768, 64);
+            continue;
         }
         float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
         for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
@@ -416,17 +440,27 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
         kept_cap = kept_tiles == NULL ? 0 : nt_count;
     }
     const uint8_t **tiles = kept_tiles; /* each 16-row tile's first row; a local: the team shares it */
-    uint32_t *xv = (uint32_t *)scratch_buffer(mp_count * kc_count * 2048);
-    if (tiles == NULL || xv == NULL) return -1;
+    const int64_t kb_count = (mp_count * kc_count * 2048 + X_BLOCK_BYTES - 1) / X_BLOCK_BYTES;
+    const int64_t kc_block = (kc_count + kb_count - 1) / kb_count;
+    const int64_t xv_bytes = mp_count * kc_count * 2048;
+    uint8_t *scratch = scratch_buffer(xv_bytes + (kb_count > 1 ? np_count * mp_count * 4096 : 0));
+    if (tiles == NULL || scratch == NULL) return -1;
+    uint32_t *xv = (uint32_t *)scratch;
+    float *acc = kb_count > 1 ? (float *)(scratch + xv_bytes) : NULL;
     for (int64_t s = 0, t = 0; s < nseg; s++)
         for (int64_t r = 0; r < seg_rows[s]; r += 16) tiles[t++] = (const uint8_t *)seg_ptr[s] + r * stride;
 #pragma omp parallel
     {
         activations_as_b_tiles(x, m, k, xv);
         configure_tiles();
-#pragma omp for schedule(static)
-        for (int64_t np = 0; np < np_count; np++)
-            rows_panel(tiles, nt_count, np, xv, m, kc_count, stride, bias, out_bf16, out_f32, n);
+        for (int64_t k0 = 0; k0 < kc_count; k0 += kc_block) {
+            const int64_t k1 = k0 + kc_block < kc_count ? k0 + kc_block : kc_count;
+            /* no barrier between blocks: static schedules of one count give each thread the same
+               panels in every block (OpenMP's rule), so its sums in `acc` are its own */
+#pragma omp for schedule(static) nowait
+            for (int64_t np = 0; np < np_count; np++)
+                rows_panel(tiles, nt_count, np, xv, m, kc_count, k0, k1, acc, stride, bias, out_bf16, out_f32, n);
+        }
         _tile_release();
     }
     return 0;
@@ -486,7 +520,7 @@ int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, 
         for (int64_t i = 0; i < G * np_count; i++) {
             const int64_t g = i / np_count;
             rows_panel(tiles + g * nt_count, nt_count, i % np_count, xv + xoff[g], starts[g + 1] - starts[g],
-                       kc_count, stride, NULL, out_bf16 + starts[g] * n, NULL, n);
+                       kc_count, 0, kc_count, NULL, stride, NULL, out_bf16 + starts[g] * n, NULL, n);
         }
         _tile_release();
     }
