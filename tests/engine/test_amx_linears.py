@@ -105,7 +105,7 @@ def test_bf16_kernel_within_a_bf16_gemms_error(m, n, k, with_bias):
 
 @amx
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 64, 128), (33, 576, 1536), (300, 48, 64), (17, 16, 32),
-                                   (250, 48, 4128)])  # the last: K in three blocks, their sums carried in fp32
+                                   (600, 48, 4128)])  # the last: 3 row blocks, K in 3 blocks (sums carried in fp32)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, with_bias):
     g = torch.Generator().manual_seed(n + k + m)
@@ -116,7 +116,7 @@ def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, wit
 
 
 @amx
-@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (33, 576, 1536), (300, 48, 64), (250, 48, 4128)])
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (33, 576, 1536), (300, 48, 64), (600, 48, 4128)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp32_out_is_the_bf16_outs_sums_before_their_rounding(m, n, k, with_bias):
     """out_dtype fp32 (the fp32 LM head): the very sums the bf16 output rounds (rounded here, the

@@ -68,6 +68,7 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
    4.6 MB of activations read from L3 per panel ran at 0.6 of the other linears' FLOP/s; in 1 MB
    blocks 1.45x faster; 512 KB and 1.5 MB blocks slower). */
 #define X_BLOCK_BYTES (1 << 20)
+#define ROW_BLOCK 256 /* a multiple of 32 */
 
 static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K chunk's tile pair */
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
@@ -354,7 +355,7 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
     for (int64_t mp = 0; mp < mp_count; mp++) {
         const uint8_t *xb = (const uint8_t *)xv + mp * kc_count * 2048;
         const int two_m = m - mp * 32 > 16; /* <= 16 rows left: half the work */
-        float *a = acc == NULL ? NULL : acc + (np * mp_count + mp) * 1024;
+        float *a = acc == NULL ? NULL : acc + (np * (ROW_BLOCK / 32) + mp) * 1024; /* the panel's, any block */
         if (k0 == 0) {
             _tile_zero(0);
             _tile_zero(1);
@@ -440,10 +441,14 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
         kept_cap = kept_tiles == NULL ? 0 : nt_count;
     }
     const uint8_t **tiles = kept_tiles; /* each 16-row tile's first row; a local: the team shares it */
-    const int64_t kb_count = (mp_count * kc_count * 2048 + X_BLOCK_BYTES - 1) / X_BLOCK_BYTES;
+    /* rows in blocks of at most ROW_BLOCK (the weights read again per block: 256 rows make 256
+       FLOPs a weight byte, past what the tiles do per byte the memory gives), each block's K in
+       blocks of at most X_BLOCK_BYTES of activations */
+    const int64_t rb_mp = ((m < ROW_BLOCK ? m : ROW_BLOCK) + 31) / 32;
+    const int64_t kb_count = (rb_mp * kc_count * 2048 + X_BLOCK_BYTES - 1) / X_BLOCK_BYTES;
     const int64_t kc_block = (kc_count + kb_count - 1) / kb_count;
     const int64_t xv_bytes = mp_count * kc_count * 2048;
-    uint8_t *scratch = scratch_buffer(xv_bytes + (kb_count > 1 ? np_count * mp_count * 4096 : 0));
+    uint8_t *scratch = scratch_buffer(xv_bytes + (kb_count > 1 ? np_count * (ROW_BLOCK / 32) * 4096 : 0));
     if (tiles == NULL || scratch == NULL) return -1;
     uint32_t *xv = (uint32_t *)scratch;
     float *acc = kb_count > 1 ? (float *)(scratch + xv_bytes) : NULL;
@@ -453,13 +458,19 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     {
         activations_as_b_tiles(x, m, k, xv);
         configure_tiles();
-        for (int64_t k0 = 0; k0 < kc_count; k0 += kc_block) {
-            const int64_t k1 = k0 + kc_block < kc_count ? k0 + kc_block : kc_count;
-            /* no barrier between blocks: static schedules of one count give each thread the same
-               panels in every block (OpenMP's rule), so its sums in `acc` are its own */
+        /* no barriers between blocks: static schedules of one count give each thread the same
+           panels in every block (OpenMP's rule), so the sums it left in `acc` are its own */
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            const uint32_t *xr = xv + r0 / 32 * kc_count * 512;
+            uint16_t *ob = out_bf16 == NULL ? NULL : out_bf16 + r0 * n;
+            float *of = out_f32 == NULL ? NULL : out_f32 + r0 * n;
+            for (int64_t k0 = 0; k0 < kc_count; k0 += kc_block) {
+                const int64_t k1 = k0 + kc_block < kc_count ? k0 + kc_block : kc_count;
 #pragma omp for schedule(static) nowait
-            for (int64_t np = 0; np < np_count; np++)
-                rows_panel(tiles, nt_count, np, xv, m, kc_count, k0, k1, acc, stride, bias, out_bf16, out_f32, n);
+                for (int64_t np = 0; np < np_count; np++)
+                    rows_panel(tiles, nt_count, np, xr, rows, kc_count, k0, k1, acc, stride, bias, ob, of, n);
+            }
         }
         _tile_release();
     }
