@@ -246,21 +246,39 @@ static void attend_row_bf16(const Call *c, int64_t b, float *scores, v16f *buf) 
    MAX_RUN rows so that rows which all share one system prompt still spread over the threads. */
 #define MAX_RUN 8
 
-/* The first row of each sibling run of the B rows, then B: count + 1 values (malloc'd; NULL when out
-   of memory). */
-static int64_t *sibling_runs(const int64_t *table, int64_t table_stride, int64_t B, int64_t *count) {
-    int64_t *runs = malloc(sizeof(int64_t) * (size_t)(B + 1));
+/* A sibling run: rows [first, end), `keys` keys in all (its cost). */
+typedef struct {
+    int64_t first, end, keys;
+} Run;
+
+static int more_keys_first(const void *a, const void *b) {
+    const Run *x = a, *y = b;
+    if (x->keys != y->keys) return x->keys < y->keys ? 1 : -1;
+    return (x->first > y->first) - (x->first < y->first);
+}
+
+/* The sibling runs of the B rows, `count` of them, the costliest first: handed out in that order the
+   last runs are short ones, so no thread waits long for another at the end (a 32-row step's few runs
+   differ in keys by up to 8x: taken in row order, one thread often had the two longest; a step of
+   Qwen3-1.7B's attention 1.19x faster at 32 rows, 1.11x at 256). malloc'd; NULL when out of memory. */
+static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64_t *lengths, int64_t B,
+                         int64_t *count) {
+    Run *runs = malloc(sizeof(Run) * (size_t)(B + 1));
     if (runs == NULL) return NULL;
     *count = 0;
-    for (int64_t b = 0; b < B; b++)
-        if (b == 0 || b - runs[*count - 1] >= MAX_RUN || table[b * table_stride] != table[(b - 1) * table_stride])
-            runs[(*count)++] = b;
-    runs[*count] = B;
+    for (int64_t b = 0; b < B; b++) {
+        Run *last = *count ? runs + *count - 1 : NULL;
+        if (last == NULL || b - last->first >= MAX_RUN || table[b * table_stride] != table[(b - 1) * table_stride])
+            runs[(*count)++] = (Run){b, b + 1, lengths[b]};
+        else
+            last->end = b + 1, last->keys += lengths[b];
+    }
+    qsort(runs, (size_t)*count, sizeof(Run), more_keys_first);
     return runs;
 }
 
 /* The rows of `c`, a thread a sibling run at a time, each thread with scratch of its own. */
-static int attend_rows(const Call *c, const int64_t *runs, int64_t count, int64_t max_len, int bf16) {
+static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t max_len, int bf16) {
     int failed = 0;
 #pragma omp parallel
     {
@@ -269,7 +287,7 @@ static int attend_rows(const Call *c, const int64_t *runs, int64_t count, int64_
         if (!scores || !buf) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < count; r++)
-            for (int64_t b = runs[r]; b < runs[r + 1]; b++) {
+            for (int64_t b = runs[r].first; b < runs[r].end; b++) {
                 if (!scores || !buf) continue;
                 if (bf16)
                     attend_row_bf16(c, b, scores, buf);
@@ -292,7 +310,7 @@ static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
         max_len <= 0)
         return -1;
     int64_t count;
-    int64_t *runs = sibling_runs(c->table, c->table_stride, B, &count);
+    Run *runs = sibling_runs(c->table, c->table_stride, c->lengths, B, &count);
     if (runs == NULL) return -2;
     const int rc = attend_rows(c, runs, count, max_len, bf16);
     free(runs);
