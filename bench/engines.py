@@ -279,6 +279,13 @@ def run_engine(key: str, dtype: str, model_dir: str, workloads: dict[int, Worklo
 # -- report ----------------------------------------------------------------------------------------
 
 
+def shares(r: Row, peaks: dict[str, float], num_params: int, read_bound: dict | None,
+           bandwidth: float | None) -> tuple[float, float | None]:
+    """Row r's share of its dtype's matmul peak and of its memory read bound (None without one)."""
+    read = (read_bound or {}).get((r.dtype, r.seqs))
+    return 2 * num_params * r.tps / peaks[r.dtype], read / bandwidth / r.seconds if read and bandwidth else None
+
+
 def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound: dict | None = None,
            bandwidth: float | None = None) -> str:
     """One line per (dtype, seqs, system): tok/s, the share of the dtype's matmul peak (2 x
@@ -287,9 +294,8 @@ def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound
     lines = [f"{'dtype':<5} {'seqs':>5} {'system':<26} {'tokens':>7} {'s':>7} {'tok/s':>8} {'of peak':>8} "
              f"{'of read':>8} {'probe GF/s':>10} {'CPU s':>7} {'tok/CPU-s':>9}"]
     for r in rows:
-        share = 2 * num_params * r.tps / peaks[r.dtype]
-        read = (read_bound or {}).get((r.dtype, r.seqs))
-        of_read = f"{read / bandwidth / r.seconds:>8.2%}" if read and bandwidth else f"{'-':>8}"
+        share, read = shares(r, peaks, num_params, read_bound, bandwidth)
+        of_read = f"{read:>8.2%}" if read is not None else f"{'-':>8}"
         lines.append(f"{SHORT_DTYPE.get(r.dtype, r.dtype):<5} {r.seqs:>5} {r.engine + ') ' + ENGINES[r.engine]:<26} "
                      f"{r.tokens:>7} {r.seconds:>7.1f} {r.tps:>8.1f} {share:>8.2%} {of_read} {r.probe / 1e9:>10.1f} "
                      f"{r.cpu_s:>7.1f} {r.tpc:>9.1f}")
@@ -427,10 +433,13 @@ def main(argv: list[str] | None = None) -> None:
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; fastest of {args.repeats} per row; "
           f"{time.perf_counter() - t_all:.0f} s in all\n{setup}")
     bandwidth = max([bandwidth] + [r.read_probe for r in rows])  # on a noisy machine the probe moves 12-22 GB/s
-    print(report(rows, peaks, active_params(model_dir), bounds, bandwidth))
+    active = active_params(model_dir)
+    print(report(rows, peaks, active, bounds, bandwidth))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": [{**r.__dict__, "tps": r.tps, "tpc": r.tpc} for r in rows], "peaks": peaks, "params": num_params}, f,
+            json.dump({"rows": [{**r.__dict__, "tps": r.tps, "tpc": r.tpc,
+                                 **dict(zip(("of_peak", "of_read"), shares(r, peaks, active, bounds, bandwidth)))}
+                                for r in rows], "peaks": peaks, "params": num_params, "bandwidth": bandwidth}, f,
                       indent=2)
 
 
