@@ -19,10 +19,11 @@ def _ready(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotation_and_cache_writes_are_torchs_bits(dtype):
+@pytest.mark.parametrize("d", [64, 40])  # 40: half a head is 20, 16 lanes and 4 alone
+def test_rotation_and_cache_writes_are_torchs_bits(dtype, d):
     _ready(dtype)
     g = torch.Generator().manual_seed(0)
-    t, h, kvh, d, slots = 37, 9, 3, 64, 300
+    t, h, kvh, slots = 37, 9, 3, 300
     qkv = (torch.randn(t, (h + 2 * kvh) * d, generator=g) * 4).to(dtype)  # one GEMM's output, as fused_linears'
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
@@ -42,15 +43,16 @@ def test_rotation_and_cache_writes_are_torchs_bits(dtype):
     assert torch.equal(k_slots, want_ks) and torch.equal(v_slots, want_vs)
 
 
-def test_add_and_norm_in_bf16_within_one_rounding():
+@pytest.mark.parametrize("n", [576, 100])  # 100: six vectors of 16 and 4 values alone
+def test_add_and_norm_in_bf16_within_one_rounding(n):
     _ready(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(41, 576, generator=g) * torch.logspace(-2, 2, 41)[:, None]).to(torch.bfloat16)
-    r = torch.randn(41, 576, generator=g).to(torch.bfloat16)
-    w = torch.randn(576, generator=g).to(torch.bfloat16)
+    x = (torch.randn(41, n, generator=g) * torch.logspace(-2, 2, 41)[:, None]).to(torch.bfloat16)
+    r = torch.randn(41, n, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, generator=g).to(torch.bfloat16)
     h, y = native_glue.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(h, x + r)  # the residual add: one rounding, torch's
-    want = w * F.rms_norm(h.float(), (576,), None, 1e-5).to(torch.bfloat16)
+    want = w * F.rms_norm(h.float(), (n,), None, 1e-5).to(torch.bfloat16)
     ulp = BF16_EPS * want.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
     assert ((y.float() - want.float()).abs() <= 2 * ulp).all()  # see test_llama_model's norm test
     assert (y != want).float().mean().item() < 0.01

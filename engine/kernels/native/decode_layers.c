@@ -138,6 +138,7 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
             int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv, b->x16);                                             \
             if (rc) return rc;                                                                                 \
             if (L->q_norm) /* each head's row normed in place, before the rotation, as HF's layer does */      \
+                _Pragma("omp parallel for schedule(static) if (T * nqkv > 16384)")                               \
                 for (int64_t t = 0; t < T; t++) {                                                              \
                     T_ *row = b->qkv + t * nqkv;                                                               \
                     norm(row, NULL, NULL, (const T_ *)L->q_norm, s->eps, s->heads, D, row);                    \

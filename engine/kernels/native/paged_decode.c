@@ -85,6 +85,19 @@ ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v
     }
 }
 
+/* Slots [from, to) of cache block `block` into L2 ahead of their pass (a software prefetch, locality 1).
+   A row's blocks lie anywhere in the cache and a block is 8 pages of 4 KB for Qwen3's 2 KB slots; the
+   hardware's prefetchers follow neither a jump between blocks nor a page's end, so a row's keys came at
+   half the read probe's rate (13 GB/s of 27, 32 rows on 2 cores): each group of four keys now asks for
+   the same slots of the block its pass reads next (the last key block: the first value block), a block
+   ahead. Qwen3-1.7B's attention 1.16-1.28x, the same bits (bench/RESULTS.md). */
+ALWAYS_INLINE void prefetch_slots(const void *cache, int64_t block, int64_t from, int64_t to, const RowShape *r,
+                                  int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    const char *p = (const char *)cache + size * (block * r->bs + from) * r->slot;
+    for (int64_t o = 0, bytes = size * (to - from) * r->slot; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);
+}
+
 /* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
 ALWAYS_INLINE void score_four(const v16f *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
                               int bf16) {
@@ -117,16 +130,27 @@ ALWAYS_INLINE void score_one(const v16f *qs, const void *kc, int64_t key, const 
     }
 }
 
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
 /* Every head's scores of the row's `len` keys, block by block through `table`: four keys at a time
    within a block (their vectors in registers, each query head's four sums reduced together), the
-   block's rest one at a time. */
-ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const int64_t *table, const RowShape *r,
-                              float *scores, int bf16) {
+   block's rest one at a time; the next block's keys prefetched alongside (the last block's: the
+   first values). */
+ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const void *vc, const int64_t *table,
+                              const RowShape *r, float *scores, int bf16) {
     for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
-        const int64_t n = r->len - t0 < r->bs ? r->len - t0 : r->bs;
+        const int64_t n = min64(r->len - t0, r->bs);
         const int64_t kb = table[blk] * r->bs * r->slot;
+        const int last = t0 + r->bs >= r->len;
+        const void *next = last ? vc : kc;
+        const int64_t next_block = last ? table[0] : table[blk + 1];
+        const int64_t next_n = last ? min64(r->len, r->bs) : min64(r->len - t0 - r->bs, r->bs);
         int64_t j = 0;
-        for (; j + 4 <= n; j += 4) score_four(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+        for (; j + 4 <= n; j += 4) {
+            if (j < next_n) prefetch_slots(next, next_block, j, min64(j + 4, next_n), r, bf16);
+            score_four(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+        }
+        if (j < next_n) prefetch_slots(next, next_block, j, next_n, r, bf16);
         for (; j < n; j++) score_one(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
     }
 }
@@ -182,15 +206,21 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
     }
 }
 
-/* acc [H][NV] = every head's values weighted by its (unnormalised) scores, as score_keys goes. */
+/* acc [H][NV] = every head's values weighted by its (unnormalised) scores, as score_keys goes (the next
+   block's values prefetched alongside). */
 ALWAYS_INLINE void weigh_values(const float *scores, const void *vc, const int64_t *table, const RowShape *r,
                                 v16f *acc, int bf16) {
     for (int i = 0; i < r->H * r->NV; i++) acc[i] = (v16f){0};
     for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
-        const int64_t n = r->len - t0 < r->bs ? r->len - t0 : r->bs;
+        const int64_t n = min64(r->len - t0, r->bs);
         const int64_t vb = table[blk] * r->bs * r->slot;
+        const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
         int64_t j = 0;
-        for (; j + 4 <= n; j += 4) weigh_four(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+        for (; j + 4 <= n; j += 4) {
+            if (j < next_n) prefetch_slots(vc, table[blk + 1], j, min64(j + 4, next_n), r, bf16);
+            weigh_four(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+        }
+        if (j < next_n) prefetch_slots(vc, table[blk + 1], j, next_n, r, bf16);
         for (; j < n; j++) weigh_one(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
     }
 }
@@ -204,7 +234,7 @@ ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const 
     const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * 16, .slot = (int64_t)KVH * NV * 16,
                         .padded = (len + 15) & ~(int64_t)15, .len = len, .bs = bs};
     float inv[MAX_HEADS];
-    score_keys(qs, kc, table, &r, scores, bf16);
+    score_keys(qs, kc, vc, table, &r, scores, bf16);
     softmax_heads(scores, &r, inv);
     weigh_values(scores, vc, table, &r, acc, bf16);
     for (int h = 0; h < H; h++)
