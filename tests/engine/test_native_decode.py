@@ -87,16 +87,23 @@ def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, dtype):
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128)])  # SmolLM2's heads, Qwen3's
+def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, dtype, shape):
     """GRPO's n samples of a prompt share its cache blocks and go to one thread as a run (cut at 8
-    rows): 20 siblings of one prompt, 3 of another, then rows of their own. Each row's output must
-    be what the kernel gives that row alone, bit for bit: the run changes who reads, not the sums."""
+    rows), which reads the blocks they all share, full, once for all of them: 20 siblings of one prompt,
+    3 of another, 5 that share two blocks of which some read only part of the second, then rows of
+    their own. Each row's output must be what the kernel gives that row alone, bit for bit: the run
+    changes who reads, not the sums."""
     g = torch.Generator().manual_seed(3)
-    bs, kvh, heads, d = 16, 3, 9, 64
-    tables, lengths, next_block = [], [], 5  # blocks 0-4: the two prompts' shared blocks
-    for shared, siblings in (([0, 1, 2], 20), ([3, 4], 3), ([], 6)):
-        for _ in range(siblings):
+    bs, (heads, kvh, d) = 16, shape
+    tables, lengths, next_block = [], [], 7  # blocks 0-6: the prompts' shared blocks
+    for shared, siblings in (([0, 1, 2], 20), ([3, 4], 3), ([5, 6], 5), ([], 6)):
+        for i in range(siblings):
             own = int(torch.randint(1, 3, (1,), generator=g))
+            if shared == [5, 6] and i % 2:  # the second shared block only in part: no block of its own
+                tables.append(shared)
+                lengths.append(bs + int(torch.randint(1, bs, (1,), generator=g)))
+                continue
             tables.append(shared + list(range(next_block, next_block + own)))
             lengths.append(len(shared) * bs + (own - 1) * bs + int(torch.randint(1, bs + 1, (1,), generator=g)))
             next_block += own
