@@ -29,13 +29,11 @@
                 const T_ *x = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;     \
                 T_ *o = h < H ? q_out + (t * H + h) * D : k_out + (t * KVH + h - H) * D;             \
                 int64_t i = 0;                                                                       \
-                if (half % 16 == 0) /* 16 lanes a time: the same products, roundings and sums */   \
-                    for (; i < half; i += 16) {                                                      \
-                        const v16f a = LOAD16(x + i), b = LOAD16(x + i + half);                      \
-                        STORE16(o + i, ROUND16(a * LOAD16(c + i)) + ROUND16(b * LOAD16(s + i)));     \
-                        STORE16(o + half + i,                                                        \
-                                ROUND16(b * LOAD16(c + half + i)) + ROUND16(a * LOAD16(s + half + i))); \
-                    }                                                                                \
+                for (; i + 16 <= half; i += 16) { /* 16 lanes a time: the same products, roundings, sums */ \
+                    const v16f a = LOAD16(x + i), b = LOAD16(x + i + half);                          \
+                    STORE16(o + i, ROUND16(a * LOAD16(c + i)) + ROUND16(b * LOAD16(s + i)));         \
+                    STORE16(o + half + i, ROUND16(b * LOAD16(c + half + i)) + ROUND16(a * LOAD16(s + half + i))); \
+                }                                                                                    \
                 for (; i < half; i++) { /* rotate_half: the second half's partner */                \
                     o[i] = STORE(ROUND(LOAD(x[i]) * LOAD(c[i])) + ROUND(LOAD(x[i + half]) * LOAD(s[i]))); \
                     o[i + half] = STORE(ROUND(LOAD(x[i + half]) * LOAD(c[i + half])) +               \
