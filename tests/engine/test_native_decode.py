@@ -90,7 +90,7 @@ def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtyp
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128)])  # SmolLM2's heads, Qwen3's
 def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, dtype, shape):
     """GRPO's n samples of a prompt share its cache blocks and go to one thread as a run (cut at 8
-    rows), which reads the blocks they all share, full, once for all of them: 20 siblings of one prompt,
+    rows), which finds the blocks they share in its L2 after the first row: 20 siblings of one prompt,
     3 of another, 5 that share two blocks of which some read only part of the second, then rows of
     their own. Each row's output must be what the kernel gives that row alone, bit for bit: the run
     changes who reads, not the sums."""
