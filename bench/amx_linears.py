@@ -6,7 +6,9 @@ in a decode step (each way's sweeps back to back, as an engine's steps are). bf1
 weight-only "w8", and per token, activations quantized and scales applied: what a forward pays).
 
 Each figure: ms per sweep, the weights' bytes per second, and that against this CPU's memory read
-probe (torch's sum over 1 GiB, the same threads): how far from the machine's limit a sweep is.
+probe (torch's sum over 1 GiB, the same threads): how far from the machine's limit a sweep is. The
+weights and every copy are put on 2 MB pages first, as the engine's collapser puts its own
+(engine/kernels/huge_pages.py; `--no-huge-pages`: as they were allocated).
 
     python -m bench.amx_linears                  # SmolLM2-135M, rows 1,8,32,64,256
     python -m bench.amx_linears --rows 32 --repeats 20
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, int8_linears
+from engine.kernels import amx_linears, derived_weights, huge_pages, int8_linears
 
 log = logging.getLogger("bench.amx_linears")
 
@@ -56,8 +58,20 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def sweeps(weights: list[torch.Tensor]) -> dict:
-    """way -> (fn(rows) running every linear once, bytes of weight it streams)."""
+def _tensors(copies) -> list[torch.Tensor]:
+    """The tensors under each copy (a tensor, or an object holding one as `packed`, perhaps nested)."""
+    out = []
+    for c in copies:
+        while not isinstance(c, torch.Tensor) and hasattr(c, "packed"):
+            c = c.packed
+        if isinstance(c, torch.Tensor):
+            out.append(c)
+    return out
+
+
+def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
+    """way -> (fn(rows) running every linear once, bytes of weight it streams); `huge`: the weights and
+    the copies on 2 MB pages first, as the engine serves them (oneDNN's opaque copies cannot be)."""
     bf16_dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     bf16_amx = [amx_linears.pack(w) for w in weights]
     bf16_rows = [derived_weights.rows_of(w) for w in weights]  # what the bf16 engine runs: no copy
@@ -66,6 +80,8 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     s8_amx = [int8_linears.derive(w, ("amx", 127)) for w in body]
     w8_amx = [int8_linears.derive(w, ("amx_w8", 127)) for w in body]
     w8_head = int8_linears.derive(weights[-1], ("amx_w8", 127))
+    if huge:
+        huge_pages.collapse([*weights, *_tensors([*bf16_amx, *s8_amx, *w8_amx, w8_head])])
     lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
     dense = sum(w.numel() for w in weights) * 2
     s8 = sum(w.numel() for w in body) + weights[-1].numel() * 2
@@ -79,7 +95,9 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     xs = {}
 
     def x_of(rows, k):
-        return xs.setdefault((rows, k), torch.randn(rows, k).bfloat16())
+        if (rows, k) not in xs:  # made once: setdefault's argument was a fresh randn every call, timed with the linear
+            xs[rows, k] = torch.randn(rows, k).bfloat16()
+        return xs[rows, k]
 
     def dnn16(i, x):
         torch.ops.mkldnn._linear_pointwise(x, bf16_dnn[i], None, "none", [], "")
@@ -116,6 +134,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32,64,256", help="rows per call (a decode step's sequences), comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="sweeps per way, row count and round (the best is kept)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="leave the weights on the pages they were allocated on (default: on 2 MB pages, as the "
+                         "engine serves them)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.threads:
@@ -126,7 +147,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     log.info("%s: %d linears, %.0f MB in bf16; memory read probe %.1f GB/s; %d threads", args.model, len(weights),
              sum(w.numel() for w in weights) * 2 / 1e6, bandwidth / 1e9, torch.get_num_threads())
-    ways = sweeps(weights)
+    ways = sweeps(weights, huge=not args.no_huge_pages and huge_pages.enabled())
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             best = {}

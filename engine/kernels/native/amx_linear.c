@@ -62,6 +62,12 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
 /* int8 chunks are half the bytes and take longer (the widening): 4 ahead streamed 5-8% faster than 8
    (1.1 GB of 8192 x 2048 weights at 32 rows, 2 threads; 3 and 6 slower) */
 #define W8_PREFETCH_CHUNKS 4
+/* The rows kernel's: 32 rows' next 64 bytes each, one chunk ahead. Its weight is 32 streams a panel
+   (a row each, at the row stride), and on 2 MB pages the hardware's own prefetchers keep them coming
+   from a line on; asking 8 chunks ahead held 32 x 8 lines in flight for the few fill buffers a core
+   has (Llama-3.2-1B's linears at 32 rows, 2 cores: 27.0 GB/s at 8 ahead, 28.7-29.4 at 1, 26-27 with
+   none; 1.02x at 8 rows; bench/RESULTS.md) */
+#define ROWS_PREFETCH_CHUNKS 1
 /* The most bytes of activations (as B tiles) a rows-kernel pass over the panels reads: each panel
    reads them all again, so they must stay in a core's L2 (2 MB). A longer K is cut into blocks
    that do, the sums carried between blocks in fp32 (a down projection at 256 rows, K = 8960:
@@ -368,8 +374,8 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
             _tile_loadd(3, a + 768, 64);
         }
         for (int64_t kc = k0; kc < k1; kc++) {
-            if (mp == 0) /* the chunk PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
-                prefetch_rows(tiles, nt_count, 2 * np, kc + PREFETCH_CHUNKS, k0, k1, stride);
+            if (mp == 0) /* the chunk ROWS_PREFETCH_CHUNKS ahead: of these rows, or of the next panel's */
+                prefetch_rows(tiles, nt_count, 2 * np, kc + ROWS_PREFETCH_CHUNKS, k0, k1, stride);
             _tile_loadd(6, xb + kc * 2048, 64);
             _tile_loadd(4, w0 + kc * 64, stride);
             _tile_dpbf16ps(0, 4, 6);
