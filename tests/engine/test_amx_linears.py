@@ -105,7 +105,8 @@ def test_bf16_kernel_within_a_bf16_gemms_error(m, n, k, with_bias):
 
 @amx
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 64, 128), (33, 576, 1536), (300, 48, 64), (17, 16, 32),
-                                   (600, 48, 4128)])  # the last: 3 row blocks, K in 3 blocks (sums carried in fp32)
+                                   (100, 80, 1056),  # 4 row tiles (the last of 4 rows) in steps of K, a 1-chunk last
+                                   (600, 48, 4128)])  # 3 row blocks, K in 3 blocks (sums carried in fp32)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, with_bias):
     g = torch.Generator().manual_seed(n + k + m)
