@@ -169,6 +169,31 @@ def test_the_grouped_kernel_keeps_its_buffers_in_bounds_across_calls_of_other_sh
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
+def test_each_group_has_the_rows_kernels_bits_whatever_its_size():
+    """Groups of 1 to 140 rows (33-128 go over K in steps, their sums carried between steps) in one
+    call: each group's rows are bit for bit the rows kernel's on its expert's weight alone."""
+    import ctypes
+
+    from engine.kernels import native_kernels
+
+    if not amx_linears.available():
+        pytest.skip("no AMX tiles on this CPU")
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn = native_kernels.function("amx_linear", "amx_linear_bf16_groups", (P, I, P, P, I, P, I, P), ctypes.c_int)
+    g = torch.Generator().manual_seed(0)
+    sizes, n, k = [1, 40, 140, 17, 100, 64], 48, 800  # K: 25 chunks, a 1-chunk last step
+    w = torch.randn(len(sizes), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(sizes), k, generator=g).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    experts = torch.tensor([3, 0, 5, 1, 2, 4], dtype=torch.int64)  # not in order
+    out = torch.empty(sum(sizes), n, dtype=torch.bfloat16)
+    assert fn(x.data_ptr(), k, starts.data_ptr(), experts.data_ptr(), len(sizes), w.data_ptr(), n,
+              out.data_ptr()) == 0
+    for i, e in enumerate(experts.tolist()):
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        assert torch.equal(out[rows], amx_linears.linear_bf16_rows(x[rows], amx_linears.rows_of(w[e]))), i
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_router_is_f_linear_within_its_roundings(dtype):
     """router_logits (both of the engine's forwards route through it): each logit a fp32 sum over H

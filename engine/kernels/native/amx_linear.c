@@ -66,7 +66,7 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
    (a row each, at the row stride), and on 2 MB pages the hardware's own prefetchers keep them coming
    from a line on; asking 8 chunks ahead held 32 x 8 lines in flight for the few fill buffers a core
    has (Llama-3.2-1B's linears at 32 rows, 2 cores: 27.0 GB/s at 8 ahead, 28.7-29.4 at 1, 26-27 with
-   none; 1.02x at 8 rows; bench/RESULTS.md) */
+   none; 1.02x at 8 rows; Qwen2.5-1.5B's, K = 1536, 27-28 GB/s at any of 1, 2, 4, 8; bench/RESULTS.md) */
 #define ROWS_PREFETCH_CHUNKS 1
 /* The most bytes of activations (as B tiles) a rows-kernel pass over the panels reads: each panel
    reads them all again, so they must stay in a core's L2 (2 MB). A longer K is cut into blocks
