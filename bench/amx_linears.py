@@ -17,6 +17,7 @@ weights and every copy are put on 2 MB pages first, as the engine's collapser pu
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
 
@@ -58,6 +59,12 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def activations(dtype: torch.dtype):
+    """x_of(rows, k): a [rows, k] normal activation in `dtype`, made once a shape, before the timed calls
+    read it (a `randn` inside each call was timed with the linear)."""
+    return functools.cache(lambda rows, k: torch.randn(rows, k).to(dtype))
+
+
 def _tensors(copies) -> list[torch.Tensor]:
     """The tensors under each copy (a tensor, or an object holding one as `packed`, perhaps nested)."""
     out = []
@@ -92,12 +99,7 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
                 apply(i, x_of(rows, w.shape[1]))
         return sweep
 
-    xs = {}
-
-    def x_of(rows, k):
-        if (rows, k) not in xs:  # made once: setdefault's argument was a fresh randn every call, timed with the linear
-            xs[rows, k] = torch.randn(rows, k).bfloat16()
-        return xs[rows, k]
+    x_of = activations(torch.bfloat16)
 
     def dnn16(i, x):
         torch.ops.mkldnn._linear_pointwise(x, bf16_dnn[i], None, "none", [], "")

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from bench.amx_linears import _seconds, model_linears, read_bandwidth
+from bench.amx_linears import _seconds, activations, model_linears, read_bandwidth
 from bench.engines import probe_peak
 from engine.kernels import f32_linears
 
@@ -29,12 +29,7 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     """way -> fn(rows) running every linear once."""
     dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     ours = [f32_linears.pack(w) for w in weights]
-    xs = {}
-
-    def x_of(rows, k):
-        if (rows, k) not in xs:  # made once: setdefault's argument was a fresh randn every call, timed with the linear
-            xs[rows, k] = torch.randn(rows, k)
-        return xs[rows, k]
+    x_of = activations(torch.float32)
 
     def run(apply):
         def sweep(rows: int):
