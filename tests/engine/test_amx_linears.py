@@ -106,7 +106,10 @@ def test_bf16_kernel_within_a_bf16_gemms_error(m, n, k, with_bias):
 @amx
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 64, 128), (33, 576, 1536), (300, 48, 64), (17, 16, 32),
                                    (100, 80, 1056),  # 4 row tiles (the last of 4 rows) in steps of K, a 1-chunk last
-                                   (600, 48, 4128)])  # 3 row blocks, K in 3 blocks (sums carried in fp32)
+                                   (600, 48, 4128),  # 3 row blocks, K in 3 blocks (sums carried in fp32)
+                                   # rows read R at a time (rows of whole 4 KB pages; up to 32 rows of x):
+                                   (32, 192, 1024), (1, 256, 1024),  # R 2: 3 groups (two threads), 1 row
+                                   (20, 384, 512), (32, 128, 1536)])  # R 4: 20 rows (a half tile), k 1536
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, with_bias):
     g = torch.Generator().manual_seed(n + k + m)
@@ -117,7 +120,7 @@ def test_bf16_on_the_weights_in_place_gives_the_packed_kernels_bits(m, n, k, wit
 
 
 @amx
-@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (33, 576, 1536), (300, 48, 64), (600, 48, 4128)])
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (33, 576, 1536), (300, 48, 64), (600, 48, 4128), (20, 384, 512)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp32_out_is_the_bf16_outs_sums_before_their_rounding(m, n, k, with_bias):
     """out_dtype fp32 (the fp32 LM head): the very sums the bf16 output rounds (rounded here, the
@@ -149,6 +152,17 @@ def test_a_groups_segments_are_read_where_each_weight_lies():
         k.mul_(2)  # written in place: read as it is now, no copy to make again
     assert torch.equal(amx_linears.linear_bf16_rows(x, rows),
                        amx_linears.linear_bf16(x, amx_linears.pack(torch.cat([q, k, v]))))
+
+
+@amx
+@pytest.mark.parametrize("sizes", [(256, 128, 128), (128, 64, 64)])  # 4 rows read as one; a segment too short: 1
+def test_segments_read_four_rows_at_a_time_give_the_stacked_products_bits(sizes):
+    g = torch.Generator().manual_seed(sum(sizes))
+    q, k, v = (torch.randn(n, 512, generator=g).bfloat16() for n in sizes)
+    x = torch.randn(32, 512, generator=g).bfloat16()
+    bias = torch.randn(sum(sizes), generator=g).bfloat16()
+    want = amx_linears.linear_bf16(x, amx_linears.pack(torch.cat([q, k, v])), bias)
+    assert torch.equal(amx_linears.linear_bf16_rows(x, amx_linears.rows_of([q, k, v]), bias), want)
 
 
 def test_rows_fit_takes_bf16_rows_in_sixteens_and_k_in_thirty_twos():

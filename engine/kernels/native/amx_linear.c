@@ -368,6 +368,48 @@ static inline void store_sums(float *a) {
     _tile_stored(3, a + 768, 64);
 }
 
+/* A group's finished sums (rows_linear's `fuse` R phase panels, each up to four C tiles), written out
+   while the next group's weights stream in: written at once, the transposes and stores left the tile
+   unit and the memory idle for 3-5% of a linear's time (Llama-3.2-1B's and Qwen2.5-1.5B's at 32 rows,
+   2 cores). sums[p][2 nt + mt] is phase p's tile for its 16 columns nt and 16 rows of x mt, as stored:
+   [16 columns][16 rows], column i of it the group's 16R nt + R i + p. A piece is 16 rows of x by 16
+   of the group's 32R columns: one transpose of the 16 tile rows that hold them, in column order. */
+typedef struct {
+    float sums[4][4][256] __attribute__((aligned(64)));
+    int left; /* bit 2 b + mt: the piece of column block b and rows mt still to write */
+    int64_t fuse, col0, row0, rows;
+    uint16_t *out_bf16;
+    float *out_f32;
+} pending_sums;
+
+/* Piece `piece` of `p`, each output its sum plus its bias, rounded once to bf16 (or, into out_f32, as
+   it is). */
+static void write_pending(pending_sums *p, int piece, const uint16_t *bias, int64_t n) {
+    const int mt = piece % 2, block = piece / 2;
+    const int64_t fuse = p->fuse, col = p->col0 + block * 16;
+    const uint32_t *from[16];
+    for (int j = 0; j < 16; j++) { /* the group's column block * 16 + j: tile nt's row i of phase ph */
+        const int64_t c = block * 16 + j, nt = c / (16 * fuse), ph = c % fuse, i = c % (16 * fuse) / fuse;
+        from[j] = (const uint32_t *)p->sums[ph][2 * nt + mt] + 16 * i;
+    }
+    float ct[16 * 16] __attribute__((aligned(64)));
+    transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
+    const v16f b = load_bias(bias, col, 16);
+    for (int64_t r = 0; r < 16 && mt * 16 + r < p->rows; r++) {
+        const int64_t at = (p->row0 + mt * 16 + r) * n + col;
+        const v16f v = load16_f32(ct + 16 * r) + b;
+        if (p->out_f32) /* the fp32 sums as they are (an fp32 LM head) */
+            put_f32(p->out_f32 + at, v, 16);
+        else
+            put_bf16(p->out_bf16 + at, v, 16);
+    }
+    p->left &= ~(1 << piece);
+}
+
+static void finish_pending(pending_sums *p, const uint16_t *bias, int64_t n) {
+    while (p->left) write_pending(p, __builtin_ctz(p->left), bias, n);
+}
+
 /* Panel `np` (32 output columns: tiles 2np and 2np + 1 of `tiles`) of out [m, n] = x . w^T, for
    every 32 rows of x laid out as B tiles in `xv` (activations_as_b_tiles), in this thread's tiles,
    over K chunks [k0, k1): a block after the first starts from the sums the one before left in
@@ -381,7 +423,8 @@ static inline void store_sums(float *a) {
    block goes whole). */
 static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t np, const uint32_t *xv, int64_t m,
                               int64_t kc_count, int64_t k0, int64_t k1, float *acc, float *carry, int64_t stride,
-                              const uint16_t *bias, uint16_t *out_bf16, float *out_f32, int64_t n) {
+                              int64_t fuse, pending_sums *pend, const uint16_t *bias, uint16_t *out_bf16,
+                              float *out_f32, int64_t n) {
     const int64_t mp_count = (m + 31) / 32;
     const int64_t step = mp_count > 1 && mp_count <= SUB_MAX_ROW_TILES ? SUB_CHUNKS : k1 - k0;
     const uint8_t *w0 = tiles[2 * np], *w1 = 2 * np + 1 < nt_count ? tiles[2 * np + 1] : NULL;
@@ -415,6 +458,8 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
                     _tile_dpbf16ps(2, 5, 6);
                     if (two_m) _tile_dpbf16ps(3, 5, 7);
                 }
+                if (pend->left && (kc & 1)) /* a piece of the group before every other chunk */
+                    write_pending(pend, __builtin_ctz(pend->left), bias, n);
             }
             if (s1 < k1) {
                 store_sums(c_step);
@@ -424,31 +469,40 @@ static inline void rows_panel(const uint8_t **tiles, int64_t nt_count, int64_t n
                 store_sums(a);
                 continue;
             }
-            float c[16 * 16] __attribute__((aligned(64))), ct[16 * 16] __attribute__((aligned(64)));
-            for (int nt = 0; nt < (w1 ? 2 : 1); nt++)
-                for (int mt = 0; mt < (two_m ? 2 : 1); mt++) {
-                    switch (nt * 2 + mt) { /* tile ids are immediates */
-                    case 0: _tile_stored(0, c, 64); break;
-                    case 1: _tile_stored(1, c, 64); break;
-                    case 2: _tile_stored(2, c, 64); break;
-                    default: _tile_stored(3, c, 64); break;
-                    }
-                    const uint32_t *from[16];
-                    for (int r = 0; r < 16; r++) from[r] = (const uint32_t *)c + 16 * r;
-                    transpose16_u32(from, (uint32_t *)ct, 16); /* [16 rows of x][16 columns] */
-                    const int64_t col = np * 32 + nt * 16;
-                    for (int r = 0; r < 16; r++) {
-                        const int64_t row = mp * 32 + mt * 16 + r;
-                        if (row >= m) break;
-                        const v16f v = load16_f32(ct + 16 * r) + load_bias(bias, col, 16);
-                        if (out_f32) /* the fp32 sums as they are (an fp32 LM head) */
-                            put_f32(out_f32 + row * n + col, v, 16);
-                        else
-                            put_bf16(out_bf16 + row * n + col, v, 16);
-                    }
-                }
+            const int64_t phase = np % fuse;
+            if (phase == 0) finish_pending(pend, bias, n); /* the group before's, where this K was too short */
+            _tile_stored(0, pend->sums[phase][0], 64); /* tile ids are immediates */
+            if (two_m) _tile_stored(1, pend->sums[phase][1], 64);
+            if (w1) _tile_stored(2, pend->sums[phase][2], 64);
+            if (w1 && two_m) _tile_stored(3, pend->sums[phase][3], 64);
+            if (phase < fuse - 1) continue;
+            pend->fuse = fuse;
+            pend->col0 = np / fuse * 32 * fuse;
+            pend->row0 = mp * 32;
+            pend->rows = m - mp * 32;
+            pend->out_bf16 = out_bf16;
+            pend->out_f32 = out_f32;
+            for (int block = 0; block < (w1 ? 2 * fuse : 1); block++)
+                pend->left |= (two_m ? 3 : 1) << (2 * block);
         }
     }
+}
+
+/* How many weight rows the rows kernel reads as one (R): rows are contiguous, so R of them are one row
+   of R k values, and a tile of 16 such rows at stride R k reads, in R phases of k values each, the
+   outputs c, c + R, ... of its 16R rows. The hardware's prefetchers follow a row as a stream within
+   its 4 KB pages; a row of k = 1536 (3 KB) ends mid-page, two rows of a tile share a page, and the
+   32 rows of a panel streamed 26-27 GB/s where rows of whole pages (k = 2048) streamed 29
+   (Qwen2.5-1.5B's and Llama-3.2-1B's linears at 32 rows, 2 cores). So R is the fewest rows (1, 2 or 4)
+   that make a whole number of pages, where each segment has whole groups of 32R rows; else 1. */
+static int64_t fused_rows(int64_t k, const int64_t *seg_rows, int64_t nseg) {
+    for (int64_t fuse = 1; fuse <= 4; fuse *= 2) {
+        if (k * 2 * fuse % 4096) continue;
+        for (int64_t s = 0; s < nseg; s++)
+            if (seg_rows[s] % (32 * fuse)) return 1;
+        return fuse;
+    }
+    return 1;
 }
 
 /* out [m, n] bf16 = x [m, k] bf16 . w^T (+ bias [n] bf16, or NULL), w the rows of `nseg` (1-3)
@@ -488,12 +542,18 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     if (tiles == NULL || scratch == NULL) return -1;
     uint32_t *xv = (uint32_t *)scratch;
     float *acc = kb_count > 1 ? (float *)(scratch + xv_bytes) : NULL;
+    const int64_t fuse = m <= 32 ? fused_rows(k, seg_rows, nseg) : 1; /* its pending sums: 32 rows */
     for (int64_t s = 0, t = 0; s < nseg; s++)
-        for (int64_t r = 0; r < seg_rows[s]; r += 16) tiles[t++] = (const uint8_t *)seg_ptr[s] + r * stride;
+        for (int64_t g = 0; g < seg_rows[s]; g += 32 * fuse)
+            for (int64_t p = 0; p < fuse; p++) /* fuse 1: every 16 rows in order */
+                for (int64_t h = 0; h < 2 && g + 16 * fuse * h < seg_rows[s]; h++)
+                    tiles[t++] = (const uint8_t *)seg_ptr[s] + (g + 16 * fuse * h + p) * stride;
 #pragma omp parallel
     {
         activations_as_b_tiles(x, m, k, xv);
         configure_tiles();
+        pending_sums pend;
+        pend.left = 0;
         float *carry = (float *)(scratch + xv_bytes + acc_bytes + omp_get_thread_num() * CARRY_BYTES);
         /* no barriers between blocks: static schedules of one count give each thread the same
            panels in every block (OpenMP's rule), so the sums it left in `acc` are its own */
@@ -505,10 +565,13 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
             for (int64_t k0 = 0; k0 < kc_count; k0 += kc_block) {
                 const int64_t k1 = k0 + kc_block < kc_count ? k0 + kc_block : kc_count;
 #pragma omp for schedule(static) nowait
-                for (int64_t np = 0; np < np_count; np++)
-                    rows_panel(tiles, nt_count, np, xr, rows, kc_count, k0, k1, acc, carry, stride, bias, ob, of, n);
+                for (int64_t group = 0; group < np_count / fuse; group++) /* a group's phases in one thread */
+                    for (int64_t np = group * fuse; np < (group + 1) * fuse; np++)
+                        rows_panel(tiles, nt_count, np, xr, rows, kc_count, k0, k1, acc, carry, fuse * stride,
+                                   fuse, &pend, bias, ob, of, n);
             }
         }
+        finish_pending(&pend, bias, n);
         _tile_release();
     }
     return 0;
@@ -565,13 +628,16 @@ int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, 
         for (int64_t g = 0; g < G; g++)
             activations_as_b_tiles(x + starts[g] * k, starts[g + 1] - starts[g], k, xv + xoff[g]);
         configure_tiles();
+        pending_sums pend;
+        pend.left = 0;
         float *carry = (float *)(scratch + xoff[G] * 4 + omp_get_thread_num() * CARRY_BYTES);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < G * np_count; i++) {
             const int64_t g = i / np_count;
             rows_panel(tiles + g * nt_count, nt_count, i % np_count, xv + xoff[g], starts[g + 1] - starts[g],
-                       kc_count, 0, kc_count, NULL, carry, stride, NULL, out_bf16 + starts[g] * n, NULL, n);
+                       kc_count, 0, kc_count, NULL, carry, stride, 1, &pend, NULL, out_bf16 + starts[g] * n, NULL, n);
         }
+        finish_pending(&pend, NULL, n);
         _tile_release();
     }
     return 0;
