@@ -21,7 +21,7 @@ import types
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, f32_linears, packed_linears
+from engine.kernels import bf16_rows, derived_weights, f32_linears, packed_linears
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ def install(model: torch.nn.Module) -> bool:
         return False
     cpu, head._fp32_head_plain = head.weight.device.type == "cpu", False
     if packed_linears.reads_in_place(head.weight, torch.bfloat16):
-        # AMX tiles on the bf16 weight in place, the fp32 sums stored unrounded: every bf16 product is
-        # exact in fp32, so this is the fp32 GEMM of the upcast operands at the bf16 head's speed
+        # AMX tiles (or AVX512-BF16) on the bf16 weight in place, the fp32 sums stored unrounded: every bf16
+        # product is exact in fp32, so this is the fp32 GEMM of the upcast operands at the bf16 head's speed
         derived_weights.attach(head, derived_weights.rows_of, in_place=True)
-        kind = "AMX tiles on the bf16 weight in place, fp32 sums"
+        kind = "bf16 kernel on the weight in place, fp32 sums"
     elif cpu and packed_linears.supported(torch.float32):
         derive = functools.partial(packed_linears.pack_weight, dtype=torch.float32)
         derive.takes_parts = True
@@ -67,7 +67,7 @@ def _apply(self: torch.nn.Linear, x: torch.Tensor, copy, bias: torch.Tensor | No
     """x [..., hidden] (any dtype) @ the fp32 copy's transpose (+ bias): fp32 logits."""
     rows = x.reshape(-1, x.shape[-1])
     if isinstance(copy, derived_weights.WeightRows):  # bf16 in place (install): exact upcasts, fp32 sums
-        out = amx_linears.linear_bf16_rows(rows.to(torch.bfloat16), copy, bias, out_dtype=torch.float32)
+        out = bf16_rows.linear_rows(rows.to(torch.bfloat16), copy, bias, out_dtype=torch.float32)
         return out.reshape(*x.shape[:-1], out.shape[-1])
     rows = rows.float()
     b = None if bias is None else bias.float()

@@ -40,7 +40,7 @@ import types
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, f32_linears
+from engine.kernels import amx_linears, bf16_rows, derived_weights, f32_linears
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +98,11 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 def reads_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a linear runs on its weight as it is (derived_weights.WeightRows: no packed copy to
-    hold or to derive): a bf16 engine's on AMX tiles, an fp32 engine's on our AVX-512 kernel."""
+    hold or to derive): a bf16 engine's on AMX tiles or AVX512-BF16, an fp32 engine's on our AVX-512 kernel."""
     if weight.dtype != dtype:
         return False
     if dtype == torch.bfloat16:
-        return amx_linears.available() and amx_linears.rows_fit([weight])
+        return bf16_rows.available() and bf16_rows.rows_fit([weight])
     if dtype == torch.float32:
         return f32_linears.available() and f32_linears.in_place() and f32_linears.rows_fit([weight])
     return False
@@ -160,7 +160,7 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if isinstance(packed, derived_weights.WeightRows):  # the weights in place
-        rows_linear = amx_linears.linear_bf16_rows if packed.dtype == torch.bfloat16 else f32_linears.linear_rows
+        rows_linear = bf16_rows.linear_rows if packed.dtype == torch.bfloat16 else f32_linears.linear_rows
         out = rows_linear(rows, packed, bias)
     elif isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
         out = amx_linears.linear_bf16(rows, packed, bias)

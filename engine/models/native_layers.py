@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, f32_linears, moe_experts, native_kernels
+from engine.kernels import amx_linears, bf16_rows, derived_weights, f32_linears, moe_experts, native_kernels
 from engine.models import attention, fused_layers
 
 ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
@@ -38,7 +38,7 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
     """Kernels' fields in decode_layers.c, (library, symbol) each: the linears, then the loop's dtype's."""
     x = _SUFFIX[dtype]
     return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
-            ("amx_linear", "amx_linear_w8_f32"), ("amx_linear", "amx_linear_bf16_rows"),
+            ("amx_linear", "amx_linear_w8_f32"), bf16_rows.c_kernel(),
             ("f32_linear", "f32_linear_rows"),
             ("layer_glue", f"rope_cache_{x}"),
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))

@@ -10,14 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import amx_linears, f32_linears
+from engine.kernels import amx_linears, bf16_rows, f32_linears
 from engine.models import native_layers
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: the bf16 C loop needs them")
+amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: int8 and sparse layers need them")
+bf16_loop = pytest.mark.skipif(not bf16_rows.available(),
+                               reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
 
 
@@ -54,12 +56,15 @@ def _run(llm: LLM, monkeypatch, switch: str):
     return outs
 
 
-@amx
+@bf16_loop
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
-    """bf16, and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in both loops)."""
+    """bf16 (on AMX tiles or AVX512-BF16), and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in
+    both loops; AMX only)."""
+    if quantization == "int8" and not amx_linears.available():
+        pytest.skip("weight-only int8 runs on AMX tiles only")
     llm = LLM(EngineConfig(model=model_dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
                            quantization=quantization))
     # NOTE: the first generate prefills the prompts fresh, the later ones on their cached prefixes,
@@ -103,7 +108,7 @@ def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing
     assert all(torch.equal(b.last_ids, ids) for b, ids in zip(blocks, python_ids))  # the last step's, alike
 
 
-@amx
+@bf16_loop
 def test_a_hook_on_a_layer_keeps_the_python_forward(model_dirs, monkeypatch, calls):
     llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
     model = llm.core.worker.model
@@ -119,7 +124,7 @@ def test_a_hook_on_a_layer_keeps_the_python_forward(model_dirs, monkeypatch, cal
     assert calls["native"] == 0 and len(seen) > 0  # every decode step ran the hooked module in Python
 
 
-@amx
+@bf16_loop
 def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, calls):
     """The C loop reads the weights' current copies each step: a weight written between two
     generates (as a commit writes it) changes the next step's output, as in Python."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kernels import amx_linears, f32_linears, packed_linears
+from engine.kernels import amx_linears, bf16_rows, f32_linears, packed_linears
 from tests.engine.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not packed_linears.supported(torch.float32),
@@ -132,8 +132,8 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
     assert math.isfinite(llm.core.worker.runner.forward_seconds)
 
 
-@pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: bf16 keeps a packed copy")
-def test_a_bf16_engine_on_amx_holds_no_copy_of_its_linears(model_dirs):
+@pytest.mark.skipif(not bf16_rows.available(), reason="no AMX tiles or AVX512-BF16 on this CPU: bf16 keeps a packed copy")
+def test_a_bf16_engine_on_amx_or_avx512_bf16_holds_no_copy_of_its_linears(model_dirs):
     """Every linear, and each q/k/v and gate/up group, serves from the parameters' own memory: the
     engine holds its weights once, and a push has nothing to derive for them."""
     llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))

@@ -1,0 +1,93 @@
+"""A bf16 linear on its weights where they lie (derived_weights.WeightRows: no packed copy), whichever
+kernel this CPU has for it: AMX tiles (engine/kernels/amx_linears.py's `linear_bf16_rows`), else
+AVX512-BF16's dot products (engine/kernels/native/bf16_rows.c: AMD Zen 4 and 5, Intel Cooper Lake).
+
+On a CPU with AVX512-BF16 and no AMX a bf16 engine ran its linears on oneDNN's prepacked op in
+Python, one layer at a time; with this kernel it holds no packed copy and runs a decode step's layers
+in one C call (engine/models/native_layers.py), as on AMX. Each output is the fp32 sum of its exact
+products in an order fixed by its own row and column (bf16_rows.c), so a row's bits are the same
+whatever batch it is in, prefilled or decoded. ROLLOUT_BF16_ROWS=0 keeps oneDNN's packed copy there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from engine.kernels import amx_linears, derived_weights, native_kernels
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "ROLLOUT_BF16_ROWS"
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGS = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR)
+ROWS_MULTIPLE = 4  # bf16_rows.c's NR: weight rows a block
+
+
+@functools.cache
+def avx512_bf16() -> bool:
+    """Whether bf16_rows.c runs here (AVX512-BF16, its library built, the switch on)."""
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no"):
+        return False
+    if "avx512_bf16" not in native_kernels.cpu_flags():
+        return False
+    if native_kernels.function("bf16_rows", "bf16_rows_linear", _ARGS, ctypes.c_int) is None:
+        return False
+    log.info("bf16 linears on AVX512-BF16 (engine/kernels/native/bf16_rows.c)")
+    return True
+
+
+native_kernels.forget_with_kernels(avx512_bf16.cache_clear)
+
+
+def available() -> bool:
+    """Whether a bf16 linear can read its weights in place here (AMX tiles or AVX512-BF16)."""
+    return amx_linears.available() or avx512_bf16()
+
+
+def rows_fit(weights) -> bool:
+    """Whether `linear_rows` takes these weights here (up to three bf16 [n_i, k], rows contiguous)."""
+    return amx_linears.rows_fit(weights) if amx_linears.available() else avx512_rows_fit(weights)
+
+
+def avx512_rows_fit(weights) -> bool:
+    """Whether bf16_rows.c takes these weights: bf16 [n_i, k] each, k % 32 == 0, every n_i % 4 == 0,
+    at most three, on the CPU, rows contiguous."""
+    return (0 < len(weights) <= 3 and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu"
+                                          and w.shape[1] == weights[0].shape[1] and w.shape[0] % ROWS_MULTIPLE == 0
+                                          and w.is_contiguous() for w in weights)
+            and weights[0].shape[1] % 32 == 0)
+
+
+def c_kernel() -> tuple[str, str]:
+    """(library, symbol) of the bf16-out kernel, for the C decode loop's table (native_layers)."""
+    return ("amx_linear", "amx_linear_bf16_rows") if amx_linears.available() else ("bf16_rows", "bf16_rows_linear")
+
+
+def linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [m, k] bf16 @ (w's rows).T (+ bias [n] bf16) -> [m, n] in out_dtype (bf16: the fp32 sums
+    rounded once; fp32: not rounded, engine/kernels/fp32_head.py's)."""
+    if amx_linears.available():
+        return amx_linears.linear_bf16_rows(x, w, bias, out_dtype=out_dtype)
+    return avx512_linear_rows(x, w, bias, out_dtype)
+
+
+def avx512_linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`linear_rows` on bf16_rows.c, where `avx512_bf16()` (an AMX CPU has it too: its tests call this)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=out_dtype)
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    symbol = "bf16_rows_linear_f32" if out_dtype == torch.float32 else "bf16_rows_linear"
+    d = w.desc.data_ptr()
+    rc = native_kernels.function("bf16_rows", symbol, _ARGS, ctypes.c_int)(
+        x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights), None if b is None else b.data_ptr(),
+        out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"{symbol}: shape {[tuple(t.shape) for t in w.weights]} not taken ({rc})")
+    return out

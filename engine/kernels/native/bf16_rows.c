@@ -1,0 +1,155 @@
+/* A bf16 linear on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
+   out [m, n] = x [m, k] . w^T (+ bias), the weights read where they lie ([n, k] rows, in up to three
+   segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX.
+
+   oneDNN's bf16 matmul ran a decode step's 32 rows at 0.6 of its own peak on Zen 4 (254 against
+   413 GFLOP/s at 2048 rows, 2 cores), and there a step of a 1.5B model is bound by the products
+   (98 GFLOP a step against 3 GB of weights: 0.25 s of VDPBF16PS, 0.1 s of reading), not by memory.
+   Here each block holds NR weight rows x MR activation rows of sums in 24 of the 32 vector registers
+   and feeds VDPBF16PS from 10 loads per 24 of them; a thread's NR weight rows stay in L1 (or L2) while
+   every block of activation rows reads them, so each weight byte comes from memory once a call.
+
+   Arithmetic: every product of two bf16 values is exact in fp32. Lane i of a sum holds the pairs at
+   K = 32 j + 2 i and 2 i + 1 for j = 0, 1, ... (VDPBF16PS adds each pair's two products in turn, with
+   denormals flushed), then the 16 lanes are added in one fixed tree; an output's bits depend on its
+   own row and column alone, not on the batch around it or the block it fell in (a row prefilled and
+   the same row decoded give the same bits). The bias is added in fp32, then the sum rounded once. */
+
+#include <omp.h>
+
+#include "common.h"
+
+#define NR 4 /* weight rows a block: its outputs' columns (lane_sums takes four) */
+#define MR 6 /* activation rows a block: 24 sums, 4 weight loads and 6 activation loads per 32 values of K */
+
+#ifdef __AVX512BF16__
+
+/* The sums of NR = 4 accumulators' 16 lanes each, in one fixed order per accumulator: lanes i and i + 8,
+   then those of i + 4 and i + 12 (i < 4), then the four so made as (0 + 2) + (1 + 3). Done for the four
+   at once (a shuffle moves each accumulator's lanes beside another's): 13 instructions where a
+   reduction each took 32, 15% of a block at K = 1536. */
+static inline __m128 lane_sums(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a2, a3, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                         12, 8, 4, 0), v));
+}
+
+/* The next group's weight rows are fetched into L2 a cache line at a time while this group's blocks
+   compute: from memory, a group's 4 rows at 32 rows a call take about as long to read as to multiply,
+   and the two did not overlap (the blocks waited on the first one's loads). A group is NR consecutive
+   rows of one segment (NR divides each segment's rows), so its bytes are one span; each block of the
+   group fetches its share of the next one's, `per` lines a step from `fetch` up to `fetch_end`. */
+
+/* rows (1..MR) activation rows from x (row stride ldx) times the NR weight rows from w (row stride
+   ldw) over k values of K into sums[r * NR + i], fetching [fetch, fetch_end) meanwhile. The rows are
+   reached by one pointer and a stride each: a pointer a row left too few registers for the sums. */
+ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t k,
+                         const char *fetch, const char *fetch_end, int64_t per, float *sums) {
+    __m512 acc[MR][NR];
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < NR; i++) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 32) {
+        for (int64_t j = 0; j < per && fetch < fetch_end; j++, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
+        __m512bh wv[NR];
+        for (int i = 0; i < NR; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + i * ldw + kk));
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * ldx + kk));
+            for (int i = 0; i < NR; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[i]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm_storeu_ps(sums + r * NR, lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+/* block() with `rows` a constant in each copy, so the compiler keeps every sum in a register. */
+static void block_rows(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t k,
+                       const char *fetch, const char *fetch_end, int64_t per, float *sums) {
+    switch (rows) {
+    case 1: block(w, ldw, x, ldx, 1, k, fetch, fetch_end, per, sums); break;
+    case 2: block(w, ldw, x, ldx, 2, k, fetch, fetch_end, per, sums); break;
+    case 3: block(w, ldw, x, ldx, 3, k, fetch, fetch_end, per, sums); break;
+    case 4: block(w, ldw, x, ldx, 4, k, fetch, fetch_end, per, sums); break;
+    case 5: block(w, ldw, x, ldx, 5, k, fetch, fetch_end, per, sums); break;
+    default: block(w, ldw, x, ldx, MR, k, fetch, fetch_end, per, sums); break;
+    }
+}
+
+/* The weight row `row` of the segments (seg_ptr[s]: seg_rows[s] rows of k bf16 each, one after the other). */
+static const uint16_t *weight_row(const int64_t *seg_ptr, const int64_t *seg_rows, int64_t nseg, int64_t row,
+                                  int64_t k) {
+    for (int64_t s = 0; s < nseg; s++) {
+        if (row < seg_rows[s]) return (const uint16_t *)seg_ptr[s] + row * k;
+        row -= seg_rows[s];
+    }
+    return NULL;
+}
+
+/* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
+   segments. Takes k % 32 == 0 and every segment's rows % NR == 0 (else -2). Threads take whole
+   groups of NR weight rows. */
+static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                       int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_rows[s] % NR) return -2;
+        n += seg_rows[s];
+    }
+    if (k % 32 || nseg < 1 || nseg > 3) return -2;
+    if (m == 0 || n == 0) return 0;
+    const int64_t groups = n / NR, blocks = (m + MR - 1) / MR, steps = k / 32;
+#pragma omp parallel if (m * n * k > 65536)
+    {
+        const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads; /* a thread's groups */
+        const int64_t span = NR * k * 2, block_bytes = (span / 64 + blocks - 1) / blocks * 64; /* a block's share */
+        const int64_t per = (block_bytes / 64 + steps - 1) / steps;
+        for (int64_t g = g0; g < g1; g++) {
+            const uint16_t *w = weight_row(seg_ptr, seg_rows, nseg, g * NR, k);
+            const char *next = g + 1 < g1 ? (const char *)weight_row(seg_ptr, seg_rows, nseg, (g + 1) * NR, k) : NULL;
+            float b[NR] = {0};
+            if (bias)
+                for (int i = 0; i < NR; i++) b[i] = bf16_to_f32(bias[g * NR + i]);
+            for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) { /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 */
+                const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
+                float sums[MR * NR];
+                const char *fetch = next ? next + blk * block_bytes : NULL;
+                const char *fetch_end = next ? (fetch + block_bytes < next + span ? fetch + block_bytes : next + span) : NULL;
+                block_rows(w, k, x + m0 * k, k, rows, k, fetch, fetch_end, per, sums);
+                for (int r = 0; r < rows; r++)
+                    for (int i = 0; i < NR; i++) {
+                        const float v = sums[r * NR + i] + b[i];
+                        if (out_f32) out_f32[(m0 + r) * n + g * NR + i] = v;
+                        else out_bf16[(m0 + r) * n + g * NR + i] = f32_to_bf16(v);
+                    }
+                m0 += rows;
+            }
+        }
+    }
+    return 0;
+}
+
+#else /* no AVX512-BF16: bf16_linears.py does not call these here; they build so the file compiles anywhere */
+
+static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                       int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
+    (void)x, (void)m, (void)k, (void)seg_ptr, (void)seg_rows, (void)nseg, (void)bias, (void)out_bf16, (void)out_f32;
+    return -3;
+}
+
+#endif
+
+int bf16_rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                     int64_t nseg, const uint16_t *bias, uint16_t *out_bf16) {
+    return rows_linear(x, m, k, seg_ptr, seg_rows, nseg, bias, out_bf16, NULL);
+}
+
+int bf16_rows_linear_f32(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                         int64_t nseg, const uint16_t *bias, float *out_f32) {
+    return rows_linear(x, m, k, seg_ptr, seg_rows, nseg, bias, NULL, out_f32);
+}
