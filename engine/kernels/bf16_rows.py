@@ -26,6 +26,12 @@ ENV_SWITCH = "ROLLOUT_BF16_ROWS"
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR)
 ROWS_MULTIPLE = 4  # bf16_rows.c's NR: weight rows a block
+# The most sequences an engine may run for its bf16 linears to read their weights in place on AVX512-BF16
+# (without AMX): up to 32-64 rows a step this kernel is 0.94-1.5x oneDNN's prepacked op on Zen 4 and the C
+# decode loop runs, at 256 oneDNN's is 1.2x it (its activations broadcast from a packed copy need far less of
+# the caches' bandwidth than this kernel's dot products). The choice is made once per engine, so every row
+# of it sums in one order (EngineConfig.batch_invariant).
+AVX512_MAX_SEQS = 64
 
 
 @functools.cache
@@ -44,9 +50,10 @@ def avx512_bf16() -> bool:
 native_kernels.forget_with_kernels(avx512_bf16.cache_clear)
 
 
-def available() -> bool:
-    """Whether a bf16 linear can read its weights in place here (AMX tiles or AVX512-BF16)."""
-    return amx_linears.available() or avx512_bf16()
+def available(max_seqs: int | None = None) -> bool:
+    """Whether a bf16 linear reads its weights in place here: on AMX tiles, or on AVX512-BF16 in an engine
+    of at most AVX512_MAX_SEQS sequences (`max_seqs`; None: any engine that could)."""
+    return amx_linears.available() or (avx512_bf16() and (max_seqs is None or max_seqs <= AVX512_MAX_SEQS))
 
 
 def rows_fit(weights) -> bool:

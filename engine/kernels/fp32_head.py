@@ -26,14 +26,14 @@ from engine.kernels import bf16_rows, derived_weights, f32_linears, packed_linea
 log = logging.getLogger(__name__)
 
 
-def install(model: torch.nn.Module) -> bool:
+def install(model: torch.nn.Module, max_seqs: int | None = None) -> bool:
     """Route `model`'s output embedding (its LM head) through an fp32 copy of its weight; False
     where the head is fp32 already (nothing to do)."""
     head = model.get_output_embeddings()
     if head.weight.dtype == torch.float32:
         return False
     cpu, head._fp32_head_plain = head.weight.device.type == "cpu", False
-    if packed_linears.reads_in_place(head.weight, torch.bfloat16):
+    if packed_linears.reads_in_place(head.weight, torch.bfloat16, max_seqs):
         # AMX tiles (or AVX512-BF16) on the bf16 weight in place, the fp32 sums stored unrounded: every bf16
         # product is exact in fp32, so this is the fp32 GEMM of the upcast operands at the bf16 head's speed
         derived_weights.attach(head, derived_weights.rows_of, in_place=True)

@@ -77,13 +77,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
-def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def pack(model: torch.nn.Module, dtype: torch.dtype, max_seqs: int | None = None) -> int:
     """Route every `nn.Linear` of `model` through a weight prepacked in `dtype` (compute_dtype);
-    returns how many. The weights are packed at their first forward, `repack`, or a push's staging."""
+    returns how many. The weights are packed at their first forward, `repack`, or a push's staging.
+    `max_seqs`: the engine's most sequences, which decides whether a bf16 weight is read in place
+    (reads_in_place)."""
     count = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            if reads_in_place(module.weight, dtype):
+            if reads_in_place(module.weight, dtype, max_seqs):
                 derived_weights.attach(module, derived_weights.rows_of, in_place=True)
             else:
                 derive = functools.partial(pack_weight, dtype=dtype)
@@ -96,13 +98,14 @@ def pack(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
-def reads_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+def reads_in_place(weight: torch.Tensor, dtype: torch.dtype, max_seqs: int | None = None) -> bool:
     """Whether a linear runs on its weight as it is (derived_weights.WeightRows: no packed copy to
-    hold or to derive): a bf16 engine's on AMX tiles or AVX512-BF16, an fp32 engine's on our AVX-512 kernel."""
+    hold or to derive): a bf16 engine's on AMX tiles or AVX512-BF16 (an engine of `max_seqs` sequences:
+    bf16_rows.available), an fp32 engine's on our AVX-512 kernel."""
     if weight.dtype != dtype:
         return False
     if dtype == torch.bfloat16:
-        return bf16_rows.available() and bf16_rows.rows_fit([weight])
+        return bf16_rows.available(max_seqs) and bf16_rows.rows_fit([weight])
     if dtype == torch.float32:
         return f32_linears.available() and f32_linears.in_place() and f32_linears.rows_fit([weight])
     return False

@@ -29,7 +29,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if cfg.prepack_linears and device.type == "cpu":
         packed_dtype = packed_linears.compute_dtype(model.dtype)
         if packed_dtype is not None:
-            packed_linears.pack(model, packed_dtype)
+            packed_linears.pack(model, packed_dtype, cfg.max_num_seqs)
     model = model.to(device).eval()
     if device.type == "cpu" and not cfg.reserve_push_staging:  # a sidecar's engine moves them at start (adopt)
         huge_pages.move_parameters(model)  # out of the checkpoint's file mapping: the worker's Collapser takes them
@@ -39,7 +39,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     if cfg.batch_invariant and device.type == "cpu":
         native_glue.glue_in_c(model)  # a prefill row's fp32 norms and silu as a decode row's (the C loop's)
     if cfg.head_dtype == "float32":
-        fp32_head.install(model)  # after _quantize: the head keeps the model's precision there
+        fp32_head.install(model, cfg.max_num_seqs)  # after _quantize: the head keeps the model's precision there
     if cfg.fuse_layers:
         fused_linears.group(model)  # after _quantize: a group serves its members' kind of copy
     if cfg.quantization in ("int8", "fp8") or cfg.head_dtype == "float32" or derived_weights.groups(model):
