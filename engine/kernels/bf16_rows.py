@@ -6,21 +6,23 @@ On a CPU with AVX512-BF16 and no AMX a bf16 engine ran its linears on oneDNN's p
 Python, one layer at a time; with this kernel it holds no packed copy and runs a decode step's layers
 in one C call (engine/models/native_layers.py), as on AMX. Each output is the fp32 sum of its exact
 products in an order fixed by its own row and column (bf16_rows.c), so a row's bits are the same
-whatever batch it is in, prefilled or decoded. ROLLOUT_BF16_ROWS=0 keeps oneDNN's packed copy there.
+whatever batch it is in, prefilled or decoded.
+
+On AVX512-BF16 it is off unless ROLLOUT_BF16_ROWS=1: on a Zen 4 (2 cores, bench/RESULTS.md) its dot
+products ran a decode step's 32 rows at 0.72-0.96x oneDNN's prepacked op per linear (the activations
+read 64 bytes per 4 products, from L2: oneDNN broadcasts them against a packed copy), and the C loop
+that it lets run made up for that on Qwen2.5-1.5B's shape and not on Llama-3.2-1B's (0.91x).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
 
 from engine.kernels import amx_linears, derived_weights, native_kernels
-
-log = logging.getLogger(__name__)
 
 ENV_SWITCH = "ROLLOUT_BF16_ROWS"
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -36,24 +38,27 @@ AVX512_MAX_SEQS = 64
 
 @functools.cache
 def avx512_bf16() -> bool:
-    """Whether bf16_rows.c runs here (AVX512-BF16, its library built, the switch on)."""
-    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no"):
-        return False
+    """Whether bf16_rows.c runs here (AVX512-BF16, its library built)."""
     if "avx512_bf16" not in native_kernels.cpu_flags():
         return False
     if native_kernels.function("bf16_rows", "bf16_rows_linear", _ARGS, ctypes.c_int) is None:
         return False
-    log.info("bf16 linears on AVX512-BF16 (engine/kernels/native/bf16_rows.c)")
     return True
 
 
 native_kernels.forget_with_kernels(avx512_bf16.cache_clear)
 
 
+def switched_on() -> bool:
+    """ROLLOUT_BF16_ROWS=1: bf16 linears in place on AVX512-BF16 (read at each engine's load)."""
+    return os.environ.get(ENV_SWITCH, "0").lower() in ("1", "on", "true", "yes")
+
+
 def available(max_seqs: int | None = None) -> bool:
-    """Whether a bf16 linear reads its weights in place here: on AMX tiles, or on AVX512-BF16 in an engine
-    of at most AVX512_MAX_SEQS sequences (`max_seqs`; None: any engine that could)."""
-    return amx_linears.available() or (avx512_bf16() and (max_seqs is None or max_seqs <= AVX512_MAX_SEQS))
+    """Whether a bf16 linear reads its weights in place here: on AMX tiles, or on AVX512-BF16 when
+    switched on, in an engine of at most AVX512_MAX_SEQS sequences (`max_seqs`; None: any)."""
+    return amx_linears.available() or (avx512_bf16() and switched_on()
+                                       and (max_seqs is None or max_seqs <= AVX512_MAX_SEQS))
 
 
 def rows_fit(weights) -> bool:

@@ -17,9 +17,15 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles on this CPU: int8 and sparse layers need them")
-bf16_loop = pytest.mark.skipif(not bf16_rows.available(),
+amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles here: int8 and sparse layers need them")
+bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
                                reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
+
+
+@pytest.fixture(autouse=True)
+def _bf16_in_place(monkeypatch):
+    """AVX512-BF16's in-place kernel is off by default (bf16_rows.py): these tests switch it on."""
+    monkeypatch.setenv(bf16_rows.ENV_SWITCH, "1")
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
 
 

@@ -1,13 +1,16 @@
 /* A bf16 linear on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
    out [m, n] = x [m, k] . w^T (+ bias), the weights read where they lie ([n, k] rows, in up to three
-   segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX.
+   segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX. Off unless
+   ROLLOUT_BF16_ROWS=1 (engine/kernels/bf16_rows.py says why).
 
-   oneDNN's bf16 matmul ran a decode step's 32 rows at 0.6 of its own peak on Zen 4 (254 against
-   413 GFLOP/s at 2048 rows, 2 cores), and there a step of a 1.5B model is bound by the products
-   (98 GFLOP a step against 3 GB of weights: 0.25 s of VDPBF16PS, 0.1 s of reading), not by memory.
-   Here each block holds NR weight rows x MR activation rows of sums in 24 of the 32 vector registers
-   and feeds VDPBF16PS from 10 loads per 24 of them; a thread's NR weight rows stay in L1 (or L2) while
-   every block of activation rows reads them, so each weight byte comes from memory once a call.
+   On Zen 4 a decode step of a 1-2B model is bound by the products, not by memory (Qwen2.5-1.5B at 32
+   rows: 98 GFLOP a step, 0.25 s of VDPBF16PS on 2 cores, against 3 GB of weights, 0.1 s of reading).
+   Each block holds NR weight rows x MR activation rows of sums in 24 of the 32 vector registers and
+   feeds VDPBF16PS from 10 loads per 24 of them; a thread's NR weight rows stay in L1 while every block
+   of activation rows reads them (K in chunks where a block's activations and the rows would not fit
+   L1 together), so each weight byte comes from memory once a tile of rows. Measured (bench/RESULTS.md):
+   1.2-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.72-0.96x at 32 rows, where the
+   activations' 64 bytes per 4 products from L2 cost more than oneDNN's broadcasts from a packed copy.
 
    Arithmetic: every product of two bf16 values is exact in fp32. Lane i of a sum holds the pairs at
    K = 32 j + 2 i and 2 i + 1 for j = 0, 1, ... (VDPBF16PS adds each pair's two products in turn, with
@@ -28,6 +31,9 @@
    alike; tiles 1.06x no tiles at 256 rows) */
 #define X_TILE_BYTES (512 << 10)
 #define MIN_TILE_ROWS (4 * MR)
+#define MAX_TILE_ROWS 96 /* 16 blocks: their sums between chunks of K on the stack, 24 KB */
+#define L1_BUDGET (24 << 10) /* of Zen 4's 32 KB L1: a block's activations and a group's rows (1.05x at 32 rows) */
+#define KC_MAX (L1_BUDGET / ((MR + NR) * 2) / 32 * 32)
 #define MR 6 /* activation rows a block: 24 sums, 4 weight loads and 6 activation loads per 32 values of K */
 
 #ifdef __AVX512BF16__
@@ -56,14 +62,16 @@ static inline __m128 lane_sums(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
    group fetches its share of the next one's, `per` lines a step from `fetch` up to `fetch_end`. */
 
 /* rows (1..MR) activation rows from x (row stride ldx) times the NR weight rows from w (row stride
-   ldw) over k values of K into sums[r * NR + i], fetching [fetch, fetch_end) meanwhile. The rows are
-   reached by one pointer and a stride each: a pointer a row left too few registers for the sums. */
-ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t k,
-                         const char *fetch, const char *fetch_end, int64_t per, int first, float *sums) {
+   ldw) over kc values of K, fetching [fetch, fetch_end) meanwhile: the sums start from carry's
+   (`resume`) or from zero, and end in carry, or (sums not NULL) reduced into sums[r * NR + i]. The rows
+   are reached by one pointer and a stride each: a pointer a row left too few registers for the sums. */
+ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t kc,
+                         const char *fetch, const char *fetch_end, int64_t per, int first, __m512 *carry,
+                         int resume, float *sums) {
     __m512 acc[MR][NR];
     for (int r = 0; r < MR; r++)
-        for (int i = 0; i < NR; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < k; kk += 32) {
+        for (int i = 0; i < NR; i++) acc[r][i] = resume && r < rows ? carry[r * NR + i] : _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < kc; kk += 32) {
         for (int64_t j = 0; j < per && fetch < fetch_end; j++, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
         if (first) /* the group's own rows into L1, ahead of this block's loads */
             for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(w + i * ldw + kk) + L1_AHEAD_BYTES, _MM_HINT_T0);
@@ -74,19 +82,24 @@ ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int6
             for (int i = 0; i < NR; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[i]);
         }
     }
-    for (int r = 0; r < rows; r++) _mm_storeu_ps(sums + r * NR, lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int r = 0; r < rows; r++) {
+        if (sums) _mm_storeu_ps(sums + r * NR, lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        else
+            for (int i = 0; i < NR; i++) carry[r * NR + i] = acc[r][i];
+    }
 }
 
 /* block() with `rows` a constant in each copy, so the compiler keeps every sum in a register. */
-static void block_rows(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t k,
-                       const char *fetch, const char *fetch_end, int64_t per, int first, float *sums) {
+static void block_rows(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t kc,
+                       const char *fetch, const char *fetch_end, int64_t per, int first, __m512 *carry, int resume,
+                       float *sums) {
     switch (rows) {
-    case 1: block(w, ldw, x, ldx, 1, k, fetch, fetch_end, per, first, sums); break;
-    case 2: block(w, ldw, x, ldx, 2, k, fetch, fetch_end, per, first, sums); break;
-    case 3: block(w, ldw, x, ldx, 3, k, fetch, fetch_end, per, first, sums); break;
-    case 4: block(w, ldw, x, ldx, 4, k, fetch, fetch_end, per, first, sums); break;
-    case 5: block(w, ldw, x, ldx, 5, k, fetch, fetch_end, per, first, sums); break;
-    default: block(w, ldw, x, ldx, MR, k, fetch, fetch_end, per, first, sums); break;
+    case 1: block(w, ldw, x, ldx, 1, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+    case 2: block(w, ldw, x, ldx, 2, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+    case 3: block(w, ldw, x, ldx, 3, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+    case 4: block(w, ldw, x, ldx, 4, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+    case 5: block(w, ldw, x, ldx, 5, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+    default: block(w, ldw, x, ldx, MR, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
     }
 }
 
@@ -105,30 +118,38 @@ static const uint16_t *weight_row(const int64_t *seg_ptr, const int64_t *seg_row
 static void groups_times_rows(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                               int64_t nseg, int64_t g0, int64_t g1, const uint16_t *bias, int64_t n,
                               uint16_t *out_bf16, float *out_f32) {
-    const int64_t blocks = (m + MR - 1) / MR, steps = k / 32;
-    const int64_t span = NR * k * 2, block_bytes = (span / 64 + blocks - 1) / blocks * 64; /* a block's share */
-    const int64_t per = (block_bytes / 64 + steps - 1) / steps;
+    const int64_t blocks = (m + MR - 1) / MR;
+    /* K in chunks whose block of activations and group of weights fit L1 together */
+    const int64_t chunks = (k + KC_MAX - 1) / KC_MAX, kc = (k / 32 + chunks - 1) / chunks * 32;
+    const int64_t span = NR * k * 2, slices = blocks * chunks;
+    const int64_t slice_bytes = (span / 64 + slices - 1) / slices * 64; /* a block's share of the next group */
+    const int64_t per = (slice_bytes / 64 + kc / 32 - 1) / (kc / 32);
+    __m512 carry[(MAX_TILE_ROWS + MR - 1) / MR * MR * NR]; /* each block's sums between chunks */
     for (int64_t g = g0; g < g1; g++) {
         const uint16_t *w = weight_row(seg_ptr, seg_rows, nseg, g * NR, k);
         const char *next = g + 1 < g1 ? (const char *)weight_row(seg_ptr, seg_rows, nseg, (g + 1) * NR, k) : NULL;
         float b[NR] = {0};
         if (bias)
             for (int i = 0; i < NR; i++) b[i] = bf16_to_f32(bias[g * NR + i]);
-        /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 */
-        for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) {
-            const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
-            float sums[MR * NR];
-            const char *fetch = next ? next + blk * block_bytes : NULL;
-            const char *fetch_end = next == NULL ? NULL : fetch + block_bytes < next + span ? fetch + block_bytes
-                                                                                             : next + span;
-            block_rows(w, k, x + m0 * k, k, rows, k, fetch, fetch_end, per, blk == 0 && blocks <= 2, sums);
-            for (int r = 0; r < rows; r++)
-                for (int i = 0; i < NR; i++) {
-                    const float v = sums[r * NR + i] + b[i];
-                    if (out_f32) out_f32[(m0 + r) * n + g * NR + i] = v;
-                    else out_bf16[(m0 + r) * n + g * NR + i] = f32_to_bf16(v);
-                }
-            m0 += rows;
+        for (int64_t c = 0, k0 = 0; k0 < k; c++, k0 += kc) {
+            const int64_t kn = k - k0 < kc ? k - k0 : kc, last = k0 + kn == k;
+            /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 */
+            for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) {
+                const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
+                float sums[MR * NR];
+                const char *fetch = next ? next + (c * blocks + blk) * slice_bytes : NULL;
+                const char *fetch_end = next == NULL ? NULL : fetch + slice_bytes < next + span ? fetch + slice_bytes
+                                                                                                 : next + span;
+                block_rows(w + k0, k, x + m0 * k + k0, k, rows, kn, fetch, fetch_end, per, blk == 0 && blocks <= 2,
+                           carry + blk * MR * NR, k0 > 0, last ? sums : NULL);
+                for (int r = 0; last && r < rows; r++)
+                    for (int i = 0; i < NR; i++) {
+                        const float v = sums[r * NR + i] + b[i];
+                        if (out_f32) out_f32[(m0 + r) * n + g * NR + i] = v;
+                        else out_bf16[(m0 + r) * n + g * NR + i] = f32_to_bf16(v);
+                    }
+                m0 += rows;
+            }
         }
     }
 }
@@ -148,7 +169,7 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     if (k % 32 || nseg < 1 || nseg > 3) return -2;
     if (m == 0 || n == 0) return 0;
     int64_t tile = X_TILE_BYTES / (k * 2) / MR * MR;
-    tile = tile < MIN_TILE_ROWS ? MIN_TILE_ROWS : tile;
+    tile = tile < MIN_TILE_ROWS ? MIN_TILE_ROWS : tile > MAX_TILE_ROWS ? MAX_TILE_ROWS : tile;
     const int64_t tiles = (m + tile - 1) / tile;
     tile = (m + tiles - 1) / tiles; /* even tiles */
     const int64_t groups = n / NR;
