@@ -29,10 +29,10 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR)
 ROWS_MULTIPLE = 4  # bf16_rows.c's NR: weight rows a block
 # The most sequences an engine may run for its bf16 linears to read their weights in place on AVX512-BF16
-# (without AMX): up to 32-64 rows a step this kernel is 0.94-1.5x oneDNN's prepacked op on Zen 4 and the C
-# decode loop runs, at 256 oneDNN's is 1.2x it (its activations broadcast from a packed copy need far less of
-# the caches' bandwidth than this kernel's dot products). The choice is made once per engine, so every row
-# of it sums in one order (EngineConfig.batch_invariant).
+# (without AMX): on Zen 4 this kernel is 1.0-1.5x oneDNN's prepacked op up to 16 rows, 0.8-0.98x at 32 (where
+# the C decode loop it lets run makes up for some of it), and oneDNN's is 1.2x it at 256 (its activations,
+# broadcast against a packed copy, need far less of the caches' bandwidth than these dot products). The
+# choice is made once per engine, so every row of it sums in one order (EngineConfig.batch_invariant).
 AVX512_MAX_SEQS = 64
 
 
