@@ -63,11 +63,12 @@ AmxRows = derived_weights.WeightRows  # a bf16 linear on its weights in place (`
 rows_of = derived_weights.rows_of
 
 
-def rows_fit(weights) -> bool:
+def rows_fit(weights, row_multiple: int = 16) -> bool:
     """Whether `linear_bf16_rows` takes these weights: bf16 [n_i, k] each, k % 32 == 0, every
-    n_i % 16 == 0, at most three, on the CPU, rows contiguous."""
+    n_i % row_multiple == 0 (the tiles' 16; bf16_rows.c's blocks take 4), at most three, on the CPU,
+    rows contiguous."""
     return (0 < len(weights) <= 3 and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu"
-                                          and w.shape[1] == weights[0].shape[1] and w.shape[0] % 16 == 0
+                                          and w.shape[1] == weights[0].shape[1] and w.shape[0] % row_multiple == 0
                                           and w.is_contiguous() for w in weights)
             and weights[0].shape[1] % 32 == 0)
 

@@ -67,12 +67,8 @@ def rows_fit(weights) -> bool:
 
 
 def avx512_rows_fit(weights) -> bool:
-    """Whether bf16_rows.c takes these weights: bf16 [n_i, k] each, k % 32 == 0, every n_i % 4 == 0,
-    at most three, on the CPU, rows contiguous."""
-    return (0 < len(weights) <= 3 and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.device.type == "cpu"
-                                          and w.shape[1] == weights[0].shape[1] and w.shape[0] % ROWS_MULTIPLE == 0
-                                          and w.is_contiguous() for w in weights)
-            and weights[0].shape[1] % 32 == 0)
+    """Whether bf16_rows.c takes these weights: the AMX kernel's terms with rows in fours."""
+    return amx_linears.rows_fit(weights, ROWS_MULTIPLE)
 
 
 def c_kernel() -> tuple[str, str]:
