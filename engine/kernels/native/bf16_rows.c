@@ -27,8 +27,8 @@
    fetches its own rows into L1 this far ahead of its loads (8 rows of Qwen2.5-1.5B's linears 1.22x; at 16-32
    rows, two blocks and more of products to hide the loads behind, it gained nothing) */
 #define L1_AHEAD_BYTES 512
-/* Activations a tile of rows holds at most: half of Zen 4's 1 MB L2 (256 rows at 256 KB and 768 KB ran
-   alike; tiles 1.06x no tiles at 256 rows) */
+/* Activations a tile of rows holds at most: half of Zen 4's 1 MB L2 (tiles of 256 KB, 512 KB and 768 KB
+   ran alike at 256 rows; untiled was not measured apart from them) */
 #define X_TILE_BYTES (512 << 10)
 #define MIN_TILE_ROWS (4 * MR)
 #define MAX_TILE_ROWS 96 /* 16 blocks: their sums between chunks of K on the stack, 24 KB */
@@ -184,7 +184,7 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     return 0;
 }
 
-#else /* no AVX512-BF16: bf16_linears.py does not call these here; they build so the file compiles anywhere */
+#else /* no AVX512-BF16: bf16_rows.py does not call these here; they build so the file compiles anywhere */
 
 static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                        int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
