@@ -8,10 +8,12 @@ in one C call (engine/models/native_layers.py), as on AMX. Each output is the fp
 products in an order fixed by its own row and column (bf16_rows.c), so a row's bits are the same
 whatever batch it is in, prefilled or decoded.
 
-On AVX512-BF16 it is off unless ROLLOUT_BF16_ROWS=1: on a Zen 4 (2 cores, bench/RESULTS.md) its dot
-products ran a decode step's 32 rows at 0.72-0.96x oneDNN's prepacked op per linear (the activations
-read 64 bytes per 4 products, from L2: oneDNN broadcasts them against a packed copy), and the C loop
-that it lets run made up for that on Qwen2.5-1.5B's shape and not on Llama-3.2-1B's (0.91x).
+On AVX512-BF16 it runs in engines of at most AVX512_MAX_SEQS sequences (ROLLOUT_BF16_ROWS=0 keeps
+oneDNN's): on a Zen 4 (2 cores, bench/RESULTS.md) its dot products ran 1.2-1.5x oneDNN's prepacked op
+at 1-12 rows, where memory binds, and 0.9-0.97x at 32 (the activations read 64 bytes per 4 products,
+from L2: oneDNN broadcasts them against a packed copy); with the C loop it lets run, bench.engines'
+32-sequence workload ran 1.04-1.08x faster than on oneDNN's path (Qwen2.5-1.5B, Qwen3-1.7B,
+Llama-3.2-1B, paired in one process), and a bf16 engine holds no packed copy of its linears.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR)
 ROWS_MULTIPLE = 4  # bf16_rows.c's NR: weight rows a block
 # The most sequences an engine may run for its bf16 linears to read their weights in place on AVX512-BF16
-# (without AMX): on Zen 4 this kernel is 1.0-1.5x oneDNN's prepacked op up to 16 rows, 0.8-0.98x at 32 (where
-# the C decode loop it lets run makes up for some of it), and oneDNN's is 1.2x it at 256 (its activations,
+# (without AMX): on Zen 4 this kernel is 1.0-1.5x oneDNN's prepacked op up to 16 rows, 0.9-0.97x at 32 (where
+# the C decode loop it lets run makes up for it), and oneDNN's is 1.2x it at 256 (its activations,
 # broadcast against a packed copy, need far less of the caches' bandwidth than these dot products). The
 # choice is made once per engine, so every row of it sums in one order (EngineConfig.batch_invariant).
 AVX512_MAX_SEQS = 64
@@ -50,13 +52,13 @@ native_kernels.forget_with_kernels(avx512_bf16.cache_clear)
 
 
 def switched_on() -> bool:
-    """ROLLOUT_BF16_ROWS=1: bf16 linears in place on AVX512-BF16 (read at each engine's load)."""
-    return os.environ.get(ENV_SWITCH, "0").lower() in ("1", "on", "true", "yes")
+    """Unless ROLLOUT_BF16_ROWS=0: bf16 linears in place on AVX512-BF16 (read at each engine's load)."""
+    return os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
 
 
 def available(max_seqs: int | None = None) -> bool:
-    """Whether a bf16 linear reads its weights in place here: on AMX tiles, or on AVX512-BF16 when
-    switched on, in an engine of at most AVX512_MAX_SEQS sequences (`max_seqs`; None: any)."""
+    """Whether a bf16 linear reads its weights in place here: on AMX tiles, or on AVX512-BF16 unless
+    switched off, in an engine of at most AVX512_MAX_SEQS sequences (`max_seqs`; None: any)."""
     return amx_linears.available() or (avx512_bf16() and switched_on()
                                        and (max_seqs is None or max_seqs <= AVX512_MAX_SEQS))
 

@@ -22,10 +22,6 @@ bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_
                                reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
 
 
-@pytest.fixture(autouse=True)
-def _bf16_in_place(monkeypatch):
-    """AVX512-BF16's in-place kernel is off by default (bf16_rows.py): these tests switch it on."""
-    monkeypatch.setenv(bf16_rows.ENV_SWITCH, "1")
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
 
 

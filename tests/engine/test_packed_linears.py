@@ -134,10 +134,9 @@ def test_the_engine_packs_its_linears_and_keeps_hfs_greedy_tokens(model_dirs, hf
 
 @pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
                     reason="no AMX tiles or AVX512-BF16 here: bf16 keeps a packed copy")
-def test_a_bf16_engine_on_amx_or_avx512_bf16_holds_no_copy_of_its_linears(model_dirs, monkeypatch):
+def test_a_bf16_engine_on_amx_or_avx512_bf16_holds_no_copy_of_its_linears(model_dirs):
     """Every linear, and each q/k/v and gate/up group, serves from the parameters' own memory: the
-    engine holds its weights once, and a push has nothing to derive for them (AVX512-BF16: switched on)."""
-    monkeypatch.setenv(bf16_rows.ENV_SWITCH, "1")
+    engine holds its weights once, and a push has nothing to derive for them."""
     llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
     model = llm.core.worker.model
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -150,10 +149,10 @@ def test_a_bf16_engine_on_amx_or_avx512_bf16_holds_no_copy_of_its_linears(model_
 
 @pytest.mark.skipif(not bf16_rows.avx512_bf16() or amx_linears.available(),
                     reason="the choice of an AVX512-BF16 CPU without AMX tiles")
-def test_a_bf16_engine_on_avx512_bf16_reads_in_place_only_switched_on_and_with_few_sequences(model_dirs,
-                                                                                             monkeypatch):
-    """Off by default, and past AVX512_MAX_SEQS sequences (oneDNN's packed op 1.2x the in-place kernel at 256
-    rows) an engine packs; one of fewer, switched on, reads its weights in place. Either way every row of
+def test_a_bf16_engine_on_avx512_bf16_reads_in_place_with_few_sequences_unless_switched_off(model_dirs,
+                                                                                            monkeypatch):
+    """Switched off, or past AVX512_MAX_SEQS sequences (oneDNN's packed op 1.2x the in-place kernel at 256
+    rows), an engine packs; one of fewer reads its weights in place by default. Either way every row of
     it sums in one order."""
     def copies(max_seqs):
         llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=max_seqs, max_model_len=256))
@@ -161,8 +160,9 @@ def test_a_bf16_engine_on_avx512_bf16_reads_in_place_only_switched_on_and_with_f
         assert len(out.outputs[0].token_ids) == 4
         return [m._group.copy if getattr(m, "_group", None) else m._derived
                 for m in llm.core.worker.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert not any(isinstance(c, amx_linears.AmxRows) for c in copies(8))  # off by default
-    monkeypatch.setenv(bf16_rows.ENV_SWITCH, "1")
+    monkeypatch.setenv(bf16_rows.ENV_SWITCH, "0")
+    assert not any(isinstance(c, amx_linears.AmxRows) for c in copies(8))
+    monkeypatch.delenv(bf16_rows.ENV_SWITCH)
     few, many = copies(bf16_rows.AVX512_MAX_SEQS), copies(bf16_rows.AVX512_MAX_SEQS + 1)
     assert few and all(isinstance(c, amx_linears.AmxRows) for c in few)
     assert many and not any(isinstance(c, amx_linears.AmxRows) for c in many)

@@ -1,7 +1,7 @@
 /* A bf16 linear on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
    out [m, n] = x [m, k] . w^T (+ bias), the weights read where they lie ([n, k] rows, in up to three
-   segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX. Off unless
-   ROLLOUT_BF16_ROWS=1 (engine/kernels/bf16_rows.py says why).
+   segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX. Engines of at
+   most 64 sequences run it (engine/kernels/bf16_rows.py says why).
 
    On Zen 4 a decode step of a 1-2B model is bound by the products, not by memory (Qwen2.5-1.5B at 32
    rows: 98 GFLOP a step, 0.25 s of VDPBF16PS on 2 cores, against 3 GB of weights, 0.1 s of reading).
@@ -9,7 +9,7 @@
    feeds VDPBF16PS from 10 loads per 24 of them; a thread's NR weight rows stay in L1 while every block
    of activation rows reads them (K in chunks where a block's activations and the rows would not fit
    L1 together), so each weight byte comes from memory once a tile of rows. Measured (bench/RESULTS.md):
-   1.2-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.72-0.96x at 32 rows, where the
+   1.2-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.9-0.97x at 32 rows, where the
    activations' 64 bytes per 4 products from L2 cost more than oneDNN's broadcasts from a packed copy.
 
    Arithmetic: every product of two bf16 values is exact in fp32. Lane i of a sum holds the pairs at
@@ -27,9 +27,10 @@
    fetches its own rows into L1 this far ahead of its loads (8 rows of Qwen2.5-1.5B's linears 1.22x; at 16-32
    rows, two blocks and more of products to hide the loads behind, it gained nothing) */
 #define L1_AHEAD_BYTES 512
-/* Activations a tile of rows holds at most: half of Zen 4's 1 MB L2 (tiles of 256 KB, 512 KB and 768 KB
-   ran alike at 256 rows; untiled was not measured apart from them) */
-#define X_TILE_BYTES (512 << 10)
+/* Activations a tile of rows holds at most: 3/4 of Zen 4's 1 MB L2, so that 32 rows of K = 8960 (560 KB) are one
+   tile and the weights are read once (a 512 KB tile split them in two: Qwen2.5-1.5B's down projection 0.88x ->
+   0.97x oneDNN at 32 rows, Llama-3.2-1B's 0.78x -> 0.96x; 256 rows ran alike with 256-768 KB) */
+#define X_TILE_BYTES (768 << 10)
 #define MIN_TILE_ROWS (4 * MR)
 #define MAX_TILE_ROWS 96 /* 16 blocks: their sums between chunks of K on the stack, 24 KB */
 #define L1_BUDGET (24 << 10) /* of Zen 4's 32 KB L1: a block's activations and a group's rows (1.05x at 32 rows) */
@@ -168,7 +169,7 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     }
     if (k % 32 || nseg < 1 || nseg > 3) return -2;
     if (m == 0 || n == 0) return 0;
-    int64_t tile = X_TILE_BYTES / (k * 2) / MR * MR;
+    int64_t tile = X_TILE_BYTES / (k * 2); /* not rounded to blocks: 32 rows of K = 8192 would be 30 + 2 */
     tile = tile < MIN_TILE_ROWS ? MIN_TILE_ROWS : tile > MAX_TILE_ROWS ? MAX_TILE_ROWS : tile;
     const int64_t tiles = (m + tile - 1) / tile;
     tile = (m + tiles - 1) / tiles; /* even tiles */
