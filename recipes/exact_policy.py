@@ -63,10 +63,12 @@ class ExactPolicy:
     def __init__(self, model_dir: str, args):
         from engine.config import EngineConfig
         from engine.exact_logprobs import ExactLogprobs
+        from recipes.rollout_source import SIDECAR_MAX_NUM_SEQS
 
+        # the sidecar's max_num_seqs: it picks the bf16 kernels on some CPUs (rollout_source.SIDECAR_MAX_NUM_SEQS)
         cfg = EngineConfig(model=model_dir, dtype=args.sidecar_dtype, quantization=args.sidecar_quantization,
                            head_dtype=args.sidecar_head_dtype, max_model_len=1024, kv_cache_memory_gb=1.0,
-                           num_threads=torch.get_num_threads())
+                           max_num_seqs=SIDECAR_MAX_NUM_SEQS, num_threads=torch.get_num_threads())
         self.scorer = ExactLogprobs(cfg)
         self.lora_push = args.lora_push
         self.temperature = args.temperature
