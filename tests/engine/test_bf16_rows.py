@@ -23,7 +23,7 @@ def _case(m, n, k, seed=0, bias=True):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4, 32), (5, 96, 64), (6, 64, 256), (32, 128, 1536), (33, 68, 512),
-                                   (256, 16, 96)])
+                                   (256, 16, 96), (100, 8, 2048), (7, 12, 6144)])  # rows 4096 bytes apart: copied
 def test_the_fp32_sums_are_within_their_rounding_bound(m, n, k):
     """Each lane sums k / 32 pairs (two roundings each), then four levels of a tree, then the bias: at
     most k / 16 + 5 roundings of 2^-24 on the way, each of at most the sum of |products| (+ |bias|)."""
@@ -54,6 +54,16 @@ def test_a_rows_bits_do_not_depend_on_the_batch_around_it():
         for start in (0, 40 - size):
             part = bf16_rows.avx512_linear_rows(x[start:start + size], rows, b, out_dtype=torch.float32)
             assert torch.equal(part, whole[start:start + size]), (size, start)
+
+
+def test_rows_a_page_apart_keep_their_bits_when_copied_apart():
+    """Rows of K = 2048 (4096 bytes) are copied a cache line further apart before a call of more than one
+    row (bf16_rows.c's staggered_rows), in tiles past 96 rows: each row's bits are its bits alone."""
+    x, w, b = _case(130, 32, 2048, seed=3)
+    rows = derived_weights.rows_of(w)
+    whole = bf16_rows.avx512_linear_rows(x, rows, b, out_dtype=torch.float32)
+    for i in (0, 64, 97, 129):
+        assert torch.equal(bf16_rows.avx512_linear_rows(x[i:i + 1], rows, b, out_dtype=torch.float32), whole[i:i + 1])
 
 
 def test_segments_give_the_stacked_weights_bits():
