@@ -31,7 +31,8 @@ SIDECAR_MAX_NUM_SEQS = 128
 def sidecar_command(args, model_dir: str, trainer_device: torch.device, device: str | None = None) -> list[str]:
     """The flags of the sidecar this run starts (after `--model`); `device` overrides where it runs.
     `args.sidecar_args`, when a recipe sets it: more flags (recipes.agent's HTTP front)."""
-    return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0", "--max-num-seqs", str(SIDECAR_MAX_NUM_SEQS),
+    return ["--max-model-len", "1024", "--log-level", "WARNING", "--stats-interval", "0",
+            "--max-num-seqs", str(SIDECAR_MAX_NUM_SEQS),
             "--device", device or sidecar_device(trainer_device, args.sidecar_device), "--seed", str(args.seed),
             "--engine", args.engine, "--dtype", getattr(args, "sidecar_dtype", "auto"),
             "--quantization", getattr(args, "sidecar_quantization", "none"),

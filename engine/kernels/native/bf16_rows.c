@@ -142,8 +142,8 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
                 const char *fetch = next ? next + (c * blocks + blk) * slice_bytes : NULL;
                 const char *fetch_end = next == NULL ? NULL : fetch + slice_bytes < next + span ? fetch + slice_bytes
                                                                                                  : next + span;
-                block_rows(w + k0, k, x + m0 * ldx + k0, ldx, rows, kn, fetch, fetch_end, per, blk == 0 && blocks <= 2,
-                           carry + blk * MR * NR, k0 > 0, last ? sums : NULL);
+                block_rows(w + k0, k, x + m0 * ldx + k0, ldx, rows, kn, fetch, fetch_end, per,
+                           blk == 0 && blocks <= 2, carry + blk * MR * NR, k0 > 0, last ? sums : NULL);
                 for (int r = 0; last && r < rows; r++)
                     for (int i = 0; i < NR; i++) {
                         const float v = sums[r * NR + i] + b[i];
@@ -161,20 +161,23 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
    group's, being fetched) fall in one set of L1 (8 ways) wherever x starts at the weights' offset in a page,
    as every large tensor does under tcmalloc (vLLM's CPU set-up preloads it): Llama-3.2-1B's linears at 32
    rows ran 0.75x oneDNN's op there against 0.90x under glibc's malloc. The copy's rows lie a cache line
-   further apart than K (each in a set of its own) and start 8 sets past the weights'. Kept per thread:
-   grown, never freed (a decode step's calls reuse it). NULL where it cannot be had (then x is read as is). */
+   further apart than K (each in a set of its own) and start 8 sets past the weights'. Kept per thread up to
+   STAGGER_KEEP_BYTES (a decode step's calls reuse it; a prefill's larger copy is freed after its call).
+   NULL where it cannot be had (then x is read as is). */
+#define STAGGER_KEEP_BYTES (4 << 20)
+static _Thread_local uint16_t *stagger_buf;
+static _Thread_local size_t stagger_cap;
+
 static const uint16_t *staggered_rows(const uint16_t *x, int64_t m, int64_t k, uintptr_t w_addr, int64_t *ldx) {
-    static _Thread_local uint16_t *buf;
-    static _Thread_local size_t cap;
     *ldx = k + 32;
-    const size_t need = (size_t)(m * *ldx) * 2 + 8192;
-    if (need > cap) {
-        free(buf);
-        buf = aligned_alloc(4096, (need + 4095) / 4096 * 4096);
-        cap = buf ? (need + 4095) / 4096 * 4096 : 0;
-        if (buf == NULL) return NULL;
+    const size_t need = ((size_t)(m * *ldx) * 2 + 8192 + 4095) / 4096 * 4096; /* 4096: the start's room */
+    if (need > stagger_cap) {
+        free(stagger_buf);
+        stagger_buf = aligned_alloc(4096, need);
+        stagger_cap = stagger_buf ? need : 0;
+        if (stagger_buf == NULL) return NULL;
     }
-    uint16_t *base = (uint16_t *)((char *)buf + ((w_addr + 8 * 64) & 4095));
+    uint16_t *base = (uint16_t *)((char *)stagger_buf + ((w_addr + 8 * 64) & 4095));
     for (int64_t r = 0; r < m; r++) memcpy(base + r * *ldx, x + r * k, (size_t)k * 2);
     return base;
 }
@@ -211,6 +214,10 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
         for (int64_t r0 = 0; r0 < m; r0 += tile)
             groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, g0, g1,
                               bias, n, out_bf16 ? out_bf16 + r0 * n : NULL, out_f32 ? out_f32 + r0 * n : NULL);
+    }
+    if (stagger_cap > STAGGER_KEEP_BYTES) {
+        free(stagger_buf);
+        stagger_buf = NULL, stagger_cap = 0;
     }
     return 0;
 }
