@@ -12,8 +12,8 @@ On AVX512-BF16 it runs in engines of at most AVX512_MAX_SEQS sequences (ROLLOUT_
 oneDNN's): on a Zen 4 (2 cores, bench/RESULTS.md) its dot products ran 1.2-1.5x oneDNN's prepacked op
 at 1-12 rows, where memory binds, and 0.9-0.97x at 32 (the activations read 64 bytes per 4 products,
 from L2: oneDNN broadcasts them against a packed copy); with the C loop it lets run, bench.engines'
-32-sequence workload ran 1.05-1.08x faster than on oneDNN's path (Qwen2.5-1.5B, Qwen3-1.7B,
-Llama-3.2-1B, paired in one process under vLLM's preloads), and a bf16 engine holds no packed copy
+32-sequence workload ran 1.05-1.08x faster than on oneDNN's path (Qwen2.5-1.5B, Qwen3-1.7B, and
+Llama-3.2-1B under vLLM's preloads; paired in one process), and a bf16 engine holds no packed copy
 of its linears.
 """
 
