@@ -20,8 +20,6 @@ from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, h
 amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles here: int8 and sparse layers need them")
 bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
                                reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
-
-
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
 
 

@@ -163,20 +163,20 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
    rows ran 0.75x oneDNN's op there against 0.90x under glibc's malloc. The copy's rows lie a cache line
    further apart than K (each in a set of its own) and start 8 sets past the weights'. Kept per thread up to
    STAGGER_KEEP_BYTES (a decode step's calls reuse it; a prefill's larger copy is freed after its call).
-   NULL where it cannot be had (then x is read as is). */
+   NULL (ldx untouched) where it cannot be had: then x is read as is. */
 #define STAGGER_KEEP_BYTES (4 << 20)
 static _Thread_local uint16_t *stagger_buf;
 static _Thread_local size_t stagger_cap;
 
 static const uint16_t *staggered_rows(const uint16_t *x, int64_t m, int64_t k, uintptr_t w_addr, int64_t *ldx) {
-    *ldx = k + 32;
-    const size_t need = ((size_t)(m * *ldx) * 2 + 8192 + 4095) / 4096 * 4096; /* 4096: the start's room */
+    const size_t need = ((size_t)(m * (k + 32)) * 2 + 8192 + 4095) / 4096 * 4096; /* 4096: the start's room */
     if (need > stagger_cap) {
         free(stagger_buf);
         stagger_buf = aligned_alloc(4096, need);
         stagger_cap = stagger_buf ? need : 0;
         if (stagger_buf == NULL) return NULL;
     }
+    *ldx = k + 32;
     uint16_t *base = (uint16_t *)((char *)stagger_buf + ((w_addr + 8 * 64) & 4095));
     for (int64_t r = 0; r < m; r++) memcpy(base + r * *ldx, x + r * k, (size_t)k * 2);
     return base;
@@ -203,9 +203,8 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     const int64_t groups = n / NR;
     int64_t ldx = k;
     if (m > 1 && (k * 2) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
-        const uint16_t *copy = staggered_rows(x, m, k, (uintptr_t)seg_ptr[0], &ldx);
+        const uint16_t *copy = staggered_rows(x, m, k, (uintptr_t)seg_ptr[0], &ldx); /* sets ldx where it copies */
         if (copy) x = copy;
-        else ldx = k;
     }
 #pragma omp parallel if (m * n * k > 65536)
     {
