@@ -38,7 +38,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.block_manager.hash_root = self._hash_root
         self.block_manager.current_version = lambda: self.worker.weight_version
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.runner.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_generated_tokens = 0
         self.asleep = False

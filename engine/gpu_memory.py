@@ -2,8 +2,11 @@
 less what the engine itself needs beside the cache at its peak.
 
 The peak is measured, not guessed: a profile run (ModelRunner.profile_peak_bytes) does a
-forward of the largest prefill a step can hold and samples the largest batch, with the decode
-gather buffers already allocated, and torch's allocator reports the most it held. The share is
+forward of the largest prefill a step can hold and samples a batch, and torch's allocator reports
+the most it held. A decode step's own memory grows with its rows (logits, the sampler's sort, the
+gather buffers at full width), and its rows are bounded by the cache as well as by max_num_seqs
+(every running sequence holds a block of its own): `rows_beside_cache` splits the budget between
+the two, so a max_num_seqs far past what the cache can serve sizes nothing by it. The share is
 of the device's total (`gpu_memory_utilization` x total), not of what is free, so an engine
 started beside a colocated trainer gets its share, not what the trainer left; a share that
 does not fit in what is free now is refused by name.
@@ -34,3 +37,14 @@ def kv_budget_bytes(total: int, free: int, utilization: float, held: int, peak: 
             f"largest step take {peak / GiB:.2f} GiB and a push's staging copy {reserve / GiB:.2f} GiB: nothing is "
             "left for the KV cache; raise --gpu-memory-utilization or lower max_num_seqs / max_num_batched_tokens")
     return budget
+
+
+def rows_beside_cache(budget: int, per_block: int, per_row: int, max_num_seqs: int) -> tuple[int, int]:
+    """(decode rows, KV-cache bytes) out of `budget`: a step of `rows` rows takes `per_row` bytes
+    each beside the cache, and never has more rows than the cache has blocks (each running sequence
+    writes into a block of its own). All max_num_seqs rows when the rest still holds that many
+    blocks; else as many rows as blocks, the two filling the budget together."""
+    rows = max_num_seqs
+    if budget - rows * per_row < rows * per_block:
+        rows = max(1, budget // (per_block + per_row))
+    return rows, budget - rows * per_row

@@ -4,6 +4,7 @@ step's inputs are packed (step_inputs.py), prompt logprobs (prompt_logprobs.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -26,9 +27,22 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+PROFILE_ROWS = 256  # rows the start-up profile samples to measure a row's memory
+
 
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _allocated_since_reset(dev: torch.device) -> tuple[int, int]:
+    """(the most bytes allocated since the last call, the bytes allocated now) on CUDA; the peak
+    starts over. Zeros elsewhere."""
+    if dev.type != "cuda":
+        return 0, 0
+    torch.cuda.synchronize(dev)
+    peak, now = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    return peak, now
 
 
 def resolve_device(spec: str, current_cuda_index=None) -> torch.device:
@@ -51,7 +65,14 @@ class ModelRunner:
             # Always set it, even to torch's own default: left unset, a core process next to a
             # busy parent ran small steps 20x slower (OpenMP workers stalling each other).
             torch.set_num_threads(cfg.num_threads or available_cpus())
-        self.model = load_model(cfg, self.device)
+        try:
+            self.model = load_model(cfg, self.device)
+            self._set_up(cfg)
+        except BaseException:
+            self.release()  # a failed start leaves no weights nor buffers on the device (the process lives on)
+            raise
+
+    def _set_up(self, cfg: EngineConfig) -> None:
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.num_layers = mc.num_hidden_layers
@@ -76,11 +97,27 @@ class ModelRunner:
         self.padded_prefill = self.device.type == "cuda"
         self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
         self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
-        per_block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                    torch.finfo(cfg.torch_dtype).bits // 8)
+        self.per_block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                         torch.finfo(cfg.torch_dtype).bits // 8)
+        # the most rows a step runs: max_num_seqs, lowered where the cache cannot serve that many
+        # (on CUDA by the memory a row takes beside the cache: _kv_budget_bytes)
+        self.max_num_seqs = cfg.max_num_seqs
         # on CUDA after a profile run, which needs all of the above
-        self.num_blocks = num_kv_blocks(cfg, per_block, self._kv_budget_bytes)
+        self.num_blocks = num_kv_blocks(cfg, self.per_block, self._kv_budget_bytes)
+        self.max_num_seqs = min(self.max_num_seqs, self.num_blocks)  # each running sequence holds a block
+        if self.max_num_seqs < cfg.max_num_seqs:
+            log.warning("max_num_seqs=%d lowered to %d: the KV cache (%d blocks) serves no more sequences at once",
+                        cfg.max_num_seqs, self.max_num_seqs, self.num_blocks)
         self.allocate_kv_cache()
+
+    def release(self) -> None:
+        """Drops the weights, the cache and every buffer, and hands a GPU's cached memory back."""
+        self.model = None
+        self.free_kv_cache()
+        self._logits_fp32 = self._key_positions = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _kv_budget_bytes(self, one_sequence: int) -> int:
         """What the KV cache may take: on CUDA, gpu_memory_utilization of the GPU's total less
@@ -88,33 +125,41 @@ class ModelRunner:
         kv_cache_memory_gb (a cap of the automatic size: one full-length sequence always gets room)."""
         if self.device.type != "cuda":
             return max(int(self.cfg.kv_cache_memory_gb * 2**30), one_sequence)
-        peak = self.profile_peak_bytes()
+        peak, per_row = self.profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = self.weight_bytes() if self.cfg.reserve_push_staging else 0
-        return gpu_memory.kv_budget_bytes(total, free, self.cfg.gpu_memory_utilization,
-                                          torch.cuda.memory_reserved(self.device), peak, reserve)
+        budget = gpu_memory.kv_budget_bytes(total, free, self.cfg.gpu_memory_utilization,
+                                            torch.cuda.memory_reserved(self.device), peak, reserve)
+        self.max_num_seqs, cache = gpu_memory.rows_beside_cache(budget, self.per_block, per_row, self.max_num_seqs)
+        return cache
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def profile_peak_bytes(self) -> int:
-        """The most memory this engine holds beside its KV cache (CUDA), measured over
-        `profile_step` with the real cache not yet allocated."""
+    def profile_peak_bytes(self) -> tuple[int, int]:
+        """(the most memory this engine holds beside its KV cache, the bytes each decode row adds)
+        on CUDA, measured over `profile_step` with the real cache not yet allocated: the peak of
+        its prefill and of sampling PROFILE_ROWS rows, and the sampling's growth per row plus a
+        row's gather buffers at full width (computed: they are plain tensors)."""
         dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        self.profile_step()
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
+        rows = min(self.max_num_seqs, PROFILE_ROWS)
+        prefill_peak, sampling_base, sampling_peak = self.profile_step(rows)
         torch.cuda.empty_cache()
-        return peak
+        per_row = -(-max(0, sampling_peak - sampling_base) // rows)
+        if not self.native_decode:
+            max_blocks = -(-self.cfg.max_model_len // self.block_size)
+            per_row += max_blocks * self.per_block // self.num_layers  # one layer's keys and values
+        return max(prefill_peak, sampling_base), per_row
 
     @torch.inference_mode()
-    def profile_step(self) -> None:
-        """The largest step this engine takes, on a scratch cache of one full-length sequence
-        (every span writes there; the real cache is untouched): a prefill of the most tokens a
-        step holds, in spans of max_model_len, then sampling of max_num_seqs rows with top-p
-        (the sort's temporaries), with the decode gather buffers at their largest."""
+    def profile_step(self, rows: int | None = None) -> tuple[int, int, int]:
+        """The largest prefill this engine takes, on a scratch cache of one full-length sequence
+        (every span writes there; the real cache is untouched): the most tokens a step holds, in
+        spans of max_model_len; then sampling of `rows` rows (default max_num_seqs) with top-p (the
+        sort's temporaries). On CUDA returns the bytes allocated at the prefill's peak, when the
+        sampling began and at its peak (zeros elsewhere)."""
         cfg, dev = self.cfg, self.device
         max_blocks = -(-cfg.max_model_len // self.block_size)
         saved = self.k_cache, self.v_cache, self._cache_views, self._gather
@@ -123,7 +168,6 @@ class ModelRunner:
         self.v_cache = torch.zeros_like(self.k_cache)
         self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
         self._gather = None
-        self._gather_buffers(cfg.max_num_seqs * max_blocks)
         tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
         whole, rest = divmod(tokens, cfg.max_model_len)
         seqs = []
@@ -136,11 +180,15 @@ class ModelRunner:
             attention.set_context(ctx)
             logits = self.model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False,
                                 logits_to_keep=keep).logits[0].float()
-            rows = cfg.max_num_seqs
-            logits = logits[:1].expand(rows, -1).contiguous()
+            one = logits[:1].clone()
+            del logits
+            prefill_peak, sampling_base = _allocated_since_reset(dev)
+            rows = rows or cfg.max_num_seqs
+            logits = one.expand(rows, -1).contiguous()
             t = SamplingTensors(torch.ones(rows, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
                                 uniforms=uniform_noise(self.shared_generator, rows, dev), any_greedy=False)
             sample(logits, t)
+            return prefill_peak, sampling_base, _allocated_since_reset(dev)[0]
         finally:
             attention.set_context(None)
             self.k_cache, self.v_cache, self._cache_views, self._gather = saved
@@ -295,7 +343,7 @@ class ModelRunner:
         the kept buffer stays at a decode step's size."""
         n = logits.numel()
         if (logits.dtype == torch.float32 or logits.device.type != "cpu"
-                or n > self.cfg.max_num_seqs * logits.shape[-1]):
+                or n > self.max_num_seqs * logits.shape[-1]):
             return logits.float()
         if self._logits_fp32 is None or self._logits_fp32.numel() < n:
             self._logits_fp32 = torch.empty(n, dtype=torch.float32)
