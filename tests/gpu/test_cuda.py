@@ -41,6 +41,21 @@ def test_kv_cache_follows_gpu_memory_utilization(qwen2_dir):
     runner = small.core.runner
     total = torch.cuda.get_device_properties(runner.device).total_memory
     assert runner.k_cache.nbytes + runner.v_cache.nbytes <= 0.2 * total
+    # rows past what the cache serves sized nothing: a step's rows are at most its blocks
+    assert runner.max_num_seqs <= runner.num_blocks
+    out = small.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4] * 4
+
+
+def test_an_engine_that_fails_to_start_frees_its_gpu_memory(qwen2_dir):
+    import gc
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256, num_kv_blocks=1))
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before
 
 
 def test_two_ranks_on_one_gpu_are_refused_by_name(qwen2_dir):
