@@ -98,6 +98,9 @@ class EngineConfig:
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)
     reserve_push_staging: bool = False
+    # CUDA: decode steps replayed from CUDA graphs captured per batch-size bucket (engine/decode_graphs.py);
+    # True runs every step eagerly (vLLM's name)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model) or not os.path.isfile(os.path.join(self.model, "config.json")):

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from engine import gpu_memory, routed_experts, step_inputs, step_sampling
+from engine import decode_graphs, gpu_memory, routed_experts, step_inputs, step_sampling
 from engine.kernels import native_decode, zero_pages
 from engine.models import attention, moe_model
 from engine.config import EngineConfig
@@ -102,6 +102,17 @@ class ModelRunner:
         # the most rows a step runs: max_num_seqs, lowered where the cache cannot serve that many
         # (on CUDA by the memory a row takes beside the cache: _kv_budget_bytes)
         self.max_num_seqs = cfg.max_num_seqs
+        # decode on CUDA graphs (engine/decode_graphs.py): their pad rows write into one block of their own;
+        # ROLLOUT_DECODE_GRAPHS=eager runs their static buffers and padding without capturing, on any device
+        # (the CPU's tests of the bookkeeping), =off never
+        mode = os.environ.get("ROLLOUT_DECODE_GRAPHS", "capture" if self.device.type == "cuda" else "off")
+        if mode == "eager":
+            self.native_decode = False
+        why_not = decode_graphs.unsupported(self) if mode != "off" else "off"
+        self.graph_mode = "off" if why_not else mode
+        if mode != "off" and why_not:
+            log.info("decode steps run eagerly: %s", why_not)
+        self.decode_graphs = None
         # on CUDA after a profile run, which needs all of the above
         self.num_blocks = num_kv_blocks(cfg, self.per_block, self._kv_budget_bytes)
         self.max_num_seqs = min(self.max_num_seqs, self.num_blocks)  # each running sequence holds a block
@@ -193,15 +204,29 @@ class ModelRunner:
             attention.set_context(None)
             self.k_cache, self.v_cache, self._cache_views, self._gather = saved
 
+    @property
+    def pad_slot(self) -> int:
+        """The cache slot decode graphs' pad rows write into: the first of a block past the block
+        manager's (allocated only with graphs on)."""
+        return self.num_blocks * self.block_size
+
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
-        shape = (self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        blocks = self.num_blocks + (self.graph_mode != "off")
+        shape = (self.num_layers, blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)  # CPU: resident as used
         self.v_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)
         self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
+        if self.graph_mode != "off":
+            self.decode_graphs = decode_graphs.DecodeGraphs(self, capture=self.graph_mode == "capture")
 
     def free_kv_cache(self) -> None:
-        self.k_cache = self.v_cache = self._gather = self._cache_views = None
+        self.k_cache = self.v_cache = self._gather = self._cache_views = self.decode_graphs = None
+
+    def weights_changed(self) -> None:
+        """Called by the worker whenever the weights were written or replaced."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.weights_changed()
 
     def _prepare_prefill(self, seqs: list[Sequence]):
         """Inputs of a prefill step, packed on the host and sent in one copy: token ids,
@@ -302,6 +327,13 @@ class ModelRunner:
         """Logits [B, V] (float32) of the next token of each sequence. A decode batch must come
         in `decode_order`."""
         self.prompt_rows = {}
+        if not is_prefill and self.decode_graphs is not None:
+            t0 = time.perf_counter()
+            logits = self.decode_graphs.forward(seqs)
+            if logits is not None:
+                self.routed, self.row_versions = {}, None
+                self.forward_seconds += time.perf_counter() - t0
+                return logits
         if is_prefill:
             ids, pos, ctx, keep = self._prepare_prefill(seqs)
         else:

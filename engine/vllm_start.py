@@ -94,7 +94,8 @@ def engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
         max_num_batched_tokens=cfg.max_num_batched_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=cfg.enable_prefix_caching, max_logprobs=cfg.max_logprobs,
         logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
-        tensor_parallel_size=tensor_parallel_size, enforce_eager=on_cpu,  # CPU: torch.compile costs minutes
+        # CPU: torch.compile costs minutes
+        tensor_parallel_size=tensor_parallel_size, enforce_eager=on_cpu or cfg.enforce_eager,
         disable_log_stats=True,
         # vLLM's own fp32 head (its hf_overrides key; absent: its default, the model's dtype on CPU)
         **({"hf_overrides": {"head_dtype": "float32"}} if cfg.head_dtype == "float32" else {}),

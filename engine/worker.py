@@ -93,6 +93,7 @@ class Worker:
         pushes): the checkpoint's weights, so version 0 again."""
         fresh = load_model(self.cfg, self.runner.device)
         self.runner.model = fresh
+        self.runner.weights_changed()
         self._new_lora_bank()
         self.weights_released = False
         self._onto_huge_pages()
@@ -117,6 +118,7 @@ class Worker:
         meanwhile through another view. `keep_replaced`: the copies replaced are the next push's
         memory (a sidecar that keeps its staging between pushes: derived_weights' header)."""
         derived_weights.install(self.model, staged, keep_replaced)
+        self.runner.weights_changed()  # decode graphs: copies made now, dropped if what they read moved
         self._onto_huge_pages()
         if staged is not None and self.device.type == "cpu":
             derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS

@@ -122,6 +122,10 @@ def _add_engine_flags(p) -> None:
                         "row's bits the same in a prefill as in a decode step (on, default: what --on-policy exact "
                         "needs; costs fp32 mixtures of experts ~10%% of their experts' time and prefills of long "
                         "prompts, 0.6-0.8x at 512-1536 tokens in bf16); off lets those take faster kernels")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every decode step eagerly (default: decode steps replayed from CUDA graphs "
+                        "captured per batch-size bucket as steps first need them; vllm: its own graphs). The CPU "
+                        "always runs eagerly")
     p.add_argument("--prepack-linears", default="on", choices=["on", "off"],
                    help="native on CPU: run the linear layers on oneDNN weights reordered once (on, default: "
                         "1.2-1.7x faster in fp32, 5-7x in bf16 on CPUs without bf16 kernels), or on torch's "

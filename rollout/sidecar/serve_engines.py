@@ -83,7 +83,8 @@ def engine_config(args, model: str, device: str, i: int, **extra):
     return EngineConfig(model=model, device=device, dtype=args.dtype, gpu_memory_utilization=memory,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed + i,
                         prepack_linears=args.prepack_linears == "on", quantization=args.quantization,
-                        head_dtype=args.head_dtype, batch_invariant=args.batch_invariant == "on", **extra)
+                        head_dtype=args.head_dtype, batch_invariant=args.batch_invariant == "on",
+                        enforce_eager=getattr(args, "enforce_eager", False), **extra)
 
 
 def _engine_factory(args, model: str, devices: list[str]):

@@ -61,7 +61,10 @@ class WeightSyncExtension:
         copies.withdraw()
 
     def _new_target(self, pool: StagingPool):
-        return ParamsTarget(self, pool)
+        # decode graphs read the weights where they lie: a commit copies into them instead of swapping
+        # (a swap would have every graph captured again; engine/decode_graphs.py)
+        graphs = getattr(self.runner, "graph_mode", "off") == "capture"
+        return ParamsTarget(self, pool, commit_mode="copy" if graphs else "swap")
 
     def _local_rank(self) -> int:
         return 0  # one worker per engine

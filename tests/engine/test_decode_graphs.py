@@ -1,0 +1,147 @@
+"""Decode graphs' bookkeeping (engine/decode_buckets.py, engine/decode_graphs.py) on the CPU: the
+buckets, the padding, and whole engines whose decode steps run on the graphs' static buffers with
+ROLLOUT_DECODE_GRAPHS=eager (everything but the capture, which tests/gpu/test_cuda.py runs)."""
+
+import copy
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.decode_buckets import bucket_of, pad_decode, row_buckets, width_buckets
+from engine.sequence import Sequence
+from engine.step_inputs import DecodeLayout, pack_decode
+from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, random_prompts
+
+
+def test_row_buckets_step_as_vllms_and_end_at_the_most_rows():
+    assert row_buckets(1) == [1]
+    assert row_buckets(6) == [1, 2, 4, 6]
+    b = row_buckets(300)
+    assert b[:6] == [1, 2, 4, 8, 16, 24] and 256 in b and b[-2:] == [288, 300]
+    assert all(y - x == 8 for x, y in zip(b[3:], b[4:]) if y <= 256)
+
+
+def test_width_buckets_are_powers_of_two_to_the_most_blocks():
+    assert width_buckets(1) == [1]
+    assert width_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert width_buckets(70) == [1, 2, 4, 8, 16, 32, 64, 70]
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it():
+    b = row_buckets(64)
+    assert [bucket_of(n, b) for n in (1, 3, 8, 9, 64)] == [1, 4, 8, 16, 64]
+    assert bucket_of(65, b) is None
+
+
+def _seqs(lengths, block_size=4):
+    out = []
+    for i, n in enumerate(lengths):
+        s = Sequence(f"r{i}", 0, list(range(100 + i, 100 + i + n)), SamplingParams(), block_size)
+        s.block_table = [10 * i + k for k in range(-(-n // block_size))]
+        out.append(s)
+    return out
+
+
+def test_padding_keeps_the_real_rows_and_parks_the_pads():
+    seqs = _seqs([5, 9, 3])
+    buf, layout = pack_decode(seqs, 4)
+    padded = pad_decode(buf, layout, rows=4, width=4, pad_slot=999)
+    got = DecodeLayout(4, 4).views(torch.from_numpy(padded))
+    want = layout.views(torch.from_numpy(buf))
+    for name in ("ids", "positions", "slots", "lengths"):
+        assert got[name][:3].tolist() == want[name].tolist()
+    assert got["block_table"][:3, :3].tolist() == want["block_table"].tolist()
+    assert got["block_table"][:, 3].tolist() == [0] * 4
+    # the pad row: token 0 at position 0, one key, writing into the pad slot only
+    assert (got["ids"][3], got["positions"][3], got["slots"][3], got["lengths"][3]) == (0, 0, 999, 1)
+    assert got["block_table"][3].tolist() == [0] * 4
+
+
+def test_a_step_past_the_bucket_is_refused():
+    buf, layout = pack_decode(_seqs([5, 9]), 4)
+    with pytest.raises(ValueError, match="does not fit a graph of 1 x 4"):
+        pad_decode(buf, layout, rows=1, width=4, pad_slot=0)
+    with pytest.raises(ValueError, match="does not fit a graph of 2 x 2"):
+        pad_decode(buf, layout, rows=2, width=2, pad_slot=0)
+
+
+@pytest.fixture
+def graphs_engine(model_dirs, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_DECODE_GRAPHS", "eager")
+    # no prepacked copies: a CUDA engine's bf16 linears read their weights as they are (a commit makes
+    # derived copies anew, and those move: test_derived_copies_made_anew_drop_the_graphs)
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=12, max_model_len=128, prepack_linears=False))
+    assert llm.core.runner.graph_mode == "eager"
+    return llm
+
+
+def test_greedy_on_the_graphs_buffers_matches_hf(graphs_engine, hf_models):
+    runner = graphs_engine.core.runner
+    graphs = runner.decode_graphs
+    # 5, then 12 sequences of 4-100 tokens, then 3 of 4-12: padded rows (8 of 5, 4 of 3), widths of 1-7 blocks
+    for n, longest, seed in ((5, 100, 13), (12, 100, 14), (3, 12, 15)):
+        prompts = random_prompts(n, 4, longest, 2000, seed=seed)
+        outs = graphs_engine.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                      use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_models["qwen2"], p, 10, ignore_eos=True)
+                                                          for p in prompts]
+    assert {r for r, _ in graphs.graphs} == {4, 8, 12} and len({w for _, w in graphs.graphs}) >= 2
+    assert graphs.captures == len(graphs.graphs)
+    # the pad rows wrote into the block past the block manager's, and only there
+    assert runner.k_cache.shape[1] == runner.num_blocks + 1
+    assert runner.k_cache[:, runner.num_blocks, 0].abs().sum() > 0
+
+
+def test_sampled_logprobs_on_the_graphs_buffers_match_the_eager_engines(graphs_engine, model_dirs, hf_models,
+                                                                        monkeypatch):
+    monkeypatch.delenv("ROLLOUT_DECODE_GRAPHS")
+    eager = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=12, max_model_len=128))
+    assert eager.core.runner.decode_graphs is None
+    prompts = random_prompts(6, 4, 40, 2000, seed=5)
+    params = [SamplingParams(max_tokens=12, seed=k, ignore_eos=True, logprobs=0) for k in range(6)]
+    a = graphs_engine.generate(prompts, params, use_tqdm=False)
+    b = eager.generate(prompts, params, use_tqdm=False)
+    hf = hf_models["qwen2"]
+    for p, x, y in zip(prompts, a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        # the two paths sum attention in different orders (padded keys through SDPA, the C kernel)
+        tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + x.outputs[0].token_ids))
+        assert x.outputs[0].logprobs == pytest.approx(y.outputs[0].logprobs, abs=tol)
+
+
+def test_weights_written_in_place_keep_the_graphs_and_moved_ones_drop_them(graphs_engine, hf_models):
+    worker = graphs_engine.core.worker
+    graphs = worker.runner.decode_graphs
+    prompt = random_prompts(1, 10, 10, 2000, seed=6)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    graphs_engine.generate([prompt], params, use_tqdm=False)
+    held = set(graphs.graphs)
+    assert held
+    hf = copy.deepcopy(hf_models["qwen2"])
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.05)
+        trained = dict(hf.named_parameters())
+        for n, p in worker.model.named_parameters():  # a commit that copies: the same storage
+            p.copy_(trained[n])
+    worker.weights_written()
+    assert set(graphs.graphs) == held
+    want = hf_greedy(hf, prompt, 8, ignore_eos=True)
+    assert graphs_engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    first = next(worker.model.parameters())  # a commit that swaps: new storage
+    first.data = first.data.clone()
+    worker.weights_written()
+    assert graphs.graphs == {}
+    assert graphs_engine.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert graphs.graphs
+
+
+def test_derived_copies_made_anew_drop_the_graphs(model_dirs, monkeypatch):
+    monkeypatch.setenv("ROLLOUT_DECODE_GRAPHS", "eager")
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=4, max_model_len=64))  # prepacked linears
+    graphs = llm.core.runner.decode_graphs
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert graphs.graphs
+    llm.core.worker.weights_written()  # a commit with no copies staged: every copy is made again, elsewhere
+    assert graphs.graphs == {}
