@@ -10,9 +10,12 @@
      GPU, /dev/shm on the CPU) of the --push-size model against a plain copy of the same bytes;
   4. with two GPUs or more: a push over NCCL (trainer on cuda:0, engine on cuda:1) against a raw
      NCCL broadcast of the same bytes (bench.weight_sync on CUDA);
-  5. one decode step of the full batch (every sample of the workload decoding): its wall time
-     against the GPU's kernel time in it (torch.profiler, CUDA activity only), i.e. how much of
-     the step the GPU is busy and how much is the host's (scheduling, tensors, sampling's sync).
+  5. one decode step of an eighth of the batch and of the full batch (64 and 512 samples by default):
+     its wall time against the GPU's kernel time in it (torch.profiler, CUDA activity only), i.e. how
+     much of the step the GPU is busy and how much is the host's (scheduling, tensors, sampling's sync).
+
+Items 1 and 5 run twice, side by side: decode steps eager (`enforce_eager`) and on CUDA graphs
+(engine/decode_graphs.py; the CPU has none, so there both rows run eagerly).
 
     python -m bench.gpu                        # CUDA, bf16, the small model
     python -m bench.gpu --device cpu --quick   # the same code on the CPU (fp32): a smoke run
@@ -53,11 +56,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(model_dir: str, device: str, dtype: str, wl, max_model_len: int):
+def run_engine(model_dir: str, device: str, dtype: str, wl, max_model_len: int, enforce_eager: bool):
+    """The workload through our engine: (outputs, seconds, parameters, decode steps by batch, graphs
+    captured); its decode steps eager or on CUDA graphs (`enforce_eager`)."""
     from engine import LLM, EngineConfig, SamplingParams
 
     llm = LLM(EngineConfig(model=model_dir, device=device, dtype=dtype, max_num_seqs=len(wl.prompts) * wl.n,
-                           max_model_len=max_model_len, seed=0))
+                           max_model_len=max_model_len, seed=0, enforce_eager=enforce_eager))
     params = [SamplingParams(n=wl.n, temperature=1.0, max_tokens=k, ignore_eos=True) for k in wl.max_tokens]
     llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
     _sync(torch.device(device))
@@ -66,20 +71,25 @@ def run_engine(model_dir: str, device: str, dtype: str, wl, max_model_len: int):
     _sync(torch.device(device))
     seconds = time.perf_counter() - t0
     num_params = sum(p.numel() for p in llm.core.runner.model.parameters())
-    step = decode_step_times(llm, wl, torch.device(device))
+    steps = {}
+    for prompts in sorted({max(1, len(wl.prompts) // 8), len(wl.prompts)}):  # 64 and 512 samples by default
+        step = decode_step_times(llm, wl, torch.device(device), prompts)
+        steps[step["batch"]] = step
+    graphs = llm.core.runner.decode_graphs
+    captured = None if graphs is None else graphs.captures
     del llm
-    return outs, seconds, num_params, step
+    return outs, seconds, num_params, steps, captured
 
 
-def decode_step_times(llm, wl, device: torch.device, steps: int = 20) -> dict:
-    """One decode step of the whole workload's batch (P x n samples): median wall time of `steps`
+def decode_step_times(llm, wl, device: torch.device, num_prompts: int, steps: int = 20) -> dict:
+    """One decode step of the first `num_prompts` prompts' samples (x n): median wall time of `steps`
     steps (each ends with the sampled tokens' trip to the host, the step's sync), and the GPU's
     kernel time per step over `steps` more under torch.profiler (CUDA activity only; on the CPU
     there is none to read)."""
     from engine import SamplingParams
 
     core = llm.core
-    for i, p in enumerate(wl.prompts):
+    for i, p in enumerate(wl.prompts[:num_prompts]):
         core.add_request(f"decode-timing-{i}", p, SamplingParams(n=wl.n, temperature=1.0, max_tokens=2 * steps + 8,
                                                                  ignore_eos=True))
     # prefill steps until every sample has its first token; then two warm-up decode steps
@@ -105,7 +115,7 @@ def decode_step_times(llm, wl, device: torch.device, steps: int = 20) -> dict:
             gpu = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / steps
         except Exception as e:  # no CUPTI on this host: the rest of the bench still runs
             log.warning("GPU kernel time not measured: %r", e)
-    core.abort_requests([f"decode-timing-{i}" for i in range(len(wl.prompts))])
+    core.abort_requests([f"decode-timing-{i}" for i in range(num_prompts)])
     return {"batch": batch, "wall": sorted(walls)[len(walls) // 2], "gpu": gpu}
 
 
@@ -227,28 +237,37 @@ def main(argv: list[str] | None = None) -> None:
     wl = make_workload(2048 if args.quick else 4096, args.num_prompts, args.n, (16, 128), (args.max_tokens // 4,
                        args.max_tokens), seed=0)
     peak = matmul_peak(device, tdtype)
-    outs, engine_s, num_params, step = run_engine(model_dir, str(device), dtype, wl, 128 + args.max_tokens + 16)
+    max_len = 128 + args.max_tokens + 16
+    runs = {name: run_engine(model_dir, str(device), dtype, wl, max_len, eager) for name, eager in
+            (("eager", True), ("graphs", False))}
+    outs, _, num_params, _, _ = runs["graphs"]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).to(device).eval()
     hf_s = run_hf_generate(hf, wl, device)
     share, mean_diff, tokens = mismatch(hf, outs, device)
     useful = wl.useful_tokens
     hf_tokens = wl.num_seqs * max(wl.max_tokens)  # padded to the longest: only useful ones count
-    flops = 2 * num_params * useful / engine_s
     print(f"\ndevice {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {dtype}, "
           f"{num_params / 1e6:.1f}M params, {args.num_prompts} prompts x n={args.n}, {useful} useful tokens")
-    print(f"  engine (LLM)       {useful / engine_s:>10.0f} tok/s  ({engine_s:.2f} s; {flops / 1e12:.2f} TFLOP/s = "
-          f"{flops / peak:.2%} of the {peak / 1e12:.1f} TFLOP/s matmul peak probed)")
+    for name, (_, engine_s, _, _, captured) in runs.items():
+        flops = 2 * num_params * useful / engine_s
+        what = "eager" if captured is None else f"{captured} graphs captured"
+        print(f"  engine, {name:<7}    {useful / engine_s:>10.0f} tok/s  ({engine_s:.2f} s; {what}; {flops / 1e12:.2f} "
+              f"TFLOP/s = {flops / peak:.2%} of the {peak / 1e12:.1f} TFLOP/s matmul peak probed; "
+              f"{hf_s / engine_s:.2f}x HF generate)")
     print(f"  HF generate        {useful / hf_s:>10.0f} tok/s  ({hf_s:.2f} s; {hf_tokens} tokens computed)")
-    print(f"  engine / HF generate: {hf_s / engine_s:.2f}x")
+    print(f"  graphs / eager: {runs['eager'][1] / runs['graphs'][1]:.2f}x")
     verdict = "OK" if share < TARGET_MISMATCH else "MISS"
-    print(f"  logprob mismatch engine vs trainer forward ({dtype}): {share:.2%} of {tokens} tokens outside "
+    print(f"  logprob mismatch engine (graphs) vs trainer forward ({dtype}): {share:.2%} of {tokens} tokens outside "
           f"ratio [0.9, 1.1] (target < {TARGET_MISMATCH:.0%}) {verdict}; mean |diff| {mean_diff:.2e}")
-    if step["gpu"] is None:
-        print(f"  decode step of {step['batch']} samples: {step['wall'] * 1e3:.1f} ms wall (GPU kernel time: CUDA only)")
-    else:
-        print(f"  decode step of {step['batch']} samples: {step['wall'] * 1e3:.2f} ms wall, GPU kernels "
-              f"{step['gpu'] * 1e3:.2f} ms ({step['gpu'] / step['wall']:.0%} busy), host-only "
-              f"{max(step['wall'] - step['gpu'], 0) * 1e3:.2f} ms")
+    for name, (_, _, _, steps, _) in runs.items():
+        for batch, step in sorted(steps.items()):
+            head = f"  decode step of {batch} samples, {name}:"
+            if step["gpu"] is None:
+                print(f"{head} {step['wall'] * 1e3:.1f} ms wall (GPU kernel time: CUDA only)")
+            else:
+                host = max(step["wall"] - step["gpu"], 0)
+                print(f"{head} {step['wall'] * 1e3:.2f} ms wall, GPU kernels {step['gpu'] * 1e3:.2f} ms "
+                      f"({step['gpu'] / step['wall']:.0%} busy), host-only {host * 1e3:.2f} ms")
     co = colocated_push(args.push_size, device, 2 if args.quick else 10)
     kind = "CUDA IPC" if device.type == "cuda" else "/dev/shm"
     print(f"  colocated push ({kind}) of {co['bytes'] / 1e6:.0f} MB: {co['push'] * 1e3:.1f} ms vs a plain copy of the "

@@ -223,6 +223,13 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.k_cache = self.v_cache = self._gather = self._cache_views = self.decode_graphs = None
 
+    def graph_stats(self) -> dict:
+        """How decode steps run: "off" (eagerly), "capture" (CUDA graphs), "eager" (their buffers,
+        uncaptured); graphs held, captured and replayed so far."""
+        g = self.decode_graphs
+        return {"mode": self.graph_mode, "held": 0 if g is None else len(g.graphs),
+                "captured": 0 if g is None else g.captures, "replayed": 0 if g is None else g.replays}
+
     def weights_changed(self) -> None:
         """Called by the worker whenever the weights were written or replaced."""
         if self.decode_graphs is not None:

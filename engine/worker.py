@@ -55,6 +55,7 @@ class Worker:
             "quantized_bytes": quantized_bytes(self.model),
             "vocab_size": mc.vocab_size,
             "num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "decode_graphs": self.runner.graph_stats(),
         }
 
     def check_health(self) -> dict:

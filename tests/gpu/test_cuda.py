@@ -125,3 +125,69 @@ def test_a_colocated_push_through_cuda_ipc(qwen2_dir, hf_models):
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_decode_on_graphs_matches_eager_and_replays(qwen2_dir):
+    prompts = random_prompts(12, 4, 60, 2000, seed=122)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    graphed = LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256, gpu_memory_utilization=0.3))
+    eager = LLM(EngineConfig(model=qwen2_dir, device="cuda", max_model_len=256, gpu_memory_utilization=0.3,
+                             enforce_eager=True))
+    assert eager.core.runner.decode_graphs is None
+    a = graphed.generate(prompts, params, use_tqdm=False)
+    b = eager.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    stats = graphed.core.runner.graph_stats()
+    assert stats["mode"] == "capture" and stats["captured"] >= 1 and stats["replayed"] > stats["captured"]
+
+
+def test_a_push_into_a_graphed_engine_lands_and_replays_without_a_capture(qwen2_dir, hf_models):
+    """A colocated push (CUDA IPC) into an engine on decode graphs: copied into the weights where they
+    lie, so the next steps replay the graphs captured before it, on the pushed weights (digest;
+    greedy equal to a fresh engine loaded from those weights)."""
+    from weight_sync import EXTENSION, WeightSender, flatten_parameters
+    from weight_sync.engine_side.engines import engines_checksums
+    from weight_sync.trainer.local_engines import push_shared_to_engines
+
+    prompts = random_prompts(6, 4, 40, 2000, seed=123)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    async def run(pushed_dir):
+        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
+                                          gpu_memory_utilization=0.3, worker_extension_cls=EXTENSION))
+        trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
+        flatten_parameters(trainer, shared=True)
+        sender = WeightSender()
+        try:
+            await _greedy_all(engine, prompts, params, "before")
+            before = (await engine.collective_rpc("model_info"))[0]["decode_graphs"]
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.mul_(1.01)
+            await push_shared_to_engines([engine], sender, trainer, 1)
+            assert await engines_checksums([engine]) == [sender.checksum(trainer)]
+            outs = await _greedy_all(engine, prompts, params, "after")
+            after = (await engine.collective_rpc("model_info"))[0]["decode_graphs"]
+            trainer.save_pretrained(pushed_dir)
+            return before, after, outs
+        finally:
+            engine.shutdown()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        before, after, outs = asyncio.run(run(d))
+        fresh = LLM(EngineConfig(model=d, tokenizer=qwen2_dir, device="cuda", max_model_len=256,
+                                 gpu_memory_utilization=0.3))
+        want = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
+    assert outs == want
+    assert after["replayed"] > before["replayed"] and after["captured"] == before["captured"] > 0
+
+
+async def _greedy_all(engine, prompts, params, tag):
+    ids = [f"{tag}-{k}" for k in range(len(prompts))]
+    final = {}
+    async for out in engine.generate(prompts, params, request_id=ids):
+        if out.finished:
+            final[out.request_id] = out.outputs[0].token_ids
+    return [final[i] for i in ids]
