@@ -67,7 +67,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured so far (a test's and a log's count)
         self.replays = 0
-        self.weights_read = self._weights_read()
+        self.weights_read: tuple[int, ...] | None = None  # where they were when the graphs held were captured
 
     def forward(self, seqs) -> torch.Tensor | None:
         """Logits [len(seqs), V] (float32) of a decode step in `decode_order`, or None when no
@@ -119,6 +119,8 @@ class DecodeGraphs:
         buffer already: the warm-up runs (and the replay after the capture writes) this step's keys
         and values into its own slots, the same bits twice."""
         self.captures += 1
+        if self.weights_read is None:
+            self.weights_read = self._weights_read()
         if not self.capture:
             return None, self._step(rows, width)
         log.info("capturing the decode graph of %d rows x %d blocks (%d so far)", rows, width, self.captures)
@@ -143,11 +145,10 @@ class DecodeGraphs:
         """The weights were written (a push's commit, a reload): their derived copies are made now,
         and the graphs dropped if any tensor they read moved."""
         derived_weights.refresh(self.runner.model)
-        now = self._weights_read()
-        if now != self.weights_read:
-            if self.graphs:
-                log.info("the weights moved in memory: %d decode graphs dropped, captured again as steps need them",
-                         len(self.graphs))
+        if self.graphs and self._weights_read() != self.weights_read:
+            log.info("the weights moved in memory: %d decode graphs dropped, captured again as steps need them",
+                     len(self.graphs))
             self.graphs.clear()
-            self.weights_read = now
+        if not self.graphs:
+            self.weights_read = None
 
