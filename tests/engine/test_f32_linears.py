@@ -21,7 +21,8 @@ def test_pack_is_panels_of_32_columns():
 
 @avx512
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64),
-                                   (300, 70, 1536), (9, 31, 7), (13, 40, 257), (14, 33, 769)])  # K chunks of 768: an edge
+                                   (300, 70, 1536), (9, 31, 7), (13, 40, 257), (14, 33, 769),  # K chunks of 768: an edge
+                                   (13, 40, 1024), (33, 64, 2048)])  # rows 4 KB apart: copied apart first
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
     g = torch.Generator().manual_seed(m * n + k)
@@ -64,7 +65,7 @@ def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
 
 @pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or no C compiler: the kernel does not run")
 @pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
-@pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000)])
+@pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (40, 2048)])
 def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     """f32_linear_rows, both of its ways (the rows broadcast at 8-32 rows, panels made per call
     otherwise), against the packed kernel: the same sums in the same order, so the same bits."""
@@ -76,3 +77,16 @@ def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
         assert torch.equal(f32_linears.linear_rows(x, rows_of(w), bias), f32_linears.linear(x, f32_linears.pack(w), bias))
     parts = [w[:n // 2].contiguous(), w[n // 2:].contiguous()]  # a group's members, each where it lies
     assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, f32_linears.pack(w)))
+
+
+@avx512
+@pytest.mark.parametrize("k", [1024, 2048, 6144])
+def test_a_rows_bits_alone_and_among_rows_copied_apart(k):
+    """Rows of 4 KB multiples are copied a cache line apart before a call of several (f32_linear.c's
+    staggered_rows); one row alone is read where it lies: the same sums, the same bits."""
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(30, k, generator=g), torch.randn(96, k, generator=g)
+    packed = f32_linears.pack(w)
+    together = f32_linears.linear(x, packed)
+    assert torch.equal(together, torch.cat([f32_linears.linear(x[i : i + 1], packed) for i in range(30)]))
+    assert torch.equal(together[5:17], f32_linears.linear(x[5:17], packed))
