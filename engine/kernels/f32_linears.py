@@ -7,7 +7,10 @@ ran 1.20-1.31x / 1.15x / 1.01-1.05x oneDNN's prepacked matmul at 1 / 32 / 256 ro
 (bench.f32_linears); oneDNN's op also costs a primitive lookup per call, and MKL's packed GEMM
 (faster still on some shapes) pads each weight's copy to at least 8 MB (2 GB for SmolLM2's
 538 MB). Being ours, the decode step's C loop (engine/models/native_layers.py) can call it too, which it
-cannot do with torch's ops.
+cannot do with torch's ops. Activation rows whose length is a multiple of 4 KB (K = 1024, 2048, 6144,
+8192: Llama's and Qwen3's linears) are copied a cache line apart before a call of several rows: a
+block's 12 rows otherwise share one L1 set (on a Zen 4 at 32 rows, 1.04-1.35x per linear; the
+engine's fp32 decode 1.09-1.12x, bench/RESULTS.md).
 
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
 its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 24
