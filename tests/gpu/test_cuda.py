@@ -101,18 +101,25 @@ def test_a_push_over_nccl_reaches_the_engine_exactly(qwen2_dir, hf_models):
     asyncio.run(run())
 
 
+def _colocated(qwen2_dir, hf_models):
+    """An engine (weight sync on) and an fp32 trainer on cuda:0, the trainer's weights in one shared
+    buffer, and the sender: a colocated push's three parts."""
+    from weight_sync import EXTENSION, WeightSender, flatten_parameters
+
+    engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
+                                      gpu_memory_utilization=0.3, worker_extension_cls=EXTENSION))
+    trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
+    flatten_parameters(trainer, shared=True)
+    return engine, trainer, WeightSender()
+
+
 def test_a_colocated_push_through_cuda_ipc(qwen2_dir, hf_models):
     """Trainer and engine on one GPU: the engine maps the trainer's buffer by CUDA IPC handle."""
-    from weight_sync import EXTENSION, WeightSender, flatten_parameters
     from weight_sync.engine_side.engines import engines_checksums
     from weight_sync.trainer.local_engines import push_shared_to_engines
 
     async def run():
-        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
-                                          gpu_memory_utilization=0.3, worker_extension_cls=EXTENSION))
-        trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
-        flatten_parameters(trainer, shared=True)
-        sender = WeightSender()
+        engine, trainer, sender = _colocated(qwen2_dir, hf_models)
         try:
             for version in (1, 2):
                 with torch.no_grad():
@@ -145,7 +152,6 @@ def test_a_push_into_a_graphed_engine_lands_and_replays_without_a_capture(qwen2_
     """A colocated push (CUDA IPC) into an engine on decode graphs: copied into the weights where they
     lie, so the next steps replay the graphs captured before it, on the pushed weights (digest;
     greedy equal to a fresh engine loaded from those weights)."""
-    from weight_sync import EXTENSION, WeightSender, flatten_parameters
     from weight_sync.engine_side.engines import engines_checksums
     from weight_sync.trainer.local_engines import push_shared_to_engines
 
@@ -153,11 +159,7 @@ def test_a_push_into_a_graphed_engine_lands_and_replays_without_a_capture(qwen2_
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     async def run(pushed_dir):
-        engine = AsyncEngine(EngineConfig(model=qwen2_dir, device="cuda:0", max_model_len=256,
-                                          gpu_memory_utilization=0.3, worker_extension_cls=EXTENSION))
-        trainer = type(hf_models["qwen2"]).from_pretrained(qwen2_dir, dtype=torch.float32).to("cuda:0")
-        flatten_parameters(trainer, shared=True)
-        sender = WeightSender()
+        engine, trainer, sender = _colocated(qwen2_dir, hf_models)
         try:
             await _greedy_all(engine, prompts, params, "before")
             before = (await engine.collective_rpc("model_info"))[0]["decode_graphs"]
