@@ -10,7 +10,8 @@ masks synchronise with the host). `--enforce-eager` turns graphs off.
 
 A graph reads the tensors it was captured with: the weights, their derived copies, the KV cache,
 the static inputs and the gather buffers (allocated once, at their largest). A push that copies
-into the weights' storage (commit "copy", what a worker with graphs asks for) keeps them valid;
+into the weights' storage (commit "copy", what a worker with graphs asks for) and into its derived
+copies' (an 8-bit copy staged by the push, laid out as the one served) keeps them valid;
 whenever weights are written (`weights_changed`), stale derived copies are made at once (a replay
 runs no Python that would make them) and, if any tensor a graph reads has moved (a swap, a
 reload), the graphs are dropped and captured again as steps need them. Freeing the cache (sleep)
@@ -138,7 +139,7 @@ class DecodeGraphs:
     def _weights_read(self) -> tuple[int, ...]:
         """Where every tensor a graph reads of the model lives: its weights, buffers, derived copies."""
         model = self.runner.model
-        tensors = [*model.parameters(), *model.buffers(), *derived_weights.copy_tensors(model)]
+        tensors = [*model.parameters(), *model.buffers(), *derived_weights.served_tensors(model)]
         return tuple(t.data_ptr() for t in tensors)
 
     def weights_changed(self) -> None:

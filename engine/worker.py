@@ -118,7 +118,8 @@ class Worker:
         version counter) misses a weight swapped back onto a buffer it used before and written
         meanwhile through another view. `keep_replaced`: the copies replaced are the next push's
         memory (a sidecar that keeps its staging between pushes: derived_weights' header)."""
-        derived_weights.install(self.model, staged, keep_replaced)
+        # decode graphs read the copies where they lie: the staged ones are copied into them
+        derived_weights.install(self.model, staged, keep_replaced, in_place=self.runner.graph_mode != "off")
         self.runner.weights_changed()  # decode graphs: copies made now, dropped if what they read moved
         self._onto_huge_pages()
         if staged is not None and self.device.type == "cpu":

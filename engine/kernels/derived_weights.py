@@ -36,6 +36,7 @@ drops those of the weights it wrote, and the first forward after takes the new w
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import time
@@ -283,11 +284,14 @@ def _stage_groups(model, staged_of: dict, unchanged: set | None, out: StagedCopi
         out.derived += 1
 
 
-def install(model: torch.nn.Module, staged: StagedCopies | None, keep_replaced: bool = False) -> None:
+def install(model: torch.nn.Module, staged: StagedCopies | None, keep_replaced: bool = False,
+            in_place: bool = False) -> None:
     """After a commit wrote the weights: serve the staged copies; a derived module whose weight was
     written with no copy staged is dropped (derived again at its next forward), the rest keep theirs.
     `staged=None`: what was written is not known, every copy is dropped. `keep_replaced`: the copies
-    replaced are kept as the next push's spares (see the header), where their kind takes them."""
+    replaced are kept as the next push's spares (see the header), where their kind takes them.
+    `in_place`: a staged copy laid out as the one it replaces is copied into it, so the served copy's
+    memory stays where it was (what CUDA graphs captured read: engine/decode_graphs.py)."""
     if staged is None:
         drop(model)
         return
@@ -297,18 +301,70 @@ def install(model: torch.nn.Module, staged: StagedCopies | None, keep_replaced: 
         if keep_replaced and old is not None and takes_parts(derive):
             spare[owner] = old
 
+    def served(old, copy):
+        if in_place and old is not None and copy is not None and copy is not old and copy_into(old, copy):
+            return old
+        return copy
+
     for m in derived_modules(model):
         copy = staged.copies.get(m)
         if copy is not None or id(m.weight) in staged.written:
+            copy = served(m._derived, copy)
             if copy is not m._derived:
                 retire(m, m._derived, m._derive)
             m._derived, m._derived_key = copy, (key(m.weight) if copy is not None else None)
     for g in groups(model):
         copy = staged.copies.get(g)
         if copy is not None or any(id(m.weight) in staged.written for m in g.members):
+            copy = served(g.copy, copy)
             if copy is not g.copy:
                 retire(g, g.copy, g.derive)
             g.copy, g.key = copy, (tuple(key(m.weight) for m in g.members) if copy is not None else None)
+
+
+def copy_into(old, new) -> bool:
+    """`new`'s tensors copied into `old`'s where the two copies are laid out alike (the same kind,
+    tensor shapes, dtypes, strides and devices, their other fields equal): True; else False, and
+    nothing is written."""
+    pairs: list = []
+    if not _alike(old, new, pairs):
+        return False
+    with torch.no_grad():
+        for a, b in pairs:
+            a.copy_(b)
+    return True
+
+
+def _alike(a, b, pairs: list) -> bool:
+    if isinstance(a, torch.Tensor):
+        same = (isinstance(b, torch.Tensor) and a.layout == b.layout == torch.strided and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride())
+        if same:
+            pairs.append((a, b))
+        return same
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(_alike(getattr(a, f.name), getattr(b, f.name), pairs)
+                                          for f in dataclasses.fields(a))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_alike(x, y, pairs) for x, y in zip(a, b))
+    return type(a) is type(b) and bool(a == b)
+
+
+def served_tensors(model: torch.nn.Module):
+    """Every tensor the served copies hold (an 8-bit copy's scales too, not only what `copy_tensors`
+    streams): where a forward reads them."""
+    def walk(c):
+        if isinstance(c, torch.Tensor):
+            yield c
+        elif dataclasses.is_dataclass(c) and not isinstance(c, type):
+            for f in dataclasses.fields(c):
+                yield from walk(getattr(c, f.name))
+        elif isinstance(c, (tuple, list)):
+            for x in c:
+                yield from walk(x)
+
+    for c in [m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)]:
+        yield from walk(c)
 
 
 def return_freed_memory() -> None:

@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.decode_buckets import bucket_of, pad_decode, row_buckets, width_buckets
+from engine.kernels import f32_linears
 from engine.sequence import Sequence
 from engine.step_inputs import DecodeLayout, pack_decode
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, random_prompts
@@ -145,3 +146,48 @@ def test_derived_copies_made_anew_drop_the_graphs(model_dirs, monkeypatch):
     assert graphs.graphs
     llm.core.worker.weights_written()  # a commit with no copies staged: every copy is made again, elsewhere
     assert graphs.graphs == {}
+
+
+def test_a_copy_laid_out_alike_is_written_into_the_served_one_and_no_other():
+    from engine.kernels.derived_weights import copy_into
+    from engine.kernels.fp8_linears import Fp8Weight
+
+    served = Fp8Weight(torch.zeros(8, 4).t(), torch.zeros(1, 4))
+    new = Fp8Weight(torch.randn(8, 4).t(), torch.randn(1, 4))
+    assert copy_into(served, new)
+    assert torch.equal(served.q_t, new.q_t) and torch.equal(served.scale, new.scale)
+    other = Fp8Weight(torch.randn(4, 8), torch.randn(1, 4))  # the same shape, another stride: not alike
+    before = served.q_t.clone()
+    assert not copy_into(served, Fp8Weight(other.q_t, torch.randn(1, 4)))
+    assert torch.equal(served.q_t, before)  # nothing written, the scale neither
+    assert not copy_into(served, Fp8Weight(torch.randn(8, 5).t(), new.scale))
+
+
+@pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel's panels (plain tensors) serve on AVX-512")
+def test_a_push_with_staged_copies_keeps_the_graphs_and_serves_the_pushed_weights(model_dirs, hf_models, monkeypatch):
+    """A push's commit as ParamsTarget makes it: the copies staged from the pushed weights, the
+    weights copied in, then `weights_written`. With graphs, the staged panels are copied into the
+    served ones: nothing a graph reads moves."""
+    monkeypatch.setenv("ROLLOUT_DECODE_GRAPHS", "eager")
+    llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=4, max_model_len=64))  # fp32 panels
+    worker = llm.core.worker
+    graphs = worker.runner.decode_graphs
+    prompt = random_prompts(1, 10, 10, 2000, seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    held, where = set(graphs.graphs), graphs._weights_read()
+    assert held and len(where) > sum(1 for _ in worker.model.parameters())  # the panels are counted too
+    hf = copy.deepcopy(hf_models["qwen2"])
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.05)
+    trained = dict(hf.named_parameters())
+    pairs = [(p, trained[n].detach().clone()) for n, p in worker.model.named_parameters()]
+    staged = worker.stage_derived_copies(pairs)
+    with torch.no_grad():
+        for p, t in pairs:
+            p.copy_(t)
+    worker.weights_written(staged)
+    assert set(graphs.graphs) == held and graphs._weights_read() == where
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8,
+                                                                                             ignore_eos=True)
