@@ -1,7 +1,7 @@
 """How much of a GPU the KV cache gets, vLLM's way: this engine's share of the device's total,
 less what the engine itself needs beside the cache at its peak.
 
-The peak is measured, not guessed: a profile run (ModelRunner.profile_peak_bytes) does a
+The peak is measured, not guessed: a profile run (engine/memory_profile.py) does a
 forward of the largest prefill a step can hold and samples a batch, and torch's allocator reports
 the most it held. A decode step's own memory grows with its rows (logits, the sampler's sort, the
 gather buffers at full width), and its rows are bounded by the cache as well as by max_num_seqs

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from engine import decode_graphs, gpu_memory, routed_experts, step_inputs, step_sampling
+from engine import decode_graphs, gpu_memory, memory_profile, routed_experts, step_inputs, step_sampling
 from engine.kernels import native_decode, zero_pages
 from engine.models import attention, moe_model
 from engine.config import EngineConfig
@@ -20,29 +20,14 @@ from engine.kv_cache_size import bytes_per_block, num_kv_blocks
 from engine.models.model_loader import load_model
 from engine.kernels.native_decode import NativeDecode
 from engine.prompt_logprobs import take_prompt_logprobs
-from engine.sampler import SamplingTensors, sample, uniform_noise
+from engine.sampler import sample
 from engine.step_sampling import SampleResult
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-PROFILE_ROWS = 256  # rows the start-up profile samples to measure a row's memory
-
-
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _allocated_since_reset(dev: torch.device) -> tuple[int, int]:
-    """(the most bytes allocated since the last call, the bytes allocated now) on CUDA; the peak
-    starts over. Zeros elsewhere."""
-    if dev.type != "cuda":
-        return 0, 0
-    torch.cuda.synchronize(dev)
-    peak, now = torch.cuda.max_memory_allocated(dev), torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    return peak, now
 
 
 def resolve_device(spec: str, current_cuda_index=None) -> torch.device:
@@ -136,7 +121,7 @@ class ModelRunner:
         kv_cache_memory_gb (a cap of the automatic size: one full-length sequence always gets room)."""
         if self.device.type != "cuda":
             return max(int(self.cfg.kv_cache_memory_gb * 2**30), one_sequence)
-        peak, per_row = self.profile_peak_bytes()
+        peak, per_row = memory_profile.peak_bytes(self)
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = self.weight_bytes() if self.cfg.reserve_push_staging else 0
         budget = gpu_memory.kv_budget_bytes(total, free, self.cfg.gpu_memory_utilization,
@@ -146,63 +131,6 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def profile_peak_bytes(self) -> tuple[int, int]:
-        """(the most memory this engine holds beside its KV cache, the bytes each decode row adds)
-        on CUDA, measured over `profile_step` with the real cache not yet allocated: the peak of
-        its prefill and of sampling PROFILE_ROWS rows, and the sampling's growth per row plus a
-        row's gather buffers at full width (computed: they are plain tensors)."""
-        dev = self.device
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        rows = min(self.max_num_seqs, PROFILE_ROWS)
-        prefill_peak, sampling_base, sampling_peak = self.profile_step(rows)
-        torch.cuda.empty_cache()
-        per_row = -(-max(0, sampling_peak - sampling_base) // rows)
-        if not self.native_decode:
-            max_blocks = -(-self.cfg.max_model_len // self.block_size)
-            per_row += max_blocks * self.per_block // self.num_layers  # one layer's keys and values
-        return max(prefill_peak, sampling_base), per_row
-
-    @torch.inference_mode()
-    def profile_step(self, rows: int | None = None) -> tuple[int, int, int]:
-        """The largest prefill this engine takes, on a scratch cache of one full-length sequence
-        (every span writes there; the real cache is untouched): the most tokens a step holds, in
-        spans of max_model_len; then sampling of `rows` rows (default max_num_seqs) with top-p (the
-        sort's temporaries). On CUDA returns the bytes allocated at the prefill's peak, when the
-        sampling began and at its peak (zeros elsewhere)."""
-        cfg, dev = self.cfg, self.device
-        max_blocks = -(-cfg.max_model_len // self.block_size)
-        saved = self.k_cache, self.v_cache, self._cache_views, self._gather
-        self.k_cache = torch.zeros((self.num_layers, max_blocks, self.block_size, self.num_kv_heads, self.head_dim),
-                                   dtype=cfg.torch_dtype, device=dev)
-        self.v_cache = torch.zeros_like(self.k_cache)
-        self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
-        self._gather = None
-        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
-        whole, rest = divmod(tokens, cfg.max_model_len)
-        seqs = []
-        for n in [cfg.max_model_len] * whole + ([rest] if rest else []):
-            seq = Sequence("profile", 0, [0] * n, SamplingParams(), self.block_size)
-            seq.block_table = list(range(-(-n // self.block_size)))
-            seqs.append(seq)
-        try:
-            ids, pos, ctx, keep = self._prepare_prefill(seqs)
-            attention.set_context(ctx)
-            logits = self.model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), use_cache=False,
-                                logits_to_keep=keep).logits[0].float()
-            one = logits[:1].clone()
-            del logits
-            prefill_peak, sampling_base = _allocated_since_reset(dev)
-            rows = rows or cfg.max_num_seqs
-            logits = one.expand(rows, -1).contiguous()
-            t = SamplingTensors(torch.ones(rows, device=dev), top_p=torch.full((rows,), 0.9, device=dev),
-                                uniforms=uniform_noise(self.shared_generator, rows, dev), any_greedy=False)
-            sample(logits, t)
-            return prefill_peak, sampling_base, _allocated_since_reset(dev)[0]
-        finally:
-            attention.set_context(None)
-            self.k_cache, self.v_cache, self._cache_views, self._gather = saved
 
     @property
     def pad_slot(self) -> int:

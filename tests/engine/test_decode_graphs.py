@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.decode_buckets import bucket_of, pad_decode, row_buckets, width_buckets
-from engine.kernels import f32_linears
+from engine.kernels import derived_weights, f32_linears
 from engine.sequence import Sequence
 from engine.step_inputs import DecodeLayout, pack_decode
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, random_prompts
@@ -144,7 +144,11 @@ def test_derived_copies_made_anew_drop_the_graphs(model_dirs, monkeypatch):
     graphs = llm.core.runner.decode_graphs
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert graphs.graphs
-    llm.core.worker.weights_written()  # a commit with no copies staged: every copy is made again, elsewhere
+    # held here, so the copies made again cannot land where these lie (freed, they might: then the
+    # graphs would rightly stay)
+    old = list(derived_weights.served_tensors(llm.core.worker.model))
+    assert old
+    llm.core.worker.weights_written()  # a commit with no copies staged: every copy is made again
     assert graphs.graphs == {}
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, SamplingParams, memory_profile
 from tests.engine.helpers import hf_greedy, random_prompts
 
 ARCHS = ["qwen2", "llama"]
@@ -108,6 +108,6 @@ def test_the_profile_step_runs_the_largest_step_and_leaves_the_cache_alone(model
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     cache = runner.k_cache.clone()
-    runner.profile_step()
+    memory_profile.profile_step(runner)
     assert torch.equal(runner.k_cache, cache)
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == before
