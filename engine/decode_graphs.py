@@ -99,12 +99,8 @@ class DecodeGraphs:
         """The forward of a (rows x width) decode step on the static buffers: what a graph holds."""
         runner, bs = self.runner, self.runner.block_size
         views = DecodeLayout(rows, width).views(self.inputs)
-        kvh, d = runner.num_kv_heads, runner.head_dim
         mask = self.key_positions[: width * bs] < views["lengths"][:, None]
-        k_out, v_out = self.k_buf[: rows * width], self.v_buf[: rows * width]
-        chunk = attention.DecodeChunk(
-            0, rows, views["block_table"].reshape(-1), width, mask[:, None, None, :], k_out, v_out,
-            k_out.view(rows, width * bs, kvh, d).transpose(1, 2), v_out.view(rows, width * bs, kvh, d).transpose(1, 2))
+        chunk = attention.decode_chunk(0, rows, views["block_table"].reshape(-1), width, mask, self.k_buf, self.v_buf)
         ctx = attention.AttnContext(is_prefill=False, k_cache=runner.k_cache, v_cache=runner.v_cache,
                                     slot_mapping=views["slots"], decode_chunks=[chunk], **runner._cache_views)
         attention.set_context(ctx)

@@ -26,6 +26,7 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+
 def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -225,18 +226,14 @@ class ModelRunner:
             width = max(layout.width, -(-self.cfg.max_model_len // self.block_size))
             self._key_positions = torch.arange(width * self.block_size, device=dev)
         k_buf, v_buf = self._gather_buffers(max((end - start) * nb for start, end, nb in cuts))
-        kvh, d, bs = self.num_kv_heads, self.head_dim, self.block_size
+        bs = self.block_size
         chunks = []
         for start, end, nb in cuts:
-            rows = end - start
             blocks = table[start:end, :nb].reshape(-1)  # row after row
             mask = self._key_positions[: nb * bs] < lengths[start:end, None]
             if dev.type == "cpu":  # SDPA turns a bool mask into this at every call: once a step, not per layer
                 mask = torch.zeros(mask.shape, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
-            k_out, v_out = k_buf[: rows * nb], v_buf[: rows * nb]
-            chunks.append(attention.DecodeChunk(
-                start, end, blocks, nb, mask[:, None, None, :], k_out, v_out,
-                k_out.view(rows, nb * bs, kvh, d).transpose(1, 2), v_out.view(rows, nb * bs, kvh, d).transpose(1, 2)))
+            chunks.append(attention.decode_chunk(start, end, blocks, nb, mask, k_buf, v_buf))
         ctx.decode_chunks = chunks
         return inputs["ids"], inputs["positions"], ctx
 

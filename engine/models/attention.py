@@ -73,6 +73,17 @@ class DecodeChunk:
     v: torch.Tensor | None = None
 
 
+def decode_chunk(start: int, end: int, blocks: torch.Tensor, num_blocks: int, mask: torch.Tensor,
+                 k_buf: torch.Tensor, v_buf: torch.Tensor) -> DecodeChunk:
+    """Rows [start, end) attended at `num_blocks` blocks, gathering into the front of the gather
+    buffers k_buf / v_buf [N, bs, kvh, d]; `mask` [rows, keys]."""
+    rows, (bs, kvh, d) = end - start, k_buf.shape[1:]
+    k_out, v_out = k_buf[: rows * num_blocks], v_buf[: rows * num_blocks]
+    return DecodeChunk(start, end, blocks, num_blocks, mask[:, None, None, :], k_out, v_out,
+                       k_out.view(rows, num_blocks * bs, kvh, d).transpose(1, 2),
+                       v_out.view(rows, num_blocks * bs, kvh, d).transpose(1, 2))
+
+
 @dataclass
 class PaddedPrefill:
     """A prefill step as one attention call per layer, whatever its spans: S spans padded to
