@@ -165,22 +165,8 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
    STAGGER_KEEP_BYTES (a decode step's calls reuse it; a prefill's larger copy is freed after its call).
    NULL (ldx untouched) where it cannot be had: then x is read as is. */
 #define STAGGER_KEEP_BYTES (4 << 20)
-static _Thread_local uint16_t *stagger_buf;
-static _Thread_local size_t stagger_cap;
-
-static const uint16_t *staggered_rows(const uint16_t *x, int64_t m, int64_t k, uintptr_t w_addr, int64_t *ldx) {
-    const size_t need = ((size_t)(m * (k + 32)) * 2 + 8192 + 4095) / 4096 * 4096; /* 4096: the start's room */
-    if (need > stagger_cap) {
-        free(stagger_buf);
-        stagger_buf = aligned_alloc(4096, need);
-        stagger_cap = stagger_buf ? need : 0;
-        if (stagger_buf == NULL) return NULL;
-    }
-    *ldx = k + 32;
-    uint16_t *base = (uint16_t *)((char *)stagger_buf + ((w_addr + 8 * 64) & 4095));
-    for (int64_t r = 0; r < m; r++) memcpy(base + r * *ldx, x + r * k, (size_t)k * 2);
-    return base;
-}
+#define STAGGER_GAP 64 /* bytes: a cache line */
+static _Thread_local rows_apart_buf stagger;
 
 /* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
    segments. Takes k % 32 == 0 and every segment's rows % NR == 0 (else -2). Threads take whole
@@ -203,8 +189,9 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     const int64_t groups = n / NR;
     int64_t ldx = k;
     if (m > 1 && (k * 2) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
-        const uint16_t *copy = staggered_rows(x, m, k, (uintptr_t)seg_ptr[0], &ldx); /* sets ldx where it copies */
-        if (copy) x = copy;
+        const size_t offset = ((uintptr_t)seg_ptr[0] + 8 * 64) & 4095; /* 8 sets past the weights' */
+        const uint16_t *copy = rows_apart(&stagger, x, m, (size_t)k * 2, STAGGER_GAP, offset);
+        if (copy) x = copy, ldx = k + STAGGER_GAP / 2;
     }
 #pragma omp parallel if (m * n * k > 65536)
     {
@@ -214,10 +201,7 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
             groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, g0, g1,
                               bias, n, out_bf16 ? out_bf16 + r0 * n : NULL, out_f32 ? out_f32 + r0 * n : NULL);
     }
-    if (stagger_cap > STAGGER_KEEP_BYTES) {
-        free(stagger_buf);
-        stagger_buf = NULL, stagger_cap = 0;
-    }
+    rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
     return 0;
 }
 

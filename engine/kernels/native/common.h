@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -171,6 +172,38 @@ static inline v16f vexp(v16f x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     return (v16f)(((v16i)p + (__builtin_convertvector(n, v16i) << 23)) & ~tiny);
+}
+
+/* Activation rows copied further apart than their own length, into a buffer a thread keeps: rows whose
+   length is a multiple of 4096 bytes put a kernel's block of rows in one set of L1 (8 ways) at each step
+   of K (bf16_rows.c and f32_linear.c say what it cost them). The copy's rows lie `gap` bytes further
+   apart, the first `offset` bytes into a page (offset < 4096). NULL where the buffer cannot be had
+   (then the caller reads x as is). rows_apart_release frees a buffer grown past `keep` bytes (a
+   prefill's), so a decode step's calls reuse theirs. */
+typedef struct {
+    char *buf;
+    size_t cap;
+} rows_apart_buf;
+
+static inline const void *rows_apart(rows_apart_buf *b, const void *x, int64_t m, size_t row_bytes, size_t gap,
+                                     size_t offset) {
+    const size_t ld = row_bytes + gap, need = ((size_t)m * ld + offset + 4095) / 4096 * 4096;
+    if (need > b->cap) {
+        free(b->buf);
+        b->buf = aligned_alloc(4096, need);
+        b->cap = b->buf ? need : 0;
+        if (b->buf == NULL) return NULL;
+    }
+    char *base = b->buf + offset;
+    for (int64_t r = 0; r < m; r++) memcpy(base + r * ld, (const char *)x + r * row_bytes, row_bytes);
+    return base;
+}
+
+static inline void rows_apart_release(rows_apart_buf *b, size_t keep) {
+    if (b->cap > keep) {
+        free(b->buf);
+        b->buf = NULL, b->cap = 0;
+    }
 }
 
 #endif

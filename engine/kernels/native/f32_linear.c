@@ -85,21 +85,7 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
    is read as is. The sums are the same: only where x lies changes. */
 #define STAGGER_FLOATS 16
 #define STAGGER_KEEP_BYTES (4 << 20)
-static _Thread_local float *stagger_buf;
-static _Thread_local size_t stagger_cap;
-
-static const float *staggered_rows(const float *x, int64_t m, int64_t k, int64_t *ldx) {
-    const size_t need = ((size_t)(m * (k + STAGGER_FLOATS)) * sizeof(float) + 63) / 64 * 64;
-    if (need > stagger_cap) {
-        free(stagger_buf);
-        stagger_buf = aligned_alloc(64, need);
-        stagger_cap = stagger_buf ? need : 0;
-        if (stagger_buf == NULL) return NULL;
-    }
-    *ldx = k + STAGGER_FLOATS;
-    for (int64_t r = 0; r < m; r++) memcpy(stagger_buf + r * *ldx, x + r * k, (size_t)k * sizeof(float));
-    return stagger_buf;
-}
+static _Thread_local rows_apart_buf stagger;
 
 /* x [m, k], w packed [ceil(n/32)][k][32], bias [n] or NULL: out [m, n], all fp32 and contiguous.
    K runs in chunks of KC (a chunk of a panel, 96 KB, stays in L2 while every row block reads it):
@@ -110,8 +96,8 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
     int failed = 0;
     int64_t ldx = k;
     if (m > 1 && (k * (int64_t)sizeof(float)) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
-        const float *copy = staggered_rows(x, m, k, &ldx); /* sets ldx where it copies */
-        if (copy) x = copy;
+        const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
+        if (copy) x = copy, ldx = k + STAGGER_FLOATS;
     }
     _Pragma("omp parallel if (m * n * k > 32768)") {
         v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
@@ -150,10 +136,7 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
         }
         free(sums);
     }
-    if (stagger_cap > STAGGER_KEEP_BYTES) {
-        free(stagger_buf);
-        stagger_buf = NULL, stagger_cap = 0;
-    }
+    rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
     return failed ? -1 : 0;
 }
 
