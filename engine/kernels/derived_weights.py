@@ -202,7 +202,12 @@ def refresh(model: torch.nn.Module) -> None:
 def copy_tensors(model: torch.nn.Module):
     """The CPU or device tensors the current copies hold (a packed copy's `packed`, an 8-bit copy's
     packed weight): what a forward streams instead of the weights."""
-    return _tensors([m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)])
+    return _tensors(_served_copies(model))
+
+
+def _served_copies(model: torch.nn.Module) -> list:
+    """The copies the forward reads now: each derived module's, then each group's (None where none)."""
+    return [m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)]
 
 
 def spare_tensors(model: torch.nn.Module):
@@ -363,7 +368,7 @@ def served_tensors(model: torch.nn.Module):
             for x in c:
                 yield from walk(x)
 
-    for c in [m._derived for m in derived_modules(model)] + [g.copy for g in groups(model)]:
+    for c in _served_copies(model):
         yield from walk(c)
 
 
