@@ -133,35 +133,53 @@ def mismatch(trainer, samples: list[tuple], replayed: bool = False, scored: list
             "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 
 
-def fake_quantized(trainer, weights: bool, activations: bool):
+def fake_quantized(trainer, weights: bool, activations: bool, group: int | None = None):
     """A copy of the trainer with int8 rounding simulated in fp32 (every linear but the lm_head):
     its weights rounded per output channel (`weights`), its linears' inputs per token
-    (`activations`): which of the two moves the policy."""
+    (`activations`), or each per `group` values of K (a scale per group: what a kernel multiplying
+    int8 by int8 with group scales would do): which of the two moves the policy."""
     import copy
 
-    from engine.kernels.int8_linears import quantize_rows, quantize_weight
+    from engine.kernels.int8_linears import quantize_groups, quantize_rows, quantize_weight
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_groups(x, group)
+        return q.float() * scale.float().repeat_interleave(group, dim=1)[:, :x.shape[1]]
+
+    def rounded_weight(w: torch.Tensor) -> torch.Tensor:
+        if group:
+            return grouped(w)
+        q, scale = quantize_weight(w)
+        return q.float() * scale[:, None]
+
+    def rounded_input(_, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        if group:
+            return (grouped(x).reshape(args[0].shape),)
+        q, scale = quantize_rows(x)
+        return ((q.float() * scale).reshape(args[0].shape),)
 
     model = copy.deepcopy(trainer)
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
             continue
         if weights:
-            q, scale = quantize_weight(module.weight)
-            module.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+            module.weight = torch.nn.Parameter(rounded_weight(module.weight.detach()), requires_grad=False)
         if activations:
-            def rounded(_, args):
-                x = args[0]
-                q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-                return ((q.float() * scale).reshape(x.shape),)
-            module.register_forward_pre_hook(rounded)
+            module.register_forward_pre_hook(rounded_input)
     return model
 
 
+ABLATIONS = {  # row -> (weights, activations, group): per channel / per token, then per 32 values of K
+    "fake W8": (True, False, None), "fake A8": (False, True, None), "fake W8A8": (True, True, None),
+    "fake W8 g32": (True, False, 32), "fake A8 g32": (False, True, 32), "fake W8A8 g32": (True, True, 32),
+}
+
+
 def ablation(trainer, samples: list[tuple]) -> dict:
-    """The fp32 engine's samples scored by fake-quantized trainers (W8, A8, W8A8) against the trainer."""
+    """The fp32 engine's samples scored by fake-quantized trainers (ABLATIONS) against the trainer."""
     exact = [(p, c, trainer_logprobs(trainer, list(p), list(c)).tolist(), None) for p, c, _, _ in samples if c]
-    return {name: mismatch(fake_quantized(trainer, w, a), exact)
-            for name, (w, a) in {"fake W8": (True, False), "fake A8": (False, True), "fake W8A8": (True, True)}.items()}
+    return {name: mismatch(fake_quantized(trainer, *how), exact) for name, how in ABLATIONS.items()}
 
 
 def main() -> None:
