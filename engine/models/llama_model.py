@@ -69,6 +69,9 @@ def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: i
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
+        (rope_scaling.fixed_within(cfg.rope, max_model_len, getattr(cfg, "max_position_embeddings", None)),
+         f"rope type 'dynamic' past max_position_embeddings {getattr(cfg, 'max_position_embeddings', None)} "
+         f"(max_model_len {max_model_len}: its frequencies would follow the batch's longest sequence)"),
         (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
         (window is None or (max_model_len is not None and window >= max_model_len),

@@ -1,9 +1,13 @@
 """Rotary embeddings' inverse frequencies as HF computes them for each rope type a config names
 (transformers' modeling_rope_utils, op for op, so the cos/sin tables and greedy output are HF's):
-`default`, `linear` (positions interpolated: every frequency divided by the factor) and `llama3`
-(Llama 3.1+: long wavelengths divided by the factor, short ones kept, a smooth blend between).
-Pure functions on a config's rope parameters; `SUPPORTED` names what the engine's own layers take
-(another type, say `yarn` or `dynamic`, keeps transformers' modelling code)."""
+`default`, `linear` (positions interpolated: every frequency divided by the factor), `llama3`
+(Llama 3.1+: long wavelengths divided by the factor, short ones kept, a smooth blend between),
+`yarn` (Qwen3's and Qwen2.5's long-context setting, DeepSeek's: the same blend by rotations over the
+original context, and cos and sin multiplied by an attention factor) and `dynamic` (NTK: the base
+grows once a sequence passes max_position_embeddings, from the longest position in HF's batch; below
+it the default frequencies, so it runs here only where the engine's sequences stay below it:
+`fixed_within`). Pure functions on a config's rope parameters; `SUPPORTED` names what the engine's
+own layers take (another type, say `longrope`, keeps transformers' modelling code)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import math
 
 import torch
 
-SUPPORTED = ("default", "linear", "llama3")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic")
+ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # types that read original_max_position_embeddings
 
 
 def rope_parameters(raw: dict) -> dict:
@@ -21,7 +26,21 @@ def rope_parameters(raw: dict) -> dict:
                                                 **(raw.get("rope_scaling") or {"rope_type": "default"})})
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if rope["rope_type"] in ORIGINAL_CONTEXT:  # as HF standardizes it: a top-level field wins (Phi-3's)
+        if "original_max_position_embeddings" in raw:
+            rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        elif "max_position_embeddings" in raw:
+            rope.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
     return rope
+
+
+def fixed_within(rope: dict, max_model_len: int | None, max_position_embeddings: int | None) -> bool:
+    """Whether the rope's frequencies are one table for every sequence of up to max_model_len tokens:
+    true of every type but `dynamic`, whose frequencies HF recomputes from the batch's longest position
+    once it passes max_position_embeddings (a row's rotation would then depend on its batch)."""
+    if rope["rope_type"] != "dynamic":
+        return True
+    return None not in (max_model_len, max_position_embeddings) and max_model_len <= max_position_embeddings
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -42,6 +61,10 @@ def inv_freq(rope: dict, head_dim: int, max_position_embeddings: int | None = No
     if kind == "llama3":
         return llama3(freq, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
                       rope.get("original_max_position_embeddings", max_position_embeddings)), 1.0
+    if kind == "yarn":
+        return yarn(rope, head_dim, max_position_embeddings)
+    if kind == "dynamic":  # the table HF starts from and keeps while no position passes max_position_embeddings
+        return dynamic_ntk(rope["rope_theta"], head_dim, rope["factor"], max_position_embeddings), 1.0
     raise ValueError(f"rope type {kind!r} is not one of {SUPPORTED}")
 
 
@@ -56,3 +79,52 @@ def llama3(freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_
     smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed, scaled)
+
+
+def dynamic_ntk(base: float, dim: int, factor: float, max_position_embeddings: int) -> torch.Tensor:
+    """HF's _compute_dynamic_ntk_parameters at a sequence length of max_position_embeddings (the same
+    ops: the base times 1.0 to a power, so the default frequencies)."""
+    seq_len = max_position_embeddings
+    base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim))
+
+
+def yarn_attention_factor(rope: dict, factor: float) -> float:
+    """The factor HF multiplies cos and sin by: the config's, else 0.1 ln(factor) + 1 (DeepSeek's
+    ratio of two such where mscale and mscale_all_dim are given)."""
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.get("attention_factor") is not None:
+        return rope["attention_factor"]
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
+
+
+def yarn(rope: dict, dim: int, max_position_embeddings: int | None) -> tuple[torch.Tensor, float]:
+    """HF's _compute_yarn_parameters (on the CPU, as default_inv_freq): each frequency extrapolated
+    (kept) where it turns more than beta_fast times over the original context, interpolated (divided
+    by the factor) where fewer than beta_slow, a linear ramp over the dimensions between."""
+    base, original = rope["rope_theta"], rope["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    if factor is None:  # DeepSeek-V3's configs: the ratio of the two context lengths
+        factor = max_position_embeddings / original
+    attention_factor = yarn_attention_factor(rope, factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor, attention_factor

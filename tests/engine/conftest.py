@@ -17,3 +17,40 @@ def engine(cfg, loop):  # needs the loop: torn down after the engine
     eng = AsyncEngine(cfg)
     yield eng
     eng.shutdown()
+
+
+# rope types beyond each tiny family's own, as variants of a family's directory: Qwen3 with YaRN (its
+# long-context setting; an original context of 64 positions, so that tests' sequences cross the scaled
+# wavelengths) and Llama with dynamic NTK (the default table while no position passes 4096)
+ROPE_VARIANTS = {
+    "qwen3_yarn": ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                   {"max_position_embeddings": 256}),
+    "llama_dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}, {}),
+}
+
+
+@pytest.fixture(scope="session")
+def rope_dirs(model_dirs, tmp_path_factory):
+    """{variant: model directory} for ROPE_VARIANTS (the family's weights, its config's rope replaced)."""
+    import json
+    import shutil
+
+    root, dirs = tmp_path_factory.mktemp("rope_variants"), {}
+    for name, (family, rope, extra) in ROPE_VARIANTS.items():
+        dst = root / name
+        shutil.copytree(model_dirs[family], dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        cfg.pop("rope_scaling", None)
+        cfg.update(extra, rope_parameters={"rope_theta": theta, **rope})
+        (dst / "config.json").write_text(json.dumps(cfg))
+        dirs[name] = str(dst)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def rope_hf_models(rope_dirs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for name, d in rope_dirs.items()}

@@ -47,28 +47,67 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
         assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("rope,factor", [("default", None), ("linear", 4.0), ("llama3", 8.0)])
-def test_the_rope_frequencies_are_transformers_own(rope, factor):
-    """engine/models/rope_scaling.py against transformers' ROPE_INIT_FUNCTIONS on a Llama 3-sized head."""
+ROPES = {  # name -> rope parameters beyond rope_type and rope_theta
+    "default": {}, "linear": {"factor": 4.0}, "dynamic": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's long-context setting
+    "yarn_mscale": {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                    "original_max_position_embeddings": 4096},  # DeepSeek's
+    "yarn_attention": {"factor": 2.0, "attention_factor": 0.8, "beta_fast": 16.0, "truncate": False,
+                       "original_max_position_embeddings": 4096},
+}
+
+
+@pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
+def test_yarn_and_dynamic_ropes_run_on_our_layers_with_hfs_greedy_tokens(variant, rope_dirs, rope_hf_models,
+                                                                          hf_models, monkeypatch):
+    """The Python forward in fp32 (the C loops: test_native_layers.py) against HF's generate on the same
+    directory; YaRN's tokens are not the family's default rope's (so the rope was felt), dynamic's are
+    (no position passes max_position_embeddings)."""
+    monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
+    llm = LLM(EngineConfig(model=rope_dirs[variant], max_num_seqs=8, max_model_len=128))
+    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
+    prompts = random_prompts(4, 3, 40, 400, seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in outs]
+    assert ours == [hf_greedy(rope_hf_models[variant], p, 16, ignore_eos=True) for p in prompts]
+    family = hf_models[variant.split("_")[0]]
+    plain = [hf_greedy(family, p, 16, ignore_eos=True) for p in prompts]
+    assert (ours == plain) == (variant == "llama_dynamic")
+
+
+def test_dynamic_rope_past_max_position_embeddings_keeps_transformers(rope_dirs):
+    """Past max_position_embeddings HF's dynamic frequencies follow the batch's longest sequence: such
+    an engine keeps transformers' modelling code, and says why."""
+    assert llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=4096) is None
+    why = llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=8192)
+    assert why.startswith("rope type 'dynamic' past max_position_embeddings 4096 (max_model_len 8192")
+
+
+@pytest.mark.parametrize("name", list(ROPES))
+def test_the_rope_frequencies_are_transformers_own(name):
+    """engine/models/rope_scaling.py against transformers' ROPE_INIT_FUNCTIONS on a Llama 3-sized head:
+    the inverse frequencies bit for bit and the factor on cos and sin."""
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.models import rope_scaling
 
-    params = {"rope_type": rope, "rope_theta": 500000.0}
-    if factor is not None:
-        params["factor"] = factor
-    if rope == "llama3":
-        params.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=params)
+    rope = name.split("_")[0]
+    params = {"rope_type": rope, "rope_theta": 500000.0, **ROPES[name]}
+    cfg = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=params,
+                      max_position_embeddings=131072)
     ours, scaling = rope_scaling.inv_freq(rope_scaling.rope_parameters(cfg.to_dict()), 64, 131072)
     if rope == "default":
         theirs, their_scaling = _default_rope(cfg)
     else:
         theirs, their_scaling = ROPE_INIT_FUNCTIONS[rope](cfg, "cpu")
     assert torch.equal(ours, theirs) and scaling == their_scaling
-    if rope != "default":
-        assert not torch.equal(ours, rope_scaling.default_inv_freq(500000.0, 64))  # it did scale
+    default = rope_scaling.default_inv_freq(500000.0, 64)
+    # it did scale (dynamic's table is the default one until a position passes max_position_embeddings)
+    assert torch.equal(ours, default) == (rope in ("default", "dynamic"))
+    assert (scaling != 1.0) == rope.startswith("yarn")
 
 
 def _default_rope(cfg):
@@ -98,8 +137,9 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
     from transformers import AutoModelForCausalLM
 
     scaled = _variant(qwen2_dir, tmp_path / "scaled",
-                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    assert llama_model.unsupported(scaled) == "rope type 'dynamic'"
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+                                       "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048})
+    assert llama_model.unsupported(scaled) == "rope type 'longrope'"
     assert llama_model.unsupported(_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))
     assert type(llm.core.worker.model).__module__.startswith("transformers.")

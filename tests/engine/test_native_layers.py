@@ -1,9 +1,10 @@
 """engine/models/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
-and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope) and
-Qwen3's (q/k norms per head), and mixtures of experts' sparse MLPs (their routed experts too); in fp32 (C's norm and
-silu where Python runs torch's) HF's greedy tokens and its logprobs within fp32's rounding bound;
-what the C loop does not take (a LoRA hook on a layer, the switch off) runs in Python."""
+and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope),
+Qwen3's (q/k norms per head) and Qwen3's with YaRN (cos and sin scaled), and mixtures of experts'
+sparse MLPs (their routed experts too); in fp32 (C's norm and silu where Python runs torch's) HF's
+greedy tokens and its logprobs within fp32's rounding bound; what the C loop does not take (a LoRA
+hook on a layer, the switch off) runs in Python."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles here:
 bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
                                reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dirs, rope_dirs):
+    """The tiny families and their rope variants (Qwen3 with YaRN: cos and sin scaled too)."""
+    return {**model_dirs, **rope_dirs}
 
 
 @pytest.fixture
@@ -57,15 +64,15 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 
 @bf16_loop
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
-def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(model_dirs, monkeypatch, calls, arch, dtype,
+def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
     """bf16 (on AMX tiles or AVX512-BF16), and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in
     both loops; AMX only)."""
     if quantization == "int8" and not amx_linears.available():
         pytest.skip("weight-only int8 runs on AMX tiles only")
-    llm = LLM(EngineConfig(model=model_dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
+    llm = LLM(EngineConfig(model=dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
                            quantization=quantization))
     # NOTE: the first generate prefills the prompts fresh, the later ones on their cached prefixes,
     # whose attention rounds differently in bf16 (0.01-0.03 on a logprob): compare two of the later ones
@@ -140,15 +147,16 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
 
 
 @avx512
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])
-def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(model_dirs, hf_models, monkeypatch, calls, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn"])
+def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, rope_hf_models, monkeypatch, calls,
+                                                              arch):
     monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
-    llm = LLM(EngineConfig(model=model_dirs[arch], max_num_seqs=8, max_model_len=256))
+    llm = LLM(EngineConfig(model=dirs[arch], max_num_seqs=8, max_model_len=256))
     prompts = random_prompts(6, 3, 40, 400, seed=5)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
                         use_tqdm=False)
     assert calls["native"] > 0
-    hf = hf_models[arch]
+    hf = {**hf_models, **rope_hf_models}[arch]
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         assert c.token_ids == hf_greedy(hf, p, 16, ignore_eos=True)
