@@ -66,10 +66,11 @@ def test_rows_a_page_apart_keep_their_bits_when_copied_apart():
         assert torch.equal(bf16_rows.avx512_linear_rows(x[i:i + 1], rows, b, out_dtype=torch.float32), whole[i:i + 1])
 
 
-def test_segments_give_the_stacked_weights_bits():
+@pytest.mark.parametrize("m,kv_rows", [(9, 16), (20, 16), (20, 12)])  # 4 x 6 blocks; 8 x 3; 4 x 6 (12 rows)
+def test_segments_give_the_stacked_weights_bits(m, kv_rows):
     """A layer's q/k/v read where each lies are the concatenated weight's product, bit for bit."""
-    x, q, b = _case(9, 64, 256, seed=1)
-    k_, v = torch.randn(16, 256).to(bf), torch.randn(8, 256).to(bf)
+    x, q, b = _case(m, 64, 256, seed=1)
+    k_, v = torch.randn(kv_rows, 256).to(bf), torch.randn(8, 256).to(bf)
     f32 = torch.float32
     stacked = bf16_rows.avx512_linear_rows(x, derived_weights.rows_of(torch.cat([q, k_, v])), out_dtype=f32)
     assert torch.equal(bf16_rows.avx512_linear_rows(x, derived_weights.rows_of([q, k_, v]), out_dtype=f32), stacked)

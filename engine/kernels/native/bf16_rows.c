@@ -5,10 +5,12 @@
 
    On Zen 4 a decode step of a 1-2B model is bound by the products, not by memory (Qwen2.5-1.5B at 32
    rows: 98 GFLOP a step, 0.25 s of VDPBF16PS on 2 cores, against 3 GB of weights, 0.1 s of reading).
-   Each block holds NR weight rows x MR activation rows of sums in 24 of the 32 vector registers and
-   feeds VDPBF16PS from 10 loads per 24 of them; a thread's NR weight rows stay in L1 while every block
-   of activation rows reads them (K in chunks where a block's activations and the rows would not fit
-   L1 together), so each weight byte comes from memory once a tile of rows. Measured (bench/RESULTS.md):
+   Each block holds nr weight rows x mr activation rows of sums in 24 of the 32 vector registers and
+   feeds VDPBF16PS from 10-11 loads per 24 of them; a thread's nr weight rows stay in L1 while every
+   block of activation rows reads them (K in chunks where a block's activations and the rows would not
+   fit L1 together), so each weight byte comes from memory once a tile of rows. Two shapes: 4 weight
+   rows x 6 activation rows up to 12 rows a call (memory's calls) and past 64 (prefills); 8 x 3 between
+   (a decode step's products: half the activation loads from L2 per product). Measured (bench/RESULTS.md):
    1.2-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.9-0.97x at 32 rows, where the
    activations' 64 bytes per 4 products from L2 cost more than oneDNN's broadcasts from a packed copy.
 
@@ -23,7 +25,14 @@
 
 #include "common.h"
 
-#define NR 4 /* weight rows a block: its outputs' columns (lane_sums takes four) */
+#define NR_MAX 8 /* weight rows a block at most: its outputs' columns (lane_sums takes four at a time) */
+#define MR_MAX 6 /* activation rows a block at most */
+/* Calls of WIDE_MIN_ROWS to WIDE_MAX_ROWS rows take blocks of 8 weight rows x 3 activation rows, each
+   activation vector loaded from L2 feeding 8 products rather than 4 (SmolLM2-1.7B's linears, 2 MB pages:
+   16-32 rows 1.00-1.05x the 4 x 6 blocks, a decode step of 16-32 rows 4-9% shorter; at 1-4 rows, where the
+   weights' reads bound a call, 0.92-0.95x, so smaller calls keep 4 x 6; prefills past 64 rows alike) */
+#define WIDE_MIN_ROWS 13
+#define WIDE_MAX_ROWS 64
 /* Where a call has at most two blocks (up to 12 rows) a group's time is the memory's: its first block also
    fetches its own rows into L1 this far ahead of its loads (8 rows of Qwen2.5-1.5B's linears 1.22x; at 16-32
    rows, two blocks and more of products to hide the loads behind, it gained nothing) */
@@ -32,15 +41,13 @@
    tile and the weights are read once (a 512 KB tile split them in two: Qwen2.5-1.5B's down projection 0.88x ->
    0.97x oneDNN at 32 rows, Llama-3.2-1B's 0.78x -> 0.96x; 256 rows ran alike with 256-768 KB) */
 #define X_TILE_BYTES (768 << 10)
-#define MIN_TILE_ROWS (4 * MR)
+#define MIN_TILE_ROWS (4 * MR_MAX)
 #define MAX_TILE_ROWS 96 /* 16 blocks: their sums between chunks of K on the stack, 24 KB */
 #define L1_BUDGET (24 << 10) /* of Zen 4's 32 KB L1: a block's activations and a group's rows (1.05x at 32 rows) */
-#define KC_MAX (L1_BUDGET / ((MR + NR) * 2) / 32 * 32)
-#define MR 6 /* activation rows a block: 24 sums, 4 weight loads and 6 activation loads per 32 values of K */
 
 #ifdef __AVX512BF16__
 
-/* The sums of NR = 4 accumulators' 16 lanes each, in one fixed order per accumulator: lanes i and i + 8,
+/* The sums of 4 accumulators' 16 lanes each, in one fixed order per accumulator: lanes i and i + 8,
    then those of i + 4 and i + 12 (i < 4), then the four so made as (0 + 2) + (1 + 3). Done for the four
    at once (a shuffle moves each accumulator's lanes beside another's): 13 instructions where a
    reduction each took 32, 15% of a block at K = 1536. */
@@ -59,50 +66,73 @@ static inline __m128 lane_sums(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 /* The next group's weight rows are fetched into L2 a cache line at a time while this group's blocks
    compute: from memory, a group's 4 rows at 32 rows a call take about as long to read as to multiply,
-   and the two did not overlap (the blocks waited on the first one's loads). A group is NR consecutive
-   rows of one segment (NR divides each segment's rows), so its bytes are one span; each block of the
+   and the two did not overlap (the blocks waited on the first one's loads). A group is nr consecutive
+   rows of one segment (nr divides each segment's rows), so its bytes are one span; each block of the
    group fetches its share of the next one's, `per` lines a step from `fetch` up to `fetch_end`. */
 
-/* rows (1..MR) activation rows from x (row stride ldx) times the NR weight rows from w (row stride
-   ldw) over kc values of K, fetching [fetch, fetch_end) meanwhile: the sums start from carry's
-   (`resume`) or from zero, and end in carry, or (sums not NULL) reduced into sums[r * NR + i]. The rows
-   are reached by one pointer and a stride each: a pointer a row left too few registers for the sums. */
-ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t kc,
+/* rows (1..6 with nr = 4, 1..3 with nr = 8) activation rows from x (row stride ldx) times the nr weight
+   rows from w (row stride ldw) over kc values of K, fetching [fetch, fetch_end) meanwhile: the sums
+   start from carry's (`resume`) or from zero, and end in carry, or (sums not NULL) reduced into
+   sums[r * nr + i]. The rows are reached by one pointer and a stride each: a pointer a row left too few
+   registers for the sums. With 8 weight rows the activation vectors are loaded first (3 + 1 + 24
+   registers; the weights first would take 8 + 1 + 24, one more than there are). */
+ALWAYS_INLINE void block(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int nr, int rows, int64_t kc,
                          const char *fetch, const char *fetch_end, int64_t per, int first, __m512 *carry,
                          int resume, float *sums) {
-    __m512 acc[MR][NR];
-    for (int r = 0; r < MR; r++)
-        for (int i = 0; i < NR; i++) acc[r][i] = resume && r < rows ? carry[r * NR + i] : _mm512_setzero_ps();
+    __m512 acc[MR_MAX][NR_MAX];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < nr; i++) acc[r][i] = resume ? carry[r * nr + i] : _mm512_setzero_ps();
     for (int64_t kk = 0; kk < kc; kk += 32) {
         for (int64_t j = 0; j < per && fetch < fetch_end; j++, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
         if (first) /* the group's own rows into L1, ahead of this block's loads */
-            for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(w + i * ldw + kk) + L1_AHEAD_BYTES, _MM_HINT_T0);
-        __m512bh wv[NR];
-        for (int i = 0; i < NR; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + i * ldw + kk));
-        for (int r = 0; r < rows; r++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * ldx + kk));
-            for (int i = 0; i < NR; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[i]);
+            for (int i = 0; i < nr; i++) _mm_prefetch((const char *)(w + i * ldw + kk) + L1_AHEAD_BYTES, _MM_HINT_T0);
+        if (nr == 8) {
+            __m512bh xv[MR_MAX];
+            for (int r = 0; r < rows; r++) xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + r * ldx + kk));
+            for (int i = 0; i < nr; i++) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + i * ldw + kk));
+                for (int r = 0; r < rows; r++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv[r], wv);
+            }
+        } else {
+            __m512bh wv[NR_MAX];
+            for (int i = 0; i < nr; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void *)(w + i * ldw + kk));
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * ldx + kk));
+                for (int i = 0; i < nr; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], xv, wv[i]);
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
-        if (sums) _mm_storeu_ps(sums + r * NR, lane_sums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        if (sums)
+            for (int i = 0; i < nr; i += 4)
+                _mm_storeu_ps(sums + r * nr + i, lane_sums(acc[r][i], acc[r][i + 1], acc[r][i + 2], acc[r][i + 3]));
         else
-            for (int i = 0; i < NR; i++) carry[r * NR + i] = acc[r][i];
+            for (int i = 0; i < nr; i++) carry[r * nr + i] = acc[r][i];
     }
 }
 
-/* block() with `rows` a constant in each copy, so the compiler keeps every sum in a register. */
-static void block_rows(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int rows, int64_t kc,
+/* block() with nr and `rows` constants in each copy, so the compiler keeps every sum in a register. */
+static void block_rows(const uint16_t *w, int64_t ldw, const uint16_t *x, int64_t ldx, int nr, int rows, int64_t kc,
                        const char *fetch, const char *fetch_end, int64_t per, int first, __m512 *carry, int resume,
                        float *sums) {
-    switch (rows) {
-    case 1: block(w, ldw, x, ldx, 1, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
-    case 2: block(w, ldw, x, ldx, 2, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
-    case 3: block(w, ldw, x, ldx, 3, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
-    case 4: block(w, ldw, x, ldx, 4, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
-    case 5: block(w, ldw, x, ldx, 5, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
-    default: block(w, ldw, x, ldx, MR, kc, fetch, fetch_end, per, first, carry, resume, sums); break;
+#define BLOCK(NR_, ROWS_) block(w, ldw, x, ldx, NR_, ROWS_, kc, fetch, fetch_end, per, first, carry, resume, sums)
+    if (nr == 8) {
+        switch (rows) {
+        case 1: BLOCK(8, 1); break;
+        case 2: BLOCK(8, 2); break;
+        default: BLOCK(8, 3); break;
+        }
+        return;
     }
+    switch (rows) {
+    case 1: BLOCK(4, 1); break;
+    case 2: BLOCK(4, 2); break;
+    case 3: BLOCK(4, 3); break;
+    case 4: BLOCK(4, 4); break;
+    case 5: BLOCK(4, 5); break;
+    default: BLOCK(4, 6); break;
+    }
+#undef BLOCK
 }
 
 /* The weight row `row` of the segments (seg_ptr[s]: seg_rows[s] rows of k bf16 each, one after the other). */
@@ -115,40 +145,42 @@ static const uint16_t *weight_row(const int64_t *seg_ptr, const int64_t *seg_row
     return NULL;
 }
 
-/* Rows x[0..m) times the groups [g0, g1) of weight rows into out (row stride n), one group at a time: its
-   NR rows in L1 while every block of the rows reads them, the next group's fetched meanwhile. */
+/* Rows x[0..m) times the groups [g0, g1) of nr weight rows into out (row stride n), in blocks of mr
+   rows, one group at a time: its rows in L1 while every block of the rows reads them, the next group's
+   fetched meanwhile. */
 static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const int64_t *seg_ptr,
-                              const int64_t *seg_rows, int64_t nseg, int64_t g0, int64_t g1, const uint16_t *bias,
-                              int64_t n, uint16_t *out_bf16, float *out_f32) {
-    const int64_t blocks = (m + MR - 1) / MR;
+                              const int64_t *seg_rows, int64_t nseg, int nr, int mr, int64_t g0, int64_t g1,
+                              const uint16_t *bias, int64_t n, uint16_t *out_bf16, float *out_f32) {
+    const int64_t blocks = (m + mr - 1) / mr;
     /* K in chunks whose block of activations and group of weights fit L1 together */
-    const int64_t chunks = (k + KC_MAX - 1) / KC_MAX, kc = (k / 32 + chunks - 1) / chunks * 32;
-    const int64_t span = NR * k * 2, slices = blocks * chunks;
+    const int64_t kc_max = L1_BUDGET / ((mr + nr) * 2) / 32 * 32;
+    const int64_t chunks = (k + kc_max - 1) / kc_max, kc = (k / 32 + chunks - 1) / chunks * 32;
+    const int64_t span = nr * k * 2, slices = blocks * chunks;
     const int64_t slice_bytes = (span / 64 + slices - 1) / slices * 64; /* a block's share of the next group */
     const int64_t per = (slice_bytes / 64 + kc / 32 - 1) / (kc / 32);
-    __m512 carry[(MAX_TILE_ROWS + MR - 1) / MR * MR * NR]; /* each block's sums between chunks */
+    __m512 carry[(MAX_TILE_ROWS + 2) / 3 * 3 * NR_MAX]; /* each block's sums between chunks */
     for (int64_t g = g0; g < g1; g++) {
-        const uint16_t *w = weight_row(seg_ptr, seg_rows, nseg, g * NR, k);
-        const char *next = g + 1 < g1 ? (const char *)weight_row(seg_ptr, seg_rows, nseg, (g + 1) * NR, k) : NULL;
-        float b[NR] = {0};
+        const uint16_t *w = weight_row(seg_ptr, seg_rows, nseg, g * nr, k);
+        const char *next = g + 1 < g1 ? (const char *)weight_row(seg_ptr, seg_rows, nseg, (g + 1) * nr, k) : NULL;
+        float b[NR_MAX] = {0};
         if (bias)
-            for (int i = 0; i < NR; i++) b[i] = bf16_to_f32(bias[g * NR + i]);
+            for (int i = 0; i < nr; i++) b[i] = bf16_to_f32(bias[g * nr + i]);
         for (int64_t c = 0, k0 = 0; k0 < k; c++, k0 += kc) {
             const int64_t kn = k - k0 < kc ? k - k0 : kc, last = k0 + kn == k;
             /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 */
             for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) {
                 const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
-                float sums[MR * NR];
+                float sums[MR_MAX * NR_MAX];
                 const char *fetch = next ? next + (c * blocks + blk) * slice_bytes : NULL;
                 const char *fetch_end = next == NULL ? NULL : fetch + slice_bytes < next + span ? fetch + slice_bytes
                                                                                                  : next + span;
-                block_rows(w + k0, k, x + m0 * ldx + k0, ldx, rows, kn, fetch, fetch_end, per,
-                           blk == 0 && blocks <= 2, carry + blk * MR * NR, k0 > 0, last ? sums : NULL);
+                block_rows(w + k0, k, x + m0 * ldx + k0, ldx, nr, rows, kn, fetch, fetch_end, per,
+                           blk == 0 && blocks <= 2, carry + blk * mr * nr, k0 > 0, last ? sums : NULL);
                 for (int r = 0; last && r < rows; r++)
-                    for (int i = 0; i < NR; i++) {
-                        const float v = sums[r * NR + i] + b[i];
-                        if (out_f32) out_f32[(m0 + r) * n + g * NR + i] = v;
-                        else out_bf16[(m0 + r) * n + g * NR + i] = f32_to_bf16(v);
+                    for (int i = 0; i < nr; i++) {
+                        const float v = sums[r * nr + i] + b[i];
+                        if (out_f32) out_f32[(m0 + r) * n + g * nr + i] = v;
+                        else out_bf16[(m0 + r) * n + g * nr + i] = f32_to_bf16(v);
                     }
                 m0 += rows;
             }
@@ -169,24 +201,27 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
 static _Thread_local rows_apart_buf stagger;
 
 /* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
-   segments. Takes k % 32 == 0 and every segment's rows % NR == 0 (else -2). Threads take whole
-   groups of NR weight rows. The rows go in tiles whose activations fit X_TILE_BYTES of L2, each tile
+   segments. Takes k % 32 == 0 and every segment's rows % 4 == 0 (else -2). Threads take whole
+   groups of nr weight rows (8 where the call's rows and every segment's allow it, else 4). The rows go in tiles whose activations fit X_TILE_BYTES of L2, each tile
    over all of a thread's groups: every block reads its activations from L2, where 256 rows of K =
    8960 (4.5 MB) came from L3 once per group; the weights are read once a tile. */
 static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                        int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
     int64_t n = 0;
+    int nr = m >= WIDE_MIN_ROWS && m <= WIDE_MAX_ROWS ? 8 : 4;
     for (int64_t s = 0; s < nseg; s++) {
-        if (seg_rows[s] % NR) return -2;
+        if (seg_rows[s] % 4) return -2;
+        if (seg_rows[s] % 8) nr = 4;
         n += seg_rows[s];
     }
+    const int mr = nr == 8 ? 3 : 6;
     if (k % 32 || nseg < 1 || nseg > 3) return -2;
     if (m == 0 || n == 0) return 0;
     int64_t tile = X_TILE_BYTES / (k * 2); /* not rounded to blocks: 32 rows of K = 8192 would be 30 + 2 */
     tile = tile < MIN_TILE_ROWS ? MIN_TILE_ROWS : tile > MAX_TILE_ROWS ? MAX_TILE_ROWS : tile;
     const int64_t tiles = (m + tile - 1) / tile;
     tile = (m + tiles - 1) / tiles; /* even tiles */
-    const int64_t groups = n / NR;
+    const int64_t groups = n / nr;
     int64_t ldx = k;
     if (m > 1 && (k * 2) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
         const size_t offset = ((uintptr_t)seg_ptr[0] + 8 * 64) & 4095; /* 8 sets past the weights' */
@@ -198,8 +233,9 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
         const int threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads; /* a thread's groups */
         for (int64_t r0 = 0; r0 < m; r0 += tile)
-            groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, g0, g1,
-                              bias, n, out_bf16 ? out_bf16 + r0 * n : NULL, out_f32 ? out_f32 + r0 * n : NULL);
+            groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, nr, mr,
+                              g0, g1, bias, n, out_bf16 ? out_bf16 + r0 * n : NULL,
+                              out_f32 ? out_f32 + r0 * n : NULL);
     }
     rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
     return 0;
