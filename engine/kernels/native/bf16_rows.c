@@ -11,8 +11,9 @@
    fit L1 together), so each weight byte comes from memory once a tile of rows. Two shapes: 4 weight
    rows x 6 activation rows up to 12 rows a call (memory's calls) and past 64 (prefills); 8 x 3 between
    (a decode step's products: half the activation loads from L2 per product). Measured (bench/RESULTS.md):
-   1.2-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.9-0.97x at 32 rows, where the
-   activations' 64 bytes per 4 products from L2 cost more than oneDNN's broadcasts from a packed copy.
+   1.1-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.93-1.07x at 16-32 rows (0.91-1.03x
+   with 4 x 6 blocks there), where the activations' loads from L2 cost more than oneDNN's broadcasts
+   from a packed copy.
 
    Arithmetic: every product of two bf16 values is exact in fp32. Lane i of a sum holds the pairs at
    K = 32 j + 2 i and 2 i + 1 for j = 0, 1, ... (VDPBF16PS adds each pair's two products in turn, with
