@@ -43,7 +43,7 @@
    0.97x oneDNN at 32 rows, Llama-3.2-1B's 0.78x -> 0.96x; 256 rows ran alike with 256-768 KB) */
 #define X_TILE_BYTES (768 << 10)
 #define MIN_TILE_ROWS (4 * MR_MAX)
-#define MAX_TILE_ROWS 96 /* 16 blocks: their sums between chunks of K on the stack, 24 KB */
+#define MAX_TILE_ROWS 96 /* up to 32 blocks (of 3 rows): their sums between chunks of K on the stack, 48 KB */
 #define L1_BUDGET (24 << 10) /* of Zen 4's 32 KB L1: a block's activations and a group's rows (1.05x at 32 rows) */
 
 #ifdef __AVX512BF16__
@@ -168,7 +168,7 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
             for (int i = 0; i < nr; i++) b[i] = bf16_to_f32(bias[g * nr + i]);
         for (int64_t c = 0, k0 = 0; k0 < k; c++, k0 += kc) {
             const int64_t kn = k - k0 < kc ? k - k0 : kc, last = k0 + kn == k;
-            /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 */
+            /* blocks of even rows: 32 = 6 + 6 + 5 x 4, not 6 x 5 + 2 (mr = 6) */
             for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) {
                 const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
                 float sums[MR_MAX * NR_MAX];
@@ -203,9 +203,10 @@ static _Thread_local rows_apart_buf stagger;
 
 /* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
    segments. Takes k % 32 == 0 and every segment's rows % 4 == 0 (else -2). Threads take whole
-   groups of nr weight rows (8 where the call's rows and every segment's allow it, else 4). The rows go in tiles whose activations fit X_TILE_BYTES of L2, each tile
-   over all of a thread's groups: every block reads its activations from L2, where 256 rows of K =
-   8960 (4.5 MB) came from L3 once per group; the weights are read once a tile. */
+   groups of nr weight rows (8 where the call's rows and every segment's allow it, else 4). The rows go
+   in tiles whose activations fit X_TILE_BYTES of L2, each tile over all of a thread's groups: every
+   block reads its activations from L2, where 256 rows of K = 8960 (4.5 MB) came from L3 once per group;
+   the weights are read once a tile. */
 static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                        int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
     int64_t n = 0;
