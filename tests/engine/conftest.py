@@ -33,18 +33,15 @@ ROPE_VARIANTS = {
 def rope_dirs(model_dirs, tmp_path_factory):
     """{variant: model directory} for ROPE_VARIANTS (the family's weights, its config's rope replaced)."""
     import json
-    import shutil
+
+    from tests.engine.helpers import model_variant
 
     root, dirs = tmp_path_factory.mktemp("rope_variants"), {}
     for name, (family, rope, extra) in ROPE_VARIANTS.items():
-        dst = root / name
-        shutil.copytree(model_dirs[family], dst)
-        cfg = json.loads((dst / "config.json").read_text())
-        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-        cfg.pop("rope_scaling", None)
-        cfg.update(extra, rope_parameters={"rope_theta": theta, **rope})
-        (dst / "config.json").write_text(json.dumps(cfg))
-        dirs[name] = str(dst)
+        with open(f"{model_dirs[family]}/config.json") as f:
+            theta = json.load(f)["rope_parameters"]["rope_theta"]
+        dirs[name] = model_variant(model_dirs[family], root / name, **extra,
+                                   rope_parameters={"rope_theta": theta, **rope})
     return dirs
 
 

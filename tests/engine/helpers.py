@@ -1,9 +1,20 @@
 """Reference computations with plain HF transformers, for checking the engine against."""
 
 import contextlib
+import json
 import math
+import shutil
 
 import torch
+
+
+def model_variant(src: str, dst, **config) -> str:
+    """A copy of model directory `src` at `dst` with `config` written over its config.json's fields."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:

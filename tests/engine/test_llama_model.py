@@ -3,7 +3,6 @@ names (Llama 3's scaled rope and Qwen3's q/k norms too), greedy tokens are HF's 
 family, a core loads them without importing transformers, and what they do not cover is loaded by
 transformers as before."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models import llama_model
 from engine.models.model_loader import load_model
-from tests.engine.helpers import hf_greedy, random_prompts
+from tests.engine.helpers import hf_greedy, model_variant, random_prompts
 
 
 FAMILIES = ["qwen2", "llama", "llama3", "qwen3"]
@@ -125,22 +124,14 @@ def test_a_core_loads_its_model_without_transformers(qwen2_dir):
     assert out == ["engine.models.llama_model", "[]"]
 
 
-def _variant(src: str, dst, **config) -> str:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
-
-
 def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwen2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    scaled = _variant(qwen2_dir, tmp_path / "scaled",
+    scaled = model_variant(qwen2_dir, tmp_path / "scaled",
                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
                                        "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048})
     assert llama_model.unsupported(scaled) == "rope type 'longrope'"
-    assert llama_model.unsupported(_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
+    assert llama_model.unsupported(model_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))
     assert type(llm.core.worker.model).__module__.startswith("transformers.")
     hf = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
@@ -154,7 +145,7 @@ def test_a_sliding_window_no_shorter_than_the_engines_sequences_runs_on_our_laye
     """Mistral's shape (Llama's layers and names) with a window of 128 tokens: under an engine of at
     most 128 tokens a sequence it serves never reaches past the window, so our full attention is the
     window's; under a longer one the window would cut, and transformers keeps it (and refuses it)."""
-    mistral = _variant(model_dirs["llama"], tmp_path / "mistral", model_type="mistral", sliding_window=128)
+    mistral = model_variant(model_dirs["llama"], tmp_path / "mistral", model_type="mistral", sliding_window=128)
     assert llama_model.unsupported(mistral, max_model_len=128) is None
     assert llama_model.unsupported(mistral, max_model_len=256).startswith("sliding-window attention (a window of 128")
     assert llama_model.unsupported(mistral) is not None  # no length given: not known to fit
