@@ -65,12 +65,12 @@ def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: i
         cfg = read_config(model_dir)
     except (OSError, KeyError, ValueError) as e:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
-    window = sliding_window(cfg)
+    window, max_positions = sliding_window(cfg), getattr(cfg, "max_position_embeddings", None)
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
-        (rope_scaling.fixed_within(cfg.rope, max_model_len, getattr(cfg, "max_position_embeddings", None)),
-         f"rope type 'dynamic' past max_position_embeddings {getattr(cfg, 'max_position_embeddings', None)} "
+        (rope_scaling.fixed_within(cfg.rope, max_model_len, max_positions),
+         f"rope type 'dynamic' past max_position_embeddings {max_positions} "
          f"(max_model_len {max_model_len}: its frequencies would follow the batch's longest sequence)"),
         (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),

@@ -46,18 +46,6 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
         assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 16, ignore_eos=True)
 
 
-ROPES = {  # name -> rope parameters beyond rope_type and rope_theta
-    "default": {}, "linear": {"factor": 4.0}, "dynamic": {"factor": 2.0},
-    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192},
-    "yarn": {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's long-context setting
-    "yarn_mscale": {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
-                    "original_max_position_embeddings": 4096},  # DeepSeek's
-    "yarn_attention": {"factor": 2.0, "attention_factor": 0.8, "beta_fast": 16.0, "truncate": False,
-                       "original_max_position_embeddings": 4096},
-}
-
-
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
 def test_yarn_and_dynamic_ropes_run_on_our_layers_with_hfs_greedy_tokens(variant, rope_dirs, rope_hf_models,
                                                                           hf_models, monkeypatch):
@@ -82,6 +70,18 @@ def test_dynamic_rope_past_max_position_embeddings_keeps_transformers(rope_dirs)
     assert llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=4096) is None
     why = llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=8192)
     assert why.startswith("rope type 'dynamic' past max_position_embeddings 4096 (max_model_len 8192")
+
+
+ROPES = {  # name -> rope parameters beyond rope_type and rope_theta
+    "default": {}, "linear": {"factor": 4.0}, "dynamic": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's long-context setting
+    "yarn_mscale": {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                    "original_max_position_embeddings": 4096},  # DeepSeek's
+    "yarn_attention": {"factor": 2.0, "attention_factor": 0.8, "beta_fast": 16.0, "truncate": False,
+                       "original_max_position_embeddings": 4096},
+}
 
 
 @pytest.mark.parametrize("name", list(ROPES))
@@ -128,10 +128,11 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
     from transformers import AutoModelForCausalLM
 
     scaled = model_variant(qwen2_dir, tmp_path / "scaled",
-                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
-                                       "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048})
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+                                            "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048})
     assert llama_model.unsupported(scaled) == "rope type 'longrope'"
-    assert llama_model.unsupported(model_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")) == "activation 'gelu'"
+    gelu = model_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")
+    assert llama_model.unsupported(gelu) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))
     assert type(llm.core.worker.model).__module__.startswith("transformers.")
     hf = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
