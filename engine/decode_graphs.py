@@ -100,7 +100,8 @@ class DecodeGraphs:
         runner, bs = self.runner, self.runner.block_size
         views = DecodeLayout(rows, width).views(self.inputs)
         mask = self.key_positions[: width * bs] < views["lengths"][:, None]
-        chunk = attention.decode_chunk(0, rows, views["block_table"].reshape(-1), width, mask, self.k_buf, self.v_buf)
+        chunk = attention.decode_chunk(0, rows, views["block_table"].reshape(-1), width, mask, self.k_buf, self.v_buf,
+                                       views["lengths"])
         ctx = attention.AttnContext(is_prefill=False, k_cache=runner.k_cache, v_cache=runner.v_cache,
                                     slot_mapping=views["slots"], decode_chunks=[chunk], **runner._cache_views)
         attention.set_context(ctx)

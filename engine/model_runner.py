@@ -233,7 +233,7 @@ class ModelRunner:
             mask = self._key_positions[: nb * bs] < lengths[start:end, None]
             if dev.type == "cpu":  # SDPA turns a bool mask into this at every call: once a step, not per layer
                 mask = torch.zeros(mask.shape, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
-            chunks.append(attention.decode_chunk(start, end, blocks, nb, mask, k_buf, v_buf))
+            chunks.append(attention.decode_chunk(start, end, blocks, nb, mask, k_buf, v_buf, lengths[start:end]))
         ctx.decode_chunks = chunks
         return inputs["ids"], inputs["positions"], ctx
 

@@ -115,5 +115,6 @@ def padded_on_device(buf: torch.Tensor, n: int, q_len: int, nb: int, block_size:
     blocks, rows = buf[: n * nb], buf[n * nb : n * nb + n * q_len]
     back, qpos = buf[n * nb + n * q_len : n * nb + n * q_len + total], buf[n * nb + n * q_len + total :]
     keys = torch.arange(nb * block_size, device=buf.device)
-    mask = (keys <= qpos.view(n, q_len, 1)).unsqueeze(1)  # [S, 1, Lq, Lk]: causal at each row's position
-    return PaddedPrefill(blocks, rows, back, mask, n, q_len, nb)
+    positions = qpos.view(n, 1, q_len, 1)
+    mask = keys <= positions  # [S, 1, Lq, Lk]: causal at each row's position
+    return PaddedPrefill(blocks, rows, back, mask, n, q_len, nb, positions)

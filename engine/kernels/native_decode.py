@@ -24,7 +24,7 @@ class NativeDecode:
     max_len: int
 
 
-_SIGNATURE = (_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float)
+_SIGNATURE = (_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float)
 
 
 def _entry(dtype: torch.dtype):
@@ -43,9 +43,10 @@ def available(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: in
 
 
 def attend(nd: NativeDecode, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-           scale: float) -> torch.Tensor | None:
+           scale: float, window: int | None = None) -> torch.Tensor | None:
     """q [B, H, d] -> [B, H, d], attending each row's `lengths` keys in the cache
-    ([num_blocks, bs, kvh, d] per layer); None when the kernel does not take these shapes."""
+    ([num_blocks, bs, kvh, d] per layer), or its last `window` of them under a sliding window; None
+    when the kernel does not take these shapes."""
     fn = _entry(q.dtype)
     if fn is None or k_blocks.dtype != q.dtype:
         return None
@@ -54,5 +55,6 @@ def attend(nd: NativeDecode, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: 
     bs, kvh = k_blocks.shape[1], k_blocks.shape[2]
     out = torch.empty_like(q)
     rc = fn(q.data_ptr(), k_blocks.data_ptr(), v_blocks.data_ptr(), nd.block_table.data_ptr(),
-            nd.block_table.stride(0), nd.lengths.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, nd.max_len, scale)
+            nd.block_table.stride(0), nd.lengths.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, nd.max_len, window or 0,
+            scale)
     return out if rc == 0 else None

@@ -16,6 +16,12 @@ Elsewhere (a GPU, no C compiler, ROLLOUT_NATIVE_KERNELS=0): every row's blocks a
 grouped-query attention into one plain masked call. The batch comes sorted by block count; on a
 GPU it is one chunk, on the CPU (memory-bound) it is cut where padding costs more than a chunk
 (engine/step_inputs.chunk_cuts).
+
+A layer with a sliding window of W keys (Mistral's every layer, Qwen2's upper ones: the module's
+`sliding_window`) gives each query its last W keys, as HF's mask does (key j of query i where
+i - W < j <= i): the kernel from each row's first key in the window on, the torch paths by a mask.
+Blocks wholly behind every row's window stay in the cache (not freed early, as vLLM's sliding-window
+manager does: a memory saving not taken).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ class AttnContext:
     k_slots: list[torch.Tensor] | None = None
     v_slots: list[torch.Tensor] | None = None
     rope: tuple | None = None  # (cos, the layers' cos, sin with rotate_half's sign), see rope_tables
-    span_masks: dict = field(default_factory=dict)  # prefill: span index -> its mask, made by the first layer
+    span_masks: dict = field(default_factory=dict)  # prefill: (span index, window) -> its mask, made by the first layer
     # decode through the C kernel (engine/kernels/native_decode.py) instead of decode_chunks
     native: NativeDecode | None = None
 
@@ -71,17 +77,46 @@ class DecodeChunk:
     v_out: torch.Tensor | None = None
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None  # [end - start] each row's keys: its mask under a sliding window
+    windowed: dict = field(default_factory=dict)  # window -> that mask, made by the first layer with it
 
 
 def decode_chunk(start: int, end: int, blocks: torch.Tensor, num_blocks: int, mask: torch.Tensor,
-                 k_buf: torch.Tensor, v_buf: torch.Tensor) -> DecodeChunk:
+                 k_buf: torch.Tensor, v_buf: torch.Tensor, lengths: torch.Tensor | None = None) -> DecodeChunk:
     """Rows [start, end) attended at `num_blocks` blocks, gathering into the front of the gather
-    buffers k_buf / v_buf [N, bs, kvh, d]; `mask` [rows, keys]."""
+    buffers k_buf / v_buf [N, bs, kvh, d]; `mask` [rows, keys]; `lengths` the rows' key counts."""
     rows, (bs, kvh, d) = end - start, k_buf.shape[1:]
     k_out, v_out = k_buf[: rows * num_blocks], v_buf[: rows * num_blocks]
     return DecodeChunk(start, end, blocks, num_blocks, mask[:, None, None, :], k_out, v_out,
                        k_out.view(rows, num_blocks * bs, kvh, d).transpose(1, 2),
-                       v_out.view(rows, num_blocks * bs, kvh, d).transpose(1, 2))
+                       v_out.view(rows, num_blocks * bs, kvh, d).transpose(1, 2), lengths)
+
+
+def _chunk_mask(c: DecodeChunk, window: int | None) -> torch.Tensor:
+    """The chunk's mask [rows, 1, 1, keys], or under a sliding window its rows' last `window` keys'."""
+    if not window:
+        return c.mask
+    mask = c.windowed.get(window)
+    if mask is None:
+        keys = torch.arange(c.k.shape[2], device=c.mask.device)
+        mask = c.windowed[window] = as_mask(_window_keys(keys, c.lengths[:, None] - 1, window), c.mask.dtype)[
+            :, None, None, :]
+    return mask
+
+
+def _window_keys(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """True where key position `keys` is visible to query position `positions` (broadcast): causal, and
+    under a sliding window within its last `window` keys (HF's mask: positions - window < keys)."""
+    visible = keys <= positions
+    return visible if not window else visible & (keys > positions - window)
+
+
+def as_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as SDPA takes it here: bool, or (a float dtype, the CPU's) the additive 0 / -inf SDPA
+    would make of it at every call."""
+    if dtype == torch.bool:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 @dataclass
@@ -97,6 +132,16 @@ class PaddedPrefill:
     spans: int
     q_len: int
     num_blocks: int
+    positions: torch.Tensor | None = None  # [S, 1, Lq, 1] each padded row's position: masks under a window
+    windowed: dict = field(default_factory=dict)  # window -> its mask, made by the first layer with it
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        if not window:
+            return self.mask
+        if window not in self.windowed:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = _window_keys(keys, self.positions, window)
+        return self.windowed[window]
 
 
 _ctx: AttnContext | None = None
@@ -117,35 +162,41 @@ def set_context(ctx: AttnContext | None) -> None:
     _ctx = ctx
 
 
-def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling) -> torch.Tensor:
+def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling, window: int | None = None) -> torch.Tensor:
     """Prefill attention, query [1, H, T, d], key/value [1, KVH, T, d] (written to the cache
-    already): [1, H, T, d]."""
+    already): [1, H, T, d]. `window`: the layer's sliding window (None: full attention)."""
     gqa = query.shape[1] != key.shape[1]
     if ctx.native is not None:  # the CPU's kernel, each row as a decode row: see _native_prefill
-        return _native_prefill(ctx, layer, query, scaling)
+        return _native_prefill(ctx, layer, query, scaling, window)
     if ctx.padded_prefill is not None:
-        return _padded_prefill(ctx.padded_prefill, ctx.k_blocks[layer], ctx.v_blocks[layer], query, scaling, gqa)
+        return _padded_prefill(ctx.padded_prefill, ctx.k_blocks[layer], ctx.v_blocks[layer], query, scaling, gqa,
+                               window)
     k_cache, v_cache = ctx.k_blocks[layer], ctx.v_blocks[layer]
     outs = []
     for i, (start, end, computed, block_table) in enumerate(ctx.prefill_spans):
         q = query[:, :, start:end]
-        if computed == 0:  # nothing cached: attend to the fresh keys, exactly as HF's sdpa does
+        if computed == 0 and (not window or end - start <= window):
+            # nothing cached and no window cuts: attend to the fresh keys, exactly as HF's sdpa does
             out = F.scaled_dot_product_attention(
                 q, key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling, enable_gqa=gqa
             )
         else:
             total = computed + end - start
-            k = _gather(k_cache, block_table, total).unsqueeze(0)
-            v = _gather(v_cache, block_table, total).unsqueeze(0)
-            mask = ctx.span_masks.get(i)
+            if computed == 0:  # a window cuts a fresh span: its own keys, masked
+                k, v = key[:, :, start:end], value[:, :, start:end]
+            else:
+                k = _gather(k_cache, block_table, total).unsqueeze(0)
+                v = _gather(v_cache, block_table, total).unsqueeze(0)
+            mask = ctx.span_masks.get((i, window))
             if mask is None:
-                mask = ctx.span_masks[i] = _causal_mask(end - start, total, computed, q.dtype, q.device)
+                mask = ctx.span_masks[i, window] = _causal_mask(end - start, total, computed, q.dtype, q.device,
+                                                                window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         outs.append(out)
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
-def _native_prefill(ctx: AttnContext, layer: int, query, scaling) -> torch.Tensor:
+def _native_prefill(ctx: AttnContext, layer: int, query, scaling, window: int | None) -> torch.Tensor:
     """Prefill attention through the decode kernel (engine/kernels/native/paged_decode.c): every row
     attends its keys in the cache up to its own position, one row's sums in one fixed order. So a
     prompt row's bits do not depend on how its prompt was cut (whole, chunked, after a prefix-cache
@@ -153,22 +204,21 @@ def _native_prefill(ctx: AttnContext, layer: int, query, scaling) -> torch.Tenso
     prefix hit at 80 or 129 tokens moved a bf16 logprob), and equal what the engine's exact trainer
     forward recomputes (engine/exact_logprobs.py). query [1, H, T, d] -> [1, H, T, d]."""
     q = query[0].transpose(0, 1)  # [T, H, d]
-    out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling)
+    out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling, window)
     if out is None:
         raise RuntimeError(f"the native attention kernel refused q {tuple(q.shape)} on a {ctx.k_cache.dtype} cache")
     return out.transpose(0, 1).unsqueeze(0)
 
 
-def _causal_mask(rows: int, keys: int, computed: int, dtype, device) -> torch.Tensor:
-    """Row i sees keys [0, computed + i]: as a bool mask on a GPU; on the CPU as the additive mask
-    (0 / -inf in the query's dtype) SDPA would make of it at every call."""
-    mask = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(computed)
-    if device.type != "cpu":
-        return mask
-    return torch.zeros(rows, keys, dtype=dtype).masked_fill_(~mask, float("-inf"))
+def _causal_mask(rows: int, keys: int, computed: int, dtype, device, window: int | None = None) -> torch.Tensor:
+    """Row i sees keys [0, computed + i] (under a sliding window, its last `window` of them): as a bool
+    mask on a GPU; on the CPU as the additive mask (0 / -inf in the query's dtype)."""
+    positions = torch.arange(computed, computed + rows, device=device)[:, None]
+    visible = _window_keys(torch.arange(keys, device=device), positions, window)
+    return as_mask(visible, torch.bool if device.type != "cpu" else dtype)
 
 
-def _padded_prefill(p: PaddedPrefill, k_blocks, v_blocks, query, scaling, gqa) -> torch.Tensor:
+def _padded_prefill(p: PaddedPrefill, k_blocks, v_blocks, query, scaling, gqa, window=None) -> torch.Tensor:
     """query [1, H, T, d] -> [1, H, T, d], one SDPA over the padded spans."""
     h, d = query.shape[1], query.shape[-1]
     kvh, bs = k_blocks.shape[-2], k_blocks.shape[1]
@@ -176,7 +226,7 @@ def _padded_prefill(p: PaddedPrefill, k_blocks, v_blocks, query, scaling, gqa) -
     k = k_blocks.index_select(0, p.blocks).view(p.spans, length, kvh, d).transpose(1, 2)  # [S, kvh, Lk, d]
     v = v_blocks.index_select(0, p.blocks).view(p.spans, length, kvh, d).transpose(1, 2)
     q = query[0].index_select(1, p.rows).view(h, p.spans, p.q_len, d).transpose(0, 1)  # [S, H, Lq, d]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.window_mask(window), scale=scaling, enable_gqa=gqa)
     return out.transpose(0, 1).reshape(h, -1, d).index_select(1, p.back).unsqueeze(0)
 
 
@@ -189,26 +239,27 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx = _ctx
     assert ctx is not None, "paged attention called outside the engine's model runner"
-    if kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding-window attention is not supported by the paged engine")
+    # HF's layers pass their window (None or 0: full attention), or hold it (Qwen2-MoE's sliding layers)
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     layer = module.layer_idx
     # query [1, H, T, d]; key/value [1, KVH, T, d]
     k_new, v_new = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, KVH, d]
     ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k_new)
     ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v_new)
     if ctx.is_prefill:
-        return _prefill(ctx, layer, query, key, value, scaling).transpose(1, 2), None  # [1, T, H, d]
+        return _prefill(ctx, layer, query, key, value, scaling, window).transpose(1, 2), None  # [1, T, H, d]
 
     # decode: one new token per sequence
     q_all = query[0].transpose(0, 1)  # [B, H, d]
-    return _decode(ctx, layer, q_all, scaling).reshape(1, q_all.shape[0], -1, q_all.shape[-1]), None  # [1, B, H, d]
+    out = _decode(ctx, layer, q_all, scaling, window)
+    return out.reshape(1, q_all.shape[0], -1, q_all.shape[-1]), None  # [1, B, H, d]
 
 
-def _decode(ctx: AttnContext, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+def _decode(ctx: AttnContext, layer: int, q: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, H, d] (the keys already in the cache): [B, kvh, H / kvh, d]."""
     kvh, d = ctx.k_cache.shape[-2], q.shape[-1]
     if ctx.native is not None:
-        out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling)
+        out = native_decode.attend(ctx.native, q, ctx.k_blocks[layer], ctx.v_blocks[layer], scaling, window)
         if out is None:
             raise RuntimeError(f"the native decode kernel refused q {tuple(q.shape)} on a {ctx.k_cache.dtype} cache")
         return out.view(q.shape[0], kvh, -1, d)
@@ -218,7 +269,7 @@ def _decode(ctx: AttnContext, layer: int, q: torch.Tensor, scaling: float) -> to
         torch.index_select(ctx.v_blocks[layer], 0, c.blocks, out=c.v_out)
         qc = q[c.start : c.end] if len(ctx.decode_chunks) > 1 else q
         qc = qc.reshape(c.end - c.start, kvh, -1, d)  # the heads of a group as query positions
-        outs.append(F.scaled_dot_product_attention(qc, c.k, c.v, attn_mask=c.mask, scale=scaling))
+        outs.append(F.scaled_dot_product_attention(qc, c.k, c.v, attn_mask=_chunk_mask(c, window), scale=scaling))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
@@ -246,33 +297,35 @@ def _rotate_sign(d: int, dtype, device) -> torch.Tensor:
     return _signs[key]
 
 
-def rotate_and_attend(layer: int, q, k, v, cos, sin_signed, scaling: float, rotate) -> torch.Tensor:
+def rotate_and_attend(layer: int, q, k, v, cos, sin_signed, scaling: float, rotate,
+                      window: int | None = None) -> torch.Tensor:
     """The fused layers' attention of q [T, H, d], k and v [T, kvh, d] not yet rotated: on the CPU
     the rotation and the cache writes in one C call (native_glue.rope_cache, torch's bits), else
-    `rotate(x, cos, sin_signed)` and `attend`."""
+    `rotate(x, cos, sin_signed)` and `attend`. `window`: the layer's sliding window (None: none)."""
     ctx = _ctx
     assert ctx is not None, "paged attention called outside the engine's model runner"
     done = native_glue.rope_cache(q, k, v, cos, sin_signed, ctx.slot_mapping, ctx.k_slots[layer], ctx.v_slots[layer])
     if done is None:
-        return attend(layer, rotate(q, cos, sin_signed), rotate(k, cos, sin_signed), v, scaling)
-    return _attend_written(ctx, layer, done[0], done[1], v, scaling)
+        return attend(layer, rotate(q, cos, sin_signed), rotate(k, cos, sin_signed), v, scaling, window)
+    return _attend_written(ctx, layer, done[0], done[1], v, scaling, window)
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           window: int | None = None) -> torch.Tensor:
     """The fused layers' attention (engine/models/fused_layers.py): q [T, H, d], k and v [T, kvh, d]
     of this step's tokens; writes k, v into the cache, returns [T, H * d]-shaped output."""
     ctx = _ctx
     assert ctx is not None, "paged attention called outside the engine's model runner"
     ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k)
     ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v)
-    return _attend_written(ctx, layer, q, k, v, scaling)
+    return _attend_written(ctx, layer, q, k, v, scaling, window)
 
 
-def _attend_written(ctx: AttnContext, layer: int, q, k, v, scaling: float) -> torch.Tensor:
+def _attend_written(ctx: AttnContext, layer: int, q, k, v, scaling: float, window: int | None) -> torch.Tensor:
     if not ctx.is_prefill:
-        return _decode(ctx, layer, q, scaling)
+        return _decode(ctx, layer, q, scaling, window)
     out = _prefill(ctx, layer, q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                   v.transpose(0, 1).unsqueeze(0), scaling)
+                   v.transpose(0, 1).unsqueeze(0), scaling, window)
     return out.transpose(1, 2)[0].reshape(q.shape[0], -1)
 
 

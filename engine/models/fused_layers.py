@@ -111,7 +111,8 @@ def attention_block(layer, hidden_states: torch.Tensor, position_embeddings) -> 
     if qk_norm == "head":
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
     cos, sin_signed = attention.rope_tables(position_embeddings)
-    out = attention.rotate_and_attend(attn.layer_idx, q, k, v, cos, sin_signed, attn.scaling, _rotate)
+    out = attention.rotate_and_attend(attn.layer_idx, q, k, v, cos, sin_signed, attn.scaling, _rotate,
+                                      getattr(attn, "sliding_window", None))
     # reshape: CUDA's attention hands back heads-major strides (a copy there, as HF's reshape makes);
     # the CPU's kernels return it contiguous (a view)
     return add_rms_norm(layer.post_attention_layernorm, hidden_states, attn.o_proj(out.reshape(1, t, -1)))

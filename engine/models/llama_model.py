@@ -8,9 +8,9 @@ The modules, their attribute names and their parameters' names are HF's own
 host copies see the same model either way; the decoder layers run engine/models/fused_layers.py's
 forward, the norm, embedding, rotary tables and head are HF's arithmetic op for op, so greedy output
 stays token-for-token HF's. A directory this does not cover (another architecture, a rope type
-engine/models/rope_scaling.py does not compute, sliding windows shorter than the engine's sequences, .bin
-weights, a checkpoint whose names do not fit) is loaded by transformers, as before: `unsupported`
-says why.
+engine/models/rope_scaling.py does not compute, .bin weights, a checkpoint whose names do not fit) is
+loaded by transformers, as before: `unsupported` says why. Sliding windows are each layer's as HF's
+config classes set them (`layer_window`), attended by engine/models/attention.py.
 """
 
 from __future__ import annotations
@@ -49,23 +49,36 @@ def weight_files(model_dir: str) -> list[str] | None:
     return [single] if os.path.isfile(single) else None
 
 
-def sliding_window(cfg: SimpleNamespace) -> int | None:
-    """The attention window the config asks for (None: full attention): Mistral's `sliding_window`,
-    Qwen2/Qwen3's when `use_sliding_window`."""
+def layer_window(cfg: SimpleNamespace, index: int) -> int | None:
+    """Layer `index`'s sliding window in keys (None: full attention), as transformers 5's config and
+    attention classes set it: Mistral and Mixtral every layer at `sliding_window`; Qwen2/Qwen3 (and their
+    MoE) only with `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (without
+    it: Qwen2/Qwen3 from `max_window_layers` up, Qwen2-MoE the even ones below it, Qwen3-MoE all)."""
     window = getattr(cfg, "sliding_window", None)
-    return window if window and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral") else None
+    if cfg.model_type in ("mistral", "mixtral"):
+        return window or None
+    if cfg.model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not getattr(cfg, "use_sliding_window",
+                                                                                        False) or not window:
+        return None
+    types, top = getattr(cfg, "layer_types", None), getattr(cfg, "max_window_layers", 28)
+    if cfg.model_type == "qwen3_moe":
+        sliding = True  # its attention reads config.sliding_window whatever the layer
+    elif types is not None:
+        sliding = types[index] == "sliding_attention"
+    elif cfg.model_type == "qwen2_moe":
+        sliding = index % 2 == 0 and index < top
+    else:
+        sliding = index >= top
+    return window if sliding else None
 
 
 def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: int | None = None) -> str | None:
-    """Why this directory needs transformers' modelling code (None: it does not). A sliding window
-    at least `max_model_len` long (the longest sequence the engine holds) is full attention over
-    every sequence it serves, so such a model runs here (Mistral 7B v0.1's 4096 under an engine of
-    4096 tokens or fewer)."""
+    """Why this directory needs transformers' modelling code (None: it does not)."""
     try:
         cfg = read_config(model_dir)
     except (OSError, KeyError, ValueError) as e:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
-    window, max_positions = sliding_window(cfg), getattr(cfg, "max_position_embeddings", None)
+    max_positions = getattr(cfg, "max_position_embeddings", None)
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
@@ -74,8 +87,6 @@ def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: i
          f"(max_model_len {max_model_len}: its frequencies would follow the batch's longest sequence)"),
         (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
-        (window is None or (max_model_len is not None and window >= max_model_len),
-         f"sliding-window attention (a window of {window} tokens, shorter than max_model_len {max_model_len})"),
         (getattr(cfg, "quantization_config", None) is None, "a quantized checkpoint"),
         (not getattr(cfg, "mlp_bias", False), "biases in the MLP"),
         (weight_files(model_dir) is not None, "weights that are not safetensors"),
@@ -112,6 +123,7 @@ class Attention(nn.Module):
             qkv_bias, o_bias = True, False
         d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.layer_idx, self.head_dim, self.scaling = layer_idx, d, d**-0.5
+        self.sliding_window = layer_window(cfg, layer_idx)
         self.q_proj = Linear(cfg.hidden_size, h * d, bias=qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)

@@ -44,7 +44,8 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
 
 
-LAYER_FIELDS = 28  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE
+LAYER_FIELDS = 29  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE,
+# the sliding window
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
 BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
@@ -201,7 +202,8 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t:
     moe = _sparse_fields(layer.mlp, shape, t, routed) if sparse else [0] * MOE_FIELDS
     if moe is None:
         return None
-    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe]
+    window = getattr(layer.self_attn, "sliding_window", None) or 0
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe, window]
 
 
 def _shape(model, dtype: torch.dtype) -> dict | None:

@@ -47,28 +47,28 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
 
 
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
-def test_yarn_and_dynamic_ropes_run_on_our_layers_with_hfs_greedy_tokens(variant, rope_dirs, rope_hf_models,
+def test_yarn_and_dynamic_ropes_run_on_our_layers_with_hfs_greedy_tokens(variant, variant_dirs, variant_hf_models,
                                                                           hf_models, monkeypatch):
     """The Python forward in fp32 (the C loops: test_native_layers.py) against HF's generate on the same
     directory; YaRN's tokens are not the family's default rope's (so the rope was felt), dynamic's are
     (no position passes max_position_embeddings)."""
     monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
-    llm = LLM(EngineConfig(model=rope_dirs[variant], max_num_seqs=8, max_model_len=128))
+    llm = LLM(EngineConfig(model=variant_dirs[variant], max_num_seqs=8, max_model_len=128))
     assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
     prompts = random_prompts(4, 3, 40, 400, seed=7)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
-    assert ours == [hf_greedy(rope_hf_models[variant], p, 16, ignore_eos=True) for p in prompts]
+    assert ours == [hf_greedy(variant_hf_models[variant], p, 16, ignore_eos=True) for p in prompts]
     family = hf_models[variant.split("_")[0]]
     plain = [hf_greedy(family, p, 16, ignore_eos=True) for p in prompts]
     assert (ours == plain) == (variant == "llama_dynamic")
 
 
-def test_dynamic_rope_past_max_position_embeddings_keeps_transformers(rope_dirs):
+def test_dynamic_rope_past_max_position_embeddings_keeps_transformers(variant_dirs):
     """Past max_position_embeddings HF's dynamic frequencies follow the batch's longest sequence: such
     an engine keeps transformers' modelling code, and says why."""
-    assert llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=4096) is None
-    why = llama_model.unsupported(rope_dirs["llama_dynamic"], max_model_len=8192)
+    assert llama_model.unsupported(variant_dirs["llama_dynamic"], max_model_len=4096) is None
+    why = llama_model.unsupported(variant_dirs["llama_dynamic"], max_model_len=8192)
     assert why.startswith("rope type 'dynamic' past max_position_embeddings 4096 (max_model_len 8192")
 
 
@@ -138,23 +138,6 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
     hf = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
     prompts = random_prompts(3, 4, 20, 2000, seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True)
-
-
-def test_a_sliding_window_no_shorter_than_the_engines_sequences_runs_on_our_layers(model_dirs, hf_models, tmp_path):
-    """Mistral's shape (Llama's layers and names) with a window of 128 tokens: under an engine of at
-    most 128 tokens a sequence it serves never reaches past the window, so our full attention is the
-    window's; under a longer one the window would cut, and transformers keeps it (and refuses it)."""
-    mistral = model_variant(model_dirs["llama"], tmp_path / "mistral", model_type="mistral", sliding_window=128)
-    assert llama_model.unsupported(mistral, max_model_len=128) is None
-    assert llama_model.unsupported(mistral, max_model_len=256).startswith("sliding-window attention (a window of 128")
-    assert llama_model.unsupported(mistral) is not None  # no length given: not known to fit
-    llm = LLM(EngineConfig(model=mistral, max_model_len=128))
-    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
-    prompts = random_prompts(3, 4, 40, 400, seed=13)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    hf = hf_models["llama"]  # the same weights; within its window Mistral's attention is Llama's
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12, ignore_eos=True)
 

@@ -36,16 +36,19 @@ def _case(dtype, rows=37, heads=9, kv_heads=3, d=64, bs=16, seed=0):
     return q, k, v, NativeDecode(table, lengths, int(lengths.max()))
 
 
-def _reference(q, k, v, nd, scale):
-    """float64 attention of each row over its keys, and the fp32 kernel's error bound per row."""
+def _reference(q, k, v, nd, scale, window=None):
+    """float64 attention of each row over its keys (its last `window` under a sliding window), and the
+    fp32 kernel's error bound per row."""
     rows, heads, d = q.shape
     kvh, bs = k.shape[2], k.shape[1]
     outs, bounds = [], []
     for r in range(rows):
         n = int(nd.lengths[r])
+        first = max(0, n - window) if window else 0
         blocks = nd.block_table[r, : (n + bs - 1) // bs]
-        kk = k[blocks].flatten(0, 1)[:n].double()  # [n, kvh, d]
-        vv = v[blocks].flatten(0, 1)[:n].double()
+        kk = k[blocks].flatten(0, 1)[first:n].double()  # [n - first, kvh, d]
+        vv = v[blocks].flatten(0, 1)[first:n].double()
+        n -= first
         qq = q[r].double().view(kvh, heads // kvh, d)
         s = torch.einsum("hgd,nhd->hgn", qq, kk) * scale
         out = torch.einsum("hgn,nhd->hgd", s.softmax(-1), vv).reshape(heads, d)
@@ -122,6 +125,28 @@ def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, d
         assert torch.equal(got[r], alone[0]), f"row {r}"
     ref, bound = _reference(q, k, v, nd, d**-0.5)
     assert ((got.double() - ref).abs().amax(dim=(1, 2)) <= _with_output_rounding(bound, ref, dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 16, 50])  # one key; a window starting mid-block, on a block's edge
+def test_a_sliding_window_attends_each_rows_last_keys(kernel_ready, dtype, window):
+    """Under a window of W keys each row attends its last W (HF's mask), against float64 attention over
+    exactly those; a row's bits the same alone as in the batch (the window's start is the row's own);
+    a row no longer than the window gets the bits of no window at all."""
+    q, k, v, nd = _case(dtype, heads=16, kv_heads=8, d=32)
+    scale = 32**-0.5
+    got = native_decode.attend(nd, q, k, v, scale, window)
+    ref, bound = _reference(q, k, v, nd, scale, window)
+    err = (got.double() - ref).abs().amax(dim=(1, 2))
+    assert (err <= _with_output_rounding(bound, ref, dtype)).all(), f"rows over their bound: {(err / bound).max():.2f}x"
+    full = native_decode.attend(nd, q, k, v, scale)
+    short = nd.lengths <= window
+    assert torch.equal(got[short], full[short])
+    assert (~short).sum() > 0 and not torch.equal(got[~short], full[~short])
+    for r in (2, 5, int(nd.lengths.argmax())):
+        alone = native_decode.attend(NativeDecode(nd.block_table[r : r + 1], nd.lengths[r : r + 1],
+                                                  int(nd.lengths[r])), q[r : r + 1], k, v, scale, window)
+        assert torch.equal(got[r], alone[0]), f"row {r}"
 
 
 def test_shapes_it_does_not_take_stay_on_torch():

@@ -1,7 +1,8 @@
 """engine/models/native_layers.py: a decode step's layers in one C call give the Python forward's bits
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
 and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope),
-Qwen3's (q/k norms per head) and Qwen3's with YaRN (cos and sin scaled), and mixtures of experts'
+Qwen3's (q/k norms per head), Qwen3's with YaRN (cos and sin scaled), Mistral's and Qwen2's with sliding
+windows shorter than the sequences, and mixtures of experts'
 sparse MLPs (their routed experts too); in fp32 (C's norm and silu where Python runs torch's) HF's
 greedy tokens and its logprobs within fp32's rounding bound; what the C loop does not take (a LoRA
 hook on a layer, the switch off) runs in Python."""
@@ -25,9 +26,9 @@ avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the
 
 
 @pytest.fixture(scope="module")
-def dirs(model_dirs, rope_dirs):
-    """The tiny families and their rope variants (Qwen3 with YaRN: cos and sin scaled too)."""
-    return {**model_dirs, **rope_dirs}
+def dirs(model_dirs, variant_dirs):
+    """The tiny families and their variants (Qwen3 with YaRN: cos and sin scaled too; sliding windows)."""
+    return {**model_dirs, **variant_dirs}
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 
 @bf16_loop
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
@@ -147,8 +148,8 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
 
 
 @avx512
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn"])
-def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, rope_hf_models, monkeypatch, calls,
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window"])
+def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, variant_hf_models, monkeypatch, calls,
                                                               arch):
     monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
     llm = LLM(EngineConfig(model=dirs[arch], max_num_seqs=8, max_model_len=256))
@@ -156,7 +157,7 @@ def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, r
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
                         use_tqdm=False)
     assert calls["native"] > 0
-    hf = {**hf_models, **rope_hf_models}[arch]
+    hf = {**hf_models, **variant_hf_models}[arch]
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         assert c.token_ids == hf_greedy(hf, p, 16, ignore_eos=True)

@@ -58,6 +58,7 @@ typedef struct {
        the top k, the routing's flags (moe_experts.c's norm and weights_f32); ids: where the step's
        expert ids go, [T, top_k] int64 (a request's routed experts) */
     int64_t moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids;
+    int64_t window; /* the layer's sliding window in keys (0: full attention) */
 } Layer;
 
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
@@ -123,7 +124,7 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
     typedef void (*NAME##_norm)(const T_ *, const T_ *, T_ *, const T_ *, float, int64_t, int64_t, T_ *);       \
     typedef void (*NAME##_silu)(const T_ *, int64_t, int64_t, int64_t, T_ *);                                   \
     typedef int (*NAME##_decode)(const T_ *, const T_ *, const T_ *, const int64_t *, int64_t, const int64_t *, \
-                                 T_ *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);            \
+                                 T_ *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);   \
     int NAME(const Kernels *kn, const Layer *layers, const Shape *s, const T_ *final_norm, const T_ *cos,      \
              const T_ *sin_signed, const int64_t *slots, const int64_t *table, const int64_t *lengths,          \
              const NAME##_scratch *b, T_ *hidden) {                                                             \
@@ -148,7 +149,8 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
             ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads, \
                                           s->kv_heads, D, cos, sin_signed, slots, kc, vc, b->q, b->k);         \
             rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,  \
-                                                    s->heads, s->kv_heads, D, s->block_size, s->max_len, s->scale); \
+                                                    s->heads, s->kv_heads, D, s->block_size, s->max_len, L->window, \
+                                                    s->scale);                                                 \
             if (rc) return rc;                                                                                 \
             if ((rc = LINEAR(kn, L->o, b->attn, T, nq, H, b->o, b->x16))) return rc;                                   \
             norm(base, b->o, b->h2, (const T_ *)L->post_norm, s->eps, T, H, b->x);                             \

@@ -14,9 +14,12 @@
    does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
    Each row's sums run in one fixed order, set by the row alone (its keys block by block, four at a
    time then one by one, each head's lanes reduced by reduce4 / hsum; its values the same way), never
-   by the other rows or the threads: batch invariant. A batch-invariant engine's prefill rows come here
-   too (engine/models/attention.py, _native_prefill: a row's keys up to its own position), so a row has
-   the same bits in a prefill as in a decode step.
+   by the other rows or the threads: batch invariant. A layer with a sliding window W (Mistral's,
+   Qwen2's upper layers) gives a row its last W keys only (HF's mask: key j of query i where
+   i - W < j <= i), the first block read from the window's first key on: the order is still set by
+   the row alone. A batch-invariant engine's prefill rows come here too (engine/models/attention.py,
+   _native_prefill: a row's keys up to its own position), so a row has the same bits in a prefill as
+   in a decode step.
    Compiled at first use by engine/kernels/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
    threads are torch's own (the same libgomp, already loaded). */
 
@@ -68,11 +71,12 @@ static inline void reduce4(v16f a0, v16f a1, v16f a2, v16f a3, float *out) {
    and is inlined with it constant (common.h's ALWAYS_INLINE functions, load16_at and store16_at). */
 
 /* A row's sizes: H query heads in groups of G per kv head (KVH of them), NV vectors a head (D
-   values), `slot` values a cache slot (every kv head's), `padded` scores a head (len rounded up to
-   16), the cache's `bs` slots a block. */
+   values), `slot` values a cache slot (every kv head's), the keys [first, len) it attends (first > 0
+   under a sliding window), `padded` scores a head (len - first rounded up to 16), the cache's `bs`
+   slots a block. */
 typedef struct {
     int H, KVH, G, NV, D;
-    int64_t slot, padded, len, bs;
+    int64_t slot, padded, first, len, bs;
 } RowShape;
 
 /* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
@@ -132,26 +136,28 @@ ALWAYS_INLINE void score_one(const v16f *qs, const void *kc, int64_t key, const 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Every head's scores of the row's `len` keys, block by block through `table`: four keys at a time
-   within a block (their vectors in registers, each query head's four sums reduced together), the
-   block's rest one at a time; the next block's keys prefetched alongside (the last block's: the
-   first values). */
+/* Every head's scores of the row's keys [first, len) (key t's at scores[t - first]), block by block
+   through `table`: four keys at a time within a block (their vectors in registers, each query head's
+   four sums reduced together), the block's rest one at a time; the next block's keys prefetched
+   alongside (the last block's: the first values). */
 ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const void *vc, const int64_t *table,
                               const RowShape *r, float *scores, int bf16) {
-    for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
+    const int64_t b0 = r->first / r->bs;
+    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
         const int64_t kb = table[blk] * r->bs * r->slot;
         const int last = t0 + r->bs >= r->len;
         const void *next = last ? vc : kc;
-        const int64_t next_block = last ? table[0] : table[blk + 1];
-        const int64_t next_n = last ? min64(r->len, r->bs) : min64(r->len - t0 - r->bs, r->bs);
-        int64_t j = 0;
+        const int64_t next_block = last ? table[b0] : table[blk + 1];
+        const int64_t next_n = last ? min64(r->len - b0 * r->bs, r->bs) : min64(r->len - t0 - r->bs, r->bs);
+        float *s = scores + t0 - r->first; /* key t0 + j's score at s[j] */
+        int64_t j = blk == b0 ? r->first - t0 : 0;
         for (; j + 4 <= n; j += 4) {
             if (j < next_n) prefetch_slots(next, next_block, j, min64(j + 4, next_n), r, bf16);
-            score_four(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+            score_four(qs, kc, kb + j * r->slot, r, s + j, bf16);
         }
         if (j < next_n) prefetch_slots(next, next_block, j, next_n, r, bf16);
-        for (; j < n; j++) score_one(qs, kc, kb + j * r->slot, r, scores + t0 + j, bf16);
+        for (; j < n; j++) score_one(qs, kc, kb + j * r->slot, r, s + j, bf16);
     }
 }
 
@@ -159,7 +165,7 @@ ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const void *vc, co
 static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
     for (int h = 0; h < r->H; h++) {
         float *s = scores + h * r->padded;
-        for (int64_t t = r->len; t < r->padded; t++) s[t] = -INFINITY;
+        for (int64_t t = r->len - r->first; t < r->padded; t++) s[t] = -INFINITY;
     }
     for (int h = 0; h < r->H; h++) {
         float *s = scores + h * r->padded;
@@ -206,33 +212,40 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
     }
 }
 
-/* acc [H][NV] = every head's values weighted by its (unnormalised) scores, as score_keys goes (the next
-   block's values prefetched alongside). */
+/* acc [H][NV] = every head's values [first, len) weighted by its (unnormalised) scores, as score_keys
+   goes (the next block's values prefetched alongside). */
 ALWAYS_INLINE void weigh_values(const float *scores, const void *vc, const int64_t *table, const RowShape *r,
                                 v16f *acc, int bf16) {
     for (int i = 0; i < r->H * r->NV; i++) acc[i] = (v16f){0};
-    for (int64_t t0 = 0, blk = 0; t0 < r->len; t0 += r->bs, blk++) {
+    const int64_t b0 = r->first / r->bs;
+    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
         const int64_t vb = table[blk] * r->bs * r->slot;
         const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
-        int64_t j = 0;
+        const float *s = scores + t0 - r->first;
+        int64_t j = blk == b0 ? r->first - t0 : 0;
         for (; j + 4 <= n; j += 4) {
             if (j < next_n) prefetch_slots(vc, table[blk + 1], j, min64(j + 4, next_n), r, bf16);
-            weigh_four(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+            weigh_four(s + j, vc, vb + j * r->slot, r, acc, bf16);
         }
         if (j < next_n) prefetch_slots(vc, table[blk + 1], j, next_n, r, bf16);
-        for (; j < n; j++) weigh_one(scores + t0 + j, vc, vb + j * r->slot, r, acc, bf16);
+        for (; j < n; j++) weigh_one(s + j, vc, vb + j * r->slot, r, acc, bf16);
     }
 }
 
-/* One row: qs [H][NV] vectors (scaled), its `len` keys through `table`; out [H][D] (element `at` of
-   `out`). `scores` holds H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
+/* The first key a row of `len` keys attends under a sliding window of `window` keys (<= 0: none). */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+/* One row: qs [H][NV] vectors (scaled), its keys [first, len) through `table`; out [H][D] (element `at`
+   of `out`). `scores` holds H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
    inlined (attend_row's cases), so each head size gets loops unrolled for it. */
-ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const int64_t *table, int64_t len,
-                          int64_t bs, int H, int KVH, const int NV, float *scores, v16f *acc, void *out, int64_t at,
-                          int bf16) {
+ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const int64_t *table, int64_t first,
+                          int64_t len, int64_t bs, int H, int KVH, const int NV, float *scores, v16f *acc, void *out,
+                          int64_t at, int bf16) {
     const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * 16, .slot = (int64_t)KVH * NV * 16,
-                        .padded = (len + 15) & ~(int64_t)15, .len = len, .bs = bs};
+                        .padded = (len - first + 15) & ~(int64_t)15, .first = first, .len = len, .bs = bs};
     float inv[MAX_HEADS];
     score_keys(qs, kc, vc, table, &r, scores, bf16);
     softmax_heads(scores, &r, inv);
@@ -246,7 +259,7 @@ typedef struct {
     const void *q, *kc, *vc;
     const int64_t *table, *lengths;
     void *out;
-    int64_t table_stride, H, KVH, D, bs;
+    int64_t table_stride, H, KVH, D, bs, window; /* window: a sliding window's keys (0: none) */
     float scale;
 } Call;
 
@@ -256,12 +269,13 @@ ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, v16f *buf
     v16f *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
     for (int64_t i = 0; i < c->H * NV; i++) qs[i] = load16_at(c->q, b * c->H * c->D + i * 16, bf16) * c->scale;
     const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
+    const int64_t first = window_start(len, c->window);
     switch (NV) {
-    case 1: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
-    case 2: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 2, scores, acc, c->out, at, bf16); break;
-    case 4: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 4, scores, acc, c->out, at, bf16); break;
-    case 8: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 8, scores, acc, c->out, at, bf16); break;
-    default: attend(qs, c->kc, c->vc, tb, len, c->bs, H, KVH, 16, scores, acc, c->out, at, bf16); break;
+    case 1: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
+    case 2: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 2, scores, acc, c->out, at, bf16); break;
+    case 4: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 4, scores, acc, c->out, at, bf16); break;
+    case 8: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 8, scores, acc, c->out, at, bf16); break;
+    default: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 16, scores, acc, c->out, at, bf16); break;
     }
 }
 
@@ -292,16 +306,17 @@ static int more_keys_first(const void *a, const void *b) {
    differ in keys by up to 8x: taken in row order, one thread often had the two longest; a step of
    Qwen3-1.7B's attention 1.19x faster at 32 rows, 1.11x at 256). malloc'd; NULL when out of memory. */
 static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64_t *lengths, int64_t B,
-                         int64_t *count) {
+                         int64_t window, int64_t *count) {
     Run *runs = malloc(sizeof(Run) * (size_t)(B + 1));
     if (runs == NULL) return NULL;
     *count = 0;
     for (int64_t b = 0; b < B; b++) {
         Run *last = *count ? runs + *count - 1 : NULL;
+        const int64_t keys = lengths[b] - window_start(lengths[b], window);
         if (last == NULL || b - last->first >= MAX_RUN || table[b * table_stride] != table[(b - 1) * table_stride])
-            runs[(*count)++] = (Run){b, b + 1, lengths[b]};
+            runs[(*count)++] = (Run){b, b + 1, keys};
         else
-            last->end = b + 1, last->keys += lengths[b];
+            last->end = b + 1, last->keys += keys;
     }
     qsort(runs, (size_t)*count, sizeof(Run), more_keys_first);
     return runs;
@@ -331,7 +346,8 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
 }
 
 /* q [B, H, D] and out [B, H, D] contiguous, in the cache's dtype; k/v cache [blocks, bs, KVH, D];
-   block_table [B, table_stride] int64; lengths [B] int64 (keys per row, all written already).
+   block_table [B, table_stride] int64; lengths [B] int64 (keys per row, all written already); window:
+   a row attends its last `window` keys only (<= 0: all of them).
    Returns 0, -1 for shapes this kernel does not take (the caller uses torch then), -2 when out
    of memory. */
 static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
@@ -340,7 +356,7 @@ static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
         max_len <= 0)
         return -1;
     int64_t count;
-    Run *runs = sibling_runs(c->table, c->table_stride, c->lengths, B, &count);
+    Run *runs = sibling_runs(c->table, c->table_stride, c->lengths, B, c->window, &count);
     if (runs == NULL) return -2;
     const int rc = attend_rows(c, runs, count, max_len, bf16);
     free(runs);
@@ -349,14 +365,14 @@ static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
 
 int paged_decode_f32(const float *q, const float *kc, const float *vc, const int64_t *table, int64_t table_stride,
                      const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                     int64_t max_len, float scale) {
-    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, scale};
+                     int64_t max_len, int64_t window, float scale) {
+    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, window, scale};
     return paged_decode(&c, B, max_len, 0);
 }
 
 int paged_decode_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
                       int64_t table_stride, const int64_t *lengths, uint16_t *out, int64_t B, int64_t H, int64_t KVH,
-                      int64_t D, int64_t bs, int64_t max_len, float scale) {
-    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, scale};
+                      int64_t D, int64_t bs, int64_t max_len, int64_t window, float scale) {
+    const Call c = {q, kc, vc, table, lengths, out, table_stride, H, KVH, D, bs, window, scale};
     return paged_decode(&c, B, max_len, 1);
 }
