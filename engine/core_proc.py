@@ -302,11 +302,11 @@ def _warm_up(model_dir: str) -> None:
     """What a standby core does before it is needed: import the model's modelling code (most of
     an engine's start on CPU is importing torch and transformers, not loading the weights)."""
     from engine import model_runner  # noqa: F401 - torch, and the engine's own modules
-    from engine.models import llama_model
+    from engine.models import model_loader
     from engine.tokenizer import load_tokenizer
 
     load_tokenizer(model_dir)  # imports what this model's tokenizer needs (transformers', or tokenizers alone)
-    if llama_model.unsupported(model_dir) is not None:  # transformers' modelling code will load it
+    if model_loader.own_module(model_dir).unsupported(model_dir) is not None:  # transformers' code will load it
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from engine.models import attention

@@ -232,11 +232,16 @@ def load(model_dir: str, dtype: torch.dtype, layer: type[nn.Module] = DecoderLay
     """The model with its checkpoint's weights in `dtype`; None when the checkpoint's names do not
     fit this model (the caller loads it with transformers then). `layer`: the decoder layer's
     class; `rename(state, cfg)`: the checkpoint's tensors under the model's names (experts fused)."""
+    return load_into(model_dir, dtype, read_config(model_dir), lambda cfg, gen: CausalLM(cfg, gen, layer), rename)
+
+
+def load_into(model_dir: str, dtype: torch.dtype, cfg: SimpleNamespace, build, rename=None):
+    """`build(cfg, generation_config)`'s model (made on the meta device) with the checkpoint's weights in
+    `dtype`; None when the checkpoint's names do not fit it."""
     from safetensors.torch import load_file
 
-    cfg = read_config(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg, _generation_config(model_dir, cfg), layer)
+        model = build(cfg, _generation_config(model_dir, cfg))
     state = {}
     for path in weight_files(model_dir):
         state.update(load_file(path))

@@ -11,16 +11,17 @@ import torch
 
 from engine.kernels import (derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, native_glue,
                             packed_linears)
-from engine.models import attention, fused_layers, llama_model, moe_model
+from engine.models import attention, fused_layers, gemma_model, llama_model, moe_model
 from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
 def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
-    """The model of `cfg.model`: our Llama-shaped modules where they cover it (no transformers
-    import: engine/models/llama_model.py), else transformers' with the paged attention plugged in."""
-    own = moe_model if cfg.fuse_layers and moe_model.is_moe(_config(cfg.model)) else llama_model
+    """The model of `cfg.model`: our own modules where they cover it (no transformers import:
+    engine/models/llama_model.py, moe_model.py, gemma_model.py), else transformers' with the paged
+    attention plugged in."""
+    own = own_module(cfg.model)
     why_not = own.unsupported(cfg.model, max_model_len=cfg.max_model_len) if cfg.fuse_layers else "fused layers off"
     model = own.load(cfg.model, cfg.torch_dtype) if why_not is None else None
     if model is None:
@@ -47,11 +48,14 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def _config(model_dir: str):
+def own_module(model_dir: str):
+    """Which of the engine's own model modules would build `model_dir` (its `unsupported` says whether
+    it can): Gemma 3's, the mixtures of experts', or the Llama-shaped dense families'."""
     try:
-        return llama_model.read_config(model_dir)
-    except (OSError, KeyError, ValueError):
-        return None  # llama_model.unsupported says why
+        cfg = llama_model.read_config(model_dir)
+    except (OSError, KeyError, ValueError, TypeError):
+        return llama_model  # whose unsupported says why
+    return gemma_model if gemma_model.is_gemma(cfg) else moe_model if moe_model.is_moe(cfg) else llama_model
 
 
 def _quantize(model: torch.nn.Module, quantization: str) -> None:

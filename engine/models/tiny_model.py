@@ -1,6 +1,6 @@
 """Build tiny HF causal LMs offline: a byte-level BPE tokenizer trained on a built-in corpus,
-a Qwen2, Qwen3, Llama or Llama 3 (scaled rope) config (or a mixture of experts: qwen3_moe, qwen2_moe,
-mixtral, olmoe), seeded random init, saved with `save_pretrained`.
+a Qwen2, Qwen3, Llama, Llama 3 (scaled rope) or Gemma 3 config (or a mixture of experts: qwen3_moe,
+qwen2_moe, mixtral, olmoe), seeded random init, saved with `save_pretrained`.
 
 The result is an ordinary model directory: everything downstream loads it exactly as it would a
 real checkpoint (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`).
@@ -42,7 +42,11 @@ EOS, PAD, BOS = SPECIAL_TOKENS
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # llama3: Llama's with Llama 3.1's scaled rope (an original context of 64 positions, so that tests'
 # short sequences cross the scaled wavelengths); qwen3: q/k norms per head
-ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS)
+# gemma3: Gemma 3's text model (four norms a layer, GELU, q/k norms), a window of 32 keys on three
+# layers of four and the global rope on the fourth; its head untied (a tied one, Gemma's sqrt(hidden)
+# embedding scale, and a random init only ever repeat the last token) and its norms' weights random
+# (HF starts them at 0: each scales by 1 + w)
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS, "gemma3")
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -130,6 +134,12 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
         return Qwen3Config(**common, head_dim=hidden // heads)
     if arch in MOE_ARCHS:
         return _moe_config(arch, common)
+    if arch == "gemma3":
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model("gemma3_text", **{**common, "tie_word_embeddings": False},
+                                    head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=32,
+                                    layer_types=["sliding_attention"] * 3 + ["full_attention"] * (layers - 3))
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -228,6 +238,11 @@ def _write_model(out: Path, size: str, arch: str, seed: int) -> None:
     config = build_config(arch, size, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     model.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
@@ -323,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default: tiny, ~4M params)")
     p.add_argument("--arch", default="qwen2", choices=ARCHS,
-                   help="model architecture (the last four: mixtures of experts, 8 experts, 2 a token)")
+                   help="model architecture (qwen3_moe to olmoe: mixtures of experts, 8 experts, 2 a token; "
+                        "gemma3: Gemma 3's text model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", default=None, help="output directory (default: the shared cache dir)")

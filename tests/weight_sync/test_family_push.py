@@ -1,6 +1,7 @@
-"""Pushes into the engine's own layers of today's dense families (engine/models/llama_model.py): Qwen3 (its
-per-head q/k norms are weights a push carries) and Llama 3 (a scaled rope: nothing to push, but the
-tables the engine keeps must survive the push). The trainer is this pytest process, the engines real
+"""Pushes into the engine's own layers of today's dense families (engine/models/llama_model.py,
+gemma_model.py): Qwen3 (its per-head q/k norms are weights a push carries), Llama 3 (a scaled rope:
+nothing to push, but the tables the engine keeps must survive the push) and Gemma 3 (four norms a layer
+and q/k norms, each scaling by 1 + w: the pushed w, not 1 + w). The trainer is this pytest process, the engines real
 AsyncEngines (bf16 and fp32) over one gloo group: a full push and a delta after it land bit for bit
 (the digest), and the fp32 engine then decodes as HF does on the pushed weights."""
 
@@ -16,14 +17,14 @@ from weight_sync import WeightSender
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama3"])
+@pytest.fixture(scope="module", params=["qwen3", "llama3", "gemma3"])
 def arch(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
-def engines(model_dirs, arch, loop):
-    yield from bf16_and_fp32_engines(model_dirs[arch])
+def engines(tiny_dirs, arch, loop):
+    yield from bf16_and_fp32_engines(tiny_dirs[arch])
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +36,11 @@ def sender(arch):
 
 
 @pytest.fixture(scope="module")
-def trainer(model_dirs, arch):
-    return AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+def trainer(tiny_dirs, arch):
+    return AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).eval()
 
 
 def test_a_full_push_then_a_delta_land_bit_for_bit(engines, trainer, arch, sender, group, loop):
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         assert any(n.endswith("self_attn.q_norm.weight") for n, _ in trainer.named_parameters())
     full_then_delta_land_exactly(engines, sender, trainer, loop)
