@@ -42,6 +42,12 @@ SHAPES: dict[str, dict] = {
                      "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": None},
     "smollm2-1.7b": {**_LLAMA, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
                      "num_key_value_heads": 32, "intermediate_size": 8192, "rope_theta": 130000.0},
+    # Gemma 3 1B (gemma3_text): head_dim 256, one kv head, a window of 512 keys on five layers of six
+    "gemma3-1b": {"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": True, "max_position_embeddings": 32768, "hidden_size": 1152,
+                  "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                  "intermediate_size": 6912, "query_pre_attn_scalar": 256, "sliding_window": 512,
+                  "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
     # Qwen3-30B-A3B's proportions scaled to 2 cores (issue 62): 128 experts -> 32, top-8 -> top-4,
     # hidden 2048 -> 1024, 48 layers -> 16, expert MLP 768 -> 512; its attention (head_dim 128, 4 kv heads)
     "qwen3-moe-2core": {"model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -83,8 +89,13 @@ def _build(name: str, dtype: str, seed: int, out: Path) -> None:
     model_type = fields.pop("model_type")
     rope_theta = fields.pop("rope_theta")
     rope = fields.pop("rope_scaling", None) or {"rope_type": "default"}
+    if model_type == "gemma3_text":  # a rope per layer type
+        rope = {"full_attention": {**rope, "rope_theta": rope_theta},
+                "sliding_attention": {"rope_type": "default", "rope_theta": fields.pop("rope_local_base_freq")}}
+    else:
+        rope = {**rope, "rope_theta": rope_theta}
     cfg = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                               rope_parameters={**rope, "rope_theta": rope_theta}, initializer_range=0.02, **fields)
+                               rope_parameters=rope, initializer_range=0.02, **fields)
     log.info("building %s (%s, random weights) into %s", name, dtype, out)
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -95,7 +106,7 @@ def _build(name: str, dtype: str, seed: int, out: Path) -> None:
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if model_type == "gemma3_text" else 1.0)  # Gemma's norms scale by 1 + w
             else:  # drawn in fp32 and rounded: the same weights whatever the saved dtype
                 p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
     tmp = out.with_name(out.name + ".tmp")
