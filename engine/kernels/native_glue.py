@@ -24,7 +24,8 @@ def glue_in_c(model: torch.nn.Module) -> None:
     """Every norm and MLP of `model` runs its fp32 glue in C (C_GLUE), as the C decode loop does: a row
     then has the same bits in a prefill step as in a decode step (batch invariance across step kinds)."""
     for module in model.modules():
-        if hasattr(module, "variance_epsilon") or hasattr(module, "act_fn"):  # a norm, an MLP
+        # a norm, an MLP (Llama's by their attributes; Gemma's mark themselves)
+        if hasattr(module, "variance_epsilon") or hasattr(module, "act_fn") or getattr(module, "GLUE_IN_C", False):
             setattr(module, C_GLUE, True)
 
 
@@ -33,6 +34,8 @@ _SIGNATURES = {
     "rope_cache": (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
     "add_rms_norm": (_PTR, _PTR, _PTR, _PTR, _F, _I64, _I64, _PTR),
     "silu_mul": (_PTR, _I64, _I64, _I64, _PTR),
+    "gelu_tanh_mul": (_PTR, _I64, _I64, _I64, _PTR),
+    "gemma_norm": (_PTR, _PTR, _F, _I64, _I64, _PTR),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -84,10 +87,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return h, out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """bf16 or fp32: silu(gate) * up, where gate and up are the two halves of one [T, 2I] tensor's
-    rows (fused_linears' gate/up output), or None."""
-    fn = _fn("silu_mul", gate.dtype)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, kernel: str = "silu_mul") -> torch.Tensor | None:
+    """bf16 or fp32: silu(gate) * up (`kernel` "gelu_tanh_mul": GELU's tanh form), where gate and up are the
+    two halves of one [T, 2I] tensor's rows (fused_linears' gate/up output), or None."""
+    fn = _fn(kernel, gate.dtype)
     if fn is None or gate.dim() != 2 or not (_rows(gate) and _rows(up)) or gate.stride(0) != up.stride(0):
         return None
     t, i = gate.shape
@@ -95,4 +98,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(t, i, dtype=gate.dtype)
     fn(gate.data_ptr(), gate.stride(0), t, i, out.data_ptr())
+    return out
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """bf16 or fp32 [T, N]: Gemma's RMS norm of each row (scaled by 1 + weight), or None."""
+    fn = _fn("gemma_norm", x.dtype) if weight.dtype == x.dtype else None
+    if fn is None or not x.is_contiguous() or x.dim() != 2 or x.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    fn(x.data_ptr(), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
     return out

@@ -8,8 +8,10 @@ is HF's token for token: the embeddings times sqrt(hidden) (rounded to the weigh
 scale by (1 + w) in fp32 and round once; a norm after the attention and one on each side of the MLP;
 GELU (tanh) for SiLU; attention scaled by `query_pre_attn_scalar`^-1/2; five sliding-window layers to one
 global one (`layer_types`), each kind with its own rope table (10k and 1M bases). The attention is the paged
-one of engine/models/attention.py (each layer's window), the linears the engine's kernels; the layers run
-in Python (the C decode loop is Llama-shaped: Llama's norms and SiLU), prefill and decode alike.
+one of engine/models/attention.py (each layer's window), the linears the engine's kernels, the norms and
+GELU in C (engine/kernels/native/layer_glue.c) in bf16 and in a batch-invariant fp32 engine (its default;
+the fp32 sums in another order than torch's, within an ulp or so); the layers run in Python (the C decode
+loop is Llama-shaped: Llama's norms and SiLU), prefill and decode alike.
 
 Soft-capped logits (Gemma 2's, `attn_logit_softcapping`, `final_logit_softcapping`) and bidirectional
 attention are not built: such a directory is loaded by transformers (`unsupported` says why).
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import fused_linears
+from engine.kernels import fused_linears, native_glue
 from engine.models import attention, fused_layers, llama_model, rope_scaling
 
 ARCHS = ("gemma3_text",)
@@ -92,9 +94,17 @@ def unsupported(model_dir: str, max_model_len: int | None = None) -> str | None:
     return next((why for ok, why in checks if not ok), None)
 
 
+def _glue_in_c(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `module`'s elementwise glue runs in C (engine/kernels/native/layer_glue.c's Gemma kernels): in
+    bf16 always (torch's ops took a third of a decode step), in fp32 where the engine is batch invariant."""
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or getattr(module, native_glue.C_GLUE, False))
+
+
 class RMSNorm(nn.Module):
     """Gemma's: x normed in fp32, times (1 + w) in fp32, rounded to x's dtype once (Llama's rounds before
     multiplying by w). The weight is stored as w (HF's name and values: a push's tensor)."""
+
+    GLUE_IN_C = True  # native_glue.glue_in_c marks it
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -102,6 +112,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _glue_in_c(self, x):
+            n = x.shape[-1]
+            out = native_glue.gemma_norm(x.reshape(-1, n).contiguous(), self.weight, self.eps)
+            if out is not None:
+                return out.view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).type_as(x)
@@ -134,6 +149,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    GLUE_IN_C = True
+
     def __init__(self, cfg: SimpleNamespace):
         super().__init__()
         self.gate_proj = llama_model.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -143,7 +160,8 @@ class MLP(nn.Module):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         gate_up = fused_linears.project(self, y)
         gate, up = gate_up if gate_up is not None else (self.gate_proj(y), self.up_proj(y))
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        act = native_glue.silu_mul(gate[0], up[0], "gelu_tanh_mul") if _glue_in_c(self, gate) else None
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up if act is None else act.view(gate.shape))
 
 
 class DecoderLayer(nn.Module):

@@ -1,6 +1,6 @@
 """The decoder layer's elementwise steps in C (engine/kernels/native/layer_glue.c) against the torch ops they
 replace: the rotation and cache writes bit for bit, the bf16 norm and silu * up within the one bf16
-rounding their header names."""
+rounding their header names, Gemma's norm and GELU * up within their arithmetic's bounds."""
 
 import pytest
 import torch
@@ -94,6 +94,52 @@ def test_add_and_norm_and_silu_in_fp32_within_their_rounding():
     got = native_glue.silu_mul(gate_up[:, :300], gate_up[:, 300:])
     want = F.silu(gate_up[:, :300]) * gate_up[:, 300:]
     assert ((got - want).abs() <= 8 * 2.0**-24 * want.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemmas_norm_against_hfs_module(dtype):
+    """Gemma's (1 + w) norm against gemma_model.RMSNorm's torch ops (HF's Gemma3RMSNorm): in fp32 apart only
+    by the mean's summation order and a division for rsqrt ((N + 6) u |y|); in bf16 the same fp32 value
+    rounded once, so at most a bf16 ulp apart where it falls near a boundary (2 ulp allowed, rare)."""
+    from engine.models.gemma_model import RMSNorm
+
+    _ready(dtype)
+    g = torch.Generator().manual_seed(5)
+    n = 1152 + 7  # Gemma 3 1B's width, and a tail of 7 values alone
+    x = (torch.randn(37, n, generator=g) * torch.logspace(-2, 2, 37)[:, None]).to(dtype)
+    norm = RMSNorm(n, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g) * 0.5)
+    want = norm(x.float().to(dtype)) if dtype == torch.float32 else norm(x)
+    got = native_glue.gemma_norm(x, norm.weight, 1e-6)
+    if dtype == torch.float32:
+        assert ((got - want).abs() <= (n + 6) * 2.0**-24 * want.abs() + 1e-30).all()
+    else:
+        ulp = BF16_EPS * want.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+        assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+        assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_times_up_against_torchs_tanh_gelu(dtype):
+    """GELU's tanh form times up. tanh as 1 - 2 / (e^2y + 1) is within a few fp32 ulps of torch's where
+    |tanh| is far from 1; where it nears -1 both lose 1 + tanh to cancellation (an absolute error of a few
+    u in it, times 0.5 |g|): |error| <= 8 u (|want| + 0.5 |g| |up|); bf16 rounds that once (2 ulp, rare)."""
+    _ready(dtype)
+    g = torch.Generator().manual_seed(6)
+    i = 6912 + 5
+    gate_up = (torch.randn(19, 2 * i, generator=g) * 4).to(dtype)
+    gate, up = gate_up.split(i, dim=-1)
+    got = native_glue.silu_mul(gate, up, "gelu_tanh_mul")
+    want = F.gelu(gate, approximate="tanh") * up
+    slack = 8 * 2.0**-24 * (want.float().abs() + 0.5 * (gate.float() * up.float()).abs())
+    if dtype == torch.float32:
+        assert ((got - want).abs() <= slack + 1e-30).all()
+    else:
+        ulp = BF16_EPS * want.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+        assert ((got.float() - want.float()).abs() <= 2 * ulp + slack).all()
+        clear = gate.float() > -2  # away from the cancellation: a rare boundary's flip only
+        assert (got != want)[clear].float().mean().item() < 0.01
 
 
 def test_what_the_kernels_do_not_take_goes_to_torch():

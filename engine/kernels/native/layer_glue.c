@@ -9,7 +9,11 @@
    times 1 / sqrt(mean + eps), round, times the weight, round): HF's arithmetic but for the order
    of the mean's fp32 sum.
    silu_mul (bf16): silu(gate) rounded, times up, rounded, as torch's two ops; e^x by Cephes' expf
-   (within an ulp of torch's) where torch uses SLEEF's. */
+   (within an ulp of torch's) where torch uses SLEEF's.
+   Gemma 3's (engine/models/gemma_model.py), where torch's ten ops a norm and its bf16 GELU took a third of
+   a 32-sequence step of Gemma 3 1B's shape: gemma_norm, HF's Gemma3RMSNorm (x widened, times
+   1 / sqrt(mean(x^2) + eps), times 1 + w in fp32, rounded once); gelu_tanh_mul, GELU's tanh form of
+   gate rounded, times up, rounded, tanh(y) as 1 - 2 / (e^2y + 1) (a few ulps from torch's). */
 
 #include "common.h"
 
@@ -127,3 +131,58 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
         for (int64_t i = 0; i < N; i++) o[i] = w[i] * (hr[i] * inv);
     }
 }
+
+/* Gemma's RMS norm: x [T, N] -> out [T, N]: (x * (1 / sqrt(mean(x^2) + eps))) * (1 + w), in fp32 (x and w
+   widened), rounded to the dtype once; the squares summed lane by lane, then the lanes in order. */
+#define DEFINE_GEMMA_NORM(NAME, T_, LOAD16, STORE16, LOAD, STORE)                                      \
+    void NAME(const T_ *x, const T_ *w, float eps, int64_t T, int64_t N, T_ *out) {                   \
+        const int64_t N16 = N & ~(int64_t)15;                                                          \
+        _Pragma("omp parallel for schedule(static) if (T * N > 16384)")                               \
+        for (int64_t t = 0; t < T; t++) {                                                              \
+            const T_ *xr = x + t * N;                                                                  \
+            T_ *o = out + t * N;                                                                       \
+            v16f lanes = {0};                                                                          \
+            for (int64_t i = 0; i < N16; i += 16) {                                                    \
+                const v16f h = LOAD16(xr + i);                                                         \
+                lanes += h * h;                                                                        \
+            }                                                                                          \
+            float sum = 0.f;                                                                           \
+            for (int l = 0; l < 16; l++) sum += lanes[l];                                              \
+            for (int64_t i = N16; i < N; i++) sum += LOAD(xr[i]) * LOAD(xr[i]);                        \
+            const float inv = 1.f / sqrtf(sum / (float)N + eps);                                       \
+            for (int64_t i = 0; i < N16; i += 16)                                                      \
+                STORE16(o + i, (LOAD16(xr + i) * inv) * (1.0f + LOAD16(w + i)));                        \
+            for (int64_t i = N16; i < N; i++) o[i] = STORE((LOAD(xr[i]) * inv) * (1.0f + LOAD(w[i])));  \
+        }                                                                                              \
+    }
+
+DEFINE_GEMMA_NORM(gemma_norm_bf16, uint16_t, load16_bf16, store16_bf16, load_bf16, store_bf16)
+DEFINE_GEMMA_NORM(gemma_norm_f32, float, load16_f32, store16_f32, load_f32, store_f32)
+
+/* tanh(y), 16 at a time, as 1 - 2 / (e^2y + 1): 1 where e^2y overflows, -1 where it underflows. */
+static inline v16f vtanh(v16f y) { return 1.0f - 2.0f / (vexp(y + y) + 1.0f); }
+
+/* gate_up [T, 2I] (row stride `stride`, gate then up) -> out [T, I]: GELU's tanh form of gate,
+   0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), rounded to the dtype, times up, rounded. */
+#define DEFINE_GELU(NAME, T_, LOAD16, ROUND16, STORE16, LOAD, ROUND, STORE)                         \
+    void NAME(const T_ *gate_up, int64_t stride, int64_t T, int64_t I, T_ *out) {                   \
+        const float k = 0.7978845608028654f, c = 0.044715f;                                        \
+        _Pragma("omp parallel for schedule(static) if (T * I > 16384)")                             \
+        for (int64_t t = 0; t < T; t++) {                                                           \
+            const T_ *g = gate_up + t * stride, *u = g + I;                                         \
+            T_ *o = out + t * I;                                                                    \
+            int64_t i = 0;                                                                          \
+            for (; i + 16 <= I; i += 16) {                                                          \
+                const v16f x = LOAD16(g + i);                                                       \
+                const v16f gelu = 0.5f * x * (1.0f + vtanh(k * (x + c * x * x * x)));               \
+                STORE16(o + i, ROUND16(gelu) * LOAD16(u + i));                                      \
+            }                                                                                       \
+            for (; i < I; i++) {                                                                    \
+                const float x = LOAD(g[i]);                                                         \
+                o[i] = STORE(ROUND(0.5f * x * (1.0f + tanhf(k * (x + c * x * x * x)))) * LOAD(u[i])); \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+DEFINE_GELU(gelu_tanh_mul_bf16, uint16_t, load16_bf16, round16_bf16, store16_bf16, load_bf16, round_bf16, store_bf16)
+DEFINE_GELU(gelu_tanh_mul_f32, float, load16_f32, keep16_f32, store16_f32, load_f32, round_f32, store_f32)
