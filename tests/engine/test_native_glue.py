@@ -122,9 +122,10 @@ def test_gemmas_norm_against_hfs_module(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_times_up_against_torchs_tanh_gelu(dtype):
-    """GELU's tanh form times up. tanh as 1 - 2 / (e^2y + 1) is within a few fp32 ulps of torch's where
-    |tanh| is far from 1; where it nears -1 both lose 1 + tanh to cancellation (an absolute error of a few
-    u in it, times 0.5 |g|): |error| <= 8 u (|want| + 0.5 |g| |up|); bf16 rounds that once (2 ulp, rare)."""
+    """GELU's tanh form times up, as g / (1 + e^-2y): within a few fp32 ulps of torch's 0.5 g (1 + tanh(y))
+    where tanh is far from -1; where it nears -1 torch's 1 + tanh loses digits to cancellation (an absolute
+    error of a few u in it, times 0.5 |g|): |error| <= 8 u (|want| + 0.5 |g| |up|); bf16 rounds that once
+    (2 ulp, rare)."""
     _ready(dtype)
     g = torch.Generator().manual_seed(6)
     i = 6912 + 5
