@@ -10,8 +10,9 @@ GELU (tanh) for SiLU; attention scaled by `query_pre_attn_scalar`^-1/2; five sli
 global one (`layer_types`), each kind with its own rope table (10k and 1M bases). The attention is the paged
 one of engine/models/attention.py (each layer's window), the linears the engine's kernels, the norms and
 GELU in C (engine/kernels/native/layer_glue.c) in bf16 and in a batch-invariant fp32 engine (its default;
-the fp32 sums in another order than torch's, within an ulp or so); the layers run in Python (the C decode
-loop is Llama-shaped: Llama's norms and SiLU), prefill and decode alike.
+the fp32 sums in another order than torch's, within an ulp or so); a decode step's layers in one C call
+(engine/kernels/native/decode_layers.c's Gemma order: the same kernels on the same values, so the Python
+forward's bits), a prefill's in Python.
 
 Soft-capped logits (Gemma 2's, `attn_logit_softcapping`, `final_logit_softcapping`) and bidirectional
 attention are not built: such a directory is loaded by transformers (`unsupported` says why).
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import fused_linears, native_glue
-from engine.models import attention, fused_layers, llama_model, rope_scaling
+from engine.models import attention, fused_layers, llama_model, native_layers, rope_scaling
 
 ARCHS = ("gemma3_text",)
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # what HF's configs name tanh-approximated GELU
@@ -129,6 +130,7 @@ class Attention(nn.Module):
         self.layer_idx, self.head_dim = layer_idx, d
         self.scaling = cfg.query_pre_attn_scalar**-0.5
         self.layer_type = cfg.layer_types[layer_idx]
+        self.qk_norm = "head"  # per head, before the rotation (what engine/models/native_layers.py asks)
         self.sliding_window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
         self.q_proj = llama_model.Linear(cfg.hidden_size, h * d, bias=False)
         self.k_proj = llama_model.Linear(cfg.hidden_size, kv * d, bias=False)
@@ -165,6 +167,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    C_DECODE_LOOP = GEMMA = True  # a decode step's layers in one C call (engine/models/native_layers.py)
+
     def __init__(self, cfg: SimpleNamespace, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
@@ -214,6 +218,9 @@ class DecoderModel(nn.Module):
         w = self.embed_tokens.weight
         h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32).to(w.dtype)
         ropes = self.rotary_emb(h, position_ids)
+        done = native_layers.decode(self, h, ropes)  # a decode step in one C call, where it runs
+        if done is not None:
+            return done
         for layer in self.layers:
             h = layer(h, ropes)
         return self.norm(h)

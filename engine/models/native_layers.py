@@ -41,11 +41,12 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
             ("amx_linear", "amx_linear_w8_f32"), bf16_rows.c_kernel(),
             ("f32_linear", "f32_linear_rows"),
             ("layer_glue", f"rope_cache_{x}"),
-            ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"))
+            ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"),
+            ("layer_glue", f"gemma_norm_{x}"), ("layer_glue", f"gelu_tanh_mul_{x}"))
 
 
-LAYER_FIELDS = 29  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE,
-# the sliding window
+LAYER_FIELDS = 33  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE,
+# the sliding window, Gemma's two MLP norms and the layer's rope tables
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
 BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
@@ -54,7 +55,7 @@ _KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_RO
 
 class _Shape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "T", "hidden", "heads", "kv_heads", "head_dim",
-                                               "intermediate", "block_size", "max_len", "table_stride")] + [
+                                               "intermediate", "block_size", "max_len", "table_stride", "gemma")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -153,7 +154,8 @@ def _layer_plan(layer, shape: dict):
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                *(() if sparse else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
     qk_norm = getattr(attn, "qk_norm", None)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()))
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()),
+             *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if shape["gemma"] else ()))
     h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
         shape["intermediate"]
     plan = None
@@ -161,7 +163,7 @@ def _layer_plan(layer, shape: dict):
             and not any(m.bias is not None for m in linears[3:]) and all(hasattr(m, "_derive") for m in linears)
             # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
             and qk_norm in (None, "head")  # a norm over the whole projection (olmoe's) is not the loop's
-            and not any(n.weight.dtype != shape["dtype"] or n.variance_epsilon != shape["eps"] for n in norms)):
+            and not any(n.weight.dtype != shape["dtype"] or _eps(n) != shape["eps"] for n in norms)):
         mlp_linears = () if sparse else ((None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i))
         plan = (tuple(layer.modules()), norms, sparse, qkv_group, attn.q_proj.bias is not None,
                 ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q), *mlp_linears))
@@ -169,10 +171,15 @@ def _layer_plan(layer, shape: dict):
     return plan
 
 
-def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t: int) -> list[int] | None:
+def _eps(norm) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps  # Llama's name, Gemma's
+
+
+def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t: int,
+               rope: tuple = (0, 0)) -> list[int] | None:
     """The layer's row of LAYER_FIELDS, or None when some part of it must run in Python; `keep`
     holds the tensors made for it (its q/k/v bias) until the call, `routed` a sparse MLP's (block,
-    expert ids [t, k])."""
+    expert ids [t, k]); `rope` the addresses of the layer's own rope tables (0, 0: the call's)."""
     plan = _layer_plan(layer, shape)
     if plan is None:
         return None
@@ -198,12 +205,13 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t:
         return None
     if sparse:
         row += [0, 0, 0] * 2  # no gate_up, no down: the sparse fields below
-    heads = [norms[2].weight.data_ptr(), norms[3].weight.data_ptr()] if len(norms) == 4 else [0, 0]
+    heads = [norms[2].weight.data_ptr(), norms[3].weight.data_ptr()] if len(norms) >= 4 else [0, 0]
+    mlp_norms = [norms[4].weight.data_ptr(), norms[5].weight.data_ptr()] if len(norms) == 6 else [0, 0]
     moe = _sparse_fields(layer.mlp, shape, t, routed) if sparse else [0] * MOE_FIELDS
     if moe is None:
         return None
     window = getattr(layer.self_attn, "sliding_window", None) or 0
-    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe, window]
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe, window, *mlp_norms, *rope]
 
 
 def _shape(model, dtype: torch.dtype) -> dict | None:
@@ -213,13 +221,14 @@ def _shape(model, dtype: torch.dtype) -> dict | None:
                               and not getattr(type(layer), "C_DECODE_LOOP", False) for layer in layers):
         return None
     attn = layers[0].self_attn
+    gemma = bool(getattr(type(layers[0]), "GEMMA", False))
     heads = attn.q_proj.weight.shape[0] // attn.head_dim
     kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
     dense = [layer.mlp for layer in layers if not is_sparse(layer.mlp)]
     sparse = [layer.mlp for layer in layers if is_sparse(layer.mlp)]
     return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
-            "intermediate": dense[0].gate_proj.weight.shape[0] if dense else 0, "eps": model.norm.variance_epsilon,
-            "scale": attn.scaling, "dtype": dtype,
+            "intermediate": dense[0].gate_proj.weight.shape[0] if dense else 0, "eps": _eps(model.norm),
+            "scale": attn.scaling, "dtype": dtype, "gemma": gemma,
             # the sparse MLPs' sizes (one for all: a model's sparse layers are alike), for their scratch
             "experts": sparse[0].experts.gate_up_proj.shape[0] if sparse else 0,
             "top_k": sparse[0].top_k if sparse else 0,
@@ -276,9 +285,20 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     if (nd.block_table.shape[0] != t or not hidden.is_contiguous() or slots.dtype != torch.int64
             or not slots.is_contiguous()):
         return None
-    rows, keep, sparse = [], [], []
+    keep = []
+    if shape["gemma"]:  # a rope per layer kind (position_embeddings: their dict), each layer's in its row
+        tables = {kind: attention.rope_tables(pe) for kind, pe in position_embeddings.items()}
+        if any(c.dtype != dtype or not (c.is_contiguous() and s.is_contiguous()) for c, s in tables.values()):
+            return None
+        keep.extend(tables.values())
+        position_embeddings = position_embeddings["full_attention"]
+    rows, sparse = [], []
     for index, layer in enumerate(model.layers):
-        row = _layer_row(layer, ctx, index, shape, keep, sparse, t)
+        rope = (0, 0)
+        if shape["gemma"]:
+            cos_l, sin_l = tables[layer.self_attn.layer_type]
+            rope = (cos_l.data_ptr(), sin_l.data_ptr())
+        row = _layer_row(layer, ctx, index, shape, keep, sparse, t, rope)
         if row is None:
             return None
         rows.append(row)
@@ -294,6 +314,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
     table = torch.tensor(rows, dtype=torch.int64)
     bs = ctx.k_blocks[0].shape[1]
     s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
+               gemma=int(shape["gemma"]),
                **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
     buffer, scratch = _scratch(model, _scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),

@@ -2,7 +2,8 @@
 (token ids and logprobs equal, not close: the same kernels in the same order), in the bf16 engine
 and the weight-only int8 one, on Llama's shape, Qwen2's (q/k/v biases), Llama 3's (scaled rope),
 Qwen3's (q/k norms per head), Qwen3's with YaRN (cos and sin scaled), Mistral's and Qwen2's with sliding
-windows shorter than the sequences, and mixtures of experts'
+windows shorter than the sequences, Gemma 3's (its own layer order, norms and GELU, a rope per layer kind),
+and mixtures of experts'
 sparse MLPs (their routed experts too); in fp32 (C's norm and silu where Python runs torch's) HF's
 greedy tokens and its logprobs within fp32's rounding bound; what the C loop does not take (a LoRA
 hook on a layer, the switch off) runs in Python."""
@@ -26,9 +27,10 @@ avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the
 
 
 @pytest.fixture(scope="module")
-def dirs(model_dirs, variant_dirs):
-    """The tiny families and their variants (Qwen3 with YaRN: cos and sin scaled too; sliding windows)."""
-    return {**model_dirs, **variant_dirs}
+def dirs(model_dirs, variant_dirs, tiny_dirs):
+    """The tiny families and their variants (Qwen3 with YaRN: cos and sin scaled too; sliding windows), and
+    Gemma 3 (its own layer order, norms, GELU and a rope table per layer kind)."""
+    return {**model_dirs, **variant_dirs, "gemma3": tiny_dirs["gemma3"]}
 
 
 @pytest.fixture
@@ -65,7 +67,8 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 
 @bf16_loop
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window",
+                                  "gemma3"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
@@ -148,7 +151,8 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
 
 
 @avx512
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window",
+                                  "gemma3"])
 def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, variant_hf_models, monkeypatch, calls,
                                                               arch):
     monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
@@ -157,7 +161,11 @@ def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, v
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
                         use_tqdm=False)
     assert calls["native"] > 0
-    hf = {**hf_models, **variant_hf_models}[arch]
+    hf = {**hf_models, **variant_hf_models}.get(arch)
+    if hf is None:  # gemma3
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.float32).eval()
     for p, o in zip(prompts, outs):
         c = o.outputs[0]
         assert c.token_ids == hf_greedy(hf, p, 16, ignore_eos=True)

@@ -13,7 +13,12 @@
    logprobs by the fp32 engine's tests.
 
    The residual add that ends a layer (h + down) is done by the next norm's add (add_rms_norm's
-   h = x + r, rounded as torch's add rounds it), the last one by the final norm's. */
+   h = x + r, rounded as torch's add rounds it), the last one by the final norm's.
+
+   Gemma 3's layers (Shape.gemma; engine/models/gemma_model.py) run their own order: Gemma's norm (1 + w,
+   layer_glue.c's gemma_norm) before the attention, after it and on each side of the MLP, the residual
+   added after a norm (h + norm(o): rounded as torch's add), q/k norms Gemma's, GELU for SiLU, and the
+   rope table of the layer's kind (Layer.cos, Layer.sin). */
 
 #include "common.h"
 
@@ -32,7 +37,7 @@ typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const v
    attention in the loop's dtype (layer_glue.c's and paged_decode.c's _bf16 or _f32). */
 typedef struct {
     int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, rope_cache,
-        add_rms_norm, silu_mul, paged_decode;
+        add_rms_norm, silu_mul, paged_decode, gemma_norm, gelu_mul;
     /* a model with sparse MLPs: moe_experts.c's moe_block_* and the kernel table it takes, and its
        router_logits_* (0 for a dense model) */
     int64_t moe_block, moe_kernels, router_logits;
@@ -59,11 +64,13 @@ typedef struct {
        expert ids go, [T, top_k] int64 (a request's routed experts) */
     int64_t moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids;
     int64_t window; /* the layer's sliding window in keys (0: full attention) */
+    /* Gemma's: the norms before and after the MLP, and the layer's rope tables [T, D] (0: the call's) */
+    int64_t pre_ff_norm, post_ff_norm, cos, sin;
 } Layer;
 
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
 typedef struct {
-    int64_t layers, T, hidden, heads, kv_heads, head_dim, intermediate, block_size, max_len, table_stride;
+    int64_t layers, T, hidden, heads, kv_heads, head_dim, intermediate, block_size, max_len, table_stride, gemma;
     float eps, scale;
 } Shape;
 
@@ -104,7 +111,7 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
    [T, hidden]: the embeddings in, the final norm's output out. Returns 0, or the first failing
    kernel's code (a linear's -1: no memory for padded rows; -3: a linear of another dtype;
    decode's -1/-2). */
-#define DEFINE_DECODE(NAME, T_, LINEAR)                                                                        \
+#define DEFINE_DECODE(NAME, T_, LINEAR, ADD)                                                                   \
     typedef struct {                                                                                           \
         T_ *x, *qkv, *q, *k, *attn, *o, *h, *h2, *gate_up, *act, *down;                                        \
         uint16_t *x16; /* [T, the widest input] bf16: a weight-only int8 linear's input in the fp32 loop */   \
@@ -123,8 +130,43 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
                                 int64_t, int64_t, const T_ *, const T_ *, const int64_t *, T_ *, T_ *, T_ *, T_ *); \
     typedef void (*NAME##_norm)(const T_ *, const T_ *, T_ *, const T_ *, float, int64_t, int64_t, T_ *);       \
     typedef void (*NAME##_silu)(const T_ *, int64_t, int64_t, int64_t, T_ *);                                   \
+    typedef void (*NAME##_gnorm)(const T_ *, const T_ *, float, int64_t, int64_t, T_ *);                        \
     typedef int (*NAME##_decode)(const T_ *, const T_ *, const T_ *, const int64_t *, int64_t, const int64_t *, \
                                  T_ *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);   \
+    /* One Gemma layer over cur [T, H] (header): the layer's output in b->h2. */                               \
+    static int NAME##_gemma_layer(const Kernels *kn, const Layer *L, const Shape *s, const T_ *cur,           \
+                                  const int64_t *slots, const int64_t *table, const int64_t *lengths,         \
+                                  const NAME##_scratch *b) {                                                  \
+        const NAME##_gnorm gnorm = (NAME##_gnorm)kn->gemma_norm;                                               \
+        const int64_t T = s->T, H = s->hidden, D = s->head_dim, nq = s->heads * D, nkv = s->kv_heads * D;      \
+        const int64_t nqkv = nq + 2 * nkv, I = s->intermediate;                                                \
+        gnorm(cur, (const T_ *)L->input_norm, s->eps, T, H, b->x);                                             \
+        int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv, b->x16);                                         \
+        if (rc) return rc;                                                                                     \
+        for (int64_t t = 0; t < T; t++) { /* each head's q and k normed in place, as Python's q_norm, k_norm */ \
+            T_ *row = b->qkv + t * nqkv;                                                                       \
+            gnorm(row, (const T_ *)L->q_norm, s->eps, s->heads, D, row);                                       \
+            gnorm(row + nq, (const T_ *)L->k_norm, s->eps, s->kv_heads, D, row + nq);                          \
+        }                                                                                                      \
+        T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                     \
+        ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads,     \
+                                      s->kv_heads, D, (const T_ *)L->cos, (const T_ *)L->sin, slots, kc, vc,   \
+                                      b->q, b->k);                                                             \
+        rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,      \
+                                                s->heads, s->kv_heads, D, s->block_size, s->max_len, L->window, \
+                                                s->scale);                                                     \
+        if (rc) return rc;                                                                                     \
+        if ((rc = LINEAR(kn, L->o, b->attn, T, nq, H, b->o, b->x16))) return rc;                               \
+        gnorm(b->o, (const T_ *)L->post_norm, s->eps, T, H, b->o);                                             \
+        ADD(cur, b->o, T * H, b->h); /* h = cur + norm(o) */                                                   \
+        gnorm(b->h, (const T_ *)L->pre_ff_norm, s->eps, T, H, b->x);                                           \
+        if ((rc = LINEAR(kn, L->gate_up, b->x, T, H, 2 * I, b->gate_up, b->x16))) return rc;                   \
+        ((NAME##_silu)kn->gelu_mul)(b->gate_up, 2 * I, T, I, b->act);                                          \
+        if ((rc = LINEAR(kn, L->down, b->act, T, I, H, b->down, b->x16))) return rc;                           \
+        gnorm(b->down, (const T_ *)L->post_ff_norm, s->eps, T, H, b->down);                                    \
+        ADD(b->h, b->down, T * H, b->h2);                                                                      \
+        return 0;                                                                                              \
+    }                                                                                                          \
     int NAME(const Kernels *kn, const Layer *layers, const Shape *s, const T_ *final_norm, const T_ *cos,      \
              const T_ *sin_signed, const int64_t *slots, const int64_t *table, const int64_t *lengths,          \
              const NAME##_scratch *b, T_ *hidden) {                                                             \
@@ -134,6 +176,12 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
         const T_ *cur = hidden, *res = NULL; /* the layer's input is cur + res (res NULL: cur) */             \
         for (int64_t l = 0; l < s->layers; l++) {                                                              \
             const Layer *L = layers + l;                                                                       \
+            if (s->gemma) {                                                                                    \
+                const int rc = NAME##_gemma_layer(kn, L, s, cur, slots, table, lengths, b);                    \
+                if (rc) return rc;                                                                             \
+                cur = b->h2;                                                                                   \
+                continue;                                                                                      \
+            }                                                                                                  \
             norm(cur, res, b->h, (const T_ *)L->input_norm, s->eps, T, H, b->x);                               \
             const T_ *base = res ? b->h : cur;                                                                 \
             int rc = LINEAR(kn, L->qkv, b->x, T, H, nqkv, b->qkv, b->x16);                                             \
@@ -147,7 +195,8 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
                 }                                                                                              \
             T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                 \
             ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads, \
-                                          s->kv_heads, D, cos, sin_signed, slots, kc, vc, b->q, b->k);         \
+                                          s->kv_heads, D, L->cos ? (const T_ *)L->cos : cos,                   \
+                                          L->sin ? (const T_ *)L->sin : sin_signed, slots, kc, vc, b->q, b->k); \
             rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,  \
                                                     s->heads, s->kv_heads, D, s->block_size, s->max_len, L->window, \
                                                     s->scale);                                                 \
@@ -169,9 +218,20 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
             }                                                                                                  \
             cur = b->h2, res = b->down;                                                                        \
         }                                                                                                      \
-        norm(cur, res, b->h, final_norm, s->eps, T, H, hidden);                                                \
+        if (s->gemma)                                                                                          \
+            ((NAME##_gnorm)kn->gemma_norm)(cur, final_norm, s->eps, T, H, hidden);                             \
+        else                                                                                                   \
+            norm(cur, res, b->h, final_norm, s->eps, T, H, hidden);                                            \
         return 0;                                                                                              \
     }
 
-DEFINE_DECODE(decode_layers_bf16, uint16_t, linear_bf16_)
-DEFINE_DECODE(decode_layers_f32, float, linear_f32)
+/* out = a + b, n values, rounded as torch's add rounds it */
+static void add_bf16(const uint16_t *a, const uint16_t *b, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+static void add_f32(const float *a, const float *b, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+DEFINE_DECODE(decode_layers_bf16, uint16_t, linear_bf16_, add_bf16)
+DEFINE_DECODE(decode_layers_f32, float, linear_f32, add_f32)
