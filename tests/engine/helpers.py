@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 
+import pytest
 import torch
 
 
@@ -84,3 +85,17 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def assert_logprobs_are_hfs(llm, hf, prompts: list[list[int]], max_tokens: int = 16) -> None:
+    """Greedy completions' logprobs against HF's forward over each whole sequence at once (no cache),
+    within fp32's rounding bound (fp32_logprob_tolerance)."""
+    from engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + c.token_ids))
+        ours = [lp if isinstance(lp, float) else next(iter(lp.values())).logprob for lp in c.logprobs]
+        assert ours == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)

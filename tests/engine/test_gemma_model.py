@@ -14,8 +14,7 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kernels import native_kernels
 from engine.models import gemma_model
-from tests.engine.helpers import (activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs,
-                                  model_variant, random_prompts)
+from tests.engine.helpers import assert_logprobs_are_hfs, hf_greedy, model_variant, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +93,7 @@ def test_greedy_tokens_are_hfs_in_fp32_fresh_and_after_a_prefix_hit(path, gemma_
 
 def test_logprobs_are_a_full_hf_forwards_within_fp32_rounding(gemma_dir, hf_gemma):
     llm = LLM(EngineConfig(model=gemma_dir, max_num_seqs=8, max_model_len=128))
-    prompts = random_prompts(3, 30, 50, 2000, seed=31)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        tol = fp32_logprob_tolerance(hf_gemma.config, activation_magnitude(hf_gemma, p + c.token_ids))
-        ours = [lp if isinstance(lp, float) else next(iter(lp.values())).logprob for lp in c.logprobs]
-        assert ours == pytest.approx(hf_logprobs(hf_gemma, p, c.token_ids), abs=tol)
+    assert_logprobs_are_hfs(llm, hf_gemma, random_prompts(3, 30, 50, 2000, seed=31))
 
 
 def test_the_bf16_engine_runs_on_its_own_layers(gemma_dir, hf_gemma):

@@ -13,7 +13,7 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kernels import native_kernels
 from engine.models import llama_model
-from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
+from tests.engine.helpers import assert_logprobs_are_hfs, hf_greedy, random_prompts
 
 WINDOWED = ["mistral_window", "qwen2_window", "qwen3_window", "mixtral_window"]
 
@@ -122,15 +122,7 @@ def test_logprobs_past_the_window_are_a_full_hf_forwards(variant, variant_dirs, 
     """Against HF's forward over the whole sequence at once (no cache: its mask alone applies the
     window), within fp32's rounding bound; a window that did not cut would miss it by far more."""
     llm = LLM(EngineConfig(model=variant_dirs[variant], max_num_seqs=8, max_model_len=128))
-    hf = variant_hf_models[variant]
-    prompts = random_prompts(3, 24, 40, 400, seed=19)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
-                        use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + c.token_ids))
-        ours = [lp if isinstance(lp, float) else next(iter(lp.values())).logprob for lp in c.logprobs]
-        assert ours == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)
+    assert_logprobs_are_hfs(llm, variant_hf_models[variant], random_prompts(3, 24, 40, 400, seed=19))
 
 
 @pytest.mark.parametrize("variant", ["mistral_window", "qwen2_window"])
