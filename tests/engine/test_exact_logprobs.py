@@ -49,11 +49,13 @@ def _assert_exact(scorer, rollouts):
 @pytest.mark.parametrize("arch,dtype,extra", [
     ("qwen2", "float32", {}), ("qwen2", "bfloat16", {}), ("llama3", "bfloat16", {}), ("qwen3", "float32", {}),
     ("qwen3", "bfloat16", {}), ("qwen2", "bfloat16", {"head_dtype": "float32"}),
-    ("qwen2", "bfloat16", {"quantization": "int8"}),
+    ("qwen2", "bfloat16", {"quantization": "int8"}), ("gemma3", "float32", {}), ("gemma3", "bfloat16", {}),
+    ("mistral_window", "bfloat16", {}),  # sliding windows (16 keys; Gemma's 32) shorter than the rollouts
 ])
-def test_the_scorers_logprobs_are_the_engines_bits(model_dirs, arch, dtype, extra):
-    rollouts = _rollouts(LLM(_config(model_dirs[arch], dtype, **extra)))
-    _assert_exact(_scorer(model_dirs[arch], dtype, **extra), rollouts)
+def test_the_scorers_logprobs_are_the_engines_bits(tiny_dirs, variant_dirs, arch, dtype, extra):
+    model_dir = {**tiny_dirs, **variant_dirs}[arch]
+    rollouts = _rollouts(LLM(_config(model_dir, dtype, **extra)))
+    _assert_exact(_scorer(model_dir, dtype, **extra), rollouts)
 
 
 def _perturbed_dir(src, dst, change):
