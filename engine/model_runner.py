@@ -231,8 +231,8 @@ class ModelRunner:
         for start, end, nb in cuts:
             blocks = table[start:end, :nb].reshape(-1)  # row after row
             mask = self._key_positions[: nb * bs] < lengths[start:end, None]
-            if dev.type == "cpu":  # SDPA turns a bool mask into this at every call: once a step, not per layer
-                mask = torch.zeros(mask.shape, dtype=self.k_cache.dtype).masked_fill_(~mask, float("-inf"))
+            # the CPU's SDPA turns a bool mask into an additive one at every call: once a step, not per layer
+            mask = attention.as_mask(mask, self.k_cache.dtype if dev.type == "cpu" else torch.bool)
             chunks.append(attention.decode_chunk(start, end, blocks, nb, mask, k_buf, v_buf, lengths[start:end]))
         ctx.decode_chunks = chunks
         return inputs["ids"], inputs["positions"], ctx

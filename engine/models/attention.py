@@ -239,6 +239,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     ctx = _ctx
     assert ctx is not None, "paged attention called outside the engine's model runner"
+    # what this attention does not compute: refused, never ignored (Gemma 2's soft-capped scores, gpt-oss's sinks)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attention with {name!r} (from {type(module).__name__}) is not supported "
+                                      "by the paged engine")
     # HF's layers pass their window (None or 0: full attention), or hold it (Qwen2-MoE's sliding layers)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     layer = module.layer_idx

@@ -139,7 +139,8 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
 
         return AutoConfig.for_model("gemma3_text", **{**common, "tie_word_embeddings": False},
                                     head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=32,
-                                    layer_types=["sliding_attention"] * 3 + ["full_attention"] * (layers - 3))
+                                    layer_types=["full_attention" if i % 4 == 3 else "sliding_attention"
+                                                 for i in range(layers)])
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

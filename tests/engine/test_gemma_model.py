@@ -119,3 +119,22 @@ def test_soft_capped_logits_are_left_to_transformers(gemma_dir, tmp_path):
     prompt = random_prompts(1, 40, 40, 2000, seed=41)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8, ignore_eos=True)
+
+
+def test_gemma2s_soft_capped_attention_is_refused_not_ignored(gemma_dir, tmp_path):
+    """Gemma 2 runs on transformers' layers with the paged attention plugged in, which does not cap
+    scores: the engine refuses it by name rather than serve another model's tokens."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma2", vocab_size=2048, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  sliding_window=16)
+    assert config.attn_logit_softcapping is not None
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma2")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{gemma_dir}/{name}", tmp_path / "gemma2" / name)
+    llm = LLM(EngineConfig(model=str(tmp_path / "gemma2"), max_model_len=128))
+    with pytest.raises(NotImplementedError, match="'softcap' .*Gemma2Attention"):
+        llm.generate([[5, 6, 7] * 8], SamplingParams(max_tokens=4), use_tqdm=False)
