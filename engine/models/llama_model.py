@@ -57,8 +57,9 @@ def layer_window(cfg: SimpleNamespace, index: int) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if cfg.model_type in ("mistral", "mixtral"):
         return window or None
-    if cfg.model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not getattr(cfg, "use_sliding_window",
-                                                                                        False) or not window:
+    if cfg.model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not window:
+        return None
+    if not getattr(cfg, "use_sliding_window", False):
         return None
     types, top = getattr(cfg, "layer_types", None), getattr(cfg, "max_window_layers", 28)
     if cfg.model_type == "qwen3_moe":
