@@ -156,7 +156,7 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
     assert bad.status_code == 400 and "session id" in bad.json()["error"]["message"]
     chat = httpx.post(router.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                            "stream": True, "user": "chatter"})
+                            "temperature": 0, "ignore_eos": True, "stream": True, "user": "chatter"})
     events = [line for line in chat.text.splitlines() if line.startswith("data: ")]
     assert chat.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 7
 
