@@ -6,14 +6,14 @@
    On Zen 4 a decode step of a 1-2B model is bound by the products, not by memory (Qwen2.5-1.5B at 32
    rows: 98 GFLOP a step, 0.25 s of VDPBF16PS on 2 cores, against 3 GB of weights, 0.1 s of reading).
    Each block holds nr weight rows x mr activation rows of sums in 24 of the 32 vector registers and
-   feeds VDPBF16PS from 10-11 loads per 24 of them; a thread's nr weight rows stay in L1 while every
-   block of activation rows reads them (K in chunks where a block's activations and the rows would not
-   fit L1 together), so each weight byte comes from memory once a tile of rows. Two shapes: 4 weight
-   rows x 6 activation rows up to 12 rows a call (memory's calls) and past 64 (prefills); 8 x 3 between
-   (a decode step's products: half the activation loads from L2 per product). Measured (bench/RESULTS.md):
-   1.1-1.5x oneDNN's prepacked op at 1-12 rows, where memory binds; 0.93-1.07x at 16-32 rows (0.91-1.03x
-   with 4 x 6 blocks there), where the activations' loads from L2 cost more than oneDNN's broadcasts
-   from a packed copy.
+   feeds VDPBF16PS from 10-11 loads per 24 of them; a thread's nr weight rows stay in L1 or L2 while
+   every block of activation rows reads them, so each weight byte comes from memory once a tile of rows.
+   Two shapes: 4 weight rows x 6 activation rows up to 12 rows a call (memory's calls), 8 x 3 from 13 rows
+   (a decode step's products and a prefill's: half the activation loads from L2 per product). Measured
+   on Qwen2.5-1.5B's linears (bench/RESULTS.md, 2026-12-05): 1.2-1.3x oneDNN's prepacked op at 9-12 rows,
+   where memory binds, 1.11-1.16x at 16-32 rows (397-401 GFLOP/s; VDPBF16PS alone, from registers,
+   420-427), 1.01x at 64, 0.93-0.96x at 128-256, where oneDNN's broadcasts from a packed copy need less
+   of the caches.
 
    Arithmetic: every product of two bf16 values is exact in fp32. Lane i of a sum holds the pairs at
    K = 32 j + 2 i and 2 i + 1 for j = 0, 1, ... (VDPBF16PS adds each pair's two products in turn, with
@@ -28,12 +28,12 @@
 
 #define NR_MAX 8 /* weight rows a block at most: its outputs' columns (lane_sums takes four at a time) */
 #define MR_MAX 6 /* activation rows a block at most */
-/* Calls of WIDE_MIN_ROWS to WIDE_MAX_ROWS rows take blocks of 8 weight rows x 3 activation rows, each
-   activation vector loaded from L2 feeding 8 products rather than 4 (SmolLM2-1.7B's linears, 2 MB pages:
-   16-32 rows 1.00-1.05x the 4 x 6 blocks, a decode step of 16-32 rows 4-9% shorter; at 1-4 rows, where the
-   weights' reads bound a call, 0.92-0.95x, so smaller calls keep 4 x 6; prefills past 64 rows alike) */
+/* Calls of WIDE_MIN_ROWS rows and more take blocks of 8 weight rows x 3 activation rows, each activation
+   vector loaded from L2 feeding 8 products rather than 4 (SmolLM2-1.7B's linears, 2 MB pages: 16-32 rows
+   1.00-1.05x the 4 x 6 blocks, a decode step of 16-32 rows 4-9% shorter; Qwen2.5-1.5B's at 128-256 rows
+   1.04-1.05x, K whole; at 1-12 rows, where the weights' reads bound a call, 0.92-0.97x, so smaller calls
+   keep 4 x 6) */
 #define WIDE_MIN_ROWS 13
-#define WIDE_MAX_ROWS 64
 /* Where a call has at most two blocks (up to 12 rows) a group's time is the memory's: its first block also
    fetches its own rows into L1 this far ahead of its loads (8 rows of Qwen2.5-1.5B's linears 1.22x; at 16-32
    rows, two blocks and more of products to hide the loads behind, it gained nothing) */
@@ -43,8 +43,15 @@
    0.97x oneDNN at 32 rows, Llama-3.2-1B's 0.78x -> 0.96x; 256 rows ran alike with 256-768 KB) */
 #define X_TILE_BYTES (768 << 10)
 #define MIN_TILE_ROWS (4 * MR_MAX)
-#define MAX_TILE_ROWS 96 /* up to 32 blocks (of 3 rows): their sums between chunks of K on the stack, 48 KB */
-#define L1_BUDGET (24 << 10) /* of Zen 4's 32 KB L1: a block's activations and a group's rows (1.05x at 32 rows) */
+#define MAX_TILE_ROWS 96 /* 256-row tiles ran within 1-2% (Qwen2.5-1.5B's linears at 128-256 rows) */
+/* Calls of at most CHUNK_MAX_ROWS rows (memory's) take K in chunks whose block of activations and group of
+   weight rows fit L1_BUDGET of Zen 4's 32 KB L1 together: 8 rows 1.03-1.10x one chunk (Qwen2.5-1.5B's and
+   Gemma 3 1B's linears). Larger calls take K whole, the sums never leaving their registers: 9-64 rows
+   1.05-1.15x the chunks (Llama-3.2-1B, Qwen2.5-1.5B, Qwen3-1.7B, Gemma 3 1B at 12-64 rows; 16 rows even),
+   a prefill's 128-256 rows 1.09-1.11x. A block's weight rows then outgrow L1 and come from L2, which
+   feeds them: the chunks' price, each block's sums stored and reloaded between chunks, was the larger. */
+#define L1_BUDGET (24 << 10)
+#define CHUNK_MAX_ROWS 8
 
 #ifdef __AVX512BF16__
 
@@ -153,13 +160,12 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
                               const int64_t *seg_rows, int64_t nseg, int nr, int mr, int64_t g0, int64_t g1,
                               const uint16_t *bias, int64_t n, uint16_t *out_bf16, float *out_f32) {
     const int64_t blocks = (m + mr - 1) / mr;
-    /* K in chunks whose block of activations and group of weights fit L1 together */
-    const int64_t kc_max = L1_BUDGET / ((mr + nr) * 2) / 32 * 32;
+    const int64_t kc_max = m <= CHUNK_MAX_ROWS ? L1_BUDGET / ((mr + nr) * 2) / 32 * 32 : k; /* above */
     const int64_t chunks = (k + kc_max - 1) / kc_max, kc = (k / 32 + chunks - 1) / chunks * 32;
     const int64_t span = nr * k * 2, slices = blocks * chunks;
     const int64_t slice_bytes = (span / 64 + slices - 1) / slices * 64; /* a block's share of the next group */
     const int64_t per = (slice_bytes / 64 + kc / 32 - 1) / (kc / 32);
-    __m512 carry[(MAX_TILE_ROWS + 2) / 3 * 3 * NR_MAX]; /* each block's sums between chunks */
+    __m512 carry[(CHUNK_MAX_ROWS + MR_MAX) * NR_MAX]; /* each block's sums between chunks (blocks x mr <= m + mr) */
     for (int64_t g = g0; g < g1; g++) {
         const uint16_t *w = weight_row(seg_ptr, seg_rows, nseg, g * nr, k);
         const char *next = g + 1 < g1 ? (const char *)weight_row(seg_ptr, seg_rows, nseg, (g + 1) * nr, k) : NULL;
@@ -210,7 +216,7 @@ static _Thread_local rows_apart_buf stagger;
 static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                        int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
     int64_t n = 0;
-    int nr = m >= WIDE_MIN_ROWS && m <= WIDE_MAX_ROWS ? 8 : 4;
+    int nr = m >= WIDE_MIN_ROWS ? 8 : 4;
     for (int64_t s = 0; s < nseg; s++) {
         if (seg_rows[s] % 4) return -2;
         if (seg_rows[s] % 8) nr = 4;
