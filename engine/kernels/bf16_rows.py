@@ -10,11 +10,11 @@ whatever batch it is in, prefilled or decoded.
 
 On AVX512-BF16 it runs in engines of at most AVX512_MAX_SEQS sequences (ROLLOUT_BF16_ROWS=0 keeps
 oneDNN's): on a Zen 4 (2 cores, bench/RESULTS.md) its dot products ran 1.2-1.5x oneDNN's prepacked op
-at 1-12 rows, where memory binds, and 0.93-1.07x at 16-32 (blocks of 8 weight rows there: each
-activation vector, read from L2, feeds 8 products; oneDNN broadcasts them against a packed copy); with the C loop it lets run, bench.engines'
-32-sequence workload ran 1.05-1.08x faster than on oneDNN's path (Qwen2.5-1.5B, Qwen3-1.7B, and
-Llama-3.2-1B under vLLM's preloads; paired in one process), and a bf16 engine holds no packed copy
-of its linears.
+at 1-12 rows, where memory binds, and 1.09-1.16x at 16-32 (blocks of 8 weight rows there, each
+activation vector read from L2 feeding 8 products, K whole); with the C loop it lets run, bench.engines'
+32-sequence workload ran 1.05-1.08x faster than on oneDNN's path before the kernel's 1.09-1.16x
+(Qwen2.5-1.5B, Qwen3-1.7B, and Llama-3.2-1B under vLLM's preloads; paired in one process), and a bf16
+engine holds no packed copy of its linears.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR)
 ROWS_MULTIPLE = 4  # weight rows of bf16_rows.c's narrow block (its wide one, 8, where every segment allows)
 # The most sequences an engine may run for its bf16 linears to read their weights in place on AVX512-BF16
-# (without AMX): on Zen 4 this kernel is 1.0-1.5x oneDNN's prepacked op up to 16 rows, 0.9-0.97x at 32 (where
-# the C decode loop it lets run makes up for it), and oneDNN's is 1.2x it at 256 (its activations,
-# broadcast against a packed copy, need far less of the caches' bandwidth than these dot products). The
-# choice is made once per engine, so every row of it sums in one order (EngineConfig.batch_invariant).
+# (without AMX): on Zen 4 this kernel is 1.1-1.5x oneDNN's prepacked op up to 32 rows, 1.0x at 64 and 0.94-0.96x
+# at 128-256 (oneDNN's activations, broadcast against a packed copy, need less of the caches than these dot
+# products): bench.engines' 256-sequence workload on Llama-3.2-1B's shape ran 0.97x oneDNN's path with it and
+# the C decode loop, so past 64 sequences the packed copy stays. The choice is made once per engine, so every
+# row of it sums in one order (EngineConfig.batch_invariant).
 AVX512_MAX_SEQS = 64
 
 

@@ -151,8 +151,8 @@ def test_a_bf16_engine_on_amx_or_avx512_bf16_holds_no_copy_of_its_linears(model_
                     reason="the choice of an AVX512-BF16 CPU without AMX tiles")
 def test_a_bf16_engine_on_avx512_bf16_reads_in_place_with_few_sequences_unless_switched_off(model_dirs,
                                                                                             monkeypatch):
-    """Switched off, or past AVX512_MAX_SEQS sequences (oneDNN's packed op 1.2x the in-place kernel at 256
-    rows), an engine packs; one of fewer reads its weights in place by default. Either way every row of
+    """Switched off, or past AVX512_MAX_SEQS sequences (oneDNN's packed op 1.04-1.06x the in-place kernel at
+    128-256 rows), an engine packs; one of fewer reads its weights in place by default. Either way every row of
     it sums in one order."""
     def copies(max_seqs):
         llm = LLM(EngineConfig(model=model_dirs["llama"], dtype="bfloat16", max_num_seqs=max_seqs, max_model_len=256))
