@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import amx_linears, f32_linears, native_kernels
+from engine.kernels import amx_linears, bf16_rows, f32_linears, native_kernels
 
 ENV_SWITCH = "ROLLOUT_NATIVE_EXPERTS"  # 0: torch's grouped GEMM (`run`) always
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -102,30 +102,44 @@ def fits(h: int, i: int, dtype: torch.dtype) -> bool:
 
 # fp32 experts: the dot products up to this many rows an expert, the rows kernel above (moe_experts.c
 # groups_f32); a batch-invariant engine takes the dot products at every size (no limit), so that a
-# token's sums do not depend on how many other tokens chose its experts in the step. bf16's tiles sum
-# each output in one order at any row count: invariant either way.
+# token's sums do not depend on how many other tokens chose its experts in the step. bf16's kernels (AMX
+# tiles, or AVX512-BF16's dot products) sum each output in one order at any row count: invariant either way.
 DOT_MAX_ROWS = 16
 NO_LIMIT = 2**62
 _KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
+# Without AMX tiles, bf16 experts on AVX512-BF16 (AMD Zen 4 and 5): bf16_rows.c's groups, the same terms
+_AVX512_BF16_GROUPS = ("bf16_rows", "bf16_rows_groups")
+
+
+def _kernels(dtype: torch.dtype) -> tuple | None:
+    """((library, symbol) of the GEMM, of the silu) for `dtype` on this CPU, or None where none runs."""
+    if dtype == torch.bfloat16:
+        if amx_linears.available():
+            return _KERNELS[dtype]
+        return (_AVX512_BF16_GROUPS, _KERNELS[dtype][1]) if bf16_rows.avx512_bf16() else None
+    return _KERNELS[dtype] if f32_linears.available() else None
+
+
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _loaded: dict = {}
 
 
 def _native(dtype: torch.dtype):
     """(entry, kernel table, router) of engine/kernels/native/moe_experts.c for `dtype`, or None where its
-    kernels do not run here (no AMX for bf16, no AVX-512 for fp32, no compiler, switched off)."""
+    kernels do not run here (neither AMX nor AVX512-BF16 for bf16, no AVX-512 for fp32, no compiler,
+    switched off)."""
     if dtype not in _loaded:
-        ok = (amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()) and \
-            os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
-        libs = [native_kernels.library(lib) for lib, _ in _KERNELS[dtype]] if ok else []
+        kernels = _kernels(dtype)
+        ok = kernels is not None and os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")
+        libs = [native_kernels.library(lib) for lib, _ in kernels] if ok else []
         entry = native_kernels.function("moe_experts", f"moe_block_{_SUFFIX[dtype]}",
                                         (_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, _PTR,
                                          _PTR, _I64, *(_PTR,) * 10), ctypes.c_int) if ok else None
         if entry is None or not all(libs):
             _loaded[dtype] = None
         else:
-            fns = [ctypes.cast(getattr(lib, sym), _PTR).value for lib, (_, sym) in zip(libs, _KERNELS[dtype])]
+            fns = [ctypes.cast(getattr(lib, sym), _PTR).value for lib, (_, sym) in zip(libs, kernels)]
             tables = {invariant: torch.tensor(fns + [NO_LIMIT if invariant else DOT_MAX_ROWS], dtype=torch.int64)
                       for invariant in (False, True)}
             router = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",

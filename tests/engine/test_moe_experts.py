@@ -4,7 +4,7 @@ expert in HF's order, and the per-expert names of checkpoints against transforme
 import pytest
 import torch
 
-from engine.kernels import amx_linears, f32_linears, moe_experts
+from engine.kernels import amx_linears, bf16_rows, f32_linears, moe_experts
 from engine.models import expert_names
 
 
@@ -75,7 +75,9 @@ def test_fuse_checkpoint_stacks_gate_then_up_and_keeps_an_incomplete_layer_as_it
 
 
 def _kernels_run(dtype) -> bool:
-    return amx_linears.available() if dtype == torch.bfloat16 else f32_linears.available()
+    if dtype == torch.bfloat16:
+        return amx_linears.available() or bf16_rows.avx512_bf16()
+    return f32_linears.available()
 
 
 @pytest.mark.parametrize("scores_fp32", [False, True])
@@ -192,6 +194,36 @@ def test_each_group_has_the_rows_kernels_bits_whatever_its_size():
     for i, e in enumerate(experts.tolist()):
         rows = slice(starts[i].item(), starts[i + 1].item())
         assert torch.equal(out[rows], amx_linears.linear_bf16_rows(x[rows], amx_linears.rows_of(w[e]))), i
+
+
+@pytest.mark.parametrize("n,k", [(48, 800), (36, 2048)])  # 8 weight rows a block; 4 (n % 8), rows copied apart
+def test_each_group_has_the_avx512_kernels_bits_whatever_its_size(n, k):
+    """bf16_rows_groups (bf16 experts without AMX): groups of 0 to 140 rows in one call, in both block
+    shapes (1-12 rows, 13 and more) and K chunked (up to 8 rows) or whole: each group's rows are bit for
+    bit bf16_rows_linear's on its expert's weight alone."""
+    import ctypes
+
+    from engine.kernels import derived_weights, native_kernels
+
+    if not bf16_rows.avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn = native_kernels.function("bf16_rows", "bf16_rows_groups", (P, I, P, P, I, P, I, P), ctypes.c_int)
+    g = torch.Generator().manual_seed(n + k)
+    sizes = [1, 40, 0, 140, 8, 17, 100, 5]
+    w = torch.randn(len(sizes), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(sizes), k, generator=g).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    experts = torch.tensor([3, 0, 6, 5, 7, 1, 2, 4], dtype=torch.int64)  # not in order
+    out = torch.full((sum(sizes), n), float("nan"), dtype=torch.bfloat16)
+    assert fn(x.data_ptr(), k, starts.data_ptr(), experts.data_ptr(), len(sizes), w.data_ptr(), n,
+              out.data_ptr()) == 0
+    for i, e in enumerate(experts.tolist()):
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        want = bf16_rows.avx512_linear_rows(x[rows], derived_weights.rows_of(w[e]))
+        assert torch.equal(out[rows], want), i
+    assert fn(x.data_ptr(), 40, starts.data_ptr(), experts.data_ptr(), len(sizes), w.data_ptr(), n,
+              out.data_ptr()) == -2  # K not in thirty-twos: refused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -201,49 +201,87 @@ static void groups_times_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t
    as every large tensor does under tcmalloc (vLLM's CPU set-up preloads it): Llama-3.2-1B's linears at 32
    rows ran 0.75x oneDNN's op there against 0.90x under glibc's malloc. The copy's rows lie a cache line
    further apart than K (each in a set of its own) and start 8 sets past the weights'. Kept per thread up to
-   STAGGER_KEEP_BYTES (a decode step's calls reuse it; a prefill's larger copy is freed after its call).
-   NULL (ldx untouched) where it cannot be had: then x is read as is. */
+   STAGGER_KEEP_BYTES (a decode step's calls reuse it; a prefill's larger copy is freed after its call);
+   where it cannot be had x is read as is. */
 #define STAGGER_KEEP_BYTES (4 << 20)
 #define STAGGER_GAP 64 /* bytes: a cache line */
 static _Thread_local rows_apart_buf stagger;
 
-/* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
-   segments. Takes k % 32 == 0 and every segment's rows % 4 == 0 (else -2). Threads take whole
-   groups of nr weight rows (8 where the call's rows and every segment's allow it, else 4). The rows go
-   in tiles whose activations fit X_TILE_BYTES of L2, each tile over all of a thread's groups: every
-   block reads its activations from L2, where 256 rows of K = 8960 (4.5 MB) came from L3 once per group;
-   the weights are read once a tile. */
-static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
-                       int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
-    int64_t n = 0;
+/* One thread's share of a call: its groups of nr weight rows (an even split of the n / nr) over m rows of
+   x, tile by tile (tiles whose activations fit X_TILE_BYTES of L2). nr 8 where the rows and every
+   segment's allow it, else 4. */
+static void thread_share(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const int64_t *seg_ptr,
+                         const int64_t *seg_rows, int64_t nseg, int64_t n, const uint16_t *bias, uint16_t *out_bf16,
+                         float *out_f32, int t, int threads) {
     int nr = m >= WIDE_MIN_ROWS ? 8 : 4;
-    for (int64_t s = 0; s < nseg; s++) {
-        if (seg_rows[s] % 4) return -2;
+    for (int64_t s = 0; s < nseg; s++)
         if (seg_rows[s] % 8) nr = 4;
-        n += seg_rows[s];
-    }
     const int mr = nr == 8 ? 3 : 6;
-    if (k % 32 || nseg < 1 || nseg > 3) return -2;
-    if (m == 0 || n == 0) return 0;
     int64_t tile = X_TILE_BYTES / (k * 2); /* not rounded to blocks: 32 rows of K = 8192 would be 30 + 2 */
     tile = tile < MIN_TILE_ROWS ? MIN_TILE_ROWS : tile > MAX_TILE_ROWS ? MAX_TILE_ROWS : tile;
     const int64_t tiles = (m + tile - 1) / tile;
     tile = (m + tiles - 1) / tiles; /* even tiles */
-    const int64_t groups = n / nr;
-    int64_t ldx = k;
-    if (m > 1 && (k * 2) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
-        const size_t offset = ((uintptr_t)seg_ptr[0] + 8 * 64) & 4095; /* 8 sets past the weights' */
-        const uint16_t *copy = rows_apart(&stagger, x, m, (size_t)k * 2, STAGGER_GAP, offset);
-        if (copy) x = copy, ldx = k + STAGGER_GAP / 2;
+    const int64_t groups = n / nr, g0 = groups * t / threads, g1 = groups * (t + 1) / threads;
+    for (int64_t r0 = 0; r0 < m; r0 += tile)
+        groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, nr, mr, g0, g1,
+                          bias, n, out_bf16 ? out_bf16 + r0 * n : NULL, out_f32 ? out_f32 + r0 * n : NULL);
+}
+
+/* x's m rows copied apart where they lie a multiple of 4096 bytes apart (above), into `stagger`: the
+   copy's row stride in *ldx; x itself where there is no need or no buffer. */
+static const uint16_t *rows_for_l1(const uint16_t *x, int64_t m, int64_t k, const void *weights, int64_t *ldx) {
+    *ldx = k;
+    if (m <= 1 || (k * 2) % 4096) return x;
+    const size_t offset = ((uintptr_t)weights + 8 * 64) & 4095; /* 8 sets past the weights' */
+    const uint16_t *copy = rows_apart(&stagger, x, m, (size_t)k * 2, STAGGER_GAP, offset);
+    if (copy == NULL) return x;
+    *ldx = k + STAGGER_GAP / 2;
+    return copy;
+}
+
+/* out_bf16 or out_f32 [m, n] = x [m, k] . w^T (+ bias [n] bf16, or NULL); w the rows of nseg (1-3)
+   segments. Takes k % 32 == 0 and every segment's rows % 4 == 0 (else -2). Threads take whole groups
+   of nr weight rows, each over every tile of the rows: every block reads its activations from L2,
+   where 256 rows of K = 8960 (4.5 MB) came from L3 once per group; the weights are read once a tile. */
+static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                       int64_t nseg, const uint16_t *bias, uint16_t *out_bf16, float *out_f32) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_rows[s] % 4) return -2;
+        n += seg_rows[s];
     }
+    if (k % 32 || nseg < 1 || nseg > 3) return -2;
+    if (m == 0 || n == 0) return 0;
+    int64_t ldx;
+    x = rows_for_l1(x, m, k, (const void *)seg_ptr[0], &ldx);
 #pragma omp parallel if (m * n * k > 65536)
+    thread_share(x, ldx, m, k, seg_ptr, seg_rows, nseg, n, bias, out_bf16, out_f32, omp_get_thread_num(),
+                 omp_get_num_threads());
+    rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
+    return 0;
+}
+
+/* A sparse MLP's experts (moe_experts.c's kernel table; amx_linear_bf16_groups' terms): for each group g
+   of rows [starts[g], starts[g + 1]) of x [starts[G], k], those rows times expert experts[g]'s weight
+   (w [E, n, k], each [n, k] row-major) into the same rows of out [starts[G], n]. In one team with no
+   barrier between experts: each thread takes its share of every expert's weight rows (an expert's
+   rows, a decode step's few, bound by its weights' reads, split evenly). Each output's sum is the one
+   rows_linear gives that row on that expert's weight alone. Takes k % 32 == 0 and n % 4 == 0 (else -2). */
+static int rows_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                       const uint16_t *w, int64_t n, uint16_t *out_bf16) {
+    if (k % 32 || n % 4) return -2;
+    if (G == 0 || n == 0 || starts[G] == 0) return 0;
+    int64_t ldx;
+    x = rows_for_l1(x, starts[G], k, w, &ldx);
+#pragma omp parallel if (starts[G] * n * k > 65536)
     {
-        const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t g0 = groups * t / threads, g1 = groups * (t + 1) / threads; /* a thread's groups */
-        for (int64_t r0 = 0; r0 < m; r0 += tile)
-            groups_times_rows(x + r0 * ldx, ldx, m - r0 < tile ? m - r0 : tile, k, seg_ptr, seg_rows, nseg, nr, mr,
-                              g0, g1, bias, n, out_bf16 ? out_bf16 + r0 * n : NULL,
-                              out_f32 ? out_f32 + r0 * n : NULL);
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t m = starts[g + 1] - starts[g], seg_ptr = (int64_t)(uintptr_t)(w + experts[g] * n * k);
+            if (m > 0)
+                thread_share(x + starts[g] * ldx, ldx, m, k, &seg_ptr, &n, 1, n, NULL, out_bf16 + starts[g] * n, NULL,
+                             t, threads);
+        }
     }
     rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
     return 0;
@@ -257,6 +295,12 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     return -3;
 }
 
+static int rows_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                       const uint16_t *w, int64_t n, uint16_t *out_bf16) {
+    (void)x, (void)k, (void)starts, (void)experts, (void)G, (void)w, (void)n, (void)out_bf16;
+    return -3;
+}
+
 #endif
 
 int bf16_rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
@@ -267,4 +311,9 @@ int bf16_rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg
 int bf16_rows_linear_f32(const uint16_t *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                          int64_t nseg, const uint16_t *bias, float *out_f32) {
     return rows_linear(x, m, k, seg_ptr, seg_rows, nseg, bias, NULL, out_f32);
+}
+
+int bf16_rows_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                     const uint16_t *w, int64_t n, uint16_t *out_bf16) {
+    return rows_groups(x, k, starts, experts, G, w, n, out_bf16);
 }

@@ -1,9 +1,9 @@
 /* A sparse MLP's experts over a step's tokens in one call: each active expert's gate/up and down
-   GEMMs on its weights in place (bf16: amx_linear.c's rows kernel over all experts in one team; fp32:
-   dot products over K at a decode step's few rows an expert, f32_linear.c's rows kernel an expert at
-   a time above; kernels through the addresses engine/kernels/moe_experts.py hands over), the silu between
-   them, the routing weights and each token's sum over its k picks (and, in moe_block_*, the routing
-   before them).
+   GEMMs on its weights in place (bf16: amx_linear.c's rows kernel over all experts in one team, or
+   without AMX bf16_rows.c's dot products, alike; fp32: dot products over K at a decode step's few rows
+   an expert, f32_linear.c's rows kernel an expert at a time above; kernels through the addresses
+   engine/kernels/moe_experts.py hands over), the silu between them, the routing weights and each
+   token's sum over its k picks (and, in moe_block_*, the routing before them).
 
    torch's grouped GEMM, at a decode step's 1-10 rows an expert, ran oneDNN's small-M path at about a
    sixth of the memory's speed (a 32-sequence bf16 step of the 0.94B Qwen3-MoE shape spent 82% of
@@ -27,8 +27,8 @@ typedef void (*silu_f32_fn)(const float *gate_up, int64_t stride, int64_t T, int
 typedef int (*groups_bf16_fn)(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
                               const uint16_t *w, int64_t n, uint16_t *out);
 
-/* Each active expert's GEMM over its rows: bf16 in one team (amx_linear_bf16_groups), fp32 one rows
-   call an expert. starts [G + 1]: where each of the G active experts' rows start in x and out. */
+/* Each active expert's GEMM over its rows: bf16 in one team (amx_linear_bf16_groups or bf16_rows_groups),
+   fp32 one rows call an expert. starts [G + 1]: where each of the G active experts' rows start in x and out. */
 static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, const int64_t *starts,
                        const int64_t *experts, int64_t G, const uint16_t *w, int64_t n, uint16_t *out) {
     return ((groups_bf16_fn)kernels[0])(x, k, starts, experts, G, w, n, out);
