@@ -20,7 +20,6 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-amx = pytest.mark.skipif(not amx_linears.available(), reason="no AMX tiles here: int8 and sparse layers need them")
 bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
                                reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
 avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
@@ -92,11 +91,12 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypa
     assert native == python
 
 
-@amx
+@bf16_loop
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing(moe_dirs, monkeypatch, calls, arch):
-    """bf16: a sparse MLP (router, routing, experts) in the C loop gives the Python forward's tokens,
-    logprobs and each step's routed experts; qwen2_moe's shared expert keeps Python's forward."""
+    """bf16 (AMX tiles, or AVX512-BF16's dot products): a sparse MLP (router, routing, experts) in the C loop
+    gives the Python forward's tokens, logprobs and each step's routed experts; qwen2_moe's shared expert
+    keeps Python's forward."""
     from engine.models import moe_model
 
     llm = LLM(EngineConfig(model=moe_dirs[arch], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
