@@ -1,7 +1,8 @@
 /* A bf16 linear on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
    out [m, n] = x [m, k] . w^T (+ bias), the weights read where they lie ([n, k] rows, in up to three
    segments: a layer's q/k/v or gate/up), as amx_linear.c's rows kernel reads them on AMX. Engines of at
-   most 64 sequences run it (engine/kernels/bf16_rows.py says why).
+   most 64 sequences run it (engine/kernels/bf16_rows.py says why); bf16_rows_groups runs a sparse MLP's
+   active experts in one call, in engines of any size (engine/kernels/moe_experts.py).
 
    On Zen 4 a decode step of a 1-2B model is bound by the products, not by memory (Qwen2.5-1.5B at 32
    rows: 98 GFLOP a step, 0.25 s of VDPBF16PS on 2 cores, against 3 GB of weights, 0.1 s of reading).
