@@ -6,13 +6,14 @@ peer catch-up and LoRA read it. The int8 copy is a cache beside it (the module's
 engine/kernels/derived_weights.py), made by the pure `derive(weight)`. Two schemes, by the kernel
 this CPU runs (`kernel()`):
 
-- **Weight-only** (first choice, where the CPU has AMX tiles: engine/kernels/amx_linears.py's `linear_w8`):
-  a bf16 scale per 32 values of K of each output channel (one tile row's K), the int8 weights widened
-  to bf16 (q times its scale, rounded once) inside the kernel, the activations kept in bf16. On
-  SmolLM2, 9.4% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the bf16
-  engine: 7.7%; bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences and
-  1.0x at 256 (bench/RESULTS.md).
-- **Per token** (W8A8; every other CPU, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
+- **Weight-only** (first choice, where the CPU has AMX tiles: engine/kernels/amx_linears.py's `linear_w8`,
+  or AVX512-BF16 without them: engine/kernels/w8_linears.py's, on AMD Zen 4 and 5): a bf16 scale per 32
+  values of K of each output channel (one tile row's K), the int8 weights widened to bf16 (q times its
+  scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on either CPU.
+  On SmolLM2, 9.4% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the bf16
+  engine: 7.7%; bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX
+  and 1.0x at 256 (bench/RESULTS.md).
+- **Per token** (W8A8; a CPU with neither, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
   weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
   forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
   op and fbgemm's dynamic linear are made for, would let one sequence's outlier coarsen every
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, native_glue, native_quantize, packed_linears
+from engine.kernels import amx_linears, derived_weights, native_glue, native_quantize, packed_linears, w8_linears
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,11 @@ log = logging.getLogger(__name__)
 # reduce_range, on the other side of the product).
 # "amx_w8": engine/kernels/amx_linears.py's weight-only kernel where the CPU has AMX (int8 weights widened
 # to bf16 in the tiles, activations in bf16: no per-token rounding of the inputs, the policy moves
-# far less); "amx": its int8 x int8 kernel (the same bits as "onednn", faster).
-KERNELS = (("amx_w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63), ("onednn", 63))
-WEIGHT_ONLY = ("amx_w8",)  # kernels that keep the activations in bf16
+# far less); "avx512_w8": the same weights on AVX512-BF16's dot products (engine/kernels/w8_linears.py);
+# "amx": its int8 x int8 kernel (the same bits as "onednn", faster).
+KERNELS = (("amx_w8", 127), ("avx512_w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63),
+           ("onednn", 63))
+WEIGHT_ONLY = ("amx_w8", "avx512_w8")  # kernels that keep the activations in bf16
 ENV_ACTIVATIONS = "ROLLOUT_INT8_ACTIVATIONS"
 
 # NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
@@ -126,8 +129,7 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
     name, qmax = how or kernel()
     if name not in WEIGHT_ONLY:
         return _packed(*quantize_weight(weight, qmax), name, qmax)
-    if not amx_linears.available():  # before any work: the copy would be of no use here
-        raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
+    _check_runs(name)  # before any work: the copy would be of no use here
     native = native_quantize.quantize_groups_packed(weight)  # the same bits in one pass
     if native is None:
         return _packed(*quantize_groups(weight), name, qmax)
@@ -136,13 +138,25 @@ def derive(weight: torch.Tensor, how: tuple[str, int] | None = None) -> Int8Weig
 
 
 def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8Weight:
-    if name in ("amx", "amx_w8"):
-        if not amx_linears.available():
-            raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
-        packed = amx_linears.pack_w8(q, scale) if name == "amx_w8" else amx_linears.pack(q)
+    if name in ("amx", *WEIGHT_ONLY):
+        _check_runs(name)
+        packed = amx_linears.pack_w8(q, scale) if name in WEIGHT_ONLY else amx_linears.pack(q)
     else:
         packed = torch.ops.onednn.qlinear_prepack(q, None) if name == "onednn" else q
     return Int8Weight(packed, scale, name, tuple(q.shape), qmax)
+
+
+def _check_runs(name: str) -> None:
+    """Raises RuntimeError where kernel `name` (one of the AMX or AVX512-BF16 ones) does not run here."""
+    if name.startswith("amx") and not amx_linears.available():
+        raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
+    if name == "avx512_w8" and not w8_linears.available():
+        raise RuntimeError("no AVX512-BF16 here (or no kernel build)")
+
+
+def _linear_w8(name: str):
+    """The weight-only kernel `name`'s linear: (x bf16, packed, out_dtype) -> out."""
+    return amx_linears.linear_w8 if name == "amx_w8" else w8_linears.linear_w8
 
 
 @functools.cache
@@ -153,8 +167,8 @@ def _zero_points(n: int) -> torch.Tensor:
 def matmul(q: torch.Tensor, w: Int8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """q [M, K] int8 @ w.T, times w's per-channel scales, in `out_dtype` (the per-row scales not
     applied)."""
-    if w.kernel == "amx_w8":  # an int8 value is exact in bf16 (and so q * a scale of 1)
-        return amx_linears.linear_w8(q.to(torch.bfloat16), w.packed, out_dtype)
+    if w.kernel in WEIGHT_ONLY:  # an int8 value is exact in bf16 (and so q * a scale of 1)
+        return _linear_w8(w.kernel)(q.to(torch.bfloat16), w.packed, out_dtype)
     if w.kernel == "amx":
         return amx_linears.linear_s8(q, torch.ones(q.shape[0]), w.packed, w.scale, out_dtype)
     if w.kernel == "onednn":
@@ -214,7 +228,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         raise RuntimeError(f"no int8 linear kernel runs exactly on this CPU (tried {KERNELS})")
     if how[0] not in WEIGHT_ONLY:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
-                    "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX: 9%%; bench.fidelity)", how[0])
+                    "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX or AVX512-BF16: 9%%; bench.fidelity)", how[0])
     count = 0
     native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it
     for name, module in model.named_modules():
@@ -237,8 +251,8 @@ def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _int8_apply(self: torch.nn.Linear, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x through the int8 copy `w`: the module's own, or its group's (engine/kernels/fused_linears.py)."""
     out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    if w.kernel == "amx_w8":
-        out = amx_linears.linear_w8(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w.packed, out_dtype)
+    if w.kernel in WEIGHT_ONLY:
+        out = _linear_w8(w.kernel)(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w.packed, out_dtype)
         return _finish(out, x, bias)
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     if w.kernel == "amx":  # both scales in the kernel, any row count: nothing to pad

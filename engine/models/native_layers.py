@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one C call (engine/kernels/native/decode_layers.c), where every
-kernel of engine/models/fused_layers.py's forward is native: in bf16, AMX linears (bf16, or weight-only
-int8), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
+kernel of engine/models/fused_layers.py's forward is native: in bf16, AMX or AVX512-BF16 linears (bf16,
+or weight-only int8), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
 and silu * up; in fp32, the
 linears on engine/kernels/native/f32_linear.c (AVX-512) and the same glue in fp32.
 
@@ -26,7 +26,8 @@ import os
 
 import torch
 
-from engine.kernels import amx_linears, bf16_rows, derived_weights, f32_linears, moe_experts, native_kernels
+from engine.kernels import (amx_linears, bf16_rows, derived_weights, f32_linears, int8_linears, moe_experts,
+                            native_kernels, w8_linears)
 from engine.models import attention, fused_layers
 
 ENV_SWITCH = "ROLLOUT_NATIVE_LAYERS"
@@ -37,8 +38,8 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 def _kernel_names(dtype: torch.dtype) -> tuple:
     """Kernels' fields in decode_layers.c, (library, symbol) each: the linears, then the loop's dtype's."""
     x = _SUFFIX[dtype]
-    return (("amx_linear", "amx_linear_bf16"), ("amx_linear", "amx_linear_w8_bf16"), ("f32_linear", "f32_linear"),
-            ("amx_linear", "amx_linear_w8_f32"), bf16_rows.c_kernel(),
+    w8_bf16, w8_f32 = w8_linears.c_kernels()
+    return (("amx_linear", "amx_linear_bf16"), w8_bf16, ("f32_linear", "f32_linear"), w8_f32, bf16_rows.c_kernel(),
             ("f32_linear", "f32_linear_rows"),
             ("layer_glue", f"rope_cache_{x}"),
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"),
@@ -108,7 +109,7 @@ def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
     if isinstance(copy, f32_linears.F32Weight):
         return copy.packed.data_ptr(), F32, copy.n, copy.k
     amx = getattr(copy, "packed", None)
-    if getattr(copy, "kernel", None) == "amx_w8" and isinstance(amx, amx_linears.AmxWeight):
+    if getattr(copy, "kernel", None) in int8_linears.WEIGHT_ONLY and isinstance(amx, amx_linears.AmxWeight):
         return amx.packed.data_ptr(), W8, amx.n, amx.k
     return None
 

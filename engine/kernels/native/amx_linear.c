@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "w8_chunk.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -83,33 +84,6 @@ static void *padded(const void *a, int64_t rows, int64_t cols, int64_t prows, in
 
 static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K chunk's tile pair */
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
-}
-
-/* One chunk of a weight-only int8 weight to bf16 tiles: 32 bf16 scales (one per column of the
-   chunk's 32, for its 32 values of K) then the two B tiles' 1024 int8, each widened to fp32
-   (exact), times its scale, and rounded once to bf16. Every CPU with AMX has AVX512-BF16 (the one
-   path that runs); the other builds only so that the file compiles anywhere. */
-static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
-    const uint16_t *scales = (const uint16_t *)chunk;
-    const int8_t *q = (const int8_t *)(chunk + 64);
-#ifdef __AVX512BF16__
-    /* a tile row is 16 columns x 2 values of K: column j's scale twice, for 8 columns a half */
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-    for (int t = 0; t < 2; t++) {
-        const __m512 s = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * t))), 16));
-        const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
-        for (int i = 512 * t; i < 512 * (t + 1); i += 32) {
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
-            _mm512_store_si512((void *)(dst + i),
-                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
-        }
-    }
-#else
-    for (int i = 0; i < 1024; i++) dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
-#endif
 }
 
 /* The 32 x 32 block of outputs at (m0, n0) from the four C tiles stored in c[2][2][16][16]

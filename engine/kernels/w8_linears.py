@@ -1,0 +1,56 @@
+"""Weight-only int8 on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
+engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's copy (int8 weights, a bf16 scale per 32
+values of K of each column). It widens each weight as the AMX kernel does (q times its scale, rounded
+once to bf16) and multiplies bf16 activations on AVX512-BF16's dot products, so the int8 engine is one
+scheme on both CPUs: the activations are never rounded to 8 bits (int8_linears says what that costs).
+
+Where a step reads more bytes than it multiplies (a few sequences a step on a Zen 4) the copy streams
+half the bf16 weights' bytes; where the products bound it (32 sequences and more there) the widening is
+work the bf16 engine does not do (bench/w8_linears.py measures both; docs/guides/int8.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.kernels import amx_linears, native_kernels
+
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGS = (_PTR, _I64, _I64, _PTR, _I64, _PTR)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether w8_linear.c runs here (AVX512-BF16, its library built)."""
+    return "avx512_bf16" in native_kernels.cpu_flags() and _fn(torch.bfloat16) is not None
+
+
+native_kernels.forget_with_kernels(available.cache_clear)
+
+
+def _fn(out_dtype: torch.dtype):
+    symbol = "w8_linear_bf16" if out_dtype == torch.bfloat16 else "w8_linear_f32"
+    return native_kernels.function("w8_linear", symbol, _ARGS, ctypes.c_int)
+
+
+def linear_w8(x: torch.Tensor, w: amx_linears.AmxWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [m, k] bf16 @ (w `pack_w8`ed: each weight q * scale, rounded to bf16).T, summed in fp32 and
+    rounded once to out_dtype (fp32 or bf16): amx_linears.linear_w8's arithmetic on AVX512-BF16."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.n, dtype=out_dtype)
+    rc = _fn(out_dtype)(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("w8_linear: no memory for its widened weights or padded activations") if rc == -1 else \
+            RuntimeError(f"w8_linear: no AVX512-BF16 kernel in this build ({rc})")
+    return out
+
+
+def c_kernels() -> tuple[tuple[str, str], tuple[str, str]]:
+    """(library, symbol) of the bf16-out and fp32-out weight-only kernels, for the C decode loop's table:
+    the AMX kernel where it runs, else this one."""
+    if amx_linears.available():
+        return ("amx_linear", "amx_linear_w8_bf16"), ("amx_linear", "amx_linear_w8_f32")
+    return ("w8_linear", "w8_linear_bf16"), ("w8_linear", "w8_linear_f32")
