@@ -228,7 +228,8 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         raise RuntimeError(f"no int8 linear kernel runs exactly on this CPU (tried {KERNELS})")
     if how[0] not in WEIGHT_ONLY:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
-                    "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX or AVX512-BF16: 9%%; bench.fidelity)", how[0])
+                    "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX or AVX512-BF16: 9%%; "
+                    "bench.fidelity)", how[0])
     count = 0
     native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it
     for name, module in model.named_modules():

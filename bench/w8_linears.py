@@ -1,0 +1,113 @@
+"""Weight-only int8 on AVX512-BF16 without AMX (engine/kernels/w8_linears.py) against the bf16 engine's
+own linears, side by side in one run: a whole model's linears swept in a forward's order (each layer's
+fused q/k/v, o, fused gate/up, down, then the lm_head), every layer its own weights, streamed through
+the caches as a decode step streams them (bench/amx_linears.py's sweep, on a CPU without tiles).
+
+Ways: "bf16 rows" (bf16_rows.c on the weights in place: the bf16 engine's up to 64 sequences),
+"bf16 oneDNN" (its prepacked op: the bf16 engine's past 64), "w8" (the int8 engine's: int8 copies
+widened to the bf16 weights q * scale, the lm_head on bf16 rows) and "W8A8 oneDNN" (what the int8
+engine ran on such a CPU before: activations quantized per token, 59% of SmolLM2's sampled tokens
+moved past [0.9, 1.1]). Each figure: ms per sweep, the weights' bytes per second against this CPU's
+memory read probe, and GFLOP/s against the bf16 matmul probe (where a sweep is bound: by memory at a
+few rows, by the products from 16 or so on a 2-core Zen 4).
+
+    python -m bench.w8_linears --model ~/.cache/rollout-sidecar/shapes/qwen2.5-1.5b-bfloat16-seed0
+    python -m bench.w8_linears --rows 1,4,8,32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from bench.amx_linears import _seconds, _tensors, activations, model_linears, read_bandwidth
+from engine.kernels import bf16_rows, derived_weights, huge_pages, int8_linears, w8_linears
+
+log = logging.getLogger("bench.w8_linears")
+
+
+def matmul_probe() -> float:
+    """FLOP/s of torch's bf16 matmul at 256 x 4096 x 4096 (oneDNN's kernel), the best of 5."""
+    a, b = torch.randn(256, 4096).bfloat16(), torch.randn(4096, 4096).bfloat16()
+    a @ b
+    return 2 * 256 * 4096 * 4096 / min(_seconds(lambda: a @ b) for _ in range(5))
+
+
+def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
+    """way -> (fn(rows) running every linear once, bytes of weight it streams)."""
+    dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    rows = [derived_weights.rows_of(w) for w in weights]
+    body = weights[:-1]  # the int8 engine keeps the lm_head in bf16 (int8_linears.KEEP_FULL_PRECISION)
+    w8 = [int8_linears.derive(w, ("avx512_w8", 127)) for w in body]
+    s8 = [int8_linears.derive(w, ("onednn", 127)) for w in body]
+    if huge:
+        huge_pages.collapse([*weights, *_tensors(w8)])
+    lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
+    dense, head = sum(w.numel() for w in weights) * 2, weights[-1].numel() * 2
+    x_of = activations(torch.bfloat16)
+
+    def run(apply):
+        def sweep(m: int):
+            for i, w in enumerate(weights):
+                apply(i, x_of(m, w.shape[1]))
+        return sweep
+
+    def on_rows(i, x):
+        bf16_rows.avx512_linear_rows(x, rows[i])
+
+    def on_dnn(i, x):
+        torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")
+
+    def int8(copies, head_way):
+        def apply(i, x):
+            if i < len(copies):
+                int8_linears._int8_apply(lin, x, copies[i], None)
+            else:
+                head_way(i, x)
+        return apply
+
+    return {"bf16 rows": (run(on_rows), dense), "bf16 oneDNN": (run(on_dnn), dense),
+            "w8": (run(int8(w8, on_rows)), sum(c.nbytes for c in w8) + head),
+            "W8A8 oneDNN": (run(int8(s8, on_dnn)), sum(c.nbytes for c in s8) + head)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,256",
+                    help="rows per call (a decode step's sequences), comma-separated")
+    ap.add_argument("--repeats", type=int, default=5, help="sweeps per way, row count and round (the best is kept)")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="leave the weights on the pages they were allocated on (default: on 2 MB pages, as the "
+                         "engine serves them)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not (w8_linears.available() and bf16_rows.avx512_bf16()):
+        raise SystemExit("no AVX512-BF16 kernels on this CPU: nothing to compare")
+    weights = model_linears(args.model)
+    params = sum(w.numel() for w in weights)
+    bandwidth, peak = read_bandwidth(), matmul_probe()
+    log.info("%s: %d linears, %.0f MB in bf16; memory read probe %.1f GB/s, bf16 matmul probe %.0f GFLOP/s; "
+             "%d threads", args.model, len(weights), params * 2 / 1e6, bandwidth / 1e9, peak / 1e9,
+             torch.get_num_threads())
+    ways = sweeps(weights, huge=not args.no_huge_pages and huge_pages.enabled())
+    with torch.inference_mode():
+        for m in map(int, args.rows.split(",")):
+            best = {}
+            for order in (list(ways), list(ways)[::-1]):  # two rounds in opposite orders: a neighbour hits each alike
+                for way in order:
+                    fn = ways[way][0]
+                    for _ in range(args.repeats):
+                        best[way] = min(best.get(way, float("inf")), _seconds(lambda: fn(m)))
+            cells = [f"{way} {best[way] * 1e3:.1f} ms ({ways[way][1] / best[way] / 1e9:.1f} GB/s "
+                     f"{ways[way][1] / best[way] / bandwidth:.0%}, {2 * m * params / best[way] / 1e9:.0f} GF/s "
+                     f"{2 * m * params / best[way] / peak:.0%})" for way in ways]
+            log.info("rows %3d: %s | w8 over bf16 rows %.2fx, over bf16 oneDNN %.2fx, over W8A8 %.2fx", m,
+                     " | ".join(cells), best["bf16 rows"] / best["w8"], best["bf16 oneDNN"] / best["w8"],
+                     best["W8A8 oneDNN"] / best["w8"])
+
+
+if __name__ == "__main__":
+    main()
