@@ -3,13 +3,14 @@ own linears, side by side in one run: a whole model's linears swept in a forward
 fused q/k/v, o, fused gate/up, down, then the lm_head), every layer its own weights, streamed through
 the caches as a decode step streams them (bench/amx_linears.py's sweep, on a CPU without tiles).
 
-Ways: "bf16 rows" (bf16_rows.c on the weights in place: the bf16 engine's up to 64 sequences),
-"bf16 oneDNN" (its prepacked op: the bf16 engine's past 64), "w8" (the int8 engine's: int8 copies
-widened to the bf16 weights q * scale, the lm_head on bf16 rows) and "W8A8 oneDNN" (what the int8
-engine ran on such a CPU before: activations quantized per token, 59% of SmolLM2's sampled tokens
-moved past [0.9, 1.1]). Each figure: ms per sweep, the weights' bytes per second against this CPU's
-memory read probe, and GFLOP/s against the bf16 matmul probe (where a sweep is bound: by memory at a
-few rows, by the products from 16 or so on a 2-core Zen 4).
+Ways: "bf16 rows" (bf16_rows.c on the weights in place: the bf16 engine's up to 64 sequences), "bf16
+oneDNN" (its prepacked op: the bf16 engine's past 64) and "w8" (the int8 engine's: int8 copies widened
+to the bf16 weights q * scale, the lm_head on bf16 rows). (The W8A8 scheme the int8 engine ran on such a
+CPU before is left out: oneDNN's int8 op took 27 s to sweep Qwen2.5-1.5B's linears at one row on a Zen
+4, and it moved 59% of SmolLM2's sampled tokens past [0.9, 1.1].) Each figure: ms per sweep, the
+weights' bytes per second against this CPU's memory read probe, and GFLOP/s against the bf16 matmul
+probe (where a sweep is bound: by memory at a few rows, by the products from 16 or so on a 2-core Zen
+4).
 
     python -m bench.w8_linears --model ~/.cache/rollout-sidecar/shapes/qwen2.5-1.5b-bfloat16-seed0
     python -m bench.w8_linears --rows 1,4,8,32 --repeats 3
@@ -41,7 +42,6 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
     rows = [derived_weights.rows_of(w) for w in weights]
     body = weights[:-1]  # the int8 engine keeps the lm_head in bf16 (int8_linears.KEEP_FULL_PRECISION)
     w8 = [int8_linears.derive(w, ("avx512_w8", 127)) for w in body]
-    s8 = [int8_linears.derive(w, ("onednn", 127)) for w in body]
     if huge:
         huge_pages.collapse([*weights, *_tensors(w8)])
     lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
@@ -69,8 +69,7 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
         return apply
 
     return {"bf16 rows": (run(on_rows), dense), "bf16 oneDNN": (run(on_dnn), dense),
-            "w8": (run(int8(w8, on_rows)), sum(c.nbytes for c in w8) + head),
-            "W8A8 oneDNN": (run(int8(s8, on_dnn)), sum(c.nbytes for c in s8) + head)}
+            "w8": (run(int8(w8, on_rows)), sum(c.nbytes for c in w8) + head)}
 
 
 def main() -> None:
@@ -104,9 +103,8 @@ def main() -> None:
             cells = [f"{way} {best[way] * 1e3:.1f} ms ({ways[way][1] / best[way] / 1e9:.1f} GB/s "
                      f"{ways[way][1] / best[way] / bandwidth:.0%}, {2 * m * params / best[way] / 1e9:.0f} GF/s "
                      f"{2 * m * params / best[way] / peak:.0%})" for way in ways]
-            log.info("rows %3d: %s | w8 over bf16 rows %.2fx, over bf16 oneDNN %.2fx, over W8A8 %.2fx", m,
-                     " | ".join(cells), best["bf16 rows"] / best["w8"], best["bf16 oneDNN"] / best["w8"],
-                     best["W8A8 oneDNN"] / best["w8"])
+            log.info("rows %3d: %s | w8 over bf16 rows %.2fx, over bf16 oneDNN %.2fx", m, " | ".join(cells),
+                     best["bf16 rows"] / best["w8"], best["bf16 oneDNN"] / best["w8"])
 
 
 if __name__ == "__main__":
