@@ -1,16 +1,16 @@
-"""How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic
-prompts, sampled at temperature 1 from fp32, bf16 (with its LM head in bf16, and in fp32) and int8
-engines (the int8 one as the engine
-serves it: weight-only on AMX, its lm_head in full precision; with the lm_head quantized too; and
-W8A8, activations per token, the scheme of CPUs without AMX), and every sampled
-token scored again by the trainer (transformers' model, fp32). The figure is the share of sampled
-tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated importance
-sampling has to correct), with the mean and largest |log ratio|. On a mixture of experts every sample carries its routed experts,
-and each engine gets a second row: the same tokens scored with the trainer's routers replaying the
-engine's experts (recipes/routing_replay.py), beside the share of tokens whose routing differs from
-the engine's in some layer without replay. On a dense model each engine gets an "exact" row too: the
-same tokens scored as `--on-policy exact` scores them (engine/exact_logprobs.py, the engine's
-arithmetic in the trainer's process, given the trainer's weights), which must be 0 throughout.
+"""How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic prompts,
+sampled at temperature 1 from fp32, bf16 (with its LM head in bf16, and in fp32) and int8 engines (the
+int8 one as the engine serves it: weight-only on AMX or AVX512-BF16, its lm_head in full precision;
+with the lm_head quantized too; and W8A8, activations per token, the scheme of CPUs with neither), and
+every sampled token scored again by the trainer (transformers' model, fp32). The figure is the share of
+sampled tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated
+importance sampling has to correct), with the mean and largest |log ratio|. On a mixture of experts
+every sample carries its routed experts, and each engine gets a second row: the same tokens scored with
+the trainer's routers replaying the engine's experts (recipes/routing_replay.py), beside the share of
+tokens whose routing differs from the engine's in some layer without replay. On a dense model each
+engine gets an "exact" row too: the same tokens scored as `--on-policy exact` scores them
+(engine/exact_logprobs.py, the engine's arithmetic in the trainer's process, given the trainer's
+weights), which must be 0 throughout.
 
     python -m bench.fidelity                                 # smollm2, 32 prompts x 4, 64 tokens
     python -m bench.fidelity --prompts 8 --max-tokens 32     # quicker
@@ -33,7 +33,7 @@ ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 ac
     "fp32": ("float32", "none", False, False, "auto"),
     "bf16": ("bfloat16", "none", False, False, "auto"),
     "bf16+fp32head": ("bfloat16", "none", False, False, "float32"),  # the LM head in fp32 (engine/kernels/fp32_head.py)
-    "int8": ("float32", "int8", False, False, "auto"),  # the engine's int8: weight-only where the CPU has AMX
+    "int8": ("float32", "int8", False, False, "auto"),  # the engine's int8: weight-only on AMX or AVX512-BF16
     "int8+lm_head": ("float32", "int8", True, False, "auto"),
     "w8a8": ("float32", "int8", False, True, "auto"),  # activations quantized per token as well
 }

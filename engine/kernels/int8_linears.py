@@ -25,7 +25,7 @@ The per-token kernels, measured by bench/int8_linears.py (bench/RESULTS.md): one
 (`onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, activation scale 1, the per-token
 scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
 the same quantization; torch's weight-only op (`_weight_int8pack_mm`) wins at 1 row but falls to
-0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 waits for our AMX kernel.
+0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 runs on our own kernels (AMX's, AVX512-BF16's).
 oneDNN's int8 on an AVX2-only CPU (no VNNI) lost accuracy (its u8 x s8 pairs saturate int16: 10%
 error where the exact int32 sum gives 1%), so `kernel()` probes once that a kernel gives the exact
 integer product and falls back to `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA
