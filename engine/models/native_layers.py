@@ -13,7 +13,7 @@ the fp32 engine's tests hold it to HF's greedy tokens and, within the bound deri
 rounding, to HF's logprobs, as they hold the Python forward.
 
 It runs only where all of that holds for the step; anything else (a prefill, a linear on oneDNN,
-a bias outside q/k/v or on an int8 copy, a LoRA hook on any module of a layer, gradients, no C
+a bias outside q/k/v, a LoRA hook on any module of a layer, gradients, no C
 compiler, ROLLOUT_NATIVE_LAYERS=0) keeps the Python forward, which is the reference. The weights' copies
 are looked up per step through derived_weights, so a push's copies serve from the first step
 after its commit, as they do in Python.
@@ -162,7 +162,7 @@ def _layer_plan(layer, shape: dict):
     plan = None
     if (qkv_group is not None and (gate_up_group is not None or sparse)
             and not any(m.bias is not None for m in linears[3:]) and all(hasattr(m, "_derive") for m in linears)
-            # q/k/v biases (qwen2's) are taken, by the bf16 kernel; no other layer has them
+            # q/k/v biases (qwen2's) are taken; no other layer has them
             and qk_norm in (None, "head")  # a norm over the whole projection (olmoe's) is not the loop's
             and not any(n.weight.dtype != shape["dtype"] or _eps(n) != shape["eps"] for n in norms)):
         mlp_linears = () if sparse else ((None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i))
@@ -194,9 +194,7 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t:
         if copy is None or copy[2:] != (n, k) or copy[1] not in _KINDS[dtype]:
             return None
         bias = 0
-        if group is qkv_group and qkv_bias:
-            if copy[1] == W8:
-                return None  # Python adds it after the rounding
+        if group is qkv_group and qkv_bias:  # (added after a weight-only int8 kernel's rounding, as in Python)
             b = torch.cat([m.bias for m in group.members]).to(dtype)
             keep.append(b)
             bias = b.data_ptr()

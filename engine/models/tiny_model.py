@@ -45,7 +45,7 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # gemma3: Gemma 3's text model (four norms a layer, GELU, q/k norms), a window of 32 keys on three
 # layers of four and the global rope on the fourth; its head untied (a tied one, Gemma's sqrt(hidden)
 # embedding scale, and a random init only ever repeat the last token) and its norms' weights random
-# (HF starts them at 0: each scales by 1 + w)
+# (HF starts them at 0: each scales by 1 + w); every family's biases (Qwen2's q/k/v) random too
 ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS, "gemma3")
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
@@ -213,8 +213,9 @@ def _build(out: Path, size: str, arch: str, seed: int, write) -> Path:
 
 
 def _recipe(size: str, arch: str, seed: int) -> dict:
-    # builder 3: a build by builder 2 under torchrun may be stamped yet lack config.json and weights
-    return {"size": size, "arch": arch, "seed": seed, "builder": 3}
+    # builder 3: a build by builder 2 under torchrun may be stamped yet lack config.json and weights;
+    # builder 4: biases random (they were 0)
+    return {"size": size, "arch": arch, "seed": seed, "builder": 4}
 
 
 def _write_in_fresh_process(out: Path, size: str, arch: str, seed: int) -> None:
@@ -239,11 +240,12 @@ def _write_model(out: Path, size: str, arch: str, seed: int) -> None:
     config = build_config(arch, size, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gemma3":
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.normal_(0, 0.3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+            elif name.endswith(".bias"):  # HF starts them at 0, where no test could tell a bias dropped
+                p.normal_(0, 0.2)
     model.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)

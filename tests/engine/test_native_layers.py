@@ -84,10 +84,7 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypa
     python = _run(llm, monkeypatch, "0")
     assert calls["native"] == 0
     native = _run(llm, monkeypatch, "1")
-    if arch in ("qwen2", "qwen2_window") and quantization == "int8":
-        assert calls["native"] == 0  # q/k/v biases on an int8 copy: Python adds them after rounding
-    else:
-        assert calls["native"] > 0
+    assert calls["native"] > 0  # qwen2's q/k/v biases too, on an int8 copy added after its rounding
     assert native == python
 
 

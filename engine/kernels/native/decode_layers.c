@@ -44,9 +44,9 @@ typedef struct {
 } Kernels;
 
 /* A linear's packed weight, its kernel (LINEAR_*) and its bias (0: none; in the loop's dtype, added
-   by the kernel as the Python path adds it: bf16 and fp32 only). LINEAR_BF16_ROWS: `weight` is
-   the segments of weights read in place, [count, 3 pointers, 3 row counts] (derived_weights.WeightRows);
-   LINEAR_F32_ROWS the same in fp32. */
+   as the Python path adds it: by the bf16 and fp32 kernels, after a weight-only int8 one's rounded
+   output). LINEAR_BF16_ROWS: `weight` is the segments of weights read in place, [count, 3 pointers,
+   3 row counts] (derived_weights.WeightRows); LINEAR_F32_ROWS the same in fp32. */
 enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4 };
 typedef struct {
     int64_t weight, kind, bias;
@@ -78,7 +78,13 @@ static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m
                        uint16_t *out) {
     if (w.kind == LINEAR_BF16)
         return ((linear_bf16_fn)kn->linear_bf16)(x, m, k, (const void *)w.weight, n, (const uint16_t *)w.bias, out);
-    if (w.kind == LINEAR_W8) return ((linear_w8_fn)kn->linear_w8)(x, m, k, (const void *)w.weight, n, out);
+    if (w.kind == LINEAR_W8) {
+        const int rc = ((linear_w8_fn)kn->linear_w8)(x, m, k, (const void *)w.weight, n, out);
+        if (rc == 0 && w.bias) /* after the output's rounding, as the Python path adds it: a bf16 add */
+            for (int64_t i = 0; i < m * n; i++)
+                out[i] = f32_to_bf16(bf16_to_f32(out[i]) + bf16_to_f32(((const uint16_t *)w.bias)[i % n]));
+        return rc;
+    }
     if (w.kind == LINEAR_BF16_ROWS) {
         const int64_t *seg = (const int64_t *)w.weight;
         return ((linear_rows_fn)kn->linear_bf16_rows)(x, m, k, seg + 1, seg + 4, seg[0], (const uint16_t *)w.bias, out);
@@ -96,9 +102,12 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
         const int64_t *seg = (const int64_t *)w.weight;
         return ((linear_f32_rows_fn)kn->linear_f32_rows)(x, m, k, seg + 1, seg + 4, seg[0], (const float *)w.bias, out);
     }
-    if (w.kind != LINEAR_W8 || w.bias) return -3;
+    if (w.kind != LINEAR_W8) return -3;
     for (int64_t i = 0; i < m * k; i++) x16[i] = f32_to_bf16(x[i]);
-    return ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);
+    const int rc = ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);
+    if (rc == 0 && w.bias) /* after the kernel, as the Python path adds it */
+        for (int64_t i = 0; i < m * n; i++) out[i] += ((const float *)w.bias)[i % n];
+    return rc;
 }
 
 static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
