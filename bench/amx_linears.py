@@ -65,6 +65,14 @@ def activations(dtype: torch.dtype):
     return functools.cache(lambda rows, k: torch.randn(rows, k).to(dtype))
 
 
+def sweep_of(weights: list[torch.Tensor], x_of, apply):
+    """fn(rows) calling apply(i, x [rows, k_i]) for every linear i once, in a forward's order."""
+    def sweep(rows: int):
+        for i, w in enumerate(weights):
+            apply(i, x_of(rows, w.shape[1]))
+    return sweep
+
+
 def _tensors(copies) -> list[torch.Tensor]:
     """The tensors under each copy (a tensor, or an object holding one as `packed`, perhaps nested)."""
     out = []
@@ -93,13 +101,10 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
     dense = sum(w.numel() for w in weights) * 2
     s8 = sum(w.numel() for w in body) + weights[-1].numel() * 2
 
-    def run(x_of, apply):
-        def sweep(rows: int):
-            for i, w in enumerate(weights):
-                apply(i, x_of(rows, w.shape[1]))
-        return sweep
-
     x_of = activations(torch.bfloat16)
+
+    def run(x_of, apply):
+        return sweep_of(weights, x_of, apply)
 
     def dnn16(i, x):
         torch.ops.mkldnn._linear_pointwise(x, bf16_dnn[i], None, "none", [], "")
@@ -133,7 +138,8 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
-    ap.add_argument("--rows", default="1,8,32,64,256", help="rows per call (a decode step's sequences), comma-separated")
+    ap.add_argument("--rows", default="1,8,32,64,256",
+                    help="rows per call (a decode step's sequences), comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="sweeps per way, row count and round (the best is kept)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-huge-pages", action="store_true",

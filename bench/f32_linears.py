@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from bench.amx_linears import _seconds, activations, model_linears, read_bandwidth
+from bench.amx_linears import _seconds, activations, model_linears, read_bandwidth, sweep_of
 from bench.engines import probe_peak
 from engine.kernels import f32_linears
 
@@ -32,10 +32,7 @@ def sweeps(weights: list[torch.Tensor]) -> dict:
     x_of = activations(torch.float32)
 
     def run(apply):
-        def sweep(rows: int):
-            for i, w in enumerate(weights):
-                apply(i, x_of(rows, w.shape[1]))
-        return sweep
+        return sweep_of(weights, x_of, apply)
 
     return {"ours": run(lambda i, x: f32_linears.linear(x, ours[i])),
             "oneDNN packed": run(lambda i, x: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")),
@@ -50,7 +47,8 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not f32_linears.available():
-        raise SystemExit("the fp32 kernel does not serve here (no AVX-512, or ROLLOUT_F32_KERNEL=0): nothing to compare")
+        raise SystemExit("the fp32 kernel does not serve here (no AVX-512, or ROLLOUT_F32_KERNEL=0): "
+                         "nothing to compare")
     weights = [w.float() for w in model_linears(args.model)]
     params = sum(w.numel() for w in weights)
     bandwidth, peak = read_bandwidth(), probe_peak("float32")
@@ -65,8 +63,9 @@ def main() -> None:
                     for _ in range(args.repeats):
                         best[way] = min(best.get(way, float("inf")), _seconds(lambda: ways[way](rows)))
             best = {way: best[way] for way in ways}
-            cells = [f"{way} {t * 1e3:.2f} ms ({2 * rows * params / t / 1e9:.0f} GFLOP/s = {2 * rows * params / t / peak:.0%} "
-                     f"of the probe, {params * 4 / t / bandwidth:.0%} of the read probe)" for way, t in best.items()]
+            cells = [f"{way} {t * 1e3:.2f} ms ({2 * rows * params / t / 1e9:.0f} GFLOP/s = "
+                     f"{2 * rows * params / t / peak:.0%} of the probe, {params * 4 / t / bandwidth:.0%} of the read "
+                     "probe)" for way, t in best.items()]
             log.info("rows %3d: %s | ours / oneDNN %.2fx, ours / F.linear %.2fx", rows, " | ".join(cells),
                      best["oneDNN packed"] / best["ours"], best["F.linear (MKL)"] / best["ours"])
 

@@ -23,17 +23,11 @@ import logging
 
 import torch
 
-from bench.amx_linears import _seconds, _tensors, activations, model_linears, read_bandwidth
+from bench.amx_linears import _seconds, _tensors, activations, model_linears, read_bandwidth, sweep_of
+from bench.engines import probe_peak
 from engine.kernels import bf16_rows, derived_weights, huge_pages, int8_linears, w8_linears
 
 log = logging.getLogger("bench.w8_linears")
-
-
-def matmul_probe() -> float:
-    """FLOP/s of torch's bf16 matmul at 256 x 4096 x 4096 (oneDNN's kernel), the best of 5."""
-    a, b = torch.randn(256, 4096).bfloat16(), torch.randn(4096, 4096).bfloat16()
-    a @ b
-    return 2 * 256 * 4096 * 4096 / min(_seconds(lambda: a @ b) for _ in range(5))
 
 
 def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
@@ -49,10 +43,7 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
     x_of = activations(torch.bfloat16)
 
     def run(apply):
-        def sweep(m: int):
-            for i, w in enumerate(weights):
-                apply(i, x_of(m, w.shape[1]))
-        return sweep
+        return sweep_of(weights, x_of, apply)
 
     def on_rows(i, x):
         bf16_rows.avx512_linear_rows(x, rows[i])
@@ -87,7 +78,7 @@ def main() -> None:
         raise SystemExit("no AVX512-BF16 kernels on this CPU: nothing to compare")
     weights = model_linears(args.model)
     params = sum(w.numel() for w in weights)
-    bandwidth, peak = read_bandwidth(), matmul_probe()
+    bandwidth, peak = read_bandwidth(), probe_peak("bfloat16")
     log.info("%s: %d linears, %.0f MB in bf16; memory read probe %.1f GB/s, bf16 matmul probe %.0f GFLOP/s; "
              "%d threads", args.model, len(weights), params * 2 / 1e6, bandwidth / 1e9, peak / 1e9,
              torch.get_num_threads())

@@ -101,19 +101,9 @@ static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K 
 #define WIDEN_AHEAD 2
 #define SLOT(kc) (ring ? (kc) % ring : (kc)) /* a widened chunk's place in the thread's buffer */
 
-/* A call's scratch (the widened weights; the activations as tiles), kept between calls (a fresh
-   one of this size is an mmap and its page faults on every call), one per calling thread (its
-   OpenMP team shares it by slices); a call uses it only while it runs. */
-static uint8_t *scratch_buffer(int64_t bytes) {
-    static __thread uint8_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        capacity = buffer == NULL ? 0 : bytes;
-    }
-    return buffer;
-}
+/* A call's scratch (the widened weights; the activations as tiles): the calling thread's
+   thread_buffer (common.h), its OpenMP team sharing it by slices. */
+static uint8_t *scratch_buffer(int64_t bytes) { return thread_buffer(bytes); }
 
 /* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
    values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16

@@ -174,6 +174,20 @@ static inline v16f vexp(v16f x) {
     return (v16f)(((v16i)p + (__builtin_convertvector(n, v16i) << 23)) & ~tiny);
 }
 
+/* A buffer of at least `bytes` that the calling thread keeps between calls (a fresh one is an mmap and its
+   page faults on every call): one per thread in each kernel library, shared by that library's calls (each
+   uses it only while it runs); NULL where it cannot be had. */
+static inline void *thread_buffer(int64_t bytes) {
+    static __thread void *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        capacity = buffer == NULL ? 0 : bytes;
+    }
+    return buffer;
+}
+
 /* Activation rows copied further apart than their own length, into a buffer a thread keeps: rows whose
    length is a multiple of 4096 bytes put a kernel's block of rows in one set of L1 (8 ways) at each step
    of K (bf16_rows.c and f32_linear.c say what it cost them). The copy's rows lie `gap` bytes further

@@ -85,18 +85,6 @@ static void block_rows(const uint16_t *x, int64_t ldx, int rows, int64_t kc_coun
 #undef BLOCK
 }
 
-/* A thread's panel of widened chunks, kept between calls (a fresh one is an mmap and page faults). */
-static uint16_t *panel_buffer(int64_t bytes) {
-    static __thread uint16_t *buffer = NULL;
-    static __thread int64_t capacity = 0;
-    if (bytes > capacity) {
-        free(buffer);
-        buffer = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-        capacity = buffer == NULL ? 0 : bytes;
-    }
-    return buffer;
-}
-
 static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16,
                      float *out_f32) {
     if (m == 0 || n == 0) return 0;
@@ -112,7 +100,7 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
 #pragma omp parallel if (m * n * k > 65536) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        uint16_t *panel = panel_buffer(kc_count * W8_WIDE_BYTES);
+        uint16_t *panel = thread_buffer(kc_count * W8_WIDE_BYTES); /* each thread its own (common.h) */
         if (panel == NULL) failed = 1;
         else
             for (int64_t np = np_count * t / threads; np < np_count * (t + 1) / threads; np++) {
