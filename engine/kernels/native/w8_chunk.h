@@ -9,29 +9,41 @@
 #define W8_CHUNK_BYTES 1088 /* 32 bf16 scales, then 2 x 16 columns x 32 values of K in int8 */
 #define W8_WIDE_BYTES 2048  /* the same chunk in bf16 */
 
+#ifdef __AVX512BF16__
+/* Tile t's 16 column scales (of a chunk's 32) as fp32, each twice, for the two halves of a tile row (16
+   columns x 2 values of K): columns 0-7 in *lo, 8-15 in *hi. */
+static inline void chunk_scales(const uint8_t *chunk, int t, __m512 *lo, __m512 *hi) {
+    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)chunk + 16 * t))), 16));
+    *lo = _mm512_permutexvar_ps(lo_cols, s);
+    *hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_cols, _mm512_set1_epi32(8)), s);
+}
+
+/* One tile row's 32 int8 weights (16 columns x 2 values of K) widened to fp32 (exact), times their
+   columns' scales, and rounded once to bf16. */
+static inline __m512bh widen_row(const int8_t *q, __m512 lo_scales, __m512 hi_scales) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, hi_scales), _mm512_mul_ps(lo, lo_scales));
+}
+#endif
+
 /* One chunk of a weight-only int8 weight to bf16 tiles: 32 bf16 scales (one per column of the
-   chunk's 32, for its 32 values of K) then the two B tiles' 1024 int8, each widened to fp32
-   (exact), times its scale, and rounded once to bf16. Every CPU with AMX has AVX512-BF16, and
-   w8_linear.c runs only where a CPU has it: the scalar path builds so that the files compile anywhere. */
+   chunk's 32, for its 32 values of K) then the two B tiles' 1024 int8, each widened_row'd. Every CPU
+   with AMX has AVX512-BF16, and w8_linear.c runs only where a CPU has it: the scalar path builds so
+   that the files compile anywhere. */
 static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
-    const uint16_t *scales = (const uint16_t *)chunk;
     const int8_t *q = (const int8_t *)(chunk + 64);
 #ifdef __AVX512BF16__
-    /* a tile row is 16 columns x 2 values of K: column j's scale twice, for 8 columns a half */
-    const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
     for (int t = 0; t < 2; t++) {
-        const __m512 s = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 16 * t))), 16));
-        const __m512 s_lo = _mm512_permutexvar_ps(lo_cols, s), s_hi = _mm512_permutexvar_ps(hi_cols, s);
-        for (int i = 512 * t; i < 512 * (t + 1); i += 32) {
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i))));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + i + 16))));
-            _mm512_store_si512((void *)(dst + i),
-                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo)));
-        }
+        __m512 lo, hi;
+        chunk_scales(chunk, t, &lo, &hi);
+        for (int i = 512 * t; i < 512 * (t + 1); i += 32)
+            _mm512_store_si512((void *)(dst + i), (__m512i)widen_row(q + i, lo, hi));
     }
 #else
+    const uint16_t *scales = (const uint16_t *)chunk;
     for (int i = 0; i < 1024; i++) dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
 #endif
 }

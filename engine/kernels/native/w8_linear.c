@@ -4,10 +4,12 @@
    kernel's), so the int8 engine multiplies the same weights on either CPU.
 
    Where a step reads more bytes than it multiplies (a decode step of a few sequences) the int8 copy
-   streams half the bf16 weights' bytes; each 1088-byte chunk is widened into a 2 KB buffer and its 32
-   columns multiplied there: lane j of an accumulator is column j, each VDPBF16PS adds one pair of K
-   of 16 columns for one row (the row's pair broadcast). A thread's columns are whole chunks' 32; the
-   first block of rows widens the chunks into a panel the later blocks read again from the caches.
+   streams half the bf16 weights' bytes. Each 1088-byte chunk's 32 columns are multiplied widened: lane j
+   of an accumulator is column j, each VDPBF16PS adds one pair of K of 16 columns for one row (the row's
+   pair broadcast). A thread's columns are whole chunks' 32. A call of up to MR_MAX rows widens each tile
+   row in registers just before its products; a larger one widens each chunk into a 2 KB slot of a
+   panel in its first block of rows, which the later blocks read again from the caches (Qwen2.5-1.5B's
+   linears on a Zen 4: in registers 1.05-1.17x the panel's way at 1-12 rows, the same bits).
 
    Arithmetic: every bf16 x bf16 product is exact in fp32; an output sums its pairs in K's order in
    one lane, so its bits depend on its own row and column alone (not on the batch or the block it fell
@@ -27,24 +29,30 @@
 
 #ifdef __AVX512BF16__
 
-/* rows (1..MR_MAX) rows of x (stride ldx, K padded to the chunks') times a panel of widened chunks
-   (kc_count x 2 KB) into out (stride n, columns col.. col + cols, cols <= 32); `wb` not NULL: widen the
-   packed chunks from there first, each just before its products. */
-ALWAYS_INLINE void block(const uint16_t *x, int64_t ldx, int rows, int64_t kc_count, const uint8_t *wb,
+/* rows (1..MR_MAX) rows of x (stride ldx, K padded to the chunks') times the packed chunks at wb (32
+   columns' kc_count chunks) into out (stride n, columns col.. col + cols, cols <= 32). No panel (a call of
+   one block): each tile row widened in registers just before its products. A panel (kc_count x 2 KB):
+   `widen` widens each chunk into it first (the first block), else the products read it back. */
+ALWAYS_INLINE void block(const uint16_t *x, int64_t ldx, int rows, int64_t kc_count, const uint8_t *wb, int widen,
                          uint16_t *panel, int64_t n, int64_t col, int64_t cols, uint16_t *out_bf16, float *out_f32) {
     __m512 acc[MR_MAX][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kc = 0; kc < kc_count; kc++) {
-        const uint16_t *wt = panel + kc * (W8_WIDE_BYTES / 2);
-        if (wb) {
+        const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
+        const int8_t *q = (const int8_t *)(chunk + 64);
+        const uint16_t *wt = panel ? panel + kc * (W8_WIDE_BYTES / 2) : NULL;
+        __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0; /* the tiles' scales (no panel) */
+        if (widen)
             for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
-                _mm_prefetch((const char *)(wb + (kc + PREFETCH_CHUNKS) * W8_CHUNK_BYTES + l), _MM_HINT_T1);
-            widen_chunk(wb + kc * W8_CHUNK_BYTES, (uint16_t *)wt);
-        }
+                _mm_prefetch((const char *)(chunk + PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
+        if (panel && widen) widen_chunk(chunk, (uint16_t *)wt);
+        if (!panel) chunk_scales(chunk, 0, &lo0, &hi0), chunk_scales(chunk, 1, &lo1, &hi1);
         const uint16_t *xk = x + kc * 32;
         for (int p = 0; p < 16; p++) {
-            const __m512bh w0 = (__m512bh)_mm512_load_si512((const void *)(wt + p * 32));
-            const __m512bh w1 = (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32));
+            const __m512bh w0 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + p * 32))
+                                      : widen_row(q + p * 32, lo0, hi0);
+            const __m512bh w1 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32))
+                                      : widen_row(q + 512 + p * 32, lo1, hi1);
             for (int r = 0; r < rows; r++) {
                 int32_t pair;
                 memcpy(&pair, xk + r * ldx + 2 * p, sizeof pair);
@@ -65,9 +73,9 @@ ALWAYS_INLINE void block(const uint16_t *x, int64_t ldx, int rows, int64_t kc_co
 }
 
 /* block() with `rows` a constant in each copy, so the compiler keeps every sum in a register. */
-static void block_rows(const uint16_t *x, int64_t ldx, int rows, int64_t kc_count, const uint8_t *wb, uint16_t *panel,
-                       int64_t n, int64_t col, int64_t cols, uint16_t *out_bf16, float *out_f32) {
-#define BLOCK(R) block(x, ldx, R, kc_count, wb, panel, n, col, cols, out_bf16, out_f32)
+static void block_rows(const uint16_t *x, int64_t ldx, int rows, int64_t kc_count, const uint8_t *wb, int widen,
+                       uint16_t *panel, int64_t n, int64_t col, int64_t cols, uint16_t *out_bf16, float *out_f32) {
+#define BLOCK(R) block(x, ldx, R, kc_count, wb, widen, panel, n, col, cols, out_bf16, out_f32)
     switch (rows) {
     case 1: BLOCK(1); break;
     case 2: BLOCK(2); break;
@@ -100,15 +108,16 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
 #pragma omp parallel if (m * n * k > 65536) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        uint16_t *panel = thread_buffer(kc_count * W8_WIDE_BYTES); /* each thread its own (common.h) */
-        if (panel == NULL) failed = 1;
+        /* one block: widened in registers; more: into a panel, each thread its own (common.h) */
+        uint16_t *panel = blocks > 1 ? thread_buffer(kc_count * W8_WIDE_BYTES) : NULL;
+        if (blocks > 1 && panel == NULL) failed = 1;
         else
             for (int64_t np = np_count * t / threads; np < np_count * (t + 1) / threads; np++) {
                 const uint8_t *wb = w + np * kc_count * W8_CHUNK_BYTES;
                 const int64_t col = np * 32, cols = n - col < 32 ? n - col : 32;
                 for (int64_t blk = 0, m0 = 0; blk < blocks; blk++) { /* blocks of even rows: 32 = 11 + 11 + 10 */
                     const int rows = (int)((m - m0 + blocks - blk - 1) / (blocks - blk));
-                    block_rows(x + m0 * pk, pk, rows, kc_count, blk == 0 ? wb : NULL, panel, n, col, cols,
+                    block_rows(x + m0 * pk, pk, rows, kc_count, wb, blk == 0, panel, n, col, cols,
                                out_bf16 ? out_bf16 + m0 * n : NULL, out_f32 ? out_f32 + m0 * n : NULL);
                     m0 += rows;
                 }
