@@ -4,9 +4,10 @@ values of K of each column). It widens each weight as the AMX kernel does (q tim
 once to bf16) and multiplies bf16 activations on AVX512-BF16's dot products, so the int8 engine is one
 scheme on both CPUs: the activations are never rounded to 8 bits (int8_linears says what that costs).
 
-Where a step reads more bytes than it multiplies (a few sequences a step on a Zen 4) the copy streams
-half the bf16 weights' bytes; where the products bound it (32 sequences and more there) the widening is
-work the bf16 engine does not do (bench/w8_linears.py measures both; docs/guides/int8.md).
+Where a step reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the
+copy streams half the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the
+products bound it (16 rows and more there) both run at VDPBF16PS's pace, the widening hidden in the
+products (1.02-1.16x; bench/w8_linears.py, docs/guides/int8.md).
 """
 
 from __future__ import annotations
