@@ -101,10 +101,6 @@ static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K 
 #define WIDEN_AHEAD 2
 #define SLOT(kc) (ring ? (kc) % ring : (kc)) /* a widened chunk's place in the thread's buffer */
 
-/* A call's scratch (the widened weights; the activations as tiles): the calling thread's
-   thread_buffer (common.h), its OpenMP team sharing it by slices. */
-static uint8_t *scratch_buffer(int64_t bytes) { return thread_buffer(bytes); }
-
 /* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
    values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16
    outputs of row m from column n. `WIDE`: the weight is int8 with scales (widen_chunk's 1088
@@ -113,7 +109,7 @@ static uint8_t *scratch_buffer(int64_t bytes) { return thread_buffer(bytes); }
 #define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE, WIDE)                                                \
     const int64_t mp_count = (m + 31) / 32, np_count = (n + 31) / 32, kc_count = (k + TK - 1) / TK; \
     const int64_t pm = mp_count * 32, pk = kc_count * TK;                                           \
-    const int64_t chunk = WIDE ? 1088 : 2048; /* bytes of packed weight per K chunk's tile pair */  \
+    const int64_t chunk = WIDE ? W8_CHUNK_BYTES : 2048; /* packed weight per K chunk's tile pair */ \
     const A_TYPE *a = x;                                                                            \
     void *copy = NULL;                                                                              \
     uint8_t *wide = NULL;                                                                           \
@@ -122,7 +118,7 @@ static uint8_t *scratch_buffer(int64_t bytes) { return thread_buffer(bytes); }
         if (copy == NULL) return -1;                                                                \
         a = copy;                                                                                   \
     }                                                                                               \
-    if (WIDE && (wide = scratch_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {           \
+    if (WIDE && (wide = thread_buffer(omp_get_max_threads() * kc_count * 2048)) == NULL) {            \
         free(copy);                                                                                 \
         return -1;                                                                                  \
     }                                                                                               \
@@ -490,7 +486,8 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     if (m == 0 || n == 0) return 0;
     const int64_t nt_count = n / 16, np_count = (nt_count + 1) / 2, mp_count = (m + 31) / 32, kc_count = k / 32;
     const int64_t stride = k * 2; /* bytes between weight rows */
-    /* kept between calls, per calling thread (scratch_buffer): a decode step makes a few hundred calls */
+    /* kept between calls, per calling thread (common.h's thread_buffer): a decode step makes a few hundred
+       calls */
     static __thread const uint8_t **kept_tiles = NULL;
     static __thread int64_t kept_cap = 0;
     if (nt_count > kept_cap) {
@@ -507,7 +504,7 @@ static int rows_linear(const uint16_t *x, int64_t m, int64_t k, const int64_t *s
     const int64_t kc_block = (kc_count + kb_count - 1) / kb_count;
     const int64_t xv_bytes = mp_count * kc_count * 2048;
     const int64_t acc_bytes = kb_count > 1 ? np_count * (ROW_BLOCK / 32) * 4096 : 0;
-    uint8_t *scratch = scratch_buffer(xv_bytes + acc_bytes + omp_get_max_threads() * CARRY_BYTES);
+    uint8_t *scratch = thread_buffer(xv_bytes + acc_bytes + omp_get_max_threads() * CARRY_BYTES);
     if (tiles == NULL || scratch == NULL) return -1;
     uint32_t *xv = (uint32_t *)scratch;
     float *acc = kb_count > 1 ? (float *)(scratch + xv_bytes) : NULL;
@@ -589,7 +586,7 @@ int amx_linear_bf16_groups(const uint16_t *x, int64_t k, const int64_t *starts, 
         const uint8_t *base = (const uint8_t *)(w + experts[g] * n * k);
         for (int64_t t = 0; t < nt_count; t++) tiles[g * nt_count + t] = base + t * 16 * stride;
     }
-    uint8_t *scratch = scratch_buffer(xoff[G] * 4 + omp_get_max_threads() * CARRY_BYTES);
+    uint8_t *scratch = thread_buffer(xoff[G] * 4 + omp_get_max_threads() * CARRY_BYTES);
     if (scratch == NULL) return -1;
     uint32_t *xv = (uint32_t *)scratch;
 #pragma omp parallel

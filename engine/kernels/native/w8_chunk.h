@@ -44,7 +44,8 @@ static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
     }
 #else
     const uint16_t *scales = (const uint16_t *)chunk;
-    for (int i = 0; i < 1024; i++) dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
+    for (int i = 0; i < 1024; i++)
+        dst[i] = f32_to_bf16((float)q[i] * bf16_to_f32(scales[(i / 512) * 16 + (i % 32) / 2]));
 #endif
 }
 
