@@ -77,7 +77,7 @@ class Int8Weight:
     (oneDNN's prepacked tensor, the AMX kernel's AmxWeight, or q itself for _int_mm)."""
 
     packed: torch.Tensor | amx_linears.AmxWeight
-    scale: torch.Tensor  # [N] fp32; weight-only: [N, ceil(K/32)] bf16, one per group of K
+    scale: torch.Tensor  # [N] fp32; weight-only: [N, ceil(K/W8_GROUP)] bf16, one per group of K
     kernel: str
     shape: tuple[int, int]
     qmax: int = 127
@@ -88,8 +88,8 @@ class Int8Weight:
 
 
 def copy_bytes(shape: tuple[int, int], kernel_name: str) -> int:
-    """An int8 copy's memory: a byte a weight, and a 4-byte scale a row (a 2-byte one a group of 32
-    values of a row for the weight-only kernel)."""
+    """An int8 copy's memory: a byte a weight, and a 4-byte scale a row (a 2-byte one a group of
+    amx_linears.W8_GROUP values of a row for the weight-only kernel)."""
     n, k = shape
     return n * k + (2 * n * -(-k // amx_linears.W8_GROUP) if kernel_name in WEIGHT_ONLY else 4 * n)
 
@@ -213,7 +213,8 @@ def _probe_error(name: str, qmax: int) -> float:
     q[:, :32], w[:, :32] = 127, qmax
     q[1, :32], w[1, :32] = -127, -qmax
     want = q.double() @ w.double().t()
-    ones = torch.ones(16, 2, dtype=torch.bfloat16) if name in WEIGHT_ONLY else torch.ones(16)
+    groups = 64 // amx_linears.W8_GROUP
+    ones = torch.ones(16, groups, dtype=torch.bfloat16) if name in WEIGHT_ONLY else torch.ones(16)
     got = matmul(q, _packed(w, ones, name, qmax), torch.float32)
     return (got.double() - want).abs().max().item()
 

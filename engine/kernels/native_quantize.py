@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from engine.kernels import native_kernels
+from engine.kernels import amx_linears, native_kernels
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -25,15 +25,15 @@ def _fn(dtype: torch.dtype, name: str = "quantize_rows", library: str = "quantiz
 
 def quantize_groups_packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Weight-only int8's copy of w [N, K] in one C pass (engine/kernels/native/quantize_groups.c): (packed
-    uint8 [N/32, K/32, 1088], amx_linears.pack_w8's layout; scales bf16 [N, K/32]), the bits of
+    uint8 [N/32, K/32, W8_CHUNK_BYTES], amx_linears.pack_w8's layout; scales bf16 [N, K/W8_GROUP]), the bits of
     int8_linears.quantize_groups then pack_w8; or None (no kernel for it here)."""
     fn = _fn(w.dtype, "quantize_groups", "quantize_groups") if w.device.type == "cpu" else None
     if fn is None:
         return None
     w = w.detach().contiguous()
     n, k = w.shape
-    packed = torch.empty(-(-n // 32), -(-k // 32), 1088, dtype=torch.uint8)
-    scales = torch.empty(n, -(-k // 32), dtype=torch.bfloat16)
+    packed = torch.empty(-(-n // 32), -(-k // 32), amx_linears.W8_CHUNK_BYTES, dtype=torch.uint8)
+    scales = torch.empty(n, -(-k // amx_linears.W8_GROUP), dtype=torch.bfloat16)
     fn(w.data_ptr(), n, k, packed.data_ptr(), scales.data_ptr())
     return packed, scales
 

@@ -38,19 +38,25 @@ def test_pack_w8_is_each_chunks_scales_then_its_tiles():
     q = torch.randint(-127, 128, (50, 100), dtype=torch.int8)
     _, scale = int8_linears.quantize_groups(torch.randn(50, 100))
     packed = amx_linears.pack_w8(q, scale).packed
-    assert packed.shape == (2, 4, 1088)  # 32 columns x 32 values of K a chunk, K padded to 128
-    tiles = packed[..., 64:].reshape(2, 4, 2, 16, 16, 2)
+    groups = 32 // amx_linears.W8_GROUP  # a chunk's groups of K
+    assert packed.shape == (2, 4, 64 * groups + 1024)  # 32 columns x 32 values of K a chunk, K padded to 128
+    tiles = packed[..., 64 * groups:].reshape(2, 4, 2, 16, 16, 2)
     whole = tiles.permute(0, 2, 4, 1, 3, 5).reshape(64, 128)
     assert torch.equal(whole[:50, :100], q) and whole[50:].abs().sum() == 0 and whole[:, 100:].abs().sum() == 0
-    scales = packed[..., :64].contiguous().view(torch.bfloat16)  # [column block][chunk][32 columns]
-    assert torch.equal(scales[0, 2], scale[:32, 2]) and torch.equal(scales[1, 3, :18], scale[32:, 3])
+    # [column block][chunk][group][32 columns]
+    scales = packed[..., :64 * groups].contiguous().view(torch.bfloat16).view(2, 4, groups, 32)
+    g = 2 * groups + 1  # group 1 of chunk 2 (its K from 64 + W8_GROUP)
+    assert torch.equal(scales[0, 2, 1], scale[:32, g]) and torch.equal(scales[1, 2, 1, :18], scale[32:, g])
+    assert torch.equal(scales[1, 3, 0, :18], scale[32:, 3 * groups])  # the last group: K 96-99
+    assert scales[:, 3, 1:].abs().sum() == 0 and scales[1, :, :, 18:].abs().sum() == 0  # past K and N: zero
 
 
 def test_quantize_groups_keeps_each_group_within_its_scale():
     w = torch.randn(40, 70) * torch.logspace(-3, 1, 70)  # groups of very different sizes
     q, scale = int8_linears.quantize_groups(w)
-    assert q.shape == (40, 70) and scale.shape == (40, 3) and q.abs().max() <= 127
-    s = scale.float().repeat_interleave(32, dim=1)[:, :70]
+    group = amx_linears.W8_GROUP
+    assert q.shape == (40, 70) and scale.shape == (40, -(-70 // group)) and q.abs().max() <= 127
+    s = scale.float().repeat_interleave(group, dim=1)[:, :70]
     # round to the nearest step, but where the bf16 scale rounded down and |w| / s passed 127 (clamped)
     assert ((q.float() * s - w).abs() <= s * (0.5 + 127 * 2.0**-8)).all()
 
@@ -62,7 +68,7 @@ def test_weight_only_kernel_multiplies_the_bf16_weights_q_times_scale(m, n, k, o
     g = torch.Generator().manual_seed(m + n * k)
     x = torch.randn(m, k, generator=g).bfloat16()
     q, scale = int8_linears.quantize_groups(torch.randn(n, k, generator=g))
-    w = (q.float() * scale.float().repeat_interleave(32, dim=1)[:, :k]).bfloat16()  # what the kernel widens to
+    w = amx_linears.widened_w8(q, scale)  # what the kernel widens to
     got = amx_linears.linear_w8(x, amx_linears.pack_w8(q, scale), out_dtype).double()
     exact = x.double() @ w.double().t()
     # as test_bf16_kernel's: k fp32 roundings of the exact products' sum, then the output's own

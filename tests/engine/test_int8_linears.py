@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.kernels import derived_weights, int8_linears
+from engine.kernels import amx_linears, derived_weights, int8_linears
 from engine.models.model_loader import quantized_bytes
 
 pytestmark = pytest.mark.skipif(int8_linears.kernel() is None, reason="no exact int8 kernel on this CPU")
@@ -22,7 +22,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     qmax/2 + 1/4); the int32 sum of K of them is exact, and the two fp32 scalings and the fp32
     reference add a few roundings of the largest possible sum K max|x_m| max|w_n|.
 
-    Weight-only (W8A16, groups of 32): x is rounded to bf16 (2^-9 of |x|); w to q s with s <=
+    Weight-only (W8A16, groups of amx_linears.W8_GROUP): x is rounded to bf16 (2^-9 of |x|); w to q s with s <=
     max|w_n| (1 + 2^-8) / 127 (a bf16 scale) and |w - q s| <= s / 2 + 127 s 2^-8 (the clamp where
     the scale rounded down), then q s to bf16 (2^-9); the K products sum in fp32."""
     name, qmax = int8_linears.kernel()
@@ -87,7 +87,9 @@ def test_derive_is_pure_and_the_weight_stays_the_truth():
     w = torch.randn(32, 64)
     before = w.clone()
     copy = int8_linears.derive(w)
-    assert torch.equal(w, before) and copy.nbytes == 32 * 64 + 4 * 32
+    # a 2-byte scale a row's W8_GROUP values (weight-only), else a 4-byte one a row
+    scales = 2 * 32 * (64 // amx_linears.W8_GROUP) if copy.kernel in int8_linears.WEIGHT_ONLY else 4 * 32
+    assert torch.equal(w, before) and copy.nbytes == 32 * 64 + scales
     layer = _layer(out_features=32)
     layer(torch.randn(2, 64))
     assert layer.weight.dtype == torch.float32 and layer.state_dict()["weight"].dtype == torch.float32
@@ -146,8 +148,9 @@ def test_the_copy_bytes_are_one_byte_a_weight_and_its_scales():
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 16))
     model[0].requires_grad_(False)
     assert int8_linears.install(model) == 2
-    if int8_linears.kernel()[0] in int8_linears.WEIGHT_ONLY:  # a 2-byte scale a row's 32 values of K
-        scales = 2 * 48 * 2 + 2 * 16 * 2
+    if int8_linears.kernel()[0] in int8_linears.WEIGHT_ONLY:  # a 2-byte scale a row's W8_GROUP values of K
+        group = amx_linears.W8_GROUP
+        scales = 2 * 48 * -(-64 // group) + 2 * 16 * -(-48 // group)
     else:  # a 4-byte scale a row
         scales = 4 * 48 + 4 * 16
     assert quantized_bytes(model) == 48 * 64 + 16 * 48 + scales

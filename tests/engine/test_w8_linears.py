@@ -19,7 +19,7 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
     """(q, scale, the bf16 weights the kernels widen q to)."""
     g = torch.Generator().manual_seed(seed)
     q, scale = int8_linears.quantize_groups(torch.randn(n, k, generator=g))
-    return q, scale, (q.float() * scale.float().repeat_interleave(32, dim=1)[:, :k]).bfloat16()
+    return q, scale, amx_linears.widened_w8(q, scale)
 
 
 @avx512_bf16

@@ -1,10 +1,10 @@
 /* Weight-only int8 on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
-   out [m, n] = x [m, k] . w^T with w amx_linears.pack_w8's chunks (int8, a bf16 scale per 32 values of
-   K of each column), the bf16 weights each q * scale rounded once (w8_chunk.h's widen_chunk, the AMX
+   out [m, n] = x [m, k] . w^T with w amx_linears.pack_w8's chunks (int8, a bf16 scale per W8_GROUP values
+   of K of each column), the bf16 weights each q * scale rounded once (w8_chunk.h's widen_chunk, the AMX
    kernel's), so the int8 engine multiplies the same weights on either CPU.
 
    Where a step reads more bytes than it multiplies (a decode step of a few sequences) the int8 copy
-   streams half the bf16 weights' bytes. Each 1088-byte chunk's 32 columns are multiplied widened: lane j
+   streams half the bf16 weights' bytes. Each chunk's 32 columns are multiplied widened: lane j
    of an accumulator is column j, each VDPBF16PS adds one pair of K of 16 columns for one row (the row's
    pair broadcast). A thread's columns are whole chunks' 32. A call of up to MR_MAX rows widens each tile
    row in registers just before its products; a larger one widens each chunk into a 2 KB slot of a
@@ -39,26 +39,28 @@ ALWAYS_INLINE void block(const uint16_t *x, int64_t ldx, int rows, int64_t kc_co
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kc = 0; kc < kc_count; kc++) {
         const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
-        const int8_t *q = (const int8_t *)(chunk + 64);
+        const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES);
         const uint16_t *wt = panel ? panel + kc * (W8_WIDE_BYTES / 2) : NULL;
-        __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0; /* the tiles' scales (no panel) */
         if (widen)
             for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
                 _mm_prefetch((const char *)(chunk + PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
         if (panel && widen) widen_chunk(chunk, (uint16_t *)wt);
-        if (!panel) chunk_scales(chunk, 0, &lo0, &hi0), chunk_scales(chunk, 1, &lo1, &hi1);
         const uint16_t *xk = x + kc * 32;
-        for (int p = 0; p < 16; p++) {
-            const __m512bh w0 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + p * 32))
-                                      : widen_row(q + p * 32, lo0, hi0);
-            const __m512bh w1 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32))
-                                      : widen_row(q + 512 + p * 32, lo1, hi1);
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, xk + r * ldx + 2 * p, sizeof pair);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+        for (int g = 0; g < W8_GROUPS; g++) {
+            __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0; /* the tiles' scales (no panel) */
+            if (!panel) chunk_scales(chunk, 0, g, &lo0, &hi0), chunk_scales(chunk, 1, g, &lo1, &hi1);
+            for (int p = g * W8_ROWS_PER_GROUP; p < (g + 1) * W8_ROWS_PER_GROUP; p++) {
+                const __m512bh w0 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + p * 32))
+                                          : widen_row(q + p * 32, lo0, hi0);
+                const __m512bh w1 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32))
+                                          : widen_row(q + 512 + p * 32, lo1, hi1);
+                for (int r = 0; r < rows; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xk + r * ldx + 2 * p, sizeof pair);
+                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+                }
             }
         }
     }
