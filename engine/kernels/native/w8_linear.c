@@ -46,21 +46,24 @@ ALWAYS_INLINE void block(const uint16_t *x, int64_t ldx, int rows, int64_t kc_co
                 _mm_prefetch((const char *)(chunk + PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
         if (panel && widen) widen_chunk(chunk, (uint16_t *)wt);
         const uint16_t *xk = x + kc * 32;
+        /* the tiles' scales, every group's before the rows (no panel): 4% faster at 8 rows than between them */
+        __m512 lo0[W8_GROUPS], hi0[W8_GROUPS], lo1[W8_GROUPS], hi1[W8_GROUPS];
         for (int g = 0; g < W8_GROUPS; g++) {
-            __m512 lo0 = _mm512_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0; /* the tiles' scales (no panel) */
-            if (!panel) chunk_scales(chunk, 0, g, &lo0, &hi0), chunk_scales(chunk, 1, g, &lo1, &hi1);
-            for (int p = g * W8_ROWS_PER_GROUP; p < (g + 1) * W8_ROWS_PER_GROUP; p++) {
-                const __m512bh w0 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + p * 32))
-                                          : widen_row(q + p * 32, lo0, hi0);
-                const __m512bh w1 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32))
-                                          : widen_row(q + 512 + p * 32, lo1, hi1);
-                for (int r = 0; r < rows; r++) {
-                    int32_t pair;
-                    memcpy(&pair, xk + r * ldx + 2 * p, sizeof pair);
-                    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
-                    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
-                }
+            lo0[g] = hi0[g] = lo1[g] = hi1[g] = _mm512_setzero_ps();
+            if (!panel) chunk_scales(chunk, 0, g, &lo0[g], &hi0[g]), chunk_scales(chunk, 1, g, &lo1[g], &hi1[g]);
+        }
+        for (int p = 0; p < 16; p++) {
+            const int g = p / W8_ROWS_PER_GROUP;
+            const __m512bh w0 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + p * 32))
+                                      : widen_row(q + p * 32, lo0[g], hi0[g]);
+            const __m512bh w1 = panel ? (__m512bh)_mm512_load_si512((const void *)(wt + 512 + p * 32))
+                                      : widen_row(q + 512 + p * 32, lo1[g], hi1[g]);
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, xk + r * ldx + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
             }
         }
     }
