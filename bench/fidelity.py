@@ -170,9 +170,10 @@ def fake_quantized(trainer, weights: bool, activations: bool, group: int | None 
     return model
 
 
-ABLATIONS = {  # row -> (weights, activations, group): per channel / per token, then per 32 values of K
+ABLATIONS = {  # row -> (weights, activations, group): per channel / per token, then per 32 or 16 values of K
     "fake W8": (True, False, None), "fake A8": (False, True, None), "fake W8A8": (True, True, None),
     "fake W8 g32": (True, False, 32), "fake A8 g32": (False, True, 32), "fake W8A8 g32": (True, True, 32),
+    "fake W8 g16": (True, False, 16),  # the engine's weight-only int8 (amx_linears.W8_GROUP)
 }
 
 

@@ -13,9 +13,10 @@ beside the memory's time (bench.amx_linears, idle: bf16 1.11x / 1.04x / 0.93x on
 streams each weight once, in the order `pack` lays it out, and writes the output in the engine's
 dtype.
 
-Weight-only int8 streams about half the bf16 bytes but widens each weight (AVX512: to fp32, times
-its scale, to bf16) into a buffer the tiles then read: at 32 rows that work is about what the tile
-products cost, so it gains 1.12-1.16x over bf16 in the engine, not the 2x its bytes would allow.
+Weight-only int8 streams 0.56 of the bf16 bytes (a byte a weight, 2 a scale per 16 of them) but widens
+each weight (AVX512: to fp32, times its scale, to bf16) into a buffer the tiles then read: at 32 rows
+that work is about what the tile products cost, so it gained 1.12-1.16x over bf16 in the engine (a
+scale per 32 then), not the 2x its bytes would allow.
 
 Arithmetic: int8 products sum exactly in int32 and are scaled as int8_linears' oneDNN path scales
 them (the same bits, tested); bf16 products sum in fp32 in the tiles' order and round once, as a

@@ -7,18 +7,19 @@ engine/kernels/derived_weights.py), made by the pure `derive(weight)`. Two schem
 this CPU runs (`kernel()`):
 
 - **Weight-only** (first choice, where the CPU has AMX tiles: engine/kernels/amx_linears.py's `linear_w8`,
-  or AVX512-BF16 without them: engine/kernels/w8_linears.py's, on AMD Zen 4 and 5): a bf16 scale per 32
-  values of K of each output channel (one tile row's K), the int8 weights widened to bf16 (q times its
-  scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on either CPU.
-  On SmolLM2, 9.4% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the bf16
-  engine: 7.7%; bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX
-  and 1.0x at 256 (bench/RESULTS.md).
+  or AVX512-BF16 without them: engine/kernels/w8_linears.py's, on AMD Zen 4 and 5): a bf16 scale per 16
+  values of K of each output channel (amx_linears.W8_GROUP), the int8 weights widened to bf16 (q times
+  its scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on either
+  CPU. On SmolLM2, 7.1% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the
+  bf16 engine: 7.7%; at another seed 7.9% and 8.5%; per 32 values of K it was 9.4-9.9%:
+  bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX and 1.0x at 256
+  (groups of 32; bench/RESULTS.md).
 - **Per token** (W8A8; a CPU with neither, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
   weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
   forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
   op and fbgemm's dynamic linear are made for, would let one sequence's outlier coarsen every
   other's). Faster on AMX (1.21-1.25x bf16 at 32 sequences) but it moves the policy: 58.6% of
-  SmolLM2's sampled tokens leave [0.9, 1.1] (weights alone per channel: 21%; per group of 32: 9.4%),
+  SmolLM2's sampled tokens leave [0.9, 1.1] (weights alone per channel: 21%; per group of 32: 9.4%, of 16: 7.1%),
   and GRPO with it and TIS learned at one seed of three where the fp32 engine learned at all three.
 
 The per-token kernels, measured by bench/int8_linears.py (bench/RESULTS.md): oneDNN's int8 linear

@@ -1,11 +1,11 @@
 """Weight-only int8 on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
-engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's copy (int8 weights, a bf16 scale per 32
+engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's copy (int8 weights, a bf16 scale per 16
 values of K of each column). It widens each weight as the AMX kernel does (q times its scale, rounded
 once to bf16) and multiplies bf16 activations on AVX512-BF16's dot products, so the int8 engine is one
 scheme on both CPUs: the activations are never rounded to 8 bits (int8_linears says what that costs).
 
 Where a step reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the
-copy streams half the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the
+copy streams 0.56 of the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the
 products bound it (16 rows and more there) both run at VDPBF16PS's pace, the widening hidden in the
 products (1.02-1.16x; bench/w8_linears.py, docs/guides/int8.md).
 """

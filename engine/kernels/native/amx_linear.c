@@ -103,8 +103,8 @@ static inline void prefetch_weights(const uint8_t *p, int64_t bytes) { /* one K 
 
 /* One linear, out [M, N] = a [M, K] . w^T, over the packed weight: `ELEM` bytes per value, `TK`
    values of K per tile row chunk, `DP` the tile product; `EPILOGUE(m, n, row16)` writes 16
-   outputs of row m from column n. `WIDE`: the weight is int8 with scales (widen_chunk's 1088
-   bytes a chunk), widened to bf16 by the first row block's pass into a per-thread buffer that the
+   outputs of row m from column n. `WIDE`: the weight is int8 with scales (widen_chunk's
+   W8_CHUNK_BYTES a chunk), widened to bf16 by the first row block's pass into a per-thread buffer that the
    later row blocks read again from the caches (K/32 x 2 KB: 96 KB for K = 1536). */
 #define AMX_LOOP(A_TYPE, TK, DP, C_TYPE, EPILOGUE, WIDE)                                                \
     const int64_t mp_count = (m + 31) / 32, np_count = (n + 31) / 32, kc_count = (k + TK - 1) / TK; \
@@ -251,7 +251,7 @@ int amx_linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *w, 
     AMX_LOOP(uint16_t, 32, DP_BF16, float, EPI_BF16, 0)
 }
 
-/* Weight-only int8: x [m, k] bf16, w int8 with a bf16 scale per 32 values of K of each column,
+/* Weight-only int8: x [m, k] bf16, w int8 with a bf16 scale per W8_GROUP values of K of each column,
    packed with them (widen_chunk). Each output is the fp32 sum of bf16 x bf16 products, the weight
    being q * scale rounded once to bf16: out fp32, or rounded once more to bf16. */
 #define EPI_W8_F32(row, col, crow) put_f32(out_f32 + (row) * n + (col), load16_f32(crow), n - (col))
