@@ -102,8 +102,11 @@ def attention_block(layer, hidden_states: torch.Tensor, position_embeddings) -> 
     attn = layer.self_attn
     x = rms_norm(layer.input_layernorm, hidden_states)
     t, d = x.shape[1], attn.head_dim
-    qkv = fused_linears.project(attn, x)  # one GEMM where the three share a copy
-    q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    if hasattr(attn, "qkv_proj"):  # one linear in the checkpoint (Phi-3's): HF's slices of its output
+        q, k, v = attn.qkv_proj(x).split(attn.qkv_sizes, dim=-1)
+    else:
+        qkv = fused_linears.project(attn, x)  # one GEMM where the three share a copy
+        q, k, v = qkv if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
     qk_norm = getattr(attn, "qk_norm", None)
     if qk_norm == "full":
         q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
@@ -120,8 +123,11 @@ def attention_block(layer, hidden_states: torch.Tensor, position_embeddings) -> 
 
 def mlp_forward(mlp, y: torch.Tensor) -> torch.Tensor:
     """down(act(gate(y)) * up(y)), gate and up in one GEMM where they share a copy."""
-    gate_up = fused_linears.project(mlp, y)
-    gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
+    if hasattr(mlp, "gate_up_proj"):  # one linear in the checkpoint (Phi-3's): gate then up, as HF chunks it
+        gate, up = mlp.gate_up_proj(y).chunk(2, dim=-1)
+    else:
+        gate_up = fused_linears.project(mlp, y)
+        gate, up = gate_up if gate_up is not None else (mlp.gate_proj(y), mlp.up_proj(y))
     native = isinstance(mlp.act_fn, torch.nn.SiLU) and (gate.dtype == torch.bfloat16 or getattr(mlp, C_GLUE, False))
     act = native_glue.silu_mul(gate[0], up[0]) if native else None
     act = mlp.act_fn(gate) * up if act is None else act.view(gate.shape)

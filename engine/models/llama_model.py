@@ -1,16 +1,16 @@
-"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral) built from a
+"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral, phi3) built from a
 model directory without transformers, so that an engine core starts by importing torch alone (issue
 39 item 1: transformers' modelling code pulls in torch._dynamo, DTensor and sympy, ~40% of a core's
 start).
 
 The modules, their attribute names and their parameters' names are HF's own
-(`model.layers.0.self_attn.q_proj.weight`, a tied `lm_head`), so pushes, checksums, LoRA hooks and
-host copies see the same model either way; the decoder layers run engine/models/fused_layers.py's
-forward, the norm, embedding, rotary tables and head are HF's arithmetic op for op, so greedy output
-stays token-for-token HF's. A directory this does not cover (another architecture, a rope type
-engine/models/rope_scaling.py does not compute, .bin weights, a checkpoint whose names do not fit) is
-loaded by transformers, as before: `unsupported` says why. Sliding windows are each layer's as HF's
-config classes set them (`layer_window`), attended by engine/models/attention.py.
+(`model.layers.0.self_attn.q_proj.weight`, a tied `lm_head`; Phi-3's fused `qkv_proj` and `gate_up_proj`),
+so pushes, checksums, LoRA hooks and host copies see the same model either way; the decoder layers run
+engine/models/fused_layers.py's forward, the norm, embedding, rotary tables and head are HF's arithmetic
+op for op, so greedy output stays token-for-token HF's. A directory this does not cover (another
+architecture, a rope type engine/models/rope_scaling.py does not compute, .bin weights, a checkpoint
+whose names do not fit) is loaded by transformers, as before: `unsupported` says why. Sliding windows
+are each layer's as HF's config classes set them (`layer_window`), attended by engine/models/attention.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch import nn
 
 from engine.models import fused_layers, native_layers, rope_scaling
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FUSED_PROJECTIONS = ("phi3",)  # one qkv_proj and one gate_up_proj a layer, as the checkpoint has them
 QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}  # q/k RMS norms: per head, or over the projection
 ROPE_BUFFER = "rotary_emb.inv_freq"  # in some older checkpoints; computed here, never loaded
 
@@ -51,11 +52,11 @@ def weight_files(model_dir: str) -> list[str] | None:
 
 def layer_window(cfg: SimpleNamespace, index: int) -> int | None:
     """Layer `index`'s sliding window in keys (None: full attention), as transformers 5's config and
-    attention classes set it: Mistral and Mixtral every layer at `sliding_window`; Qwen2/Qwen3 (and their
+    attention classes set it: Mistral, Mixtral and Phi-3 every layer at `sliding_window`; Qwen2/Qwen3 (and their
     MoE) only with `use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (without
     it: Qwen2/Qwen3 from `max_window_layers` up, Qwen2-MoE the even ones below it, Qwen3-MoE all)."""
     window = getattr(cfg, "sliding_window", None)
-    if cfg.model_type in ("mistral", "mixtral"):
+    if cfg.model_type in ("mistral", "mixtral", "phi3"):  # Phi3Attention passes config.sliding_window on every layer
         return window or None
     if cfg.model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not window:
         return None
@@ -125,10 +126,15 @@ class Attention(nn.Module):
         d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         self.layer_idx, self.head_dim, self.scaling = layer_idx, d, d**-0.5
         self.sliding_window = layer_window(cfg, layer_idx)
-        self.q_proj = Linear(cfg.hidden_size, h * d, bias=qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
-        self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias)
+        self.qkv_sizes = (h * d, kv * d, kv * d)
+        if cfg.model_type in FUSED_PROJECTIONS:  # q, k, v stacked by rows in one linear, after o (HF's Phi3Attention)
+            self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias)
+            self.qkv_proj = Linear(cfg.hidden_size, sum(self.qkv_sizes), bias=qkv_bias)
+        else:
+            self.q_proj = Linear(cfg.hidden_size, h * d, bias=qkv_bias)
+            self.k_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
+            self.v_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias)
+            self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias)
         # fused_layers.attention_block runs them where HF's do: after the projections, before the rotation
         self.qk_norm = QK_NORM.get(cfg.model_type)
         if self.qk_norm is not None:
@@ -140,8 +146,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: SimpleNamespace):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        if getattr(cfg, "model_type", None) in FUSED_PROJECTIONS:  # gate then up by rows (HF's Phi3MLP chunks it)
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        else:
+            self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+            self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act_fn = nn.SiLU()
 

@@ -140,34 +140,51 @@ def _sparse_fields(mlp, shape: dict, t: int, routed: list) -> list[int] | None:
             int(mlp.norm_topk), int(mlp.scores_fp32 and dtype != torch.float32), ids.data_ptr()]
 
 
+def _projections(attn, mlp, sparse: bool) -> tuple:
+    """(q/k/v, gate/up) as (linear, group): one linear in the checkpoint (Phi-3's qkv_proj and gate_up_proj)
+    or fused_linears' group of the three (two) serving one copy (None: not grouped); and every linear the
+    layer has, q/k/v first."""
+    if hasattr(attn, "qkv_proj"):
+        qkv, qkv_linears = (attn.qkv_proj, None), (attn.qkv_proj,)
+    else:
+        qkv, qkv_linears = (None, getattr(attn, "_fused", None)), (attn.q_proj, attn.k_proj, attn.v_proj)
+    if sparse:
+        return qkv, None, (*qkv_linears, attn.o_proj)
+    if hasattr(mlp, "gate_up_proj"):
+        return qkv, (mlp.gate_up_proj, None), (*qkv_linears, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return qkv, (None, getattr(mlp, "_fused", None)), (*qkv_linears, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                       mlp.down_proj)
+
+
 def _layer_plan(layer, shape: dict):
     """What a layer's row takes from its modules, made once per layer and dtype (a step's rows were 3-4%
     of a 1.5B model's 32-sequence bf16 step, mostly walking the modules and their attributes): its modules
-    (for their hooks), norms, and its linears as (linear, group, n, k); or None when some part of it must
-    run in Python whatever the step. Only the modules' structure is kept: the copies, the bias and the
-    norms' storage are read each step (a push may change any of them)."""
+    (for their hooks), norms, and its linears as (linear, group, n, k), q/k/v's first; or None when some
+    part of it must run in Python whatever the step. Only the modules' structure is kept: the copies, the
+    bias and the norms' storage are read each step (a push may change any of them)."""
     cached = getattr(layer, "_native_plan", None)
     if cached is not None and cached[0] == (shape["dtype"], shape["eps"]):
         return cached[1]
     attn, mlp = layer.self_attn, layer.mlp
     sparse = is_sparse(mlp)
-    qkv_group, gate_up_group = getattr(attn, "_fused", None), None if sparse else getattr(mlp, "_fused", None)
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-               *(() if sparse else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+    qkv, gate_up, linears = _projections(attn, mlp, sparse)
+    qkv_linears = linears[:1] if qkv[0] is not None else linears[:3]
     qk_norm = getattr(attn, "qk_norm", None)
     norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()),
              *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if shape["gemma"] else ()))
     h, q, kv, i = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], \
         shape["intermediate"]
     plan = None
-    if (qkv_group is not None and (gate_up_group is not None or sparse)
-            and not any(m.bias is not None for m in linears[3:]) and all(hasattr(m, "_derive") for m in linears)
+    if (qkv != (None, None) and (sparse or gate_up != (None, None))
+            and not any(m.bias is not None for m in linears[len(qkv_linears):])
+            and all(hasattr(m, "_derive") for m in linears)
             # q/k/v biases (qwen2's) are taken; no other layer has them
             and qk_norm in (None, "head")  # a norm over the whole projection (olmoe's) is not the loop's
             and not any(n.weight.dtype != shape["dtype"] or _eps(n) != shape["eps"] for n in norms)):
-        mlp_linears = () if sparse else ((None, gate_up_group, 2 * i, h), (mlp.down_proj, None, h, i))
-        plan = (tuple(layer.modules()), norms, sparse, qkv_group, attn.q_proj.bias is not None,
-                ((None, qkv_group, q + 2 * kv, h), (attn.o_proj, None, h, q), *mlp_linears))
+        mlp_linears = () if sparse else ((*gate_up, 2 * i, h), (mlp.down_proj, None, h, i))
+        qkv_bias = tuple(m.bias for m in qkv_linears) if qkv_linears[0].bias is not None else None
+        plan = (tuple(layer.modules()), norms, sparse, qkv_bias,
+                ((*qkv, q + 2 * kv, h), (attn.o_proj, None, h, q), *mlp_linears))
     layer._native_plan = ((shape["dtype"], shape["eps"]), plan)
     return plan
 
@@ -184,18 +201,18 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t:
     plan = _layer_plan(layer, shape)
     if plan is None:
         return None
-    modules, norms, sparse, qkv_group, qkv_bias, linears = plan
+    modules, norms, sparse, qkv_bias, linears = plan
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
         return None
     dtype = shape["dtype"]
     row = [norms[0].weight.data_ptr(), norms[1].weight.data_ptr()]
-    for linear, group, n, k in linears:
+    for position, (linear, group, n, k) in enumerate(linears):
         copy = _copy(linear, group)
         if copy is None or copy[2:] != (n, k) or copy[1] not in _KINDS[dtype]:
             return None
         bias = 0
-        if group is qkv_group and qkv_bias:  # (added after a weight-only int8 kernel's rounding, as in Python)
-            b = torch.cat([m.bias for m in group.members]).to(dtype)
+        if position == 0 and qkv_bias:  # (added after a weight-only int8 kernel's rounding, as in Python)
+            b = torch.cat(qkv_bias).to(dtype)
             keep.append(b)
             bias = b.data_ptr()
         row += [*copy[:2], bias]
@@ -221,12 +238,18 @@ def _shape(model, dtype: torch.dtype) -> dict | None:
         return None
     attn = layers[0].self_attn
     gemma = bool(getattr(type(layers[0]), "GEMMA", False))
-    heads = attn.q_proj.weight.shape[0] // attn.head_dim
-    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    fused = hasattr(attn, "qkv_proj")  # Phi-3's
+    q = attn.qkv_proj if fused else attn.q_proj
+    q_rows, kv_rows = attn.qkv_sizes[:2] if fused else (q.weight.shape[0], attn.k_proj.weight.shape[0])
     dense = [layer.mlp for layer in layers if not is_sparse(layer.mlp)]
     sparse = [layer.mlp for layer in layers if is_sparse(layer.mlp)]
-    return {"hidden": attn.q_proj.weight.shape[1], "heads": heads, "kv_heads": kv_heads, "head_dim": attn.head_dim,
-            "intermediate": dense[0].gate_proj.weight.shape[0] if dense else 0, "eps": _eps(model.norm),
+    intermediate = 0
+    if dense:
+        mlp = dense[0]
+        intermediate = (mlp.gate_up_proj.weight.shape[0] // 2 if hasattr(mlp, "gate_up_proj")
+                        else mlp.gate_proj.weight.shape[0])
+    return {"hidden": q.weight.shape[1], "heads": q_rows // attn.head_dim, "kv_heads": kv_rows // attn.head_dim,
+            "head_dim": attn.head_dim, "intermediate": intermediate, "eps": _eps(model.norm),
             "scale": attn.scaling, "dtype": dtype, "gemma": gemma,
             # the sparse MLPs' sizes (one for all: a model's sparse layers are alike), for their scratch
             "experts": sparse[0].experts.gate_up_proj.shape[0] if sparse else 0,

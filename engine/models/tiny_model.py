@@ -46,7 +46,9 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # layers of four and the global rope on the fourth; its head untied (a tied one, Gemma's sqrt(hidden)
 # embedding scale, and a random init only ever repeat the last token) and its norms' weights random
 # (HF starts them at 0: each scales by 1 + w); every family's biases (Qwen2's q/k/v) random too
-ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS, "gemma3")
+# phi3: Phi-3's fused qkv_proj and gate_up_proj, its head untied and every layer's window 32 keys (Phi-3-mini's
+# is 2047)
+ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS, "gemma3", "phi3")
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -141,6 +143,10 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
                                     head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, sliding_window=32,
                                     layer_types=["full_attention" if i % 4 == 3 else "sliding_attention"
                                                  for i in range(layers)])
+    if arch == "phi3":
+        from transformers import Phi3Config
+
+        return Phi3Config(**{**common, "tie_word_embeddings": False}, sliding_window=32)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

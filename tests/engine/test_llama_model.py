@@ -46,6 +46,55 @@ def test_each_familys_greedy_tokens_are_hfs_in_fp32_on_the_python_forward(arch, 
         assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 16, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def phi3_dir(tiny_dirs):
+    return tiny_dirs["phi3"]
+
+
+@pytest.fixture(scope="module")
+def hf_phi3(phi3_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(phi3_dir, dtype=torch.float32).eval()
+
+
+def test_phi3s_fused_projections_are_hfs_parameters_under_hfs_names(phi3_dir, hf_phi3):
+    ours = llama_model.load(phi3_dir, torch.float32)
+    mine, hf = dict(ours.named_parameters()), dict(hf_phi3.named_parameters())
+    assert list(mine) == list(hf)  # HF's order too: o_proj before qkv_proj
+    for name, p in hf.items():
+        assert torch.equal(mine[name], p), name
+    assert "model.layers.0.self_attn.qkv_proj.weight" in mine and "model.layers.0.mlp.gate_up_proj.weight" in mine
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight  # untied, as Phi-3's
+    windows = [layer.self_attn.sliding_window for layer in ours.model.layers]
+    assert windows == [hf_phi3.config.sliding_window] * len(windows) == [32] * 4
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_phi3s_greedy_tokens_are_hfs_in_fp32_past_its_window_and_after_a_prefix_hit(native, phi3_dir, hf_phi3,
+                                                                                    monkeypatch):
+    """Prompts of 40-60 tokens and 16 more: every layer attends to its last 32 keys only (HF's sliding mask),
+    on the Python forward and in the C decode loop."""
+    monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", native)
+    llm = LLM(EngineConfig(model=phi3_dir, max_num_seqs=8, max_model_len=128))
+    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
+    prompts = random_prompts(4, 40, 60, 2000, seed=13)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [hf_greedy(hf_phi3, p, 16, ignore_eos=True) for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+    longer = [p + e[:5] for p, e in zip(prompts, expected)]
+    outs = llm.generate(longer, greedy, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_phi3, p, 16, ignore_eos=True) for p in longer]
+
+
+def test_phi4_minis_partial_rotary_is_left_to_transformers(phi3_dir, tmp_path):
+    """Phi-4-mini rotates 3/4 of each head: not our layers' rotation, so transformers' model serves it."""
+    variant = model_variant(phi3_dir, tmp_path / "partial", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    assert llama_model.unsupported(variant) == "a partial rotary embedding"
+
+
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
 def test_yarn_and_dynamic_ropes_run_on_our_layers_with_hfs_greedy_tokens(variant, variant_dirs, variant_hf_models,
                                                                           hf_models, monkeypatch):

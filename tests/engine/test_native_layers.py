@@ -27,9 +27,10 @@ avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the
 
 @pytest.fixture(scope="module")
 def dirs(model_dirs, variant_dirs, tiny_dirs):
-    """The tiny families and their variants (Qwen3 with YaRN: cos and sin scaled too; sliding windows), and
-    Gemma 3 (its own layer order, norms, GELU and a rope table per layer kind)."""
-    return {**model_dirs, **variant_dirs, "gemma3": tiny_dirs["gemma3"]}
+    """The tiny families and their variants (Qwen3 with YaRN: cos and sin scaled too; sliding windows),
+    Gemma 3 (its own layer order, norms, GELU and a rope table per layer kind) and Phi-3 (q/k/v and gate/up
+    one linear each in the checkpoint, every layer's window 32 keys)."""
+    return {**model_dirs, **variant_dirs, "gemma3": tiny_dirs["gemma3"], "phi3": tiny_dirs["phi3"]}
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def _run(llm: LLM, monkeypatch, switch: str):
 
 @bf16_loop
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window",
-                                  "gemma3"])
+                                  "gemma3", "phi3"])
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
@@ -149,7 +150,7 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
 
 @avx512
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window",
-                                  "gemma3"])
+                                  "gemma3", "phi3"])
 def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, variant_hf_models, monkeypatch, calls,
                                                               arch):
     monkeypatch.setenv(native_layers.ENV_SWITCH, "1")
@@ -159,7 +160,7 @@ def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, v
                         use_tqdm=False)
     assert calls["native"] > 0
     hf = {**hf_models, **variant_hf_models}.get(arch)
-    if hf is None:  # gemma3
+    if hf is None:  # gemma3, phi3
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(dirs[arch], dtype=torch.float32).eval()

@@ -1,7 +1,8 @@
 """Pushes into the engine's own layers of today's dense families (engine/models/llama_model.py,
 gemma_model.py): Qwen3 (its per-head q/k norms are weights a push carries), Llama 3 (a scaled rope:
-nothing to push, but the tables the engine keeps must survive the push) and Gemma 3 (four norms a layer
-and q/k norms, each scaling by 1 + w: the pushed w, not 1 + w). The trainer is this pytest process, the engines real
+nothing to push, but the tables the engine keeps must survive the push), Gemma 3 (four norms a layer
+and q/k norms, each scaling by 1 + w: the pushed w, not 1 + w) and Phi-3 (q/k/v and gate/up one linear each,
+pushed under HF's fused names). The trainer is this pytest process, the engines real
 AsyncEngines (bf16 and fp32) over one gloo group: a full push and a delta after it land bit for bit
 (the digest), and the fp32 engine then decodes as HF does on the pushed weights."""
 
@@ -17,7 +18,7 @@ from weight_sync import WeightSender
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama3", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3", "llama3", "gemma3", "phi3"])
 def arch(request):
     return request.param
 
@@ -43,4 +44,6 @@ def trainer(tiny_dirs, arch):
 def test_a_full_push_then_a_delta_land_bit_for_bit(engines, trainer, arch, sender, group, loop):
     if arch in ("qwen3", "gemma3"):
         assert any(n.endswith("self_attn.q_norm.weight") for n, _ in trainer.named_parameters())
+    if arch == "phi3":
+        assert any(n.endswith("self_attn.qkv_proj.weight") for n, _ in trainer.named_parameters())
     full_then_delta_land_exactly(engines, sender, trainer, loop)
