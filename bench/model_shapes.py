@@ -48,6 +48,11 @@ SHAPES: dict[str, dict] = {
                   "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
                   "intermediate_size": 6912, "query_pre_attn_scalar": 256, "sliding_window": 512,
                   "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+    # Phi-3-mini-4k (3.8B): q/k/v and gate/up one linear each, 32 heads all kv, a window of 2047 keys, its head untied
+    "phi3-mini": {"model_type": "phi3", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                  "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "hidden_size": 3072,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                  "intermediate_size": 8192, "sliding_window": 2047, "rope_theta": 10000.0},
     # Qwen3-30B-A3B's proportions scaled to 2 cores (issue 62): 128 experts -> 32, top-8 -> top-4,
     # hidden 2048 -> 1024, 48 layers -> 16, expert MLP 768 -> 512; its attention (head_dim 128, 4 kv heads)
     "qwen3-moe-2core": {"model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,
@@ -121,7 +126,7 @@ def _build(name: str, dtype: str, seed: int, out: Path) -> None:
 
 
 def param_count(name: str, active: bool = False) -> int:
-    """Parameters of shape `name` (tied embeddings once), from its config alone; `active`: those a
+    """Parameters of shape `name` (tied embeddings once, an untied head twice), from its config alone; `active`: those a
     token's forward reads (a mixture's top-k experts of each layer, not all of them)."""
     c = SHAPES[name]
     h, layers = c["hidden_size"], c["num_hidden_layers"]
@@ -133,7 +138,8 @@ def param_count(name: str, active: bool = False) -> int:
         mlp = 3 * h * inter * (c["num_experts_per_tok"] if active else experts) + h * experts  # + the router
     else:
         mlp = 3 * h * c["intermediate_size"]
-    return VOCAB * h + layers * (attn + mlp + 2 * h) + h
+    head = 0 if c.get("tie_word_embeddings", True) else VOCAB * h
+    return VOCAB * h + head + layers * (attn + mlp + 2 * h) + h
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """What a `--model` flag accepts: a model directory, passed through unchanged, or a name that
 builds or converts a cached directory: a real model (`engine.models.real_models.PRESETS`, e.g.
 smollm2) or an embedded tiny one (`engine.models.tiny_model.SIZES`, Qwen2, random weights; `tiny-moe`,
-the tiny size as a Qwen3-MoE of 8 experts, 2 a token; `tiny-qwen3`, `tiny-llama3`, `tiny-gemma3`: the
-tiny size in today's dense families, q/k norms, Llama 3's scaled rope, Gemma 3's layers and windows)."""
+the tiny size as a Qwen3-MoE of 8 experts, 2 a token; `tiny-qwen3`, `tiny-llama3`, `tiny-gemma3`, `tiny-phi3`:
+the tiny size in today's dense families, q/k norms, Llama 3's scaled rope, Gemma 3's layers and windows,
+Phi-3's fused projections and windows)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from engine.models.real_models import PRESETS, real_model_dir
 from engine.models.tiny_model import SIZES, build_tiny_model, default_model_dir
 
 TINY_ARCHS = {"tiny-moe": ("tiny", "qwen3_moe"), "tiny-qwen3": ("tiny", "qwen3"),
-              "tiny-llama3": ("tiny", "llama3"), "tiny-gemma3": ("tiny", "gemma3")}  # name -> (size, arch)
+              "tiny-llama3": ("tiny", "llama3"), "tiny-gemma3": ("tiny", "gemma3"),
+              "tiny-phi3": ("tiny", "phi3")}  # name -> (size, arch)
 
 MODEL_HELP = (f"HF model directory, or a name: a real model ({', '.join(PRESETS)}; needs the 'real' extra, see "
               f"README) or an embedded tiny model ({', '.join([*SIZES, *TINY_ARCHS])})")
