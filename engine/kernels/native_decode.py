@@ -32,7 +32,7 @@ def _entry(dtype: torch.dtype):
     return None if name is None else native_kernels.function("paged_decode", name, _SIGNATURE, ctypes.c_int)
 
 
-MAX_HEADS, HEAD_DIMS = 128, (16, 32, 64, 128, 256)  # what the kernel takes (paged_decode.c)
+MAX_HEADS, HEAD_DIMS = 128, (16, 32, 64, 96, 128, 256)  # what the kernel takes (paged_decode.c; 96: Phi-3's)
 
 
 def available(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:

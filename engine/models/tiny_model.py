@@ -46,8 +46,8 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # layers of four and the global rope on the fourth; its head untied (a tied one, Gemma's sqrt(hidden)
 # embedding scale, and a random init only ever repeat the last token) and its norms' weights random
 # (HF starts them at 0: each scales by 1 + w); every family's biases (Qwen2's q/k/v) random too
-# phi3: Phi-3's fused qkv_proj and gate_up_proj, its head untied and every layer's window 32 keys (Phi-3-mini's
-# is 2047)
+# phi3: Phi-3's fused qkv_proj and gate_up_proj, its head untied, every layer's window 32 keys (Phi-3-mini's
+# is 2047) and its head size 96
 ARCHS = ("qwen2", "llama", "llama3", "qwen3", *MOE_ARCHS, "gemma3", "phi3")
 STAMP = "tiny_model.json"  # the recipe a directory was built with, written last
 QWEN2_SPLIT_REGEX = (
@@ -146,7 +146,8 @@ def build_config(arch: str, size: str, vocab_size: int, tokenizer):
     if arch == "phi3":
         from transformers import Phi3Config
 
-        return Phi3Config(**{**common, "tie_word_embeddings": False}, sliding_window=32)
+        # head_dim 96, Phi-3-mini's (3072 / 32): not a power of two, a case of its own in the decode kernel
+        return Phi3Config(**{**common, "tie_word_embeddings": False}, sliding_window=32, head_dim=96)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

@@ -73,7 +73,8 @@ def kernel_ready():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 2, 16)])  # SmolLM2; MHA; wide groups
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (4, 2, 16), (6, 6, 96)])  # SmolLM2; MHA;
+# wide groups; Phi-3-mini's head size
 def test_kernel_matches_float64_attention_within_its_rounding(kernel_ready, dtype, shape):
     heads, kv_heads, d = shape
     assert native_decode.available(dtype, torch.device("cpu"), heads, kv_heads, d)

@@ -271,6 +271,7 @@ ALWAYS_INLINE void attend_nv(const Call *c, const v16f *qs, const int64_t *tb, i
     case 1: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
     case 2: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 2, scores, acc, c->out, at, bf16); break;
     case 4: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 4, scores, acc, c->out, at, bf16); break;
+    case 6: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 6, scores, acc, c->out, at, bf16); break; /* 96 */
     case 8: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 8, scores, acc, c->out, at, bf16); break;
     default: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 16, scores, acc, c->out, at, bf16); break;
     }
@@ -364,8 +365,9 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
    of memory. */
 static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
     const int64_t NV = c->D / 16;
-    if (c->KVH <= 0 || c->H % c->KVH || c->H > MAX_HEADS || c->D % 16 || NV > MAX_VECS || (NV & (NV - 1)) ||
-        max_len <= 0)
+    /* head sizes 16, 32, 64, 128, 256 and Phi-3's 96: attend_nv's cases */
+    if (c->KVH <= 0 || c->H % c->KVH || c->H > MAX_HEADS || c->D % 16 || NV > MAX_VECS ||
+        ((NV & (NV - 1)) && NV != 6) || max_len <= 0)
         return -1;
     int64_t count;
     Run *runs = sibling_runs(c->table, c->table_stride, c->lengths, B, c->window, &count);
