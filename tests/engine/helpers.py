@@ -99,3 +99,17 @@ def assert_logprobs_are_hfs(llm, hf, prompts: list[list[int]], max_tokens: int =
         tol = fp32_logprob_tolerance(hf.config, activation_magnitude(hf, p + c.token_ids))
         ours = [lp if isinstance(lp, float) else next(iter(lp.values())).logprob for lp in c.logprobs]
         assert ours == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)
+
+
+def assert_greedy_is_hfs_fresh_and_after_a_prefix_hit(llm, hf, prompts: list[list[int]], max_tokens: int = 16) -> None:
+    """Greedy tokens == HF's generate for `prompts` prefilled fresh, then for each prompt with 5 of its
+    tokens appended, prefilled on its cached prefix."""
+    from engine import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    expected = [hf_greedy(hf, p, max_tokens, ignore_eos=True) for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+    longer = [p + e[:5] for p, e in zip(prompts, expected)]
+    outs = llm.generate(longer, greedy, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, max_tokens, ignore_eos=True) for p in longer]

@@ -14,7 +14,10 @@ from transformers import AutoModelForCausalLM
 from engine import LLM, EngineConfig, SamplingParams
 from engine.kernels import native_kernels
 from engine.models import gemma_model
-from tests.engine.helpers import assert_logprobs_are_hfs, hf_greedy, model_variant, random_prompts
+from tests.engine.helpers import (
+    assert_greedy_is_hfs_fresh_and_after_a_prefix_hit, assert_logprobs_are_hfs, hf_greedy, model_variant,
+    random_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +84,7 @@ def test_greedy_tokens_are_hfs_in_fp32_fresh_and_after_a_prefix_hit(path, gemma_
     llm = LLM(EngineConfig(model=gemma_dir, max_num_seqs=8, max_model_len=128, block_size=8))
     assert type(llm.core.worker.model) is gemma_model.CausalLM
     assert llm.core.runner.native_decode == (path == "c kernel")
-    prompts = random_prompts(4, 24, 50, 2000, seed=29)
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [hf_greedy(hf_gemma, p, 16, ignore_eos=True) for p in prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
-    longer = [p + e[:5] for p, e in zip(prompts, expected)]
-    outs = llm.generate(longer, greedy, use_tqdm=False)
-    assert all(o.num_cached_tokens > 0 for o in outs)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_gemma, p, 16, ignore_eos=True) for p in longer]
+    assert_greedy_is_hfs_fresh_and_after_a_prefix_hit(llm, hf_gemma, random_prompts(4, 24, 50, 2000, seed=29))
 
 
 def test_logprobs_are_a_full_hf_forwards_within_fp32_rounding(gemma_dir, hf_gemma):

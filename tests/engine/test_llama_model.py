@@ -13,7 +13,9 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models import llama_model
 from engine.models.model_loader import load_model
-from tests.engine.helpers import hf_greedy, model_variant, random_prompts
+from tests.engine.helpers import (
+    assert_greedy_is_hfs_fresh_and_after_a_prefix_hit, hf_greedy, model_variant, random_prompts,
+)
 
 
 FAMILIES = ["qwen2", "llama", "llama3", "qwen3"]
@@ -78,14 +80,7 @@ def test_phi3s_greedy_tokens_are_hfs_in_fp32_past_its_window_and_after_a_prefix_
     monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", native)
     llm = LLM(EngineConfig(model=phi3_dir, max_num_seqs=8, max_model_len=128))
     assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
-    prompts = random_prompts(4, 40, 60, 2000, seed=13)
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [hf_greedy(hf_phi3, p, 16, ignore_eos=True) for p in prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
-    longer = [p + e[:5] for p, e in zip(prompts, expected)]
-    outs = llm.generate(longer, greedy, use_tqdm=False)
-    assert all(o.num_cached_tokens > 0 for o in outs)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_phi3, p, 16, ignore_eos=True) for p in longer]
+    assert_greedy_is_hfs_fresh_and_after_a_prefix_hit(llm, hf_phi3, random_prompts(4, 40, 60, 2000, seed=13))
 
 
 def test_phi4_minis_partial_rotary_is_left_to_transformers(phi3_dir, tmp_path):
