@@ -31,7 +31,8 @@ def glue_in_c(model: torch.nn.Module) -> None:
 
 _I64, _PTR, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "rope_cache": (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
+    "rope_cache": (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                   _PTR),
     "add_rms_norm": (_PTR, _PTR, _PTR, _PTR, _F, _I64, _I64, _PTR),
     "silu_mul": (_PTR, _I64, _I64, _I64, _PTR),
     "gelu_tanh_mul": (_PTR, _I64, _I64, _I64, _PTR),
@@ -52,21 +53,22 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def rope_cache(q, k, v, cos, sin_signed, slots, k_slots, v_slots):
-    """q [T, H, d], k and v [T, kvh, d] (rows possibly strided) rotated as fused_layers._rotate does,
-    k and v written at `slots` of the layer's cache slots [num_slots, kvh, d]: (q_rot, k_rot), or None."""
+    """q [T, H, d], k and v [T, kvh, d] (rows possibly strided) rotated as fused_layers._rotate does (the
+    first r values of each head, r = cos's width: d, or fewer for a partial rotary), k and v written at
+    `slots` of the layer's cache slots [num_slots, kvh, d]: (q_rot, k_rot), or None."""
     fn = _fn("rope_cache", q.dtype)
     t, h, d = q.shape
-    kvh = k.shape[1]
+    kvh, r = k.shape[1], cos.shape[-1]
     flat = [q.reshape(t, h * d) if q.stride(2) == 1 and q.stride(1) == d else None,
             k.reshape(t, kvh * d) if k.stride(2) == 1 and k.stride(1) == d else None,
             v.reshape(t, kvh * d) if v.stride(2) == 1 and v.stride(1) == d else None]
     if (fn is None or any(f is None or not _rows(f) for f in flat) or not k_slots.is_contiguous()
             or cos.dtype != q.dtype or not (cos.is_contiguous() and sin_signed.is_contiguous())
-            or slots.dtype != torch.int64 or d % 2):
+            or slots.dtype != torch.int64 or r % 2 or r > d):
         return None
     qf, kf, vf = flat
     q_out, k_out = torch.empty(t, h, d, dtype=q.dtype), torch.empty(t, kvh, d, dtype=q.dtype)
-    fn(qf.data_ptr(), qf.stride(0), kf.data_ptr(), kf.stride(0), vf.data_ptr(), vf.stride(0), t, h, kvh, d,
+    fn(qf.data_ptr(), qf.stride(0), kf.data_ptr(), kf.stride(0), vf.data_ptr(), vf.stride(0), t, h, kvh, d, r,
        cos.data_ptr(), sin_signed.data_ptr(), slots.contiguous().data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
        q_out.data_ptr(), k_out.data_ptr())
     return q_out, k_out

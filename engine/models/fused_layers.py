@@ -62,8 +62,12 @@ def fuse(model) -> bool:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """HF's rotary embedding, x * cos + rotate_half(x) * sin, with rotate_half as a flip of the
-    two halves whose sign (-1 on the first half) is folded into `sin_signed`: exact."""
+    two halves whose sign (-1 on the first half) is folded into `sin_signed`: exact. Tables narrower
+    than a head (a partial rotary, Phi-4-mini's) rotate its first values and pass the rest, as HF's."""
     t, h, d = x.shape
+    r = cos.shape[-1]
+    if r < d:
+        return torch.cat([_rotate(x[..., :r].contiguous(), cos, sin_signed), x[..., r:]], dim=-1)
     return x * cos + x.view(t, h, 2, d // 2).flip(2).view(t, h, d) * sin_signed
 
 

@@ -82,8 +82,8 @@ def unsupported(model_dir: str, max_model_len: int | None = None) -> str | None:
         (all(t in LAYER_TYPES for t in cfg.layer_types), f"layer types {sorted(set(cfg.layer_types))}"),
         *((rope["rope_type"] in rope_scaling.SUPPORTED, f"rope type {rope['rope_type']!r}")
           for rope in cfg.ropes.values()),
-        *((rope_scaling.fixed_within(rope, max_model_len, mpe),
-           f"rope type 'dynamic' past max_position_embeddings {mpe}") for rope in cfg.ropes.values()),
+        *((why is None, why) for why in (rope_scaling.not_fixed_within(rope, max_model_len, mpe)
+                                         for rope in cfg.ropes.values())),
         (cfg.activation in ACTIVATIONS, f"activation {cfg.activation!r}"),
         (getattr(cfg, "attn_logit_softcapping", None) is None, "soft-capped attention logits"),
         (getattr(cfg, "final_logit_softcapping", None) is None, "soft-capped final logits"),

@@ -81,13 +81,13 @@ def unsupported(model_dir: str, archs: tuple[str, ...] = ARCHS, max_model_len: i
     except (OSError, KeyError, ValueError) as e:
         return f"its config.json cannot be read here ({type(e).__name__}: {e})"
     max_positions = getattr(cfg, "max_position_embeddings", None)
+    rope_moves = rope_scaling.not_fixed_within(cfg.rope, max_model_len, max_positions)
     checks = [
         (cfg.model_type in archs, f"model type {cfg.model_type!r}"),
         (cfg.rope_type in rope_scaling.SUPPORTED, f"rope type {cfg.rope_type!r}"),
-        (rope_scaling.fixed_within(cfg.rope, max_model_len, max_positions),
-         f"rope type 'dynamic' past max_position_embeddings {max_positions} "
-         f"(max_model_len {max_model_len}: its frequencies would follow the batch's longest sequence)"),
-        (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0, "a partial rotary embedding"),
+        (rope_moves is None, rope_moves),
+        (cfg.rope.get("partial_rotary_factor", 1.0) == 1.0 or cfg.model_type == "phi3",  # HF's Phi3 slices it
+         "a partial rotary embedding"),
         (getattr(cfg, "hidden_act", "silu") == "silu", f"activation {getattr(cfg, 'hidden_act', None)!r}"),
         (getattr(cfg, "quantization_config", None) is None, "a quantized checkpoint"),
         (not getattr(cfg, "mlp_bias", False), "biases in the MLP"),
@@ -170,7 +170,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: SimpleNamespace):
         super().__init__()
         # on the CPU even while the model is built on the meta device
-        inv_freq, self.attention_scaling = rope_scaling.inv_freq(cfg.rope, cfg.head_dim,
+        dims = rope_scaling.rotary_dims(cfg.rope, cfg.head_dim)  # a head's, or fewer: a partial rotary
+        inv_freq, self.attention_scaling = rope_scaling.inv_freq(cfg.rope, dims,
                                                                  getattr(cfg, "max_position_embeddings", None))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

@@ -56,7 +56,8 @@ _KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_RO
 
 class _Shape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("layers", "T", "hidden", "heads", "kv_heads", "head_dim",
-                                               "intermediate", "block_size", "max_len", "table_stride", "gemma")] + [
+                                               "intermediate", "block_size", "max_len", "table_stride", "gemma",
+                                               "rotary")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -330,13 +331,15 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
             return None
         loaded[1][-_MOE_KERNELS:] = list(moe)
     cos, sin_signed = attention.rope_tables(position_embeddings)
-    if cos.dtype != dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()):
+    rotary = cos.shape[-1]  # a head's rotated values: its head_dim, or fewer (Phi-4-mini's partial rotary)
+    if (cos.dtype != dtype or not (cos.is_contiguous() and sin_signed.is_contiguous()) or rotary % 2
+            or rotary > shape["head_dim"]):
         return None
     entry, kernels = loaded
     table = torch.tensor(rows, dtype=torch.int64)
     bs = ctx.k_blocks[0].shape[1]
     s = _Shape(layers=len(rows), T=t, block_size=bs, max_len=nd.max_len, table_stride=nd.block_table.stride(0),
-               gemma=int(shape["gemma"]),
+               gemma=int(shape["gemma"]), rotary=rotary,
                **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
     buffer, scratch = _scratch(model, _scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),

@@ -3,11 +3,14 @@
 `default`, `linear` (positions interpolated: every frequency divided by the factor), `llama3`
 (Llama 3.1+: long wavelengths divided by the factor, short ones kept, a smooth blend between),
 `yarn` (Qwen3's and Qwen2.5's long-context setting, DeepSeek's: the same blend by rotations over the
-original context, and cos and sin multiplied by an attention factor) and `dynamic` (NTK: the base
+original context, and cos and sin multiplied by an attention factor), `dynamic` (NTK: the base
 grows once a sequence passes max_position_embeddings, from the longest position in HF's batch; below
 it the default frequencies, so it runs here only where the engine's sequences stay below it:
-`fixed_within`). Pure functions on a config's rope parameters; `SUPPORTED` names what the engine's
-own layers take (another type, say `longrope`, keeps transformers' modelling code)."""
+`not_fixed_within`) and `longrope` (Phi-3.5's and Phi-4-mini's: each frequency divided by its short factor,
+cos and sin times an attention factor; HF takes the long factors once the batch's longest position
+passes original_max_position_embeddings, so it runs here only below that, as `dynamic`). Pure
+functions on a config's rope parameters; `SUPPORTED` names what the engine's own layers take (another
+type keeps transformers' modelling code)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import math
 
 import torch
 
-SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # types that read original_max_position_embeddings
 
 
@@ -26,6 +29,8 @@ def rope_parameters(raw: dict) -> dict:
                                                 **(raw.get("rope_scaling") or {"rope_type": "default"})})
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in raw:  # an older config's top-level field (Phi-4-mini's), as Phi3Config reads it
+        rope.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     if rope["rope_type"] in ORIGINAL_CONTEXT:  # as HF standardizes it: a top-level field wins (Phi-3's)
         if "original_max_position_embeddings" in raw:
             rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
@@ -34,13 +39,20 @@ def rope_parameters(raw: dict) -> dict:
     return rope
 
 
-def fixed_within(rope: dict, max_model_len: int | None, max_position_embeddings: int | None) -> bool:
-    """Whether the rope's frequencies are one table for every sequence of up to max_model_len tokens:
-    true of every type but `dynamic`, whose frequencies HF recomputes from the batch's longest position
-    once it passes max_position_embeddings (a row's rotation would then depend on its batch)."""
-    if rope["rope_type"] != "dynamic":
-        return True
-    return None not in (max_model_len, max_position_embeddings) and max_model_len <= max_position_embeddings
+def not_fixed_within(rope: dict, max_model_len: int | None, max_position_embeddings: int | None) -> str | None:
+    """Why the rope's frequencies are not one table for every sequence of up to max_model_len tokens (None:
+    they are): `dynamic`'s, which HF recomputes from the batch's longest position once it passes
+    max_position_embeddings, and `longrope`'s, whose long factors HF takes once it passes
+    original_max_position_embeddings (a row's rotation would then depend on its batch)."""
+    kind = rope["rope_type"]
+    if kind not in ("dynamic", "longrope"):
+        return None
+    field = "original_max_position_embeddings" if kind == "longrope" else "max_position_embeddings"
+    limit = rope[field] if kind == "longrope" else max_position_embeddings
+    if None not in (max_model_len, limit) and max_model_len <= limit:
+        return None
+    return (f"rope type {kind!r} past {field} {limit} (max_model_len {max_model_len}: its frequencies would "
+            "follow the batch's longest sequence)")
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -65,6 +77,8 @@ def inv_freq(rope: dict, head_dim: int, max_position_embeddings: int | None = No
         return yarn(rope, head_dim, max_position_embeddings)
     if kind == "dynamic":  # the table HF starts from and keeps while no position passes max_position_embeddings
         return dynamic_ntk(rope["rope_theta"], head_dim, rope["factor"], max_position_embeddings), 1.0
+    if kind == "longrope":
+        return longrope(rope, head_dim, max_position_embeddings)
     raise ValueError(f"rope type {kind!r} is not one of {SUPPORTED}")
 
 
@@ -128,3 +142,25 @@ def yarn(rope: dict, dim: int, max_position_embeddings: int | None) -> tuple[tor
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extrapolation_factor = 1 - ramp
     return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor, attention_factor
+
+
+def rotary_dims(rope: dict, head_dim: int) -> int:
+    """The values of a head the rotation turns: all, or `partial_rotary_factor` of them (Phi-4-mini's 3/4),
+    as HF's rope functions compute it."""
+    return int(head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
+def longrope(rope: dict, dim: int, max_position_embeddings: int | None) -> tuple[torch.Tensor, float]:
+    """HF's _compute_longrope_parameters below original_max_position_embeddings (its short factors: the
+    table HF keeps while no position passes it): 1 / (short_factor * base^(2i / dim)), and the attention
+    factor (the config's, else sqrt(1 + ln(factor) / ln(original)), factor the ratio of the contexts)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(rope["short_factor"], dtype=torch.float32, device="cpu")
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext_factors * rope["rope_theta"] ** inv_freq_shape), attention_factor

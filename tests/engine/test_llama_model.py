@@ -83,11 +83,68 @@ def test_phi3s_greedy_tokens_are_hfs_in_fp32_past_its_window_and_after_a_prefix_
     assert_greedy_is_hfs_fresh_and_after_a_prefix_hit(llm, hf_phi3, random_prompts(4, 40, 60, 2000, seed=13))
 
 
-def test_phi4_minis_partial_rotary_is_left_to_transformers(phi3_dir, tmp_path):
-    """Phi-4-mini rotates 3/4 of each head: not our layers' rotation, so transformers' model serves it."""
-    variant = model_variant(phi3_dir, tmp_path / "partial", rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
-    assert llama_model.unsupported(variant) == "a partial rotary embedding"
+@pytest.fixture(scope="module")
+def phi4_mini_dir(phi3_dir, tmp_path_factory):
+    """Phi-4-mini's rotation at the tiny size: 3/4 of each head rotated (48 of 64 values), longrope's short
+    and long factors (24 each) over an original context of 2048 (of 4096: an attention factor of
+    sqrt(1 + ln 2 / ln 2048)), its head tied, no window."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny = AutoConfig.from_pretrained(phi3_dir)
+    pairs = int(64 * 0.75) // 2
+    config = AutoConfig.for_model(
+        "phi3", vocab_size=tiny.vocab_size, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=768, max_position_embeddings=4096,
+        original_max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.1,
+        eos_token_id=tiny.eos_token_id, bos_token_id=tiny.bos_token_id, pad_token_id=tiny.pad_token_id,
+        sliding_window=None, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)], "long_factor": [2.0 + 0.1 * i for i in range(pairs)]})
+    out = tmp_path_factory.mktemp("phi4_mini")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{phi3_dir}/{name}", out / name)
+    return str(out)
+
+
+PATHS = {"c loop": {"ROLLOUT_NATIVE_LAYERS": "1"}, "python forward": {"ROLLOUT_NATIVE_LAYERS": "0"},
+         "torch ops": {"ROLLOUT_NATIVE_KERNELS": "0"}}  # the last: fused_layers._rotate, no C glue
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_phi4_minis_partial_rotary_and_longrope_give_hfs_greedy_tokens(path, phi4_mini_dir, monkeypatch):
+    """The rotation of the first 48 values of each head (the rest passed as they are) and longrope's short
+    factors with its attention factor, in the C decode loop, the Python forward (its rotation in C glue)
+    and on torch's ops alone, fp32, against HF."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.kernels import native_kernels
+
+    for k, v in PATHS[path].items():
+        monkeypatch.setenv(k, v)
+    native_kernels.reset()  # the kernels' switch is read once: read again now, and after the test
+    hf = AutoModelForCausalLM.from_pretrained(phi4_mini_dir, dtype=torch.float32).eval()
+    ours = llama_model.load(phi4_mini_dir, torch.float32)
+    assert torch.equal(ours.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)  # 24 of them
+    assert ours.model.rotary_emb.attention_scaling == hf.model.rotary_emb.attention_scaling > 1
+    llm = LLM(EngineConfig(model=phi4_mini_dir, max_num_seqs=8, max_model_len=128))
+    assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
+    try:
+        assert_greedy_is_hfs_fresh_and_after_a_prefix_hit(llm, hf, random_prompts(4, 30, 60, 2000, seed=17))
+    finally:
+        monkeypatch.undo()
+        native_kernels.reset()
+
+
+def test_longrope_past_its_original_context_keeps_transformers(phi4_mini_dir):
+    """Past original_max_position_embeddings HF's longrope takes its long factors, by the batch's longest
+    position: such an engine keeps transformers' modelling code, and says why."""
+    assert llama_model.unsupported(phi4_mini_dir, max_model_len=2048) is None
+    why = llama_model.unsupported(phi4_mini_dir, max_model_len=4096)
+    assert why.startswith("rope type 'longrope' past original_max_position_embeddings 2048 (max_model_len 4096")
 
 
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
@@ -125,6 +182,8 @@ ROPES = {  # name -> rope parameters beyond rope_type and rope_theta
                     "original_max_position_embeddings": 4096},  # DeepSeek's
     "yarn_attention": {"factor": 2.0, "attention_factor": 0.8, "beta_fast": 16.0, "truncate": False,
                        "original_max_position_embeddings": 4096},
+    "longrope": {"short_factor": [1.0 + i / 32 for i in range(32)], "long_factor": [4.0 + i / 8 for i in range(32)],
+                 "original_max_position_embeddings": 4096},  # Phi-3.5's and Phi-4-mini's, its short factors
 }
 
 
@@ -150,7 +209,7 @@ def test_the_rope_frequencies_are_transformers_own(name):
     default = rope_scaling.default_inv_freq(500000.0, 64)
     # it did scale (dynamic's table is the default one until a position passes max_position_embeddings)
     assert torch.equal(ours, default) == (rope in ("default", "dynamic"))
-    assert (scaling != 1.0) == rope.startswith("yarn")
+    assert (scaling != 1.0) == (rope in ("yarn", "longrope"))
 
 
 def _default_rope(cfg):
@@ -173,8 +232,10 @@ def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwe
 
     scaled = model_variant(qwen2_dir, tmp_path / "scaled",
                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
-                                            "long_factor": [2.0] * 32, "original_max_position_embeddings": 2048})
-    assert llama_model.unsupported(scaled) == "rope type 'longrope'"
+                                            "long_factor": [2.0] * 32, "original_max_position_embeddings": 64})
+    # longrope's factors switch past its original context, by the batch's longest sequence
+    assert llama_model.unsupported(scaled, max_model_len=128).startswith(
+        "rope type 'longrope' past original_max_position_embeddings 64 (max_model_len 128")
     gelu = model_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")
     assert llama_model.unsupported(gelu) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))

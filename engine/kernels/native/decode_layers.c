@@ -71,6 +71,7 @@ typedef struct {
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
 typedef struct {
     int64_t layers, T, hidden, heads, kv_heads, head_dim, intermediate, block_size, max_len, table_stride, gemma;
+    int64_t rotary; /* a head's rotated values: head_dim, or fewer (a partial rotary: the rope tables' width) */
     float eps, scale;
 } Shape;
 
@@ -136,7 +137,8 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
                               int, const T_ *, const T_ *, int64_t, T_ *, T_ *, T_ *, T_ *, int64_t *, int64_t *, \
                               int64_t *, void *, int64_t *, T_ *);                                              \
     typedef void (*NAME##_rope)(const T_ *, int64_t, const T_ *, int64_t, const T_ *, int64_t, int64_t, int64_t, \
-                                int64_t, int64_t, const T_ *, const T_ *, const int64_t *, T_ *, T_ *, T_ *, T_ *); \
+                                int64_t, int64_t, int64_t, const T_ *, const T_ *, const int64_t *, T_ *, T_ *, T_ *, \
+                                T_ *);                                                                         \
     typedef void (*NAME##_norm)(const T_ *, const T_ *, T_ *, const T_ *, float, int64_t, int64_t, T_ *);       \
     typedef void (*NAME##_silu)(const T_ *, int64_t, int64_t, int64_t, T_ *);                                   \
     typedef void (*NAME##_gnorm)(const T_ *, const T_ *, float, int64_t, int64_t, T_ *);                        \
@@ -159,7 +161,8 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
         }                                                                                                      \
         T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                     \
         ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads,     \
-                                      s->kv_heads, D, (const T_ *)L->cos, (const T_ *)L->sin, slots, kc, vc,   \
+                                      s->kv_heads, D, s->rotary, (const T_ *)L->cos, (const T_ *)L->sin, slots, \
+                                      kc, vc,                                                                  \
                                       b->q, b->k);                                                             \
         rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,      \
                                                 s->heads, s->kv_heads, D, s->block_size, s->max_len, L->window, \
@@ -204,7 +207,7 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
                 }                                                                                              \
             T_ *kc = (T_ *)L->k_cache, *vc = (T_ *)L->v_cache;                                                 \
             ((NAME##_rope)kn->rope_cache)(b->qkv, nqkv, b->qkv + nq, nqkv, b->qkv + nq + nkv, nqkv, T, s->heads, \
-                                          s->kv_heads, D, L->cos ? (const T_ *)L->cos : cos,                   \
+                                          s->kv_heads, D, s->rotary, L->cos ? (const T_ *)L->cos : cos,        \
                                           L->sin ? (const T_ *)L->sin : sin_signed, slots, kc, vc, b->q, b->k); \
             rc = ((NAME##_decode)kn->paged_decode)(b->q, kc, vc, table, s->table_stride, lengths, b->attn, T,  \
                                                     s->heads, s->kv_heads, D, s->block_size, s->max_len, L->window, \

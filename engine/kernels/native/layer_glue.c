@@ -18,17 +18,19 @@
 #include "common.h"
 
 /* q [T, H*D] and k, v [T, KVH*D] with row strides (views of one q/k/v GEMM's output, or three
-   tensors); cos, sin_signed [T, D] (sin with rotate_half's sign folded in: -1 on the first half);
-   slots [T]; k_slots, v_slots [num_slots, KVH, D]; q_out [T, H, D], k_out [T, KVH, D]. */
+   tensors); cos, sin_signed [T, R] (sin with rotate_half's sign folded in: -1 on the first half), R the
+   rotated values of a head (D, or fewer: Phi-4-mini's partial rotary, whose last D - R values pass
+   unrotated, as HF's apply_rotary_pos_emb); slots [T]; k_slots, v_slots [num_slots, KVH, D]; q_out
+   [T, H, D], k_out [T, KVH, D]. */
 #define DEFINE_ROPE(NAME, T_, LOAD, ROUND, STORE, LOAD16, ROUND16, STORE16)                           \
     void NAME(const T_ *q, int64_t q_stride, const T_ *k, int64_t k_stride, const T_ *v,            \
-              int64_t v_stride, int64_t T, int64_t H, int64_t KVH, int64_t D, const T_ *cos,        \
-              const T_ *sin_signed, const int64_t *slots, T_ *k_slots, T_ *v_slots, T_ *q_out,       \
-              T_ *k_out) {                                                                           \
-        const int64_t half = D / 2;                                                                  \
+              int64_t v_stride, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R,            \
+              const T_ *cos, const T_ *sin_signed, const int64_t *slots, T_ *k_slots, T_ *v_slots,   \
+              T_ *q_out, T_ *k_out) {                                                                \
+        const int64_t half = R / 2;                                                                  \
         _Pragma("omp parallel for schedule(static) if (T * (H + KVH) * D > 16384)")                  \
         for (int64_t t = 0; t < T; t++) {                                                            \
-            const T_ *c = cos + t * D, *s = sin_signed + t * D;                                      \
+            const T_ *c = cos + t * R, *s = sin_signed + t * R;                                      \
             for (int64_t h = 0; h < H + KVH; h++) {                                                  \
                 const T_ *x = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;     \
                 T_ *o = h < H ? q_out + (t * H + h) * D : k_out + (t * KVH + h - H) * D;             \
@@ -43,6 +45,7 @@
                     o[i + half] = STORE(ROUND(LOAD(x[i + half]) * LOAD(c[i + half])) +               \
                                         ROUND(LOAD(x[i]) * LOAD(s[i + half])));                      \
                 }                                                                                    \
+                if (R < D) memcpy(o + R, x + R, sizeof(T_) * (D - R)); /* the unrotated rest */      \
             }                                                                                        \
             T_ *ks = k_slots + slots[t] * KVH * D, *vs = v_slots + slots[t] * KVH * D;               \
             memcpy(ks, k_out + t * KVH * D, sizeof(T_) * KVH * D);                                   \
