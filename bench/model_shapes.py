@@ -53,6 +53,15 @@ SHAPES: dict[str, dict] = {
                   "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "hidden_size": 3072,
                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                   "intermediate_size": 8192, "sliding_window": 2047, "rope_theta": 10000.0},
+    # Phi-4-mini (3.8B with its 200k vocabulary): 24 heads / 8 kv heads of 128, 3/4 of each rotated, longrope over
+    # an original 4096 of 131072 (factors: a smooth stand-in for the published 48, random weights either way)
+    "phi4-mini": {"model_type": "phi3", "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                  "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "hidden_size": 3072,
+                  "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+                  "intermediate_size": 8192, "sliding_window": 262144, "rope_theta": 10000.0,
+                  "rope_scaling": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0 + i / 48 for i in range(48)],
+                                   "long_factor": [1.0 + i for i in range(48)]}},
     # Qwen3-30B-A3B's proportions scaled to 2 cores (issue 62): 128 experts -> 32, top-8 -> top-4,
     # hidden 2048 -> 1024, 48 layers -> 16, expert MLP 768 -> 512; its attention (head_dim 128, 4 kv heads)
     "qwen3-moe-2core": {"model_type": "qwen3_moe", "hidden_act": "silu", "rms_norm_eps": 1e-6,

@@ -1,7 +1,7 @@
-"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral, phi3) built from a
-model directory without transformers, so that an engine core starts by importing torch alone (issue
-39 item 1: transformers' modelling code pulls in torch._dynamo, DTensor and sympy, ~40% of a core's
-start).
+"""Llama-shaped causal LMs (llama incl. Llama 3's scaled rope, qwen2, qwen3, mistral, phi3 incl. Phi-4-mini's
+partial rotary and longrope) built from a model directory without transformers, so that an engine core
+starts by importing torch alone (issue 39 item 1: transformers' modelling code pulls in torch._dynamo,
+DTensor and sympy, ~40% of a core's start).
 
 The modules, their attribute names and their parameters' names are HF's own
 (`model.layers.0.self_attn.q_proj.weight`, a tied `lm_head`; Phi-3's fused `qkv_proj` and `gate_up_proj`),

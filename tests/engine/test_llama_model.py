@@ -101,7 +101,8 @@ def phi4_mini_dir(phi3_dir, tmp_path_factory):
         eos_token_id=tiny.eos_token_id, bos_token_id=tiny.bos_token_id, pad_token_id=tiny.pad_token_id,
         sliding_window=None, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "short_factor": [1.0 + 0.05 * i for i in range(pairs)], "long_factor": [2.0 + 0.1 * i for i in range(pairs)]})
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [2.0 + 0.1 * i for i in range(pairs)]})
     out = tmp_path_factory.mktemp("phi4_mini")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
