@@ -45,10 +45,12 @@ def not_fixed_within(rope: dict, max_model_len: int | None, max_position_embeddi
     max_position_embeddings, and `longrope`'s, whose long factors HF takes once it passes
     original_max_position_embeddings (a row's rotation would then depend on its batch)."""
     kind = rope["rope_type"]
-    if kind not in ("dynamic", "longrope"):
+    if kind == "longrope":
+        field, limit = "original_max_position_embeddings", rope["original_max_position_embeddings"]
+    elif kind == "dynamic":
+        field, limit = "max_position_embeddings", max_position_embeddings
+    else:
         return None
-    field = "original_max_position_embeddings" if kind == "longrope" else "max_position_embeddings"
-    limit = rope[field] if kind == "longrope" else max_position_embeddings
     if None not in (max_model_len, limit) and max_model_len <= limit:
         return None
     return (f"rope type {kind!r} past {field} {limit} (max_model_len {max_model_len}: its frequencies would "
