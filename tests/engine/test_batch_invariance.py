@@ -31,7 +31,7 @@ def _mixed(rng, vocab, size, probe):
 
 
 @pytest.mark.parametrize("arch,dtype", [("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3_moe", "float32"),
-                                        ("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16")])
+                                        ("qwen3_moe", "bfloat16"), ("gemma3", "bfloat16"), ("phi3", "bfloat16")])
 def test_a_request_has_the_same_bits_alone_in_any_batch_and_after_a_prefix_hit(tiny_dirs, arch, dtype):
     llm = _engine(tiny_dirs[arch], dtype)
     vocab = llm.core.runner.vocab_size

@@ -51,6 +51,7 @@ def _assert_exact(scorer, rollouts):
     ("qwen3", "bfloat16", {}), ("qwen2", "bfloat16", {"head_dtype": "float32"}),
     ("qwen2", "bfloat16", {"quantization": "int8"}), ("gemma3", "float32", {}), ("gemma3", "bfloat16", {}),
     ("mistral_window", "bfloat16", {}),  # sliding windows (16 keys; Gemma's 32) shorter than the rollouts
+    ("phi3", "bfloat16", {}), ("phi3", "bfloat16", {"quantization": "int8"}),  # fused q/k/v and gate/up; head 96
 ])
 def test_the_scorers_logprobs_are_the_engines_bits(tiny_dirs, variant_dirs, arch, dtype, extra):
     model_dir = {**tiny_dirs, **variant_dirs}[arch]
