@@ -143,18 +143,18 @@ def _sparse_fields(mlp, shape: dict, t: int, routed: list) -> list[int] | None:
 
 def _projections(attn, mlp, sparse: bool) -> tuple:
     """(q/k/v, gate/up) as (linear, group): one linear in the checkpoint (Phi-3's qkv_proj and gate_up_proj)
-    or fused_linears' group of the three (two) serving one copy (None: not grouped); and every linear the
-    layer has, q/k/v first."""
+    or fused_linears' group of the three (two) serving one copy (None: not grouped); then the q/k/v linears,
+    and the layer's other linears."""
     if hasattr(attn, "qkv_proj"):
         qkv, qkv_linears = (attn.qkv_proj, None), (attn.qkv_proj,)
     else:
         qkv, qkv_linears = (None, getattr(attn, "_fused", None)), (attn.q_proj, attn.k_proj, attn.v_proj)
     if sparse:
-        return qkv, None, (*qkv_linears, attn.o_proj)
+        return qkv, None, qkv_linears, (attn.o_proj,)
     if hasattr(mlp, "gate_up_proj"):
-        return qkv, (mlp.gate_up_proj, None), (*qkv_linears, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return qkv, (None, getattr(mlp, "_fused", None)), (*qkv_linears, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                                       mlp.down_proj)
+        return qkv, (mlp.gate_up_proj, None), qkv_linears, (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return qkv, (None, getattr(mlp, "_fused", None)), qkv_linears, (attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                                                    mlp.down_proj)
 
 
 def _layer_plan(layer, shape: dict):
@@ -168,8 +168,7 @@ def _layer_plan(layer, shape: dict):
         return cached[1]
     attn, mlp = layer.self_attn, layer.mlp
     sparse = is_sparse(mlp)
-    qkv, gate_up, linears = _projections(attn, mlp, sparse)
-    qkv_linears = linears[:1] if qkv[0] is not None else linears[:3]
+    qkv, gate_up, qkv_linears, others = _projections(attn, mlp, sparse)
     qk_norm = getattr(attn, "qk_norm", None)
     norms = (layer.input_layernorm, layer.post_attention_layernorm, *((attn.q_norm, attn.k_norm) if qk_norm else ()),
              *((layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if shape["gemma"] else ()))
@@ -177,8 +176,8 @@ def _layer_plan(layer, shape: dict):
         shape["intermediate"]
     plan = None
     if (qkv != (None, None) and (sparse or gate_up != (None, None))
-            and not any(m.bias is not None for m in linears[len(qkv_linears):])
-            and all(hasattr(m, "_derive") for m in linears)
+            and not any(m.bias is not None for m in others)
+            and all(hasattr(m, "_derive") for m in (*qkv_linears, *others))
             # q/k/v biases (qwen2's) are taken; no other layer has them
             and qk_norm in (None, "head")  # a norm over the whole projection (olmoe's) is not the loop's
             and not any(n.weight.dtype != shape["dtype"] or _eps(n) != shape["eps"] for n in norms)):

@@ -1,10 +1,11 @@
 /* Weight-only int8's copy of a weight in one pass: for each 32 columns and 32 values of K (a chunk
    of amx_linears.pack_w8's layout) the columns' bf16 scales (one per W8_GROUP values of K), then their
-   int8 values in the bf16 tiles' order. What int8_linears.quantize_groups and amx_linears.pack_w8 do in about twenty torch
-   ops (80 + 46 ms for one 3072 x 576 weight: 7 s for SmolLM2, on every push into an int8 engine),
-   with the same bits: scale = max|w| of the group / 127 in fp32, rounded to bf16 (nearest, ties even), at
-   least bf16's smallest normal; q = w / scale (fp32, scale widened) rounded to nearest, ties to
-   even (nearbyintf, as torch.round), clamped to [-127, 127]. Past N and K the chunk holds zeros. */
+   int8 values in the bf16 tiles' order. What int8_linears.quantize_groups and amx_linears.pack_w8 do in
+   about twenty torch ops (80 + 46 ms for one 3072 x 576 weight: 7 s for SmolLM2, on every push into an
+   int8 engine), with the same bits: scale = max|w| of the group / 127 in fp32, rounded to bf16
+   (nearest, ties even), at least bf16's smallest normal; q = w / scale (fp32, scale widened) rounded to
+   nearest, ties to even (nearbyintf, as torch.round), clamped to [-127, 127]. Past N and K the chunk
+   holds zeros. */
 
 #include <float.h>
 
@@ -27,6 +28,7 @@
                 for (int j = 0; j < 32; j++) {                                                           \
                     const int64_t row = b * 32 + j;                                                      \
                     if (row >= n) break;                                                                 \
+                    const int t = j / 16, col = j % 16; /* the column's tile and place in it */          \
                     for (int g = 0; g < W8_GROUPS; g++) {                                                \
                         const int64_t k0 = c * 32 + g * W8_GROUP;                                        \
                         if (k0 >= k) break;                                                              \
@@ -39,7 +41,6 @@
                         chunk_scale[32 * g + j] = s16;                                                   \
                         scales[row * groups + k0 / W8_GROUP] = s16;                                      \
                         const float s = bf16_to_f32(s16);                                                \
-                        const int t = j / 16, col = j % 16;                                              \
                         for (int i = 0; i < len; i++) {                                                  \
                             const int kk = g * W8_GROUP + i; /* K within the chunk */                    \
                             const float v = fminf(fmaxf(nearbyintf(LOAD(src[i]) / s), -127.f), 127.f);   \
