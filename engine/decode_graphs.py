@@ -137,7 +137,8 @@ class DecodeGraphs:
         """Where every tensor a graph reads of the model lives: its weights, buffers, derived copies."""
         model = self.runner.model
         tensors = [*model.parameters(), *model.buffers(), *derived_weights.served_tensors(model)]
-        return tuple(t.data_ptr() for t in tensors)
+        # oneDNN's packed copies (a CPU where our kernels do not serve) have no storage: the copy itself names them
+        return tuple(id(t) if t.is_mkldnn else t.data_ptr() for t in tensors)
 
     def weights_changed(self) -> None:
         """The weights were written (a push's commit, a reload): their derived copies are made now,

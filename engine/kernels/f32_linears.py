@@ -1,6 +1,7 @@
-"""fp32 linears through engine/kernels/native/f32_linear.c where the CPU has AVX-512: each weight packed
-once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 12 rows x 32
-columns of fp32 accumulators in registers, K in chunks that stay in L2, the weights prefetched.
+"""fp32 linears through engine/kernels/native/f32_linear.c where the CPU has AVX-512 or AVX2 with FMA: each
+weight packed once into panels of 32 output columns ([n/32][k][32], a derived copy like oneDNN's), 12 rows x 32
+columns of fp32 accumulators in registers (6 rows x 16 columns, each half of a panel in turn, on AVX2's 16
+registers), K in chunks that stay in L2, the weights prefetched.
 
 On an Intel Xeon (AVX-512, 2 cores), swept over SmolLM2's linears as a decode step streams them, it
 ran 1.20-1.31x / 1.15x / 1.01-1.05x oneDNN's prepacked matmul at 1 / 32 / 256 rows
@@ -12,9 +13,14 @@ cannot do with torch's ops. Activation rows whose length is a multiple of 4 KB (
 block's 12 rows otherwise share one L1 set (on a Zen 4 at 32 rows, 1.04-1.35x per linear; the
 engine's fp32 decode 1.09-1.12x, bench/RESULTS.md).
 
+On an AMD EPYC with AVX2 only (Zen 3, 2 cores) it ran 1.09 / 1.17 / 1.15 / 1.08x oneDNN's prepacked
+matmul at 1 / 8 / 32 / 256 rows (72% of the fp32 matmul probe at 32 rows, 90% at 256), and a bf16 model's
+linears there run on it too (packed_linears.compute_dtype: an fp32 copy). Each output row's sums are the
+same whatever the other rows are, which oneDNN's GEMM does not promise: a request's bits in any batch.
+
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
-its bias: a plain fp32 GEMM's error bound (tested). On AVX2 (16 vector registers: the kernel's 24
-accumulators would spill) and with ROLLOUT_F32_KERNEL=0, oneDNN stays."""
+its bias: a plain fp32 GEMM's error bound (tested); the same bits on AVX-512 and AVX2. With
+ROLLOUT_F32_KERNEL=0 (or neither ISA), oneDNN stays."""
 
 from __future__ import annotations
 
@@ -47,7 +53,9 @@ def _fn():
 @functools.cache
 def available() -> bool:
     """Whether the kernel serves fp32 linears here (probed once per process)."""
-    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or "avx512f" not in native_kernels.cpu_flags():
+    flags = native_kernels.cpu_flags()
+    if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "off", "false", "no") or not (
+            "avx512f" in flags or {"avx2", "fma"} <= flags):
         return False
     if _fn() is None:
         return False

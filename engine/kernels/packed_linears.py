@@ -101,7 +101,7 @@ def pack(model: torch.nn.Module, dtype: torch.dtype, max_seqs: int | None = None
 def reads_in_place(weight: torch.Tensor, dtype: torch.dtype, max_seqs: int | None = None) -> bool:
     """Whether a linear runs on its weight as it is (derived_weights.WeightRows: no packed copy to
     hold or to derive): a bf16 engine's on AMX tiles or AVX512-BF16 (an engine of `max_seqs` sequences:
-    bf16_rows.available), an fp32 engine's on our AVX-512 kernel."""
+    bf16_rows.available), an fp32 engine's on our fp32 kernel (AVX-512 or AVX2)."""
     if weight.dtype != dtype:
         return False
     if dtype == torch.bfloat16:
@@ -114,7 +114,7 @@ def reads_in_place(weight: torch.Tensor, dtype: torch.dtype, max_seqs: int | Non
 def pack_weight(weight, dtype: torch.dtype, into=None):
     """A full-precision weight (or a group's members', stacked by rows) reordered into oneDNN's
     blocked layout in `dtype`, or in bf16 on a CPU with AMX into the tile kernel's
-    (engine/kernels/amx_linears.py), or in fp32 on a CPU with AVX-512 into our kernel's
+    (engine/kernels/amx_linears.py), or in fp32 on a CPU with AVX-512 or AVX2 into our kernel's
     (engine/kernels/f32_linears.py, which packs the members where they lie, into `into`'s memory when it is a
     retired copy of the same shape): the derived copy."""
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)

@@ -138,7 +138,17 @@ def test_weights_written_in_place_keep_the_graphs_and_moved_ones_drop_them(graph
     assert graphs.graphs
 
 
-def test_derived_copies_made_anew_drop_the_graphs(model_dirs, monkeypatch):
+@pytest.fixture(params=["1", "0"], ids=["our-kernel", "onednn"])
+def f32_kernel(request, monkeypatch):
+    """Our fp32 kernel's panels (plain tensors) or, with it off, oneDNN's packed copies (no storage to point at)."""
+    monkeypatch.setenv("ROLLOUT_F32_KERNEL", request.param)
+    f32_linears.available.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    f32_linears.available.cache_clear()
+
+
+def test_derived_copies_made_anew_drop_the_graphs(model_dirs, monkeypatch, f32_kernel):
     monkeypatch.setenv("ROLLOUT_DECODE_GRAPHS", "eager")
     llm = LLM(EngineConfig(model=model_dirs["qwen2"], max_num_seqs=4, max_model_len=64))  # prepacked linears
     graphs = llm.core.runner.decode_graphs

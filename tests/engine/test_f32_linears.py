@@ -1,4 +1,4 @@
-"""engine/kernels/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512,
+"""engine/kernels/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512 or AVX2,
 the kernel within a plain fp32 GEMM's error bound, with and without a bias, at any row count."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from engine.kernels import f32_linears
 
-avx512 = pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel serves only on AVX-512 CPUs")
+avx512 = pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel serves only on AVX-512 or AVX2 CPUs")
 
 
 def test_pack_is_panels_of_32_columns():
@@ -63,7 +63,7 @@ def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
     assert f32_linears.pack(parts, into=other).packed.data_ptr() != other.packed.data_ptr()
 
 
-@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or no C compiler: the kernel does not run")
+@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2, or no C compiler: the kernel does not run")
 @pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (40, 2048)])
 def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):

@@ -18,14 +18,19 @@
 /* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB): the
    first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
 #define PREFETCH_FLOATS 1024
+#ifdef __AVX512F__
 #define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
+#else
+#define MR 6 /* AVX2: a block is 6 rows x 16 columns, 12 accumulators of the 16 ymm registers, run twice a panel */
+#endif
 /* Values of K a chunk: 96 KB of a panel, within L2. Chunks of 256 (32 KB, within L1) ran 6% slower
    at 256 rows (SmolLM2's linears swept, bench/RESULTS.md): the hardware streams a panel's rows
    into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
 #define KC 768
 
-/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32]) into acc[rows][2],
-   starting from acc's sums (`more`) or from zero. */
+/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32]) into acc (row r's 32 sums at
+   acc + 32 r), starting from acc's sums (`more`) or from zero. */
+#ifdef __AVX512F__
 #define PANEL_ROWS(R)                                                                                    \
     static inline void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) { \
         v16f c[R][2];                                                                                    \
@@ -75,6 +80,63 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
     default: panel_12(x, ldx, kc, p, acc, more); break;
     }
 }
+#else
+/* AVX2: a panel's 32 columns as two halves of 16, each 6 rows x 16 columns of sums (12 ymm registers):
+   a 12 x 32 block would spill. The halves read different cache lines of the panel's rows, so each
+   line is still read once a block. Each output's sum is the same FMAs in the same order of k as on
+   AVX-512: the same bits. */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8_f32(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store8_f32(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+#define HALF_ROWS(R)                                                                                     \
+    static inline void half_##R(const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) { \
+        v8f c[R][2];                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                    \
+            c[r][0] = more ? load8_f32(acc + 32 * r) : (v8f){0};                                         \
+            c[r][1] = more ? load8_f32(acc + 32 * r + 8) : (v8f){0};                                     \
+        }                                                                                                \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS);                                           \
+            const v8f b0 = load8_f32(p + kk * 32), b1 = load8_f32(p + kk * 32 + 8);                      \
+            for (int r = 0; r < R; r++) {                                                                \
+                const float a = x[r * ldx + kk];                                                         \
+                c[r][0] += a * b0;                                                                       \
+                c[r][1] += a * b1;                                                                       \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) store8_f32(acc + 32 * r, c[r][0]), store8_f32(acc + 32 * r + 8, c[r][1]); \
+    }
+
+HALF_ROWS(1)
+HALF_ROWS(2)
+HALF_ROWS(3)
+HALF_ROWS(4)
+HALF_ROWS(5)
+HALF_ROWS(6)
+
+static void half(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) {
+    switch (rows) {
+    case 1: half_1(x, ldx, kc, p, acc, more); break;
+    case 2: half_2(x, ldx, kc, p, acc, more); break;
+    case 3: half_3(x, ldx, kc, p, acc, more); break;
+    case 4: half_4(x, ldx, kc, p, acc, more); break;
+    case 5: half_5(x, ldx, kc, p, acc, more); break;
+    default: half_6(x, ldx, kc, p, acc, more); break;
+    }
+}
+
+static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
+    half(rows, x, ldx, kc, p, (float *)acc, more);
+    half(rows, x, ldx, kc, p + 16, (float *)acc + 16, more);
+}
+#endif
 
 /* x's rows copied a cache line further apart than K where K's rows are whole multiples of 4096 bytes
    (K = 2048, 6144, 8192: Llama's and Qwen3's linears): there a block's 12 rows all fall in one set of L1
@@ -215,6 +277,7 @@ void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, 
 
 /* rows (1..MR) weight rows w[0..rows) from value k0, kc values of K, times a panel of the
    activations ([kc][32]) into acc[rows][2], starting from acc's sums (`more`) or from zero. */
+#ifdef __AVX512F__
 #define WEIGHT_ROWS(R)                                                                                   \
     static inline void wrows_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) { \
         v16f c[R][2];                                                                                    \
@@ -264,6 +327,51 @@ static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc,
     default: wrows_12(w, k0, kc, p, acc, more); break;
     }
 }
+#else
+/* AVX2: 6 weight rows against each half of the activations' panel (16 rows), as the packed kernel's halves */
+#define WEIGHT_HALF(R)                                                                                   \
+    static inline void whalf_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) { \
+        v8f c[R][2];                                                                                     \
+        for (int r = 0; r < R; r++) {                                                                    \
+            c[r][0] = more ? load8_f32(acc + 32 * r) : (v8f){0};                                         \
+            c[r][1] = more ? load8_f32(acc + 32 * r + 8) : (v8f){0};                                     \
+        }                                                                                                \
+        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
+            if ((kk & 15) == 0)                                                                          \
+                for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k0 + kk + ROWS_AHEAD);             \
+            const v8f b0 = load8_f32(p + kk * 32), b1 = load8_f32(p + kk * 32 + 8);                     \
+            for (int r = 0; r < R; r++) {                                                                \
+                const float a = w[r][k0 + kk];                                                           \
+                c[r][0] += a * b0;                                                                       \
+                c[r][1] += a * b1;                                                                       \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) store8_f32(acc + 32 * r, c[r][0]), store8_f32(acc + 32 * r + 8, c[r][1]); \
+    }
+
+WEIGHT_HALF(1)
+WEIGHT_HALF(2)
+WEIGHT_HALF(3)
+WEIGHT_HALF(4)
+WEIGHT_HALF(5)
+WEIGHT_HALF(6)
+
+static void weight_half(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) {
+    switch (rows) {
+    case 1: whalf_1(w, k0, kc, p, acc, more); break;
+    case 2: whalf_2(w, k0, kc, p, acc, more); break;
+    case 3: whalf_3(w, k0, kc, p, acc, more); break;
+    case 4: whalf_4(w, k0, kc, p, acc, more); break;
+    case 5: whalf_5(w, k0, kc, p, acc, more); break;
+    default: whalf_6(w, k0, kc, p, acc, more); break;
+    }
+}
+
+static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
+    weight_half(rows, w, k0, kc, p, (float *)acc, more);
+    weight_half(rows, w, k0, kc, p + 16, (float *)acc + 16, more);
+}
+#endif
 
 /* x [m, k] as panels of 32 rows, [ceil(m/32)][k][32], rows past m zero. */
 static void activations_as_panels(const float *x, int64_t m, int64_t k, float *xp) {
@@ -272,11 +380,11 @@ static void activations_as_panels(const float *x, int64_t m, int64_t k, float *x
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < halves; h++) {
         float *dst = xp + (h / 2) * k * 32 + (h % 2) * 16;
-        const float *src[16];
+        const uint32_t *src[16]; /* the type transpose16_u32 reads them as: a float * array read so is not seen written */
         int64_t kk = 0;
         for (; kk + 16 <= k; kk += 16) {
-            for (int r = 0; r < 16; r++) src[r] = h * 16 + r < m ? x + (h * 16 + r) * k + kk : zeros;
-            transpose16_u32((const uint32_t *const *)src, (uint32_t *)(dst + kk * 32), 32);
+            for (int r = 0; r < 16; r++) src[r] = (const uint32_t *)(h * 16 + r < m ? x + (h * 16 + r) * k + kk : zeros);
+            transpose16_u32(src, (uint32_t *)(dst + kk * 32), 32);
         }
         for (; kk < k; kk++)
             for (int r = 0; r < 16; r++) dst[kk * 32 + r] = h * 16 + r < m ? x[(h * 16 + r) * k + kk] : 0.0f;
@@ -353,14 +461,14 @@ static int rows_broadcast(const float *x, int64_t m, int64_t k, const float **ro
 static void panel_from_rows(const float *const *rows, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
     static const float zeros[16] = {0};
     for (int half = 0; half < 2; half++) {
-        const float *src[16];
+        const uint32_t *src[16]; /* as in activations_as_panels */
         int64_t kk = 0;
         for (; kk + 16 <= kc; kk += 16) {
             for (int r = 0; r < 16; r++) {
                 const int64_t row = row0 + half * 16 + r;
-                src[r] = row < n ? rows[row] + k0 + kk : zeros;
+                src[r] = (const uint32_t *)(row < n ? rows[row] + k0 + kk : zeros);
             }
-            transpose16_u32((const uint32_t *const *)src, (uint32_t *)(buf + kk * 32 + half * 16), 32);
+            transpose16_u32(src, (uint32_t *)(buf + kk * 32 + half * 16), 32);
         }
         for (; kk < kc; kk++) /* K's tail */
             for (int r = 0; r < 16; r++) {
