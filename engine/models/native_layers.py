@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one C call (engine/kernels/native/decode_layers.c), where every
 kernel of engine/models/fused_layers.py's forward is native: in bf16, AMX or AVX512-BF16 linears (bf16,
-or weight-only int8), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
+or weight-only int8) or, on AVX2, f32_linear.c on the weights' fp32 copies (input widened, output rounded), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k norms too)
 and silu * up; in fp32, the
 linears on engine/kernels/native/f32_linear.c (AVX-512 or AVX2) and the same glue in fp32.
 
@@ -51,7 +51,8 @@ LAYER_FIELDS = 33  # Layer in decode_layers.c: two norms, four (weight, kind, bi
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
 BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
-_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}  # the linears each loop takes
+# the linears each loop takes: a bf16 loop takes fp32 copies too (a CPU without bf16 kernels: AVX2)
+_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS, F32), torch.float32: (F32, W8, F32_ROWS)}
 
 
 class _Shape(ctypes.Structure):

@@ -13,16 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import amx_linears, bf16_rows, f32_linears, int8_linears
+from engine.kernels import amx_linears, bf16_rows, f32_linears, int8_linears, packed_linears
 from engine.models import native_layers
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-bf16_loop = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
-                               reason="no AMX tiles or AVX512-BF16: the bf16 C loop needs bf16 linears in place")
-avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512: the fp32 C loop needs its linears")
+# the bf16 loop's linears: AMX tiles, AVX512-BF16, or (AVX2: no bf16 kernels in oneDNN) our fp32 kernel on fp32 copies
+bf16_loop = pytest.mark.skipif(
+    not (amx_linears.available() or bf16_rows.avx512_bf16()
+         or (packed_linears.compute_dtype(torch.bfloat16) == torch.float32 and f32_linears.available())),
+    reason="no AMX tiles, AVX512-BF16 or AVX2 fp32 kernel: the bf16 C loop has no linears here")
+avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2: the fp32 C loop needs its linears")
+bf16_sparse = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
+                                 reason="no AMX tiles or AVX512-BF16: the C loop's sparse block has no bf16 kernels")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def _run(llm: LLM, monkeypatch, switch: str):
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
-    """bf16 (on AMX tiles or AVX512-BF16), and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in
+    """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 copies), and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in
     both loops; weight-only int8 on AMX tiles or AVX512-BF16)."""
     if quantization == "int8" and (int8_linears.kernel() or ("",))[0] not in int8_linears.WEIGHT_ONLY:
         pytest.skip("no weight-only int8 kernel here (AMX tiles or AVX512-BF16)")
@@ -89,7 +94,7 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypa
     assert native == python
 
 
-@bf16_loop
+@bf16_sparse
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing(moe_dirs, monkeypatch, calls, arch):
     """bf16 (AMX tiles, or AVX512-BF16's dot products): a sparse MLP (router, routing, experts) in the C loop

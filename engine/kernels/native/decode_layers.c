@@ -75,8 +75,32 @@ typedef struct {
     float eps, scale;
 } Shape;
 
+/* A bf16 model's linear on its fp32 copy, as packed_linears runs it on a CPU without bf16 kernels (AVX2:
+   compute_dtype): the input and the bias widened (exact), the fp32 kernel's sums and bias, the output rounded
+   to bf16 once: the Python forward's bits. */
+static void widen(const uint16_t *from, int64_t count, float *to) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) store16_f32(to + i, load16_bf16(from + i));
+    for (; i < count; i++) to[i] = bf16_to_f32(from[i]);
+}
+
+static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
+                              uint16_t *out) {
+    float *x32 = thread_buffer((m * k + m * n + n) * (int64_t)sizeof(float));
+    if (x32 == NULL) return -1;
+    float *out32 = x32 + m * k, *bias = w.bias ? out32 + m * n : NULL;
+    widen(x, m * k, x32);
+    if (bias) widen((const uint16_t *)w.bias, n, bias);
+    const int rc = ((linear_f32_fn)kn->linear_f32)(x32, m, k, (const float *)w.weight, n, bias, out32);
+    int64_t i = 0;
+    for (; i + 16 <= m * n; i += 16) store16_bf16(out + i, load16_f32(out32 + i));
+    for (; i < m * n; i++) out[i] = f32_to_bf16(out32[i]);
+    return rc;
+}
+
 static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
                        uint16_t *out) {
+    if (w.kind == LINEAR_F32) return linear_f32_on_bf16(kn, w, x, m, k, n, out);
     if (w.kind == LINEAR_BF16)
         return ((linear_bf16_fn)kn->linear_bf16)(x, m, k, (const void *)w.weight, n, (const uint16_t *)w.bias, out);
     if (w.kind == LINEAR_W8) {
