@@ -38,7 +38,9 @@ vLLM's processes inherit it): with more runnable threads than cores, OpenMP's sp
 cost our engine ~10x at 2 threads (vLLM's pinned workers much less), and the figures would
 measure the neighbours. A CPU without bf16 matmul units (AVX2 only) runs bf16 far slower than
 fp32, and its `a @ b` probe there is slower than the F.linear path the engines take, so a bf16
-share of "peak" can pass 100%.
+share of "peak" can pass 100%. vLLM's CPU guide asks for AVX-512 for bf16 (fp16 is cast to bf16): on a
+CPU without it its users run the model in fp32, and so do (a) and (b) here (`vllm_dtype`; the report says
+so): in bf16 there its CPU build took 8 minutes to start a 1B model and had not finished warming up 9 later.
 """
 
 from __future__ import annotations
@@ -235,7 +237,20 @@ class Ours:
         del self.llm
 
 
-def start(key: str, *args):
+def vllm_dtype(dtype: str) -> str:
+    """The dtype vLLM's CPU build serves a `dtype` model in here, as its users would run it: its install guide
+    asks for AVX-512 for bf16 (and casts fp16 to bf16), so without AVX-512 (an AVX2 CPU) they run fp32."""
+    from engine.kernels.native_kernels import cpu_flags
+
+    return "float32" if dtype in ("bfloat16", "float16") and "avx512f" not in cpu_flags() else dtype
+
+
+def start(key: str, model_dir: str, dtype: str, *args):
+    if key in "ab" and vllm_dtype(dtype) != dtype:
+        log.info("%s: %s needs AVX-512 in vLLM's CPU build (its install guide): it serves the model in %s here",
+                 ENGINES[key], dtype, vllm_dtype(dtype))
+        dtype = vllm_dtype(dtype)
+    args = (model_dir, dtype, *args)
     if key == "a":
         return VllmOffline(*args)
     if key in "bc":
@@ -304,6 +319,9 @@ def report(rows: list[Row], peaks: dict[str, float], num_params: int, read_bound
     if bandwidth:
         lines.append(f"of read: the run's memory read bound (every weight once a step, each sequence's KV once a "
                      f"decode step: bench/read_bound.py) at the read probe's {bandwidth / 1e9:.1f} GB/s, over its time")
+    for dtype in dict.fromkeys(r.dtype for r in rows if r.engine in "ab" and vllm_dtype(r.dtype) != r.dtype):
+        lines.append(f"vLLM's {SHORT_DTYPE.get(dtype, dtype)} rows (a, b) served the model in {vllm_dtype(dtype)}: "
+                     f"its CPU build's {dtype} needs AVX-512 (its install guide), which this CPU lacks")
     by = {(r.dtype, r.seqs, r.engine): r for r in rows}
     lines.append("ratios: tok/s (wall), and in brackets tok per CPU-s (what each system costs in CPU; on cores "
                  "shared with other jobs the wall ratio measures the neighbours too)")
