@@ -36,11 +36,11 @@ third lower, which once made a 3.41x lead of ours out of a 0.76-0.90x deficit.
 On a CPU shared with other jobs, set OMP_WAIT_POLICY=PASSIVE for every system (the sidecars and
 vLLM's processes inherit it): with more runnable threads than cores, OpenMP's spinning barriers
 cost our engine ~10x at 2 threads (vLLM's pinned workers much less), and the figures would
-measure the neighbours. A CPU without bf16 matmul units (AVX2 only) runs bf16 far slower than
-fp32, and its `a @ b` probe there is slower than the F.linear path the engines take, so a bf16
-share of "peak" can pass 100%. vLLM's CPU guide asks for AVX-512 for bf16 (fp16 is cast to bf16): on a
-CPU without it its users run the model in fp32, and so do (a) and (b) here (`vllm_dtype`; the report says
-so): in bf16 there its CPU build took 8 minutes to start a 1B model and had not finished warming up 9 later.
+measure the neighbours. vLLM's CPU guide asks for AVX-512 for bf16 (fp16 is cast to bf16): on a CPU
+without it (AVX2 only) its users run the model in fp32, and so do (a) and (b) here (`vllm_dtype`; the
+report says so): in bf16 there its CPU build took 8 minutes to start a 1B model and had not finished
+warming up 9 later. There a bf16 share of "peak" is of the fp32 probe (`probe_peak`): every engine's
+linears run in fp32 (ours on an fp32 copy), and torch's bf16 matmul crawls.
 """
 
 from __future__ import annotations
@@ -142,7 +142,11 @@ def active_params(model_dir: str) -> int:
 
 
 def probe_peak(dtype: str, tries: int = 3) -> float:
-    """The best of a few bench.gpu.matmul_peak probes (CPU: one 1024^3 matmul x 5), FLOP/s."""
+    """The best of a few bench.gpu.matmul_peak probes (CPU: one 1024^3 matmul x 5), FLOP/s. A half-precision
+    dtype on a CPU without AVX-512 is probed in fp32: there every engine's linears run on fp32 (ours on an fp32
+    copy, vLLM in fp32: `vllm_dtype`), and torch's bf16 matmul crawls at ~1 GFLOP/s."""
+    if vllm_dtype(dtype) != dtype:
+        dtype = "float32"
     return max(matmul_peak(torch.device("cpu"), getattr(torch, dtype)) for _ in range(tries))
 
 
