@@ -5,7 +5,8 @@
    and MKL's packed GEMM pads every weight's copy to at least 8 MB (2 GB for SmolLM2's 538 MB); a
    decode step's GEMMs are small (32-256 rows), so one panel of 32 columns at a time, 12 rows x 32
    columns of accumulators held in 24 vector registers, each weight row of the panel (128 bytes)
-   read once per 12 rows from L1. Threads take whole panels.
+   read once per 12 rows from L1 (on AVX2, 6 rows x 16 columns in 12 of its 16, each half of the panel
+   in turn). Threads take whole panels.
 
    Arithmetic: each output is the fp32 sum of its k products in order of k (FMA: each product added
    exact, one rounding per step), then its bias added: a plain fp32 GEMM's error bound. */
@@ -28,27 +29,45 @@
    into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
 #define KC 768
 
-/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32]) into acc (row r's 32 sums at
-   acc + 32 r), starting from acc's sums (`more`) or from zero. */
+/* A block's vectors: a zmm of 16 floats on AVX-512, where 2 span a panel's 32 columns; a ymm of 8 on AVX2,
+   where 2 span half a panel and a block runs once for each half (12 x 32 sums would spill AVX2's 16
+   registers). The halves read different cache lines of the panel's rows, so each line is still read once a
+   block, and each output's sum is the same FMAs in the same order of k: the same bits on either. */
 #ifdef __AVX512F__
+typedef v16f vec;
+#else
+typedef float vec __attribute__((vector_size(32)));
+#endif
+#define VW ((int)(sizeof(vec) / sizeof(float))) /* floats a vector */
+
+static inline vec loadv(const float *p) {
+    vec x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
+
+/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32], from column `p`'s) into
+   2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums (`more`) or from zero. */
 #define PANEL_ROWS(R)                                                                                    \
-    static inline void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) { \
-        v16f c[R][2];                                                                                    \
+    static void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) { \
+        vec c[R][2];                                                                                     \
         for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? acc[2 * r] : (v16f){0};                                                     \
-            c[r][1] = more ? acc[2 * r + 1] : (v16f){0};                                                 \
+            c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
+            c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
         }                                                                                                \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS);                                           \
-            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + 16);                                      \
-            const v16f b0 = load16_f32(p + kk * 32), b1 = load16_f32(p + kk * 32 + 16);                  \
+            for (int line = 0; line < 2 * VW; line += 16) /* the cache lines this block reads */        \
+                __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + line);                                \
+            const vec b0 = loadv(p + kk * 32), b1 = loadv(p + kk * 32 + VW);                             \
             for (int r = 0; r < R; r++) {                                                                \
                 const float a = x[r * ldx + kk];                                                         \
                 c[r][0] += a * b0;                                                                       \
                 c[r][1] += a * b1;                                                                       \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) acc[2 * r] = c[r][0], acc[2 * r + 1] = c[r][1];                      \
+        for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
     }
 
 PANEL_ROWS(1)
@@ -57,86 +76,26 @@ PANEL_ROWS(3)
 PANEL_ROWS(4)
 PANEL_ROWS(5)
 PANEL_ROWS(6)
+#ifdef __AVX512F__
 PANEL_ROWS(7)
 PANEL_ROWS(8)
 PANEL_ROWS(9)
 PANEL_ROWS(10)
 PANEL_ROWS(11)
 PANEL_ROWS(12)
-
-static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
-    switch (rows) {
-    case 1: panel_1(x, ldx, kc, p, acc, more); break;
-    case 2: panel_2(x, ldx, kc, p, acc, more); break;
-    case 3: panel_3(x, ldx, kc, p, acc, more); break;
-    case 4: panel_4(x, ldx, kc, p, acc, more); break;
-    case 5: panel_5(x, ldx, kc, p, acc, more); break;
-    case 6: panel_6(x, ldx, kc, p, acc, more); break;
-    case 7: panel_7(x, ldx, kc, p, acc, more); break;
-    case 8: panel_8(x, ldx, kc, p, acc, more); break;
-    case 9: panel_9(x, ldx, kc, p, acc, more); break;
-    case 10: panel_10(x, ldx, kc, p, acc, more); break;
-    case 11: panel_11(x, ldx, kc, p, acc, more); break;
-    default: panel_12(x, ldx, kc, p, acc, more); break;
-    }
-}
-#else
-/* AVX2: a panel's 32 columns as two halves of 16, each 6 rows x 16 columns of sums (12 ymm registers):
-   a 12 x 32 block would spill. The halves read different cache lines of the panel's rows, so each
-   line is still read once a block. Each output's sum is the same FMAs in the same order of k as on
-   AVX-512: the same bits. */
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8_f32(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void store8_f32(float *p, v8f x) { memcpy(p, &x, sizeof x); }
-
-#define HALF_ROWS(R)                                                                                     \
-    static inline void half_##R(const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) { \
-        v8f c[R][2];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? load8_f32(acc + 32 * r) : (v8f){0};                                         \
-            c[r][1] = more ? load8_f32(acc + 32 * r + 8) : (v8f){0};                                     \
-        }                                                                                                \
-        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS);                                           \
-            const v8f b0 = load8_f32(p + kk * 32), b1 = load8_f32(p + kk * 32 + 8);                      \
-            for (int r = 0; r < R; r++) {                                                                \
-                const float a = x[r * ldx + kk];                                                         \
-                c[r][0] += a * b0;                                                                       \
-                c[r][1] += a * b1;                                                                       \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < R; r++) store8_f32(acc + 32 * r, c[r][0]), store8_f32(acc + 32 * r + 8, c[r][1]); \
-    }
-
-HALF_ROWS(1)
-HALF_ROWS(2)
-HALF_ROWS(3)
-HALF_ROWS(4)
-HALF_ROWS(5)
-HALF_ROWS(6)
-
-static void half(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) {
-    switch (rows) {
-    case 1: half_1(x, ldx, kc, p, acc, more); break;
-    case 2: half_2(x, ldx, kc, p, acc, more); break;
-    case 3: half_3(x, ldx, kc, p, acc, more); break;
-    case 4: half_4(x, ldx, kc, p, acc, more); break;
-    case 5: half_5(x, ldx, kc, p, acc, more); break;
-    default: half_6(x, ldx, kc, p, acc, more); break;
-    }
-}
-
-static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
-    half(rows, x, ldx, kc, p, (float *)acc, more);
-    half(rows, x, ldx, kc, p + 16, (float *)acc + 16, more);
-}
 #endif
+
+typedef void (*panel_fn)(const float *, int64_t, int64_t, const float *, float *, int);
+static const panel_fn panel_of_rows[MR] = {panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
+#ifdef __AVX512F__
+                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12
+#endif
+};
+
+/* rows (1..MR) rows of x times a whole panel into acc's rows of 32 sums (v16f pairs) */
+static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
+    for (int col = 0; col < 32; col += 2 * VW) panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+}
 
 /* x's rows copied a cache line further apart than K where K's rows are whole multiples of 4096 bytes
    (K = 2048, 6144, 8192: Llama's and Qwen3's linears): there a block's 12 rows all fall in one set of L1
@@ -275,27 +234,27 @@ void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, 
 
 #define ROWS_AHEAD 64 /* values of K a weight row is fetched ahead of the block's loads */
 
-/* rows (1..MR) weight rows w[0..rows) from value k0, kc values of K, times a panel of the
-   activations ([kc][32]) into acc[rows][2], starting from acc's sums (`more`) or from zero. */
-#ifdef __AVX512F__
+/* rows (1..MR) weight rows w[0..rows) from value k0, kc values of K, times a panel of the activations
+   ([kc][32], from row `p`'s) into 2 * VW of acc's (weight row r's at acc + 32 r), starting from acc's sums
+   (`more`) or from zero; on AVX2 once for each half of the panel, as the packed kernel's blocks. */
 #define WEIGHT_ROWS(R)                                                                                   \
-    static inline void wrows_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) { \
-        v16f c[R][2];                                                                                    \
+    static void wrows_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) { \
+        vec c[R][2];                                                                                     \
         for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? acc[2 * r] : (v16f){0};                                                     \
-            c[r][1] = more ? acc[2 * r + 1] : (v16f){0};                                                 \
+            c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
+            c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
         }                                                                                                \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
             if ((kk & 15) == 0)                                                                          \
                 for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k0 + kk + ROWS_AHEAD);             \
-            const v16f b0 = load16_f32(p + kk * 32), b1 = load16_f32(p + kk * 32 + 16);                  \
+            const vec b0 = loadv(p + kk * 32), b1 = loadv(p + kk * 32 + VW);                             \
             for (int r = 0; r < R; r++) {                                                                \
                 const float a = w[r][k0 + kk];                                                           \
                 c[r][0] += a * b0;                                                                       \
                 c[r][1] += a * b1;                                                                       \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) acc[2 * r] = c[r][0], acc[2 * r + 1] = c[r][1];                      \
+        for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
     }
 
 WEIGHT_ROWS(1)
@@ -304,74 +263,25 @@ WEIGHT_ROWS(3)
 WEIGHT_ROWS(4)
 WEIGHT_ROWS(5)
 WEIGHT_ROWS(6)
+#ifdef __AVX512F__
 WEIGHT_ROWS(7)
 WEIGHT_ROWS(8)
 WEIGHT_ROWS(9)
 WEIGHT_ROWS(10)
 WEIGHT_ROWS(11)
 WEIGHT_ROWS(12)
-
-static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
-    switch (rows) {
-    case 1: wrows_1(w, k0, kc, p, acc, more); break;
-    case 2: wrows_2(w, k0, kc, p, acc, more); break;
-    case 3: wrows_3(w, k0, kc, p, acc, more); break;
-    case 4: wrows_4(w, k0, kc, p, acc, more); break;
-    case 5: wrows_5(w, k0, kc, p, acc, more); break;
-    case 6: wrows_6(w, k0, kc, p, acc, more); break;
-    case 7: wrows_7(w, k0, kc, p, acc, more); break;
-    case 8: wrows_8(w, k0, kc, p, acc, more); break;
-    case 9: wrows_9(w, k0, kc, p, acc, more); break;
-    case 10: wrows_10(w, k0, kc, p, acc, more); break;
-    case 11: wrows_11(w, k0, kc, p, acc, more); break;
-    default: wrows_12(w, k0, kc, p, acc, more); break;
-    }
-}
-#else
-/* AVX2: 6 weight rows against each half of the activations' panel (16 rows), as the packed kernel's halves */
-#define WEIGHT_HALF(R)                                                                                   \
-    static inline void whalf_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) { \
-        v8f c[R][2];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? load8_f32(acc + 32 * r) : (v8f){0};                                         \
-            c[r][1] = more ? load8_f32(acc + 32 * r + 8) : (v8f){0};                                     \
-        }                                                                                                \
-        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            if ((kk & 15) == 0)                                                                          \
-                for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k0 + kk + ROWS_AHEAD);             \
-            const v8f b0 = load8_f32(p + kk * 32), b1 = load8_f32(p + kk * 32 + 8);                     \
-            for (int r = 0; r < R; r++) {                                                                \
-                const float a = w[r][k0 + kk];                                                           \
-                c[r][0] += a * b0;                                                                       \
-                c[r][1] += a * b1;                                                                       \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < R; r++) store8_f32(acc + 32 * r, c[r][0]), store8_f32(acc + 32 * r + 8, c[r][1]); \
-    }
-
-WEIGHT_HALF(1)
-WEIGHT_HALF(2)
-WEIGHT_HALF(3)
-WEIGHT_HALF(4)
-WEIGHT_HALF(5)
-WEIGHT_HALF(6)
-
-static void weight_half(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) {
-    switch (rows) {
-    case 1: whalf_1(w, k0, kc, p, acc, more); break;
-    case 2: whalf_2(w, k0, kc, p, acc, more); break;
-    case 3: whalf_3(w, k0, kc, p, acc, more); break;
-    case 4: whalf_4(w, k0, kc, p, acc, more); break;
-    case 5: whalf_5(w, k0, kc, p, acc, more); break;
-    default: whalf_6(w, k0, kc, p, acc, more); break;
-    }
-}
-
-static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
-    weight_half(rows, w, k0, kc, p, (float *)acc, more);
-    weight_half(rows, w, k0, kc, p + 16, (float *)acc + 16, more);
-}
 #endif
+
+typedef void (*wrows_fn)(const float *const *, int64_t, int64_t, const float *, float *, int);
+static const wrows_fn wrows_of_rows[MR] = {wrows_1, wrows_2, wrows_3, wrows_4, wrows_5, wrows_6,
+#ifdef __AVX512F__
+                                           wrows_7, wrows_8, wrows_9, wrows_10, wrows_11, wrows_12
+#endif
+};
+
+static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
+    for (int col = 0; col < 32; col += 2 * VW) wrows_of_rows[rows - 1](w, k0, kc, p + col, (float *)acc + col, more);
+}
 
 /* x [m, k] as panels of 32 rows, [ceil(m/32)][k][32], rows past m zero. */
 static void activations_as_panels(const float *x, int64_t m, int64_t k, float *xp) {
