@@ -250,11 +250,11 @@ def vllm_dtype(dtype: str) -> str:
 
 
 def start(key: str, model_dir: str, dtype: str, *args):
-    if key in "ab" and vllm_dtype(dtype) != dtype:
+    served = vllm_dtype(dtype) if key in "ab" else dtype
+    if served != dtype:
         log.info("%s: %s needs AVX-512 in vLLM's CPU build (its install guide): it serves the model in %s here",
-                 ENGINES[key], dtype, vllm_dtype(dtype))
-        dtype = vllm_dtype(dtype)
-    args = (model_dir, dtype, *args)
+                 ENGINES[key], dtype, served)
+    args = (model_dir, served, *args)
     if key == "a":
         return VllmOffline(*args)
     if key in "bc":

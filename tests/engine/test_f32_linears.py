@@ -8,7 +8,8 @@ import torch
 
 from engine.kernels import f32_linears
 
-avx512 = pytest.mark.skipif(not f32_linears.available(), reason="the fp32 kernel serves only on AVX-512 or AVX2 CPUs")
+f32_kernel = pytest.mark.skipif(not f32_linears.available(),
+                                reason="the fp32 kernel serves only on AVX-512 or AVX2 CPUs")
 
 
 def test_pack_is_panels_of_32_columns():
@@ -19,7 +20,7 @@ def test_pack_is_panels_of_32_columns():
     assert p.packed[1, :, 18:].abs().sum() == 0  # the padding columns are zeros
 
 
-@avx512
+@f32_kernel
 @pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 50, 100), (32, 960, 576), (33, 576, 1536), (256, 96, 64),
                                    (300, 70, 1536), (9, 31, 7), (13, 40, 257), (14, 33, 769),  # K chunks of 768: an edge
                                    (13, 40, 1024), (33, 64, 2048)])  # rows 4 KB apart: copied apart first
@@ -79,7 +80,7 @@ def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, f32_linears.pack(w)))
 
 
-@avx512
+@f32_kernel
 @pytest.mark.parametrize("k", [1024, 2048, 6144])
 def test_a_rows_bits_alone_and_among_rows_copied_apart(k):
     """Rows of 4 KB multiples are copied a cache line apart before a call of several (f32_linear.c's

@@ -20,13 +20,14 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
-# the bf16 loop's linears: AMX tiles, AVX512-BF16, or (AVX2: no bf16 kernels in oneDNN) our fp32 kernel on fp32 copies
+BF16_KERNELS = amx_linears.available() or bf16_rows.avx512_bf16()
+# the bf16 loop's linears: bf16 kernels, or (AVX2: no bf16 kernels in oneDNN) our fp32 kernel on fp32 copies
 bf16_loop = pytest.mark.skipif(
-    not (amx_linears.available() or bf16_rows.avx512_bf16()
-         or (packed_linears.compute_dtype(torch.bfloat16) == torch.float32 and f32_linears.available())),
+    not (BF16_KERNELS or (packed_linears.compute_dtype(torch.bfloat16) == torch.float32 and f32_linears.available())),
     reason="no AMX tiles, AVX512-BF16 or AVX2 fp32 kernel: the bf16 C loop has no linears here")
-avx512 = pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2: the fp32 C loop needs its linears")
-bf16_sparse = pytest.mark.skipif(not (amx_linears.available() or bf16_rows.avx512_bf16()),
+f32_kernel = pytest.mark.skipif(not f32_linears.available(),
+                                reason="no AVX-512 or AVX2: the fp32 C loop needs its linears")
+bf16_sparse = pytest.mark.skipif(not BF16_KERNELS,
                                  reason="no AMX tiles or AVX512-BF16: the C loop's sparse block has no bf16 kernels")
 
 
@@ -77,8 +78,8 @@ def _run(llm: LLM, monkeypatch, switch: str):
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
-    """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 copies), and int8 fed bf16 or fp32 (whose fp32 norm and silu run in C in
-    both loops; weight-only int8 on AMX tiles or AVX512-BF16)."""
+    """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 copies), and int8 fed bf16 or fp32 (whose fp32 norm and
+    silu run in C in both loops; weight-only int8 on AMX tiles or AVX512-BF16)."""
     if quantization == "int8" and (int8_linears.kernel() or ("",))[0] not in int8_linears.WEIGHT_ONLY:
         pytest.skip("no weight-only int8 kernel here (AMX tiles or AVX512-BF16)")
     llm = LLM(EngineConfig(model=dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
@@ -153,7 +154,7 @@ def test_a_push_is_served_from_the_first_step_after_it(model_dirs, monkeypatch, 
     assert native == python != before
 
 
-@avx512
+@f32_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3", "qwen3_yarn", "mistral_window", "qwen2_window",
                                   "gemma3", "phi3"])
 def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, variant_hf_models, monkeypatch, calls,
@@ -176,7 +177,7 @@ def test_the_fp32_c_loop_keeps_hfs_greedy_tokens_and_logprobs(dirs, hf_models, v
         assert [_plain(d) for d in c.logprobs] == pytest.approx(hf_logprobs(hf, p, c.token_ids), abs=tol)
 
 
-@avx512
+@f32_kernel
 def test_the_fp32_engine_on_its_weights_in_place_gives_the_packed_copys_tokens_and_logprobs(model_dirs, monkeypatch,
                                                                                             calls):
     """ROLLOUT_F32_IN_PLACE=1 (no panels held): the same bits as the packed copy, in the C loop too."""
