@@ -7,14 +7,14 @@ engine/kernels/derived_weights.py), made by the pure `derive(weight)`. Two schem
 this CPU runs (`kernel()`):
 
 - **Weight-only** (first choice, where the CPU has AMX tiles: engine/kernels/amx_linears.py's `linear_w8`,
-  or AVX512-BF16 without them: engine/kernels/w8_linears.py's, on AMD Zen 4 and 5): a bf16 scale per 16
+  else engine/kernels/w8_linears.py's, on AVX512-BF16 or AVX2 with FMA): a bf16 scale per 16
   values of K of each output channel (amx_linears.W8_GROUP), the int8 weights widened to bf16 (q times
-  its scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on either
+  its scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on every
   CPU. On SmolLM2, 7.1% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the
   bf16 engine: 7.7%; at another seed 7.9% and 8.5%; per 32 values of K it was 9.4-9.9%:
   bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX and 1.0x at 256
   (groups of 32; bench/RESULTS.md).
-- **Per token** (W8A8; a CPU with neither, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
+- **Per token** (W8A8; a CPU with none of them, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
   weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
   forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
   op and fbgemm's dynamic linear are made for, would let one sequence's outlier coarsen every
@@ -26,7 +26,8 @@ The per-token kernels, measured by bench/int8_linears.py (bench/RESULTS.md): one
 (`onednn.qlinear_pointwise` on a `qlinear_prepack`ed weight, activation scale 1, the per-token
 scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
 the same quantization; torch's weight-only op (`_weight_int8pack_mm`) wins at 1 row but falls to
-0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 runs on our own kernels (AMX's, AVX512-BF16's).
+0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 runs on our own kernels (AMX's,
+AVX512-BF16's, AVX2's).
 oneDNN's int8 on an AVX2-only CPU (no VNNI) lost accuracy (its u8 x s8 pairs saturate int16: 10%
 error where the exact int32 sum gives 1%), so `kernel()` probes once that a kernel gives the exact
 integer product and falls back to `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA
@@ -58,11 +59,11 @@ log = logging.getLogger(__name__)
 # reduce_range, on the other side of the product).
 # "amx_w8": engine/kernels/amx_linears.py's weight-only kernel where the CPU has AMX (int8 weights widened
 # to bf16 in the tiles, activations in bf16: no per-token rounding of the inputs, the policy moves
-# far less); "avx512_w8": the same weights on AVX512-BF16's dot products (engine/kernels/w8_linears.py);
+# far less); "w8": the same weights on AVX512-BF16's dot products or AVX2's FMAs (engine/kernels/w8_linears.py);
 # "amx": its int8 x int8 kernel (the same bits as "onednn", faster).
-KERNELS = (("amx_w8", 127), ("avx512_w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63),
+KERNELS = (("amx_w8", 127), ("w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63),
            ("onednn", 63))
-WEIGHT_ONLY = ("amx_w8", "avx512_w8")  # kernels that keep the activations in bf16
+WEIGHT_ONLY = ("amx_w8", "w8")  # kernels that keep the activations in bf16
 ENV_ACTIVATIONS = "ROLLOUT_INT8_ACTIVATIONS"
 
 # NOTE: the lm_head stays in full precision (on packed_linears' copy): its logits are the policy's
@@ -148,11 +149,11 @@ def _packed(q: torch.Tensor, scale: torch.Tensor, name: str, qmax: int) -> Int8W
 
 
 def _check_runs(name: str) -> None:
-    """Raises RuntimeError where kernel `name` (one of the AMX or AVX512-BF16 ones) does not run here."""
+    """Raises RuntimeError where kernel `name` (the AMX ones or w8_linears') does not run here."""
     if name.startswith("amx") and not amx_linears.available():
         raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
-    if name == "avx512_w8" and not w8_linears.available():
-        raise RuntimeError("no AVX512-BF16 here (or no kernel build)")
+    if name == "w8" and not w8_linears.available():
+        raise RuntimeError("neither AVX512-BF16 nor AVX2 with FMA here (or no kernel build)")
 
 
 def _linear_w8(name: str):
@@ -230,7 +231,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         raise RuntimeError(f"no int8 linear kernel runs exactly on this CPU (tried {KERNELS})")
     if how[0] not in WEIGHT_ONLY:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
-                    "sampled tokens' probabilities by over 10%% (weight-only int8 on AMX or AVX512-BF16: 9%%; "
+                    "sampled tokens' probabilities by over 10%% (weight-only int8: 9%%; "
                     "bench.fidelity)", how[0])
     count = 0
     native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it

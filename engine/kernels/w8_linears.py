@@ -1,8 +1,10 @@
-"""Weight-only int8 on a CPU with AVX512-BF16 but no AMX tiles (AMD Zen 4 and 5, Intel Cooper Lake):
-engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's copy (int8 weights, a bf16 scale per 16
-values of K of each column). It widens each weight as the AMX kernel does (q times its scale, rounded
-once to bf16) and multiplies bf16 activations on AVX512-BF16's dot products, so the int8 engine is one
-scheme on both CPUs: the activations are never rounded to 8 bits (int8_linears says what that costs).
+"""Weight-only int8 on a CPU without AMX tiles: engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's
+copy (int8 weights, a bf16 scale per 16 values of K of each column). It widens each weight as the AMX
+kernel does (q times its scale, rounded once to bf16) and multiplies bf16 activations on AVX512-BF16's dot
+products (AMD Zen 4 and 5, Intel Cooper Lake) or, on AVX2 (AMD Zen 3, Intel before Cooper Lake), in fp32
+(each chunk of 32 x 32 weights widened into a panel that f32_linear.c's FMAs read: every bf16 x bf16
+product is exact in fp32 either way), so the int8 engine is one scheme on every CPU: the activations are
+never rounded to 8 bits (int8_linears says what that costs).
 
 Where a step reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the
 copy streams 0.56 of the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the
@@ -25,8 +27,9 @@ _ARGS = (_PTR, _I64, _I64, _PTR, _I64, _PTR)
 
 @functools.cache
 def available() -> bool:
-    """Whether w8_linear.c runs here (AVX512-BF16, its library built)."""
-    return "avx512_bf16" in native_kernels.cpu_flags() and _fn(torch.bfloat16) is not None
+    """Whether w8_linear.c runs here (AVX512-BF16, or AVX2 with FMA; its library built)."""
+    flags = native_kernels.cpu_flags()
+    return ("avx512_bf16" in flags or {"avx2", "fma"} <= flags) and _fn(torch.bfloat16) is not None
 
 
 native_kernels.forget_with_kernels(available.cache_clear)
@@ -39,13 +42,12 @@ def _fn(out_dtype: torch.dtype):
 
 def linear_w8(x: torch.Tensor, w: amx_linears.AmxWeight, out_dtype: torch.dtype) -> torch.Tensor:
     """x [m, k] bf16 @ (w `pack_w8`ed: each weight q * scale, rounded to bf16).T, summed in fp32 and
-    rounded once to out_dtype (fp32 or bf16): amx_linears.linear_w8's arithmetic on AVX512-BF16."""
+    rounded once to out_dtype (fp32 or bf16): amx_linears.linear_w8's arithmetic without the tiles."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n, dtype=out_dtype)
     rc = _fn(out_dtype)(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, out.data_ptr())
     if rc != 0:
-        raise MemoryError("w8_linear: no memory for its widened weights or padded activations") if rc == -1 else \
-            RuntimeError(f"w8_linear: no AVX512-BF16 kernel in this build ({rc})")
+        raise MemoryError("w8_linear: no memory for its widened weights or activations")
     return out
 
 

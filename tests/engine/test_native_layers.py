@@ -79,9 +79,9 @@ def _run(llm: LLM, monkeypatch, switch: str):
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
     """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 copies), and int8 fed bf16 or fp32 (whose fp32 norm and
-    silu run in C in both loops; weight-only int8 on AMX tiles or AVX512-BF16)."""
+    silu run in C in both loops; weight-only int8 on AMX tiles, AVX512-BF16 or AVX2)."""
     if quantization == "int8" and (int8_linears.kernel() or ("",))[0] not in int8_linears.WEIGHT_ONLY:
-        pytest.skip("no weight-only int8 kernel here (AMX tiles or AVX512-BF16)")
+        pytest.skip("no weight-only int8 kernel here (AMX tiles, AVX512-BF16 or AVX2)")
     llm = LLM(EngineConfig(model=dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,
                            quantization=quantization))
     # NOTE: the first generate prefills the prompts fresh, the later ones on their cached prefixes,

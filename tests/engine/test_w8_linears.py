@@ -1,5 +1,6 @@
-"""engine/kernels/w8_linears.py: weight-only int8 on AVX512-BF16 without AMX tiles multiplies the bf16
-weights the AMX kernel widens (q times its scale, rounded once) within a bf16 GEMM's error bound, each
+"""engine/kernels/w8_linears.py: weight-only int8 without AMX tiles (AVX512-BF16's dot products, or AVX2's
+FMAs on the chunks widened into fp32 panels) multiplies the bf16 weights the AMX kernel widens (q times its
+scale, rounded once) within a bf16 GEMM's error bound, each
 output's bits its own row's and column's alone (a row alone, in a batch, in another block of rows), at
 any shape the packed copy takes (columns and K past whole chunks)."""
 
@@ -10,7 +11,7 @@ import torch
 
 from engine.kernels import amx_linears, int8_linears, w8_linears
 
-avx512_bf16 = pytest.mark.skipif(not w8_linears.available(), reason="no AVX512-BF16 on this CPU")
+w8_kernel = pytest.mark.skipif(not w8_linears.available(), reason="neither AVX512-BF16 nor AVX2 with FMA here")
 # one row; a block of a few; columns and K past whole chunks of 32; two and three blocks of 12 rows; a prefill's
 SHAPES = [(1, 192, 576), (7, 50, 100), (13, 96, 70), (32, 960, 576), (33, 576, 1536), (300, 64, 1536)]
 
@@ -22,7 +23,7 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return q, scale, amx_linears.widened_w8(q, scale)
 
 
-@avx512_bf16
+@w8_kernel
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_it_multiplies_the_bf16_weights_q_times_scale(m, n, k, out_dtype):
@@ -36,7 +37,7 @@ def test_it_multiplies_the_bf16_weights_q_times_scale(m, n, k, out_dtype):
     assert ((got - exact).abs() <= k * 2.0**-24 * magnitude + last * exact.abs() + 1e-30).all()
 
 
-@avx512_bf16
+@w8_kernel
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_are_its_own_whatever_the_batch(out_dtype):
     """Alone, first, last, or in the second or third block of rows (the later blocks read the widened
@@ -56,7 +57,7 @@ def test_the_c_loop_takes_the_amx_kernel_where_it_runs_else_this_one():
     assert bf16[0] == want == f32[0] and bf16[1].endswith("_bf16") and f32[1].endswith("_f32")
 
 
-@avx512_bf16
+@w8_kernel
 def test_the_int8_engine_picks_it_where_there_are_no_amx_tiles():
-    want = "amx_w8" if amx_linears.available() else "avx512_w8"
+    want = "amx_w8" if amx_linears.available() else "w8"
     assert int8_linears.kernel() == (want, 127)

@@ -68,7 +68,8 @@ static inline v16f load16_bf16(const uint16_t *p) { /* bf16 -> fp32 is exact: th
 static inline v16f round16_bf16(v16f x) { /* to the nearest bf16 (ties even), kept in fp32 */
     v16u u;
     memcpy(&u, &x, sizeof u);
-    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    /* all ones where NaN: GCC turned the unsigned compare of 16 lanes into scalar code on AVX2 */
+    const v16i nan = (0x7f800000 - (v16i)(u & 0x7fffffffu)) >> 31;
     const v16u rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
     const v16i bits = ((v16i)rounded & ~nan) | ((v16i)u & nan);
     v16f y;
@@ -81,7 +82,8 @@ static inline void store16_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 static inline void store16_bf16(uint16_t *p, v16f x) {
     v16u u;
     memcpy(&u, &x, sizeof u);
-    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    /* all ones where NaN: GCC turned the unsigned compare of 16 lanes into scalar code on AVX2 */
+    const v16i nan = (0x7f800000 - (v16i)(u & 0x7fffffffu)) >> 31;
     const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     const v16u quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
     const v16h h = __builtin_convertvector((v16u)(((v16i)rounded & ~nan) | ((v16i)quiet & nan)), v16h);

@@ -14,88 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common.h"
+#include "f32_panels.h"
 
-/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB): the
-   first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
-#define PREFETCH_FLOATS 1024
-#ifdef __AVX512F__
-#define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
-#else
-#define MR 6 /* AVX2: a block is 6 rows x 16 columns, 12 accumulators of the 16 ymm registers, run twice a panel */
-#endif
-/* Values of K a chunk: 96 KB of a panel, within L2. Chunks of 256 (32 KB, within L1) ran 6% slower
-   at 256 rows (SmolLM2's linears swept, bench/RESULTS.md): the hardware streams a panel's rows
-   into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
-#define KC 768
-
-/* A block's vectors: a zmm of 16 floats on AVX-512, where 2 span a panel's 32 columns; a ymm of 8 on AVX2,
-   where 2 span half a panel and a block runs once for each half (12 x 32 sums would spill AVX2's 16
-   registers). The halves read different cache lines of the panel's rows, so each line is still read once a
-   block, and each output's sum is the same FMAs in the same order of k: the same bits on either. */
-#ifdef __AVX512F__
-typedef v16f vec;
-#else
-typedef float vec __attribute__((vector_size(32)));
-#endif
-#define VW ((int)(sizeof(vec) / sizeof(float))) /* floats a vector */
-
-static inline vec loadv(const float *p) {
-    vec x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
-
-/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32], from column `p`'s) into
-   2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums (`more`) or from zero. */
-#define PANEL_ROWS(R)                                                                                    \
-    static void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) { \
-        vec c[R][2];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
-            c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
-        }                                                                                                \
-        for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            for (int line = 0; line < 2 * VW; line += 16) /* the cache lines this block reads */        \
-                __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + line);                                \
-            const vec b0 = loadv(p + kk * 32), b1 = loadv(p + kk * 32 + VW);                             \
-            for (int r = 0; r < R; r++) {                                                                \
-                const float a = x[r * ldx + kk];                                                         \
-                c[r][0] += a * b0;                                                                       \
-                c[r][1] += a * b1;                                                                       \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
-    }
-
-PANEL_ROWS(1)
-PANEL_ROWS(2)
-PANEL_ROWS(3)
-PANEL_ROWS(4)
-PANEL_ROWS(5)
-PANEL_ROWS(6)
-#ifdef __AVX512F__
-PANEL_ROWS(7)
-PANEL_ROWS(8)
-PANEL_ROWS(9)
-PANEL_ROWS(10)
-PANEL_ROWS(11)
-PANEL_ROWS(12)
-#endif
-
-typedef void (*panel_fn)(const float *, int64_t, int64_t, const float *, float *, int);
-static const panel_fn panel_of_rows[MR] = {panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
-#ifdef __AVX512F__
-                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12
-#endif
-};
-
-/* rows (1..MR) rows of x times a whole panel into acc's rows of 32 sums (v16f pairs) */
-static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
-    for (int col = 0; col < 32; col += 2 * VW) panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
-}
 
 /* x's rows copied a cache line further apart than K where K's rows are whole multiples of 4096 bytes
    (K = 2048, 6144, 8192: Llama's and Qwen3's linears): there a block's 12 rows all fall in one set of L1
@@ -367,8 +287,10 @@ static int rows_broadcast(const float *x, int64_t m, int64_t k, const float **ro
     return failed ? -1 : 0;
 }
 
-/* Rows [row0, row0 + 32) of the weight, values [k0, k0 + kc) of K, into buf [kc][32] (a panel). */
-static void panel_from_rows(const float *const *rows, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
+/* Rows [row0, row0 + 32) of the weight (`rows`: each column's row), values [k0, k0 + kc) of K, into buf
+   [kc][32] (a panel chunk: panels_per_call's fill). */
+static void panel_from_rows(const void *weights, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
+    const float *const *rows = weights;
     static const float zeros[16] = {0};
     for (int half = 0; half < 2; half++) {
         const uint32_t *src[16]; /* as in activations_as_panels */
@@ -388,48 +310,6 @@ static void panel_from_rows(const float *const *rows, int64_t n, int64_t row0, i
     }
 }
 
-/* Any rows, with each weight panel's K chunk laid out per call (in L2) and the packed kernel's
-   row blocks run over it: at a step's many rows the layout is paid once for many blocks. */
-static int rows_as_panels(const float *x, int64_t m, int64_t k, const float **rows, int64_t n, const float *bias,
-                          float *out) {
-    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
-    int failed = 0;
-    _Pragma("omp parallel if (m * n * k > 32768)") {
-        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
-        static __thread float *buf = NULL; /* a panel chunk, [KC][32]: each thread's own, kept */
-        if (buf == NULL) buf = aligned_alloc(64, sizeof(float) * 32 * KC);
-        if ((k > KC && sums == NULL) || buf == NULL) failed = 1;
-        _Pragma("omp for schedule(static)")
-        for (int64_t np = 0; np < panels; np++) {
-            if ((k > KC && sums == NULL) || buf == NULL) continue;
-            const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
-            float b[32] = {0};
-            if (bias)
-                for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
-            v16f one[2 * MR];
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                const int64_t kc = k - k0 < KC ? k - k0 : KC;
-                panel_from_rows(rows, n, n0, k0, kc, buf);
-                for (int64_t blk = 0; blk < blocks; blk++) {
-                    const int64_t m0 = blk * MR;
-                    const int nrows = m - m0 < MR ? (int)(m - m0) : MR;
-                    v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    panel(nrows, x + m0 * k + k0, k, kc, buf, acc, k0 > 0);
-                    if (k0 + kc < k) continue;
-                    for (int r = 0; r < nrows; r++) {
-                        float v[32];
-                        store16_f32(v, acc[2 * r] + load16_f32(b));
-                        store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
-                        memcpy(out + (m0 + r) * n + n0, v, (size_t)cols * sizeof(float));
-                    }
-                }
-            }
-        }
-        free(sums);
-    }
-    return failed ? -1 : 0;
-}
-
 /* out [m, n] = x [m, k] . w^T (+ bias [n] or NULL), w the rows of `nseg` (1-3) segments: seg_ptr[s]
    a [seg_rows[s], k] fp32 weight, read where it lies. Both ways compute f32_linear's sums in its
    order, so the bits are the packed kernel's whichever runs (and whatever shares the step): the
@@ -443,5 +323,8 @@ int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr
     if (m == 0 || n == 0) return 0;
     const float **rows = row_pointers(seg_ptr, seg_rows, nseg, n, k);
     if (rows == NULL) return -1;
-    return m >= 8 && m <= 32 ? rows_broadcast(x, m, k, rows, n, bias, out) : rows_as_panels(x, m, k, rows, n, bias, out);
+    if (m >= 8 && m <= 32) return rows_broadcast(x, m, k, rows, n, bias, out);
+    /* else each weight panel's K chunk laid out per call (in L2) and the packed kernel's row blocks run over
+       it: at a step's many rows the layout is paid once for many blocks */
+    return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, out, NULL);
 }
