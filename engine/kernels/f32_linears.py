@@ -43,11 +43,14 @@ PANEL = 32  # output columns a panel
 
 @dataclass(frozen=True)
 class F32Weight(derived_weights.PackedWeight):
-    """A [n, k] fp32 weight in panels of PANEL columns: [ceil(n/32), k, 32], zero-padded."""
+    """A [n, k] weight in panels of PANEL columns for the fp32 kernel: [ceil(n/32), k, 32], zero-padded,
+    fp32, or bf16 in f32_pack_rows_bf16's order within each row (a bf16 model's, multiplied in fp32)."""
 
 
-def _fn():
-    return native_kernels.function("f32_linear", "f32_linear", (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR), ctypes.c_int)
+def _fn(dtype: torch.dtype = torch.float32):
+    """The kernel over fp32 panels, or over bf16 ones (f32_linear_bf16_panels)."""
+    symbol = "f32_linear_bf16_panels" if dtype == torch.bfloat16 else "f32_linear"
+    return native_kernels.function("f32_linear", symbol, (_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR), ctypes.c_int)
 
 
 @functools.cache
@@ -67,23 +70,27 @@ native_kernels.forget_with_kernels(available.cache_clear)
 
 
 
-def _pack_fn():
-    return native_kernels.function("f32_linear", "f32_pack_rows", (_PTR, _PTR, _I64, _I64, _PTR), None)
+def _pack_fn(dtype: torch.dtype = torch.float32):
+    symbol = "f32_pack_rows_bf16" if dtype == torch.bfloat16 else "f32_pack_rows"
+    return native_kernels.function("f32_linear", symbol, (_PTR, _PTR, _I64, _I64, _PTR), None)
 
 
 def pack(weights, into: F32Weight | None = None) -> F32Weight:
     """`weights` [n, k] (or up to three [n_i, k], stacked by rows as a group's copy is: no stacked
-    copy made) in panels (fp32): in one pass of engine/kernels/native/f32_linear.c where it builds, else
-    torch's (the same bytes). `into`: a copy of the same shape whose memory takes the panels (one a
-    commit retired: fresh pages fault in at ~1 GB/s here, twice the pack's own time)."""
+    copy made) in panels: in one pass of engine/kernels/native/f32_linear.c where it builds, else
+    torch's (the same bytes). bf16 weights stay bf16 in panels of their own order (f32_pack_rows_bf16:
+    half the bytes of fp32 panels, the same values and bits; a bf16 model's copy on a CPU without bf16
+    kernels). `into`: a copy of the same shape and dtype whose memory takes the panels (one a commit
+    retired: fresh pages fault in at ~1 GB/s here, twice the pack's own time)."""
     parts = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
-    native = _pack_fn() if all(w.device.type == "cpu" for w in parts) and len(parts) <= 3 else None
+    dtype = torch.bfloat16 if all(w.dtype == torch.bfloat16 for w in parts) else torch.float32
+    native = _pack_fn(dtype) if all(w.device.type == "cpu" for w in parts) and len(parts) <= 3 else None
     if native is None:
         return pack_torch(parts[0] if len(parts) == 1 else torch.cat(parts))
-    parts = [w.to(torch.float32).contiguous() for w in parts]
-    fits = into is not None and (into.n, into.k) == (n, k)
-    out = into.packed if fits else torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+    parts = [w.to(dtype).contiguous() for w in parts]
+    fits = into is not None and (into.n, into.k) == (n, k) and into.packed.dtype == dtype
+    out = into.packed if fits else torch.empty(-(-n // PANEL), k, PANEL, dtype=dtype)
     segs = (ctypes.c_void_p * 3)(*[w.data_ptr() for w in parts])
     rows = (ctypes.c_int64 * 3)(*[w.shape[0] for w in parts])
     native(segs, rows, len(parts), k, out.data_ptr())
@@ -138,11 +145,11 @@ def linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tens
 
 
 def linear(x: torch.Tensor, w: F32Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] fp32 @ w.T (+ bias [n]) -> [m, n] fp32."""
+    """x [m, k] fp32 @ w.T (+ bias [n]) -> [m, n] fp32 (w's panels fp32 or bf16: the same arithmetic)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
-    if _fn()(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, None if b is None else b.data_ptr(),
-             out.data_ptr()) != 0:
+    if _fn(w.packed.dtype)(x.data_ptr(), x.shape[0], w.k, w.packed.data_ptr(), w.n, None if b is None else b.data_ptr(),
+                           out.data_ptr()) != 0:
         raise MemoryError("f32_linear: no memory for its partial sums")
     return out

@@ -120,7 +120,8 @@ def pack_weight(weight, dtype: torch.dtype, into=None):
     parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
     if dtype == torch.float32 and f32_linears.available():
         spare = into if isinstance(into, f32_linears.F32Weight) else None
-        return f32_linears.pack([w.to(dtype) for w in parts], into=spare)
+        # a bf16 model's weights stay bf16 in the panels (widened as the kernel loads them): half the bytes
+        return f32_linears.pack([w if w.dtype == torch.bfloat16 else w.to(dtype) for w in parts], into=spare)
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)
     if dtype == torch.bfloat16 and amx_linears.available():
         return amx_linears.pack(weight.to(dtype))

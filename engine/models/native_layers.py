@@ -41,7 +41,7 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
     x = _SUFFIX[dtype]
     w8_bf16, w8_f32 = w8_linears.c_kernels()
     return (("amx_linear", "amx_linear_bf16"), w8_bf16, ("f32_linear", "f32_linear"), w8_f32, bf16_rows.c_kernel(),
-            ("f32_linear", "f32_linear_rows"),
+            ("f32_linear", "f32_linear_rows"), ("f32_linear", "f32_linear_bf16_panels"),
             ("layer_glue", f"rope_cache_{x}"),
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"),
             ("layer_glue", f"gemma_norm_{x}"), ("layer_glue", f"gelu_tanh_mul_{x}"))
@@ -51,9 +51,9 @@ LAYER_FIELDS = 33  # Layer in decode_layers.c: two norms, four (weight, kind, bi
 # the sliding window, Gemma's two MLP norms and the layer's rope tables
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
-BF16, W8, F32, BF16_ROWS, F32_ROWS = 0, 1, 2, 3, 4  # Linear.kind
-# the linears each loop takes: a bf16 loop takes fp32 copies too (a CPU without bf16 kernels: AVX2)
-_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS, F32), torch.float32: (F32, W8, F32_ROWS)}
+BF16, W8, F32, BF16_ROWS, F32_ROWS, F32_BF16 = 0, 1, 2, 3, 4, 5  # Linear.kind (F32_BF16: the fp32 kernel's bf16 panels)
+# the linears each loop takes: a bf16 loop takes the fp32 kernel's panels too (a CPU without bf16 kernels: AVX2)
+_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS, F32, F32_BF16), torch.float32: (F32, W8, F32_ROWS)}
 
 
 class _Shape(ctypes.Structure):
@@ -110,7 +110,7 @@ def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
     if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
         return copy.packed.data_ptr(), BF16, copy.n, copy.k
     if isinstance(copy, f32_linears.F32Weight):
-        return copy.packed.data_ptr(), F32, copy.n, copy.k
+        return copy.packed.data_ptr(), F32_BF16 if copy.packed.dtype == torch.bfloat16 else F32, copy.n, copy.k
     amx = getattr(copy, "packed", None)
     if getattr(copy, "kernel", None) in int8_linears.WEIGHT_ONLY and isinstance(amx, amx_linears.AmxWeight):
         return amx.packed.data_ptr(), W8, amx.n, amx.k

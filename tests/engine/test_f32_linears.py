@@ -1,12 +1,13 @@
 """engine/kernels/f32_linears.py: the panel layout (pure, runs anywhere) and, where the CPU has AVX-512 or AVX2,
-the kernel within a plain fp32 GEMM's error bound, with and without a bias, at any row count."""
+the kernel within a plain fp32 GEMM's error bound, with and without a bias, at any row count; a bf16 weight's
+bf16 panels give its fp32 panels' bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels import f32_linears
+from engine.kernels import derived_weights, f32_linears, packed_linears
 
 f32_kernel = pytest.mark.skipif(not f32_linears.available(),
                                 reason="the fp32 kernel serves only on AVX-512 or AVX2 CPUs")
@@ -91,3 +92,41 @@ def test_a_rows_bits_alone_and_among_rows_copied_apart(k):
     together = f32_linears.linear(x, packed)
     assert torch.equal(together, torch.cat([f32_linears.linear(x[i : i + 1], packed) for i in range(30)]))
     assert torch.equal(together[5:17], f32_linears.linear(x[5:17], packed))
+
+
+@f32_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 192, 576), (7, 50, 100), (13, 40, 257), (33, 576, 1536), (14, 33, 769),
+                                   (300, 70, 1536), (33, 64, 2048)])
+def test_bf16_panels_give_the_fp32_panels_bits(m, n, k):
+    """A bf16 weight packed as bf16 (half the bytes; each value widened exactly as the kernel loads it)
+    against the same weight widened first and packed in fp32: the same values, the same FMAs, the same
+    bits; a group's members packed where they lie too, and into a retired copy's memory."""
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, bias = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    half = f32_linears.pack(w)
+    assert half.packed.dtype == torch.bfloat16 and half.packed.shape == (-(-n // 32), k, 32)
+    want = f32_linears.linear(x, f32_linears.pack(w.float()), bias)
+    assert torch.equal(f32_linears.linear(x, half, bias), want)
+    parts = [w[:n // 3].contiguous(), w[n // 3:].contiguous()]
+    assert torch.equal(f32_linears.pack(parts).packed, half.packed)
+    retired = f32_linears.pack(torch.randn(n, k, generator=g).bfloat16())
+    assert f32_linears.pack(parts, into=retired).packed.data_ptr() == retired.packed.data_ptr()
+    assert torch.equal(f32_linears.linear(x, retired, bias), want)
+    fp32 = f32_linears.pack(torch.randn(n, k, generator=g))  # an fp32 copy's memory is not taken
+    assert f32_linears.pack(w, into=fp32).packed.data_ptr() != fp32.packed.data_ptr()
+
+
+@pytest.mark.skipif(not f32_linears.available() or packed_linears.compute_dtype(torch.bfloat16) != torch.float32,
+                    reason="a bf16 model runs on the fp32 kernel only on a CPU without bf16 kernels (AVX2)")
+def test_a_bf16_models_copy_on_avx2_is_bf16_panels():
+    """The copy a bf16 linear derives where it is multiplied in fp32: bf16 panels, half the bytes of an
+    fp32 copy, and its forward the fp32 copy's bits rounded to bf16."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 70).bfloat16().requires_grad_(False)
+    x = torch.randn(5, 96, generator=g).bfloat16()
+    packed_linears.pack(linear, torch.float32)
+    copy = derived_weights.current(linear)
+    assert isinstance(copy, f32_linears.F32Weight) and copy.packed.dtype == torch.bfloat16
+    assert copy.nbytes == 3 * 96 * 32 * 2
+    want = f32_linears.linear(x.float(), f32_linears.pack(linear.weight.float()), linear.bias.float()).bfloat16()
+    assert torch.equal(linear(x), want)

@@ -36,8 +36,8 @@ typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const v
 /* The kernels, as engine/models/native_layers.py lists their addresses: the linears, then the glue and the
    attention in the loop's dtype (layer_glue.c's and paged_decode.c's _bf16 or _f32). */
 typedef struct {
-    int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, rope_cache,
-        add_rms_norm, silu_mul, paged_decode, gemma_norm, gelu_mul;
+    int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, linear_f32_bf16,
+        rope_cache, add_rms_norm, silu_mul, paged_decode, gemma_norm, gelu_mul;
     /* a model with sparse MLPs: moe_experts.c's moe_block_* and the kernel table it takes, and its
        router_logits_* (0 for a dense model) */
     int64_t moe_block, moe_kernels, router_logits;
@@ -46,8 +46,9 @@ typedef struct {
 /* A linear's packed weight, its kernel (LINEAR_*) and its bias (0: none; in the loop's dtype, added
    as the Python path adds it: by the bf16 and fp32 kernels, after a weight-only int8 one's rounded
    output). LINEAR_BF16_ROWS: `weight` is the segments of weights read in place, [count, 3 pointers,
-   3 row counts] (derived_weights.WeightRows); LINEAR_F32_ROWS the same in fp32. */
-enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4 };
+   3 row counts] (derived_weights.WeightRows); LINEAR_F32_ROWS the same in fp32; LINEAR_F32_BF16 the fp32
+   kernel's bf16 panels (a bf16 model's copy on AVX2: f32_linear_bf16_panels). */
+enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4, LINEAR_F32_BF16 = 5 };
 typedef struct {
     int64_t weight, kind, bias;
 } Linear;
@@ -75,9 +76,9 @@ typedef struct {
     float eps, scale;
 } Shape;
 
-/* A bf16 model's linear on its fp32 copy, as packed_linears runs it on a CPU without bf16 kernels (AVX2:
-   compute_dtype): the input and the bias widened (exact), the fp32 kernel's sums and bias, the output rounded
-   to bf16 once: the Python forward's bits. */
+/* A bf16 model's linear on the fp32 kernel, as packed_linears runs it on a CPU without bf16 kernels (AVX2:
+   compute_dtype; its panels fp32 or bf16): the input and the bias widened (exact), the fp32 kernel's sums
+   and bias, the output rounded to bf16 once: the Python forward's bits. */
 static void widen(const uint16_t *from, int64_t count, float *to) {
     int64_t i = 0;
     for (; i + 16 <= count; i += 16) store16_f32(to + i, load16_bf16(from + i));
@@ -91,7 +92,8 @@ static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, in
     float *out32 = x32 + m * k, *bias = w.bias ? out32 + m * n : NULL;
     widen(x, m * k, x32);
     if (bias) widen((const uint16_t *)w.bias, n, bias);
-    const int rc = ((linear_f32_fn)kn->linear_f32)(x32, m, k, (const float *)w.weight, n, bias, out32);
+    const int64_t kernel = w.kind == LINEAR_F32_BF16 ? kn->linear_f32_bf16 : kn->linear_f32;
+    const int rc = ((linear_f32_fn)kernel)(x32, m, k, (const float *)w.weight, n, bias, out32);
     int64_t i = 0;
     for (; i + 16 <= m * n; i += 16) store16_bf16(out + i, load16_f32(out32 + i));
     for (; i < m * n; i++) out[i] = f32_to_bf16(out32[i]);
@@ -100,7 +102,7 @@ static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, in
 
 static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
                        uint16_t *out) {
-    if (w.kind == LINEAR_F32) return linear_f32_on_bf16(kn, w, x, m, k, n, out);
+    if (w.kind == LINEAR_F32 || w.kind == LINEAR_F32_BF16) return linear_f32_on_bf16(kn, w, x, m, k, n, out);
     if (w.kind == LINEAR_BF16)
         return ((linear_bf16_fn)kn->linear_bf16)(x, m, k, (const void *)w.weight, n, (const uint16_t *)w.bias, out);
     if (w.kind == LINEAR_W8) {

@@ -28,11 +28,36 @@
 #define STAGGER_KEEP_BYTES (4 << 20)
 static _Thread_local rows_apart_buf stagger;
 
-/* x [m, k], w packed [ceil(n/32)][k][32], bias [n] or NULL: out [m, n], all fp32 and contiguous.
-   K runs in chunks of KC (a chunk of a panel, 96 KB, stays in L2 while every row block reads it):
-   each row block's sums are kept between chunks (stored and loaded exactly), so every output is
-   still one sum in order of k. Returns 0, or -1 when out of memory. */
-int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {
+/* bf16 panels: the same panels with each weight in bf16, half the bytes, widened (exactly) as they are loaded:
+   a bf16 model's linears on a CPU whose oneDNN has no bf16 kernels (AVX2; packed_linears.compute_dtype),
+   whose fp32 copy held twice the model's bytes beside it. A block's 2 * VW values of a panel row lie as VW
+   pairs of 32 bits, pair j holding column j in its low half and column VW + j in its high half, so one load,
+   a shift and a mask give the block's two vectors (f32_pack_rows_bf16 lays them so): the same fp32 values
+   as an fp32 panel's, the same FMAs in the same order, the same bits. */
+typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
+
+static inline void load_bf16_pair(const uint16_t *q, vec *b0, vec *b1) {
+    vecu u;
+    memcpy(&u, q, sizeof u);
+    const vecu lo = u << 16, hi = u & 0xffff0000u;
+    memcpy(b0, &lo, sizeof lo);
+    memcpy(b1, &hi, sizeof hi);
+}
+
+#define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
+PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
+
+static void bf16_panel(int rows, const float *x, int64_t ldx, int64_t kc, const uint16_t *p, v16f *acc, int more) {
+    for (int col = 0; col < 32; col += 2 * VW)
+        bf16_panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+}
+
+/* x [m, k], w packed [ceil(n/32)][k][32] (fp32, or bf16 panels where `bf16`), bias [n] or NULL: out [m, n],
+   all fp32 and contiguous. K runs in chunks of KC (a chunk of a panel, 96 KB in fp32, stays in L2 while every
+   row block reads it): each row block's sums are kept between chunks (stored and loaded exactly), so every
+   output is still one sum in order of k. Returns 0, or -1 when out of memory. */
+static int linear_packed(const float *x, int64_t m, int64_t k, const void *w, int bf16, int64_t n, const float *bias,
+                         float *out) {
     const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
     int failed = 0;
     int64_t ldx = k;
@@ -46,7 +71,7 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
         _Pragma("omp for schedule(static)")
         for (int64_t np = 0; np < panels; np++) {
             if (k > KC && sums == NULL) continue;
-            const float *p = w + np * k * 32;
+            const int64_t at = np * k * 32; /* the panel's first value */
             const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
             float b[32] = {0};
             if (bias)
@@ -58,7 +83,9 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
                     const int64_t m0 = blk * MR;
                     const int rows = m - m0 < MR ? (int)(m - m0) : MR;
                     v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    panel(rows, x + m0 * ldx + k0, ldx, kc, p + k0 * 32, acc, k0 > 0);
+                    const float *xb = x + m0 * ldx + k0;
+                    if (bf16) bf16_panel(rows, xb, ldx, kc, (const uint16_t *)w + at + k0 * 32, acc, k0 > 0);
+                    else panel(rows, xb, ldx, kc, (const float *)w + at + k0 * 32, acc, k0 > 0);
                     if (k0 + kc < k) continue;
                     for (int r = 0; r < rows; r++) {
                         float *o = out + (m0 + r) * n + n0;
@@ -81,6 +108,15 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
     return failed ? -1 : 0;
 }
 
+int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {
+    return linear_packed(x, m, k, w, 0, n, bias, out);
+}
+
+int f32_linear_bf16_panels(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, const float *bias,
+                           float *out) {
+    return linear_packed(x, m, k, w, 1, n, bias, out);
+}
+
 /* The pack f32_linears.pack describes, in one pass: the rows of up to three segments (a layer's
    q/k/v or gate/up, one after the other as if stacked, so a group is packed with no concatenated copy;
    seg[i] holds rows[i] rows of k floats) into panels [ceil(n/32)][k][32], the rows past n zero. A
@@ -89,10 +125,10 @@ int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, 
    panels. On AVX-512 a 16 x 16 block (16 rows, 16 values of K) is transposed in registers and
    written as whole cache lines that bypass the cache (the panels are read at the next forward, long
    after): scalar stores 128 bytes apart read each line in before writing it. */
-static const float *segment_row(const float *const *seg, const int64_t *rows, int64_t count, int64_t row,
-                                int64_t k) {
+static const void *segment_row(const void *const *seg, const int64_t *rows, int64_t count, int64_t row,
+                               int64_t row_bytes) {
     for (int64_t i = 0; i < count; i++) {
-        if (row < rows[i]) return seg[i] + row * k;
+        if (row < rows[i]) return (const char *)seg[i] + row * row_bytes;
         row -= rows[i];
     }
     return NULL; /* past the last row: a zero row */
@@ -108,7 +144,8 @@ void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, 
     for (int64_t p = 0; p < panels; p++) {
         float *dst = out + p * k * 32;
         const float *src[32];
-        for (int j = 0; j < 32; j++) src[j] = segment_row(seg, rows, count, p * 32 + j, k);
+        for (int j = 0; j < 32; j++)
+            src[j] = segment_row((const void *const *)seg, rows, count, p * 32 + j, k * (int64_t)sizeof(float));
         int64_t k0 = 0;
 #ifdef __AVX512F__
         /* whole lines: the panel's rows are 128 bytes, at 64-byte aligned addresses when out is */
@@ -140,6 +177,31 @@ void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, 
 #ifdef __AVX512F__
     _mm_sfence(); /* this thread's streamed lines are visible before the panels are read */
 #endif
+    }
+}
+
+/* f32_pack_rows for bf16 rows into bf16 panels, each block's 2 * VW columns of a panel row in
+   load_bf16_pair's order. Each thread takes whole panels; K in runs of 64, so each of the 32 source rows is
+   read a line at a time. */
+void f32_pack_rows_bf16(const uint16_t *const *seg, const int64_t *rows, int64_t count, int64_t k, uint16_t *out) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++) n += rows[i];
+    const int64_t panels = (n + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t *dst = out + p * k * 32;
+        const uint16_t *src[32];
+        int slot[32]; /* column j's place in a panel row */
+        for (int j = 0; j < 32; j++) {
+            src[j] = segment_row((const void *const *)seg, rows, count, p * 32 + j, k * (int64_t)sizeof(uint16_t));
+            const int c = j % (2 * VW);
+            slot[j] = j - c + 2 * (c % VW) + c / VW;
+        }
+        for (int64_t k0 = 0; k0 < k; k0 += 64) {
+            const int64_t kb = k - k0 < 64 ? k - k0 : 64;
+            for (int j = 0; j < 32; j++)
+                for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + slot[j]] = src[j] ? src[j][k0 + kk] : 0;
+        }
     }
 }
 

@@ -7,9 +7,9 @@
 
 #include "common.h"
 
-/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB): the
+/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB in fp32): the
    first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
-#define PREFETCH_FLOATS 1024
+#define PREFETCH_VALUES 1024
 #ifdef __AVX512F__
 #define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
 #else
@@ -39,19 +39,25 @@ static inline vec loadv(const float *p) {
 
 static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
-/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel ([kc][32], from column `p`'s) into
-   2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums (`more`) or from zero. */
-#define PANEL_ROWS(R)                                                                                    \
-    static void panel_##R(const float *x, int64_t ldx, int64_t kc, const float *p, float *acc, int more) { \
+/* A panel row's 2 * VW weights from q as two vectors, b0 (columns 0..VW-1 of the block) and b1 (VW..2VW-1). */
+#define LOAD_F32_PAIR(q, b0, b1) (b0 = loadv(q), b1 = loadv((q) + VW))
+
+/* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel of T ([kc][32], from column `p`'s, each
+   row's pair loaded by LOAD_PAIR) into 2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums
+   (`more`) or from zero. */
+#define PANEL_ROWS(R, NAME, T, LOAD_PAIR)                                                                \
+    static void NAME##_##R(const float *x, int64_t ldx, int64_t kc, const void *pv, float *acc, int more) { \
+        const T *p = pv;                                                                                 \
         vec c[R][2];                                                                                     \
         for (int r = 0; r < R; r++) {                                                                    \
             c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
             c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
         }                                                                                                \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
-            for (int line = 0; line < 2 * VW; line += 16) /* the cache lines this block reads */        \
-                __builtin_prefetch(p + kk * 32 + PREFETCH_FLOATS + line);                                \
-            const vec b0 = loadv(p + kk * 32), b1 = loadv(p + kk * 32 + VW);                             \
+            for (int line = 0; line < 2 * VW * (int)sizeof(T); line += 64) /* the lines this block reads */ \
+                __builtin_prefetch((const char *)(p + kk * 32 + PREFETCH_VALUES) + line);                \
+            vec b0, b1;                                                                                  \
+            LOAD_PAIR(p + kk * 32, b0, b1);                                                              \
             for (int r = 0; r < R; r++) {                                                                \
                 const float a = x[r * ldx + kk];                                                         \
                 c[r][0] += a * b0;                                                                       \
@@ -61,27 +67,24 @@ static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
         for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
     }
 
-PANEL_ROWS(1)
-PANEL_ROWS(2)
-PANEL_ROWS(3)
-PANEL_ROWS(4)
-PANEL_ROWS(5)
-PANEL_ROWS(6)
+/* Every row count's block (1..MR), and the table of them, for a panel of T. */
 #ifdef __AVX512F__
-PANEL_ROWS(7)
-PANEL_ROWS(8)
-PANEL_ROWS(9)
-PANEL_ROWS(10)
-PANEL_ROWS(11)
-PANEL_ROWS(12)
+#define PANEL_FAMILY(NAME, T, LOAD_PAIR)                                                                 \
+    PANEL_ROWS(1, NAME, T, LOAD_PAIR) PANEL_ROWS(2, NAME, T, LOAD_PAIR) PANEL_ROWS(3, NAME, T, LOAD_PAIR) \
+    PANEL_ROWS(4, NAME, T, LOAD_PAIR) PANEL_ROWS(5, NAME, T, LOAD_PAIR) PANEL_ROWS(6, NAME, T, LOAD_PAIR) \
+    PANEL_ROWS(7, NAME, T, LOAD_PAIR) PANEL_ROWS(8, NAME, T, LOAD_PAIR) PANEL_ROWS(9, NAME, T, LOAD_PAIR) \
+    PANEL_ROWS(10, NAME, T, LOAD_PAIR) PANEL_ROWS(11, NAME, T, LOAD_PAIR) PANEL_ROWS(12, NAME, T, LOAD_PAIR) \
+    static const panel_fn NAME##_of_rows[MR] = {NAME##_1, NAME##_2, NAME##_3, NAME##_4,  NAME##_5,  NAME##_6,  \
+                                                NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11, NAME##_12};
+#else
+#define PANEL_FAMILY(NAME, T, LOAD_PAIR)                                                                 \
+    PANEL_ROWS(1, NAME, T, LOAD_PAIR) PANEL_ROWS(2, NAME, T, LOAD_PAIR) PANEL_ROWS(3, NAME, T, LOAD_PAIR) \
+    PANEL_ROWS(4, NAME, T, LOAD_PAIR) PANEL_ROWS(5, NAME, T, LOAD_PAIR) PANEL_ROWS(6, NAME, T, LOAD_PAIR) \
+    static const panel_fn NAME##_of_rows[MR] = {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
 #endif
 
-typedef void (*panel_fn)(const float *, int64_t, int64_t, const float *, float *, int);
-static const panel_fn panel_of_rows[MR] = {panel_1, panel_2, panel_3, panel_4, panel_5, panel_6,
-#ifdef __AVX512F__
-                                           panel_7, panel_8, panel_9, panel_10, panel_11, panel_12
-#endif
-};
+typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *, int);
+PANEL_FAMILY(panel, float, LOAD_F32_PAIR)
 
 /* rows (1..MR) rows of x times a whole panel into acc's rows of 32 sums (v16f pairs) */
 static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
