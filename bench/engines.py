@@ -40,7 +40,7 @@ measure the neighbours. vLLM's CPU guide asks for AVX-512 for bf16 (fp16 is cast
 without it (AVX2 only) its users run the model in fp32, and so do (a) and (b) here (`vllm_dtype`; the
 report says so): in bf16 there its CPU build took 8 minutes to start a 1B model and had not finished
 warming up 9 later. There a bf16 share of "peak" is of the fp32 probe (`probe_peak`): every engine's
-linears run in fp32 (ours on an fp32 copy), and torch's bf16 matmul crawls.
+linears run in fp32 (ours on bf16 panels widened as loaded), and torch's bf16 matmul crawls.
 """
 
 from __future__ import annotations

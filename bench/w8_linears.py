@@ -8,9 +8,10 @@ engine's up to 64 sequences), "bf16 oneDNN" (its prepacked op: the bf16 engine's
 int8 engine's: int8 copies widened to the bf16 weights q * scale, the lm_head on bf16 rows). (The W8A8
 scheme the int8 engine ran on such a CPU before is left out: oneDNN's int8 op took 27 s to sweep
 Qwen2.5-1.5B's linears at one row on a Zen 4, and it moved 59% of SmolLM2's sampled tokens past
-[0.9, 1.1].) On AVX2 alone (AMD Zen 3): "bf16 on fp32" (the bf16 engine's there: f32_linear.c on the
-weights' fp32 copies, the input widened and the output rounded), "W8A8" (what the int8 engine ran there
-before: activations quantized per token, torch's int8 matmul) and "w8" (the lm_head on the fp32 copy).
+[0.9, 1.1].) On AVX2 alone (AMD Zen 3): "bf16 panels" (the bf16 engine's there: f32_linear.c on the
+weights' bf16 panels, widened as loaded, the input widened and the output rounded), "W8A8" (what the int8
+engine ran there before: activations quantized per token, torch's int8 matmul) and "w8" (the lm_head on
+bf16 panels).
 Each figure: ms per sweep, the weights' bytes per second against this CPU's memory read probe, and
 GFLOP/s against the matmul probe (bf16's; fp32's on AVX2, where bf16 is multiplied in fp32): where a sweep
 is bound, by memory at a few rows, by the products from 16 or so on 2 cores.
@@ -43,12 +44,12 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         rows = [derived_weights.rows_of(w) for w in weights]
         bf16_copies, w8a8 = [*dnn, *rows], []
-    else:  # the bf16 engine's fp32 copies; the per-token scheme the int8 engine ran here before
-        f32 = [f32_linears.pack_torch(w.float()) for w in weights]
+    else:  # the bf16 engine's bf16 panels; the per-token scheme the int8 engine ran here before
+        panels = [f32_linears.pack(w) for w in weights]
         w8a8_kernel = int8_linears._first_exact(tuple(k for k in int8_linears.KERNELS
                                                       if k[0] not in int8_linears.WEIGHT_ONLY))
         w8a8 = [int8_linears.derive(w, w8a8_kernel) for w in body]
-        bf16_copies = f32
+        bf16_copies = panels
     if huge:
         huge_pages.collapse([*weights, *_tensors(bf16_copies), *_tensors(w8), *_tensors(w8a8)])
     lin = torch.nn.Linear(1, 1, bias=False)  # _int8_apply reads nothing of it but the bias it is given
@@ -76,11 +77,11 @@ def sweeps(weights: list[torch.Tensor], huge: bool = True) -> dict:
         return {"bf16 rows": (run(on_rows), dense), "bf16 oneDNN": (run(on_dnn), dense),
                 "w8": (run(int8(w8, on_rows)), sum(c.nbytes for c in w8) + head)}
 
-    def on_f32(i, x):
-        f32_linears.linear(x.float(), f32[i]).bfloat16()
+    def on_panels(i, x):
+        f32_linears.linear(x.float(), panels[i]).bfloat16()
 
-    return {"bf16 on fp32": (run(on_f32), dense * 2), f"W8A8 {w8a8_kernel[0]}": (run(int8(w8a8, on_f32)), None),
-            "w8": (run(int8(w8, on_f32)), sum(c.nbytes for c in w8) + head * 2)}
+    return {"bf16 panels": (run(on_panels), dense), f"W8A8 {w8a8_kernel[0]}": (run(int8(w8a8, on_panels)), None),
+            "w8": (run(int8(w8, on_panels)), sum(c.nbytes for c in w8) + head)}
 
 
 def main() -> None:

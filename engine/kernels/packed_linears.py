@@ -24,8 +24,9 @@ in blocks of 1024. That bounds the caches at len(ROW_BUCKETS) primitives per wei
 on SmolLM2, bench.packed_memory) whatever the batches are, for at most a third more rows a step.
 
 bf16 needs AVX512 (BW/VL) or AVX-NE-CONVERT in oneDNN (`supported` probes it once per dtype). A
-CPU without them runs a bf16 (or fp16) model's linears on an fp32 packed copy instead
-(`compute_dtype`): the input is widened, the output rounded back once. That is a bf16 GEMM's own
+CPU without them runs a bf16 (or fp16) model's linears on our fp32 kernel instead (`compute_dtype`; a
+bf16 weight's panels kept in bf16, widened as the kernel loads them, an fp16 one's in fp32): the input
+is widened, the output rounded back once. That is a bf16 GEMM's own
 arithmetic (a product of two bf16 values is exact in fp32, and bf16 GEMMs accumulate in fp32), in
 another summation order, and 2.8-3.7x torch's bf16 `F.linear` on an AVX2 CPU. CUDA devices keep
 `F.linear`."""

@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one C call (engine/kernels/native/decode_layers.c), where every
 kernel of engine/models/fused_layers.py's forward is native: in bf16, AMX or AVX512-BF16 linears (bf16,
-or weight-only int8, which runs on AVX2 too) or, on AVX2, f32_linear.c on the weights' fp32 copies (input
+or weight-only int8, which runs on AVX2 too) or, on AVX2, f32_linear.c on the weights' bf16 panels (input
 widened, output rounded), the rotation and cache writes, decode attention, the norms (Qwen3's per-head q/k
 norms too) and silu * up;
 in fp32, the linears on engine/kernels/native/f32_linear.c (AVX-512 or AVX2) and the same glue in fp32.

@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine.helpers import activation_magnitude, fp32_logprob_tolerance, hf_greedy, hf_logprobs, random_prompts
 
 BF16_KERNELS = amx_linears.available() or bf16_rows.avx512_bf16()
-# the bf16 loop's linears: bf16 kernels, or (AVX2: no bf16 kernels in oneDNN) our fp32 kernel on fp32 copies
+# the bf16 loop's linears: bf16 kernels, or (AVX2: no bf16 kernels in oneDNN) our fp32 kernel on bf16 panels
 bf16_loop = pytest.mark.skipif(
     not (BF16_KERNELS or (packed_linears.compute_dtype(torch.bfloat16) == torch.float32 and f32_linears.available())),
     reason="no AMX tiles, AVX512-BF16 or AVX2 fp32 kernel: the bf16 C loop has no linears here")
@@ -78,8 +78,8 @@ def _run(llm: LLM, monkeypatch, switch: str):
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("bfloat16", "int8"), ("float32", "int8")])
 def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypatch, calls, arch, dtype,
                                                                   quantization):
-    """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 copies), and int8 fed bf16 or fp32 (whose fp32 norm and
-    silu run in C in both loops; weight-only int8 on AMX tiles, AVX512-BF16 or AVX2)."""
+    """bf16 (on AMX tiles, AVX512-BF16, or AVX2's fp32 kernel on bf16 panels), and int8 fed bf16 or fp32 (whose
+    fp32 norm and silu run in C in both loops; weight-only int8 on AMX tiles, AVX512-BF16 or AVX2)."""
     if quantization == "int8" and (int8_linears.kernel() or ("",))[0] not in int8_linears.WEIGHT_ONLY:
         pytest.skip("no weight-only int8 kernel here (AMX tiles, AVX512-BF16 or AVX2)")
     llm = LLM(EngineConfig(model=dirs[arch], dtype=dtype, max_num_seqs=8, max_model_len=256,

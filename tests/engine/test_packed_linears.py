@@ -84,7 +84,7 @@ def test_an_fp32_layer_on_its_weights_in_place_reads_a_rewritten_buffer_as_it_is
 
 
 def test_a_bf16_layer_keeps_a_bf16_gemms_arithmetic():
-    """bf16 runs on bf16 kernels, or (on a CPU without them) on an fp32 copy with the output rounded
+    """bf16 runs on bf16 kernels, or (on a CPU without them) on the fp32 kernel with the output rounded
     once: either way within one bf16 rounding of the output (2^-8 relative, twice: both sides
     round) plus the fp32 sums' reordering of bf16 F.linear."""
     torch.manual_seed(1)
