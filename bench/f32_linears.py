@@ -7,8 +7,13 @@ Each figure: ms per sweep and GFLOP/s, against this CPU's fp32 matmul probe (ben
 probe_peak: how far from the machine's limit) and the weights' bytes per second against the memory
 read probe (at 32 rows a sweep streams 538 MB of SmolLM2's weights as much as it computes).
 
+`--dtype bfloat16`: a bf16 model's linears on a CPU without bf16 kernels (AVX2), each input widened and
+each output rounded to bf16: ours on bf16 panels (the engine's copy there, widened as the kernel loads
+it), ours on an fp32 copy (the engine's before) and oneDNN's op on an fp32 copy (before ours).
+
     python -m bench.f32_linears                  # SmolLM2-135M, rows 1,32,256
     python -m bench.f32_linears --rows 32 --repeats 20
+    python -m bench.f32_linears --dtype bfloat16 --model ~/.cache/rollout-sidecar/shapes/qwen2.5-1.5b-bfloat16-seed0
 """
 
 from __future__ import annotations
@@ -25,18 +30,25 @@ from engine.kernels import f32_linears
 log = logging.getLogger("bench.f32_linears")
 
 
-def sweeps(weights: list[torch.Tensor]) -> dict:
-    """way -> fn(rows) running every linear once."""
-    dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    ours = [f32_linears.pack(w) for w in weights]
-    x_of = activations(torch.float32)
+def sweeps(weights: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> dict:
+    """way -> (fn(rows) running every linear once, bytes of weight it reads); the first way is the engine's."""
+    wide = [w.float() for w in weights]
+    dnn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in wide]
+    ours = [f32_linears.pack(w) for w in wide]
+    x_of = activations(dtype)
+    count = sum(w.numel() for w in weights)
 
-    def run(apply):
-        return sweep_of(weights, x_of, apply)
+    def run(apply):  # the input widened and the output rounded in bf16 (no-ops in fp32)
+        return sweep_of(weights, x_of, lambda i, x: apply(i, x.float()).to(dtype))
 
-    return {"ours": run(lambda i, x: f32_linears.linear(x, ours[i])),
-            "oneDNN packed": run(lambda i, x: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")),
-            "F.linear (MKL)": run(lambda i, x: torch.nn.functional.linear(x, weights[i]))}
+    ways = {"ours": (run(lambda i, x: f32_linears.linear(x, ours[i])), 4 * count),
+            "oneDNN packed": (run(lambda i, x: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")),
+                              4 * count)}
+    if dtype == torch.bfloat16:  # no F.linear (its fp32 weights: memory a 1B shape's four copies lack)
+        panels = [f32_linears.pack(w) for w in weights]
+        return {"ours bf16 panels": (run(lambda i, x: f32_linears.linear(x, panels[i])), 2 * count),
+                "ours fp32 copy": ways["ours"], "oneDNN packed": ways["oneDNN packed"]}
+    return {**ways, "F.linear (MKL)": (run(lambda i, x: torch.nn.functional.linear(x, wide[i])), 4 * count)}
 
 
 def main() -> None:
@@ -44,30 +56,35 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="a model name or directory (default smollm2)")
     ap.add_argument("--rows", default="1,32,256", help="rows per call (a decode step's sequences), comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="sweeps per way, row count and round (the best is kept)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the model's dtype (bfloat16: its linears multiplied in fp32, as on AVX2)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not f32_linears.available():
         raise SystemExit("the fp32 kernel does not serve here (no AVX-512, or ROLLOUT_F32_KERNEL=0): "
                          "nothing to compare")
-    weights = [w.float() for w in model_linears(args.model)]
+    weights = [w.to(dtype) for w in model_linears(args.model)]
     params = sum(w.numel() for w in weights)
     bandwidth, peak = read_bandwidth(), probe_peak("float32")
-    log.info("%s: %d linears, %.0f MB in fp32; fp32 matmul probe %.1f GFLOP/s, memory read probe %.1f GB/s; %d threads",
-             args.model, len(weights), params * 4 / 1e6, peak / 1e9, bandwidth / 1e9, torch.get_num_threads())
-    ways = sweeps(weights)
+    log.info("%s: %d linears, %.0f MB in %s; fp32 matmul probe %.1f GFLOP/s, memory read probe %.1f GB/s; %d threads",
+             args.model, len(weights), params * weights[0].element_size() / 1e6, args.dtype, peak / 1e9,
+             bandwidth / 1e9, torch.get_num_threads())
+    ways = sweeps(weights, dtype)
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             best = {}
             for order in (list(ways), list(ways)[::-1]):  # two rounds in opposite orders: a neighbour hits each alike
                 for way in order:
                     for _ in range(args.repeats):
-                        best[way] = min(best.get(way, float("inf")), _seconds(lambda: ways[way](rows)))
+                        best[way] = min(best.get(way, float("inf")), _seconds(lambda: ways[way][0](rows)))
             best = {way: best[way] for way in ways}
             cells = [f"{way} {t * 1e3:.2f} ms ({2 * rows * params / t / 1e9:.0f} GFLOP/s = "
-                     f"{2 * rows * params / t / peak:.0%} of the probe, {params * 4 / t / bandwidth:.0%} of the read "
+                     f"{2 * rows * params / t / peak:.0%} of the probe, {ways[way][1] / t / bandwidth:.0%} of the read "
                      "probe)" for way, t in best.items()]
-            log.info("rows %3d: %s | ours / oneDNN %.2fx, ours / F.linear %.2fx", rows, " | ".join(cells),
-                     best["oneDNN packed"] / best["ours"], best["F.linear (MKL)"] / best["ours"])
+            first, *others = ways
+            log.info("rows %3d: %s | %s", rows, " | ".join(cells),
+                     ", ".join(f"{first} / {way} {best[way] / best[first]:.2f}x" for way in others))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def install(model: torch.nn.Module, max_seqs: int | None = None) -> bool:
         derive = functools.partial(packed_linears.pack_weight, dtype=torch.float32)
         derive.takes_parts = True
         derived_weights.attach(head, derive)
-        kind = "an fp32 packed copy"
+        kind = "a packed copy, fp32 sums (our fp32 kernel's panels in the weight's bf16, or oneDNN's in fp32)"
     else:  # CUDA, or a CPU without oneDNN's fp32 linears: the upcast weight itself
         derived_weights.attach(head, _upcast)
         kind, head._fp32_head_plain = "an fp32 copy", True  # _apply's F.linear on it
@@ -71,7 +71,7 @@ def _apply(self: torch.nn.Linear, x: torch.Tensor, copy, bias: torch.Tensor | No
         return out.reshape(*x.shape[:-1], out.shape[-1])
     rows = rows.float()
     b = None if bias is None else bias.float()
-    if isinstance(copy, f32_linears.F32Weight):  # our AVX-512 kernel's panels
+    if isinstance(copy, f32_linears.F32Weight):  # our fp32 kernel's panels (bf16 ones widened as loaded)
         out = f32_linears.linear(rows, copy, b)
     elif self._fp32_head_plain:  # the upcast weight itself (_upcast)
         out = torch.nn.functional.linear(rows, copy, b)

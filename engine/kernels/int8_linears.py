@@ -13,7 +13,8 @@ this CPU runs (`kernel()`):
   CPU. On SmolLM2, 7.1% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the
   bf16 engine: 7.7%; at another seed 7.9% and 8.5%; per 32 values of K it was 9.4-9.9%:
   bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX and 1.0x at 256
-  (groups of 32; bench/RESULTS.md).
+  (groups of 32; bench/RESULTS.md); on AVX2 alone 0.81-0.86x at 8-32 (7.30% there), where the widening
+  costs more than the bf16 engine's loads of its bf16 panels.
 - **Per token** (W8A8; a CPU with none of them, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
   weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
   forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
@@ -49,7 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import amx_linears, derived_weights, native_glue, native_quantize, packed_linears, w8_linears
+from engine.kernels import (amx_linears, derived_weights, native_glue, native_kernels, native_quantize, packed_linears,
+                            w8_linears)
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +235,9 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
                     "sampled tokens' probabilities by over 10%% (weight-only int8: 9%%; "
                     "bench.fidelity)", how[0])
+    elif how[0] == "w8" and "avx512_bf16" not in native_kernels.cpu_flags():
+        log.info("weight-only int8 on AVX2 widens every weight before its FMAs: 0.81-0.86x the bf16 engine's "
+                 "tokens/s there (Llama-3.2-1B's shape, bench/RESULTS.md), for 1.1 bytes a weight beside bf16's 2")
     count = 0
     native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it
     for name, module in model.named_modules():
