@@ -16,8 +16,9 @@ engine's fp32 decode 1.09-1.12x, bench/RESULTS.md).
 On an AMD EPYC with AVX2 only (Zen 3, 2 cores) it ran 1.09 / 1.17 / 1.15 / 1.08x oneDNN's prepacked
 matmul at 1 / 8 / 32 / 256 rows (72% of the fp32 matmul probe at 32 rows, 90% at 256), and a bf16 model's
 linears there run on it too (packed_linears.compute_dtype), on panels kept in bf16 and widened as they are
-loaded: the fp32 panels' values and bits in half their bytes, 1.80 / 1.87 / 1.25 / 1.08x the fp32 copy's
-speed at 1 / 8 / 32 / 256 rows on Qwen2.5-1.5B's shapes (a Zen 3). Each output row's sums are the
+loaded: the fp32 panels' values and bits in half their bytes, 1.76 / 1.75 / 1.23 / 0.96x the fp32 copy's
+speed at 1 / 8 / 32 / 256 rows on Qwen2.5-1.5B's linears (a Zen 3: the widening costs 4% where the products
+bound a call). Each output row's sums are the
 same whatever the other rows are, which oneDNN's GEMM does not promise: a request's bits in any batch.
 
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
