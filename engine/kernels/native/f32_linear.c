@@ -28,84 +28,32 @@
 #define STAGGER_KEEP_BYTES (4 << 20)
 static _Thread_local rows_apart_buf stagger;
 
-/* bf16 panels: the same panels with each weight in bf16, half the bytes, widened (exactly) as they are loaded:
-   a bf16 model's linears on a CPU whose oneDNN has no bf16 kernels (AVX2; packed_linears.compute_dtype),
-   whose fp32 copy held twice the model's bytes beside it. A block's 2 * VW values of a panel row lie as VW
-   pairs of 32 bits, pair j holding column j in its low half and column VW + j in its high half, so one load,
-   a shift and a mask give the block's two vectors (f32_pack_rows_bf16 lays them so): the same fp32 values
-   as an fp32 panel's, the same FMAs in the same order, the same bits. */
-typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
+/* A packed weight (fp32 or bf16 panels) as panels_per_call reads it: each chunk where it lies. */
+typedef struct {
+    const char *w;
+    int64_t k, value_bytes;
+} packed_weight;
 
-static inline void load_bf16_pair(const uint16_t *q, vec *b0, vec *b1) {
-    vecu u;
-    memcpy(&u, q, sizeof u);
-    const vecu lo = u << 16, hi = u & 0xffff0000u;
-    memcpy(b0, &lo, sizeof lo);
-    memcpy(b1, &hi, sizeof hi);
-}
-
-#define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
-PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
-
-static void bf16_panel(int rows, const float *x, int64_t ldx, int64_t kc, const uint16_t *p, v16f *acc, int more) {
-    for (int col = 0; col < 32; col += 2 * VW)
-        bf16_panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+static const void *chunk_in_place(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf) {
+    (void)n, (void)kc, (void)buf;
+    const packed_weight *p = weights;
+    return p->w + (n0 * p->k + k0 * 32) * p->value_bytes; /* panel n0 / 32's row k0 */
 }
 
 /* x [m, k], w packed [ceil(n/32)][k][32] (fp32, or bf16 panels where `bf16`), bias [n] or NULL: out [m, n],
-   all fp32 and contiguous. K runs in chunks of KC (a chunk of a panel, 96 KB in fp32, stays in L2 while every
-   row block reads it): each row block's sums are kept between chunks (stored and loaded exactly), so every
-   output is still one sum in order of k. Returns 0, or -1 when out of memory. */
+   all fp32 and contiguous: panels_per_call over the panels where they lie, x's rows copied apart first where
+   they share a set of L1 (above). Returns 0, or -1 when out of memory. */
 static int linear_packed(const float *x, int64_t m, int64_t k, const void *w, int bf16, int64_t n, const float *bias,
                          float *out) {
-    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
-    int failed = 0;
     int64_t ldx = k;
     if (m > 1 && (k * (int64_t)sizeof(float)) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
         const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
         if (copy) x = copy, ldx = k + STAGGER_FLOATS;
     }
-    _Pragma("omp parallel if (m * n * k > 32768)") {
-        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
-        if (k > KC && sums == NULL) failed = 1;
-        _Pragma("omp for schedule(static)")
-        for (int64_t np = 0; np < panels; np++) {
-            if (k > KC && sums == NULL) continue;
-            const int64_t at = np * k * 32; /* the panel's first value */
-            const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
-            float b[32] = {0};
-            if (bias)
-                for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
-            v16f one[2 * MR];
-            for (int64_t k0 = 0; k0 < k; k0 += KC) {
-                const int64_t kc = k - k0 < KC ? k - k0 : KC;
-                for (int64_t blk = 0; blk < blocks; blk++) {
-                    const int64_t m0 = blk * MR;
-                    const int rows = m - m0 < MR ? (int)(m - m0) : MR;
-                    v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    const float *xb = x + m0 * ldx + k0;
-                    if (bf16) bf16_panel(rows, xb, ldx, kc, (const uint16_t *)w + at + k0 * 32, acc, k0 > 0);
-                    else panel(rows, xb, ldx, kc, (const float *)w + at + k0 * 32, acc, k0 > 0);
-                    if (k0 + kc < k) continue;
-                    for (int r = 0; r < rows; r++) {
-                        float *o = out + (m0 + r) * n + n0;
-                        if (cols == 32) {
-                            store16_f32(o, acc[2 * r] + load16_f32(b));
-                            store16_f32(o + 16, acc[2 * r + 1] + load16_f32(b + 16));
-                        } else {
-                            float v[32];
-                            store16_f32(v, acc[2 * r] + load16_f32(b));
-                            store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
-                            for (int64_t j = 0; j < cols; j++) o[j] = v[j];
-                        }
-                    }
-                }
-            }
-        }
-        free(sums);
-    }
+    const packed_weight packed = {w, k, bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float)};
+    const int rc = panels_per_call(x, ldx, m, k, n, bias, chunk_in_place, &packed, KC, bf16, out, NULL);
     rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
-    return failed ? -1 : 0;
+    return rc;
 }
 
 int f32_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias, float *out) {
@@ -222,10 +170,7 @@ void f32_pack_rows_bf16(const uint16_t *const *seg, const int64_t *rows, int64_t
 #define WEIGHT_ROWS(R)                                                                                   \
     static void wrows_##R(const float *const *w, int64_t k0, int64_t kc, const float *p, float *acc, int more) { \
         vec c[R][2];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
-            c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
-        }                                                                                                \
+        sums_in(c, R, acc, more);                                                                        \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
             if ((kk & 15) == 0)                                                                          \
                 for (int r = 0; r < R; r++) __builtin_prefetch(w[r] + k0 + kk + ROWS_AHEAD);             \
@@ -236,7 +181,7 @@ void f32_pack_rows_bf16(const uint16_t *const *seg, const int64_t *rows, int64_t
                 c[r][1] += a * b1;                                                                       \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
+        sums_out(c, R, acc);                                                                             \
     }
 
 WEIGHT_ROWS(1)
@@ -349,9 +294,9 @@ static int rows_broadcast(const float *x, int64_t m, int64_t k, const float **ro
     return failed ? -1 : 0;
 }
 
-/* Rows [row0, row0 + 32) of the weight (`rows`: each column's row), values [k0, k0 + kc) of K, into buf
-   [kc][32] (a panel chunk: panels_per_call's fill). */
-static void panel_from_rows(const void *weights, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
+/* Rows [row0, row0 + 32) of the weight (`rows`: each column's row), values [k0, k0 + kc) of K, laid out
+   into buf as a panel chunk [kc][32] (panels_per_call's chunk). */
+static const void *panel_from_rows(const void *weights, int64_t n, int64_t row0, int64_t k0, int64_t kc, float *buf) {
     const float *const *rows = weights;
     static const float zeros[16] = {0};
     for (int half = 0; half < 2; half++) {
@@ -370,6 +315,7 @@ static void panel_from_rows(const void *weights, int64_t n, int64_t row0, int64_
                 buf[kk * 32 + half * 16 + r] = row < n ? rows[row][k0 + kk] : 0.0f;
             }
     }
+    return buf;
 }
 
 /* out [m, n] = x [m, k] . w^T (+ bias [n] or NULL), w the rows of `nseg` (1-3) segments: seg_ptr[s]
@@ -388,5 +334,5 @@ int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr
     if (m >= 8 && m <= 32) return rows_broadcast(x, m, k, rows, n, bias, out);
     /* else each weight panel's K chunk laid out per call (in L2) and the packed kernel's row blocks run over
        it: at a step's many rows the layout is paid once for many blocks */
-    return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, out, NULL);
+    return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, 0, out, NULL);
 }

@@ -42,6 +42,19 @@ static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
 /* A panel row's 2 * VW weights from q as two vectors, b0 (columns 0..VW-1 of the block) and b1 (VW..2VW-1). */
 #define LOAD_F32_PAIR(q, b0, b1) (b0 = loadv(q), b1 = loadv((q) + VW))
 
+/* A block's sums in: acc's rows (row r's at acc + 32 r) where `more`, else zero; and out again. Always
+   inlined with a constant row count, so the sums stay in registers. */
+ALWAYS_INLINE void sums_in(vec (*c)[2], int rows, const float *acc, int more) {
+    for (int r = 0; r < rows; r++) {
+        c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};
+        c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};
+    }
+}
+
+ALWAYS_INLINE void sums_out(vec (*c)[2], int rows, float *acc) {
+    for (int r = 0; r < rows; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);
+}
+
 /* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel of T ([kc][32], from column `p`'s, each
    row's pair loaded by LOAD_PAIR) into 2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums
    (`more`) or from zero. */
@@ -49,10 +62,7 @@ static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
     static void NAME##_##R(const float *x, int64_t ldx, int64_t kc, const void *pv, float *acc, int more) { \
         const T *p = pv;                                                                                 \
         vec c[R][2];                                                                                     \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = more ? loadv(acc + 32 * r) : (vec){0};                                             \
-            c[r][1] = more ? loadv(acc + 32 * r + VW) : (vec){0};                                        \
-        }                                                                                                \
+        sums_in(c, R, acc, more);                                                                        \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
             for (int line = 0; line < 2 * VW * (int)sizeof(T); line += 64) /* the lines this block reads */ \
                 __builtin_prefetch((const char *)(p + kk * 32 + PREFETCH_VALUES) + line);                \
@@ -64,7 +74,7 @@ static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
                 c[r][1] += a * b1;                                                                       \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) storev(acc + 32 * r, c[r][0]), storev(acc + 32 * r + VW, c[r][1]);   \
+        sums_out(c, R, acc);                                                                             \
     }
 
 /* Every row count's block (1..MR), and the table of them, for a panel of T. */
@@ -91,17 +101,44 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
     for (int col = 0; col < 32; col += 2 * VW) panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
 }
 
-/* Lays columns [n0, n0 + 32) of the weight (rows past n: zeros), values [k0, k0 + kc) of K, into buf as a
-   panel chunk [kc][32] (kc <= KC; buf holds KC rows, so a fill may write up to a multiple of 32 past kc). */
-typedef void (*panel_fill_fn)(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf);
+/* bf16 panels: the same panels with each weight in bf16, half the bytes, widened (exactly) as they are loaded:
+   a bf16 model's linears on a CPU whose oneDNN has no bf16 kernels (AVX2; packed_linears.compute_dtype),
+   whose fp32 copy held twice the model's bytes beside it. A block's 2 * VW values of a panel row lie as VW
+   pairs of 32 bits, pair j holding column j in its low half and column VW + j in its high half, so one load,
+   a shift and a mask give the block's two vectors (f32_linear.c's f32_pack_rows_bf16 lays them so): the same
+   fp32 values as an fp32 panel's, the same FMAs in the same order, the same bits. */
+typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
+
+static inline void load_bf16_pair(const uint16_t *q, vec *b0, vec *b1) {
+    vecu u;
+    memcpy(&u, q, sizeof u);
+    const vecu lo = u << 16, hi = u & 0xffff0000u;
+    memcpy(b0, &lo, sizeof lo);
+    memcpy(b1, &hi, sizeof hi);
+}
+
+#define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
+PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
+
+static void bf16_panel(int rows, const float *x, int64_t ldx, int64_t kc, const uint16_t *p, v16f *acc, int more) {
+    for (int col = 0; col < 32; col += 2 * VW)
+        bf16_panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+}
+
+/* The chunk of a weight's panel a call reads: columns [n0, n0 + 32) (rows past n: zeros), values [k0, k0 + kc)
+   of K, as [kc][32] (fp32, or bf16 panels where the caller says so): laid out into buf (kc <= KC; buf holds KC
+   rows, so a chunk may fill up to a multiple of 32 past kc) or where it already lies (a packed weight). */
+typedef const void *(*panel_chunk_fn)(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf);
 
 /* out [m, n] = x [m, k] (row stride ldx) . w^T (+ bias [n] or NULL), in fp32 (out) or rounded once to bf16
-   (out_bf16), w laid out by `fill` a panel chunk of `step` values of K (<= KC) at a time (each thread its
-   own) and every block of rows run over it: the layout is paid once for all the call's rows. Each output
-   is the fp32 sum of its products in order of k (the sums kept between chunks exactly), then its bias:
-   f32_linear's bits for the same weights. Returns 0, or -1 without memory. */
+   (out_bf16), over w's panels a chunk of `step` values of K (<= KC) at a time (`chunk`: in place, or laid out
+   per call into a buffer each thread keeps, in L2: paid once for all the call's rows), every block of rows
+   run over each chunk. Threads take whole panels. Each output is the fp32 sum of its products in order of k
+   (the sums kept between chunks exactly), then its bias: the same bits whichever way w is kept. Returns 0,
+   or -1 without memory. */
 static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float *bias,
-                           panel_fill_fn fill, const void *weights, int64_t step, float *out, uint16_t *out_bf16) {
+                           panel_chunk_fn chunk, const void *weights, int64_t step, int bf16, float *out,
+                           uint16_t *out_bf16) {
     const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
     int failed = 0;
     _Pragma("omp parallel if (m * n * k > 32768)") {
@@ -119,12 +156,13 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
             v16f one[2 * MR];
             for (int64_t k0 = 0; k0 < k; k0 += step) {
                 const int64_t kc = k - k0 < step ? k - k0 : step;
-                fill(weights, n, n0, k0, kc, buf);
+                const void *p = chunk(weights, n, n0, k0, kc, buf);
                 for (int64_t blk = 0; blk < blocks; blk++) {
                     const int64_t m0 = blk * MR;
                     const int nrows = m - m0 < MR ? (int)(m - m0) : MR;
                     v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    panel(nrows, x + m0 * ldx + k0, ldx, kc, buf, acc, k0 > 0);
+                    if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0);
+                    else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0);
                     if (k0 + kc < k) continue;
                     for (int r = 0; r < nrows; r++) {
                         float v[32];

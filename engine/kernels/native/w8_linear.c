@@ -149,12 +149,13 @@ typedef struct {
     int64_t kc_count;
 } w8_panels;
 
-/* panels_per_call's fill: panel n0 / 32's chunks from value k0 of K (a multiple of 32), widened */
-static void panel_from_chunks(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf) {
+/* panels_per_call's chunk: panel n0 / 32's int8 chunks from value k0 of K (a multiple of 32), widened into buf */
+static const void *panel_from_chunks(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf) {
     (void)n;
     const w8_panels *w = weights;
     const uint8_t *wb = w->w + (n0 / 32 * w->kc_count + k0 / 32) * W8_CHUNK_BYTES;
     for (int64_t c = 0; c * 32 < kc; c++) widen_chunk_f32(wb + c * W8_CHUNK_BYTES, buf + c * 32 * 32);
+    return buf;
 }
 
 static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16,
@@ -173,7 +174,7 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     }
     const w8_panels weights = {w, (k + 31) / 32};
     const int64_t step = m <= MR ? ONE_BLOCK_STEP : KC;
-    const int rc = panels_per_call(x32, ldx, m, k, n, NULL, panel_from_chunks, &weights, step, out_f32, out_bf16);
+    const int rc = panels_per_call(x32, ldx, m, k, n, NULL, panel_from_chunks, &weights, step, 0, out_f32, out_bf16);
     if (bytes > X_KEEP_BYTES) free(x32);
     return rc;
 }
