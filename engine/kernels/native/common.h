@@ -79,6 +79,13 @@ static inline v16f round16_bf16(v16f x) { /* to the nearest bf16 (ties even), ke
 
 static inline void store16_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
 
+/* count bf16 values widened to fp32 (exact), 16 at a time */
+static inline void widen_bf16(const uint16_t *from, int64_t count, float *to) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) store16_f32(to + i, load16_bf16(from + i));
+    for (; i < count; i++) to[i] = bf16_to_f32(from[i]);
+}
+
 static inline void store16_bf16(uint16_t *p, v16f x) {
     v16u u;
     memcpy(&u, &x, sizeof u);

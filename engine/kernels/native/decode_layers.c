@@ -79,19 +79,13 @@ typedef struct {
 /* A bf16 model's linear on the fp32 kernel, as packed_linears runs it on a CPU without bf16 kernels (AVX2:
    compute_dtype; its panels fp32 or bf16): the input and the bias widened (exact), the fp32 kernel's sums
    and bias, the output rounded to bf16 once: the Python forward's bits. */
-static void widen(const uint16_t *from, int64_t count, float *to) {
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) store16_f32(to + i, load16_bf16(from + i));
-    for (; i < count; i++) to[i] = bf16_to_f32(from[i]);
-}
-
 static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
                               uint16_t *out) {
     float *x32 = thread_buffer((m * k + m * n + n) * (int64_t)sizeof(float));
     if (x32 == NULL) return -1;
     float *out32 = x32 + m * k, *bias = w.bias ? out32 + m * n : NULL;
-    widen(x, m * k, x32);
-    if (bias) widen((const uint16_t *)w.bias, n, bias);
+    widen_bf16(x, m * k, x32);
+    if (bias) widen_bf16((const uint16_t *)w.bias, n, bias);
     const int64_t kernel = w.kind == LINEAR_F32_BF16 ? kn->linear_f32_bf16 : kn->linear_f32;
     const int rc = ((linear_f32_fn)kernel)(x32, m, k, (const float *)w.weight, n, bias, out32);
     int64_t i = 0;

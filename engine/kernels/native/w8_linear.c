@@ -167,11 +167,7 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     const int64_t bytes = m * ldx * (int64_t)sizeof(float);
     float *x32 = bytes <= X_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes);
     if (x32 == NULL) return -1;
-    for (int64_t r = 0; r < m; r++) {
-        int64_t i = 0;
-        for (; i + 16 <= k; i += 16) store16_f32(x32 + r * ldx + i, load16_bf16(x + r * k + i));
-        for (; i < k; i++) x32[r * ldx + i] = bf16_to_f32(x[r * k + i]);
-    }
+    for (int64_t r = 0; r < m; r++) widen_bf16(x + r * k, k, x32 + r * ldx);
     const w8_panels weights = {w, (k + 31) / 32};
     const int64_t step = m <= MR ? ONE_BLOCK_STEP : KC;
     const int rc = panels_per_call(x32, ldx, m, k, n, NULL, panel_from_chunks, &weights, step, 0, out_f32, out_bf16);
