@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -95,6 +95,13 @@ static inline void store16_bf16(uint16_t *p, v16f x) {
     const v16u quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
     const v16h h = __builtin_convertvector((v16u)(((v16i)rounded & ~nan) | ((v16i)quiet & nan)), v16h);
     memcpy(p, &h, sizeof h);
+}
+
+/* count fp32 values rounded to bf16 (to nearest even, as torch), 16 at a time */
+static inline void narrow_bf16(const float *from, int64_t count, uint16_t *to) {
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16) store16_bf16(to + i, load16_f32(from + i));
+    for (; i < count; i++) to[i] = f32_to_bf16(from[i]);
 }
 
 /* Code written once for both dtypes as functions: each takes `bf16` (0: fp32, 1: bf16 bit patterns)

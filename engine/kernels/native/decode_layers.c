@@ -88,9 +88,7 @@ static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, in
     if (bias) widen_bf16((const uint16_t *)w.bias, n, bias);
     const int64_t kernel = w.kind == LINEAR_F32_BF16 ? kn->linear_f32_bf16 : kn->linear_f32;
     const int rc = ((linear_f32_fn)kernel)(x32, m, k, (const float *)w.weight, n, bias, out32);
-    int64_t i = 0;
-    for (; i + 16 <= m * n; i += 16) store16_bf16(out + i, load16_f32(out32 + i));
-    for (; i < m * n; i++) out[i] = f32_to_bf16(out32[i]);
+    narrow_bf16(out32, m * n, out);
     return rc;
 }
 
@@ -124,7 +122,7 @@ static int linear_f32(const Kernels *kn, Linear w, const float *x, int64_t m, in
         return ((linear_f32_rows_fn)kn->linear_f32_rows)(x, m, k, seg + 1, seg + 4, seg[0], (const float *)w.bias, out);
     }
     if (w.kind != LINEAR_W8) return -3;
-    for (int64_t i = 0; i < m * k; i++) x16[i] = f32_to_bf16(x[i]);
+    narrow_bf16(x, m * k, x16);
     const int rc = ((linear_w8_f32_fn)kn->linear_w8_f32)(x16, m, k, (const void *)w.weight, n, out);
     if (rc == 0 && w.bias) /* after the kernel, as the Python path adds it */
         for (int64_t i = 0; i < m * n; i++) out[i] += ((const float *)w.bias)[i % n];

@@ -24,7 +24,6 @@
    copy is 0.1-1% of the call. Kept per thread up to STAGGER_KEEP_BYTES (a decode step's calls reuse it;
    a prefill's larger copy is freed after its call). NULL (ldx untouched) where it cannot be had: then x
    is read as is. The sums are the same: only where x lies changes. */
-#define STAGGER_FLOATS 16
 #define STAGGER_KEEP_BYTES (4 << 20)
 static _Thread_local rows_apart_buf stagger;
 
@@ -46,7 +45,7 @@ static const void *chunk_in_place(const void *weights, int64_t n, int64_t n0, in
 static int linear_packed(const float *x, int64_t m, int64_t k, const void *w, int bf16, int64_t n, const float *bias,
                          float *out) {
     int64_t ldx = k;
-    if (m > 1 && (k * (int64_t)sizeof(float)) % 4096 == 0) { /* rows that lie in one set of L1 (above) */
+    if (rows_share_l1_set(m, k)) {
         const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
         if (copy) x = copy, ldx = k + STAGGER_FLOATS;
     }
@@ -82,6 +81,27 @@ static const void *segment_row(const void *const *seg, const int64_t *rows, int6
     return NULL; /* past the last row: a zero row */
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* 8 x 8 32-bit values transposed in registers: r[i]'s lane j becomes r[j]'s lane i */
+static inline void transpose8_regs(__m256 r[8]) {
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2)
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++)
+        r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20), r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+}
+
+static inline int all_rows(const void *const src[32]) {
+    for (int j = 0; j < 32; j++)
+        if (src[j] == NULL) return 0;
+    return 1;
+}
+#endif
+
 void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, int64_t k, float *out) {
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++) n += rows[i];
@@ -116,6 +136,17 @@ void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, 
             }
         }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* 8 columns x 8 values of K a transpose (a panel's last, partial, columns: the loop below) */
+        if (all_rows((const void *const *)src))
+            for (; k0 + 8 <= k; k0 += 8)
+                for (int c = 0; c < 32; c += 8) {
+                    __m256 r[8];
+                    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src[c + j] + k0);
+                    transpose8_regs(r);
+                    for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps(dst + (k0 + kk) * 32 + c, r[kk]);
+                }
+#endif
         for (; k0 < k; k0 += 16) {
             const int64_t kb = k - k0 < 16 ? k - k0 : 16;
             for (int j = 0; j < 32; j++)
@@ -145,7 +176,25 @@ void f32_pack_rows_bf16(const uint16_t *const *seg, const int64_t *rows, int64_t
             const int c = j % (2 * VW);
             slot[j] = j - c + 2 * (c % VW) + c / VW;
         }
-        for (int64_t k0 = 0; k0 < k; k0 += 64) {
+        int64_t k0 = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* a block's 16 columns x 8 values of K at a time: columns c and c + 8 paired into 32-bit values, then
+           8 x 8 of those transposed (a panel's last, partial, columns: the loop below) */
+        if (all_rows((const void *const *)src))
+            for (; k0 + 8 <= k; k0 += 8)
+                for (int c = 0; c < 32; c += 16) {
+                    __m256 r[8];
+                    for (int j = 0; j < 8; j++) {
+                        const __m128i a = _mm_loadu_si128((const __m128i *)(src[c + j] + k0));
+                        const __m128i b = _mm_loadu_si128((const __m128i *)(src[c + j + 8] + k0));
+                        const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
+                        r[j] = _mm256_castsi256_ps(pairs);
+                    }
+                    transpose8_regs(r);
+                    for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps((float *)(dst + (k0 + kk) * 32 + c), r[kk]);
+                }
+#endif
+        for (; k0 < k; k0 += 64) {
             const int64_t kb = k - k0 < 64 ? k - k0 : 64;
             for (int j = 0; j < 32; j++)
                 for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + slot[j]] = src[j] ? src[j][k0 + kk] : 0;

@@ -20,6 +20,11 @@
    into L1 well enough, and every chunk boundary stores and reloads the block's sums. */
 #define KC 768
 
+/* x's rows copied STAGGER_FLOATS further apart where a block's rows all fall in one set of L1 (K's rows
+   whole multiples of 4096 bytes: f32_linear.c says what it cost) */
+#define STAGGER_FLOATS 16
+static inline int rows_share_l1_set(int64_t m, int64_t k) { return m > 1 && (k * (int64_t)sizeof(float)) % 4096 == 0; }
+
 /* A block's vectors: a zmm of 16 floats on AVX-512, where 2 span a panel's 32 columns; a ymm of 8 on AVX2,
    where 2 span half a panel and a block runs once for each half (12 x 32 sums would spill AVX2's 16
    registers). The halves read different cache lines of the panel's rows, so each line is still read once a

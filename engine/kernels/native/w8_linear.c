@@ -163,7 +163,7 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     if (m == 0 || n == 0) return 0;
     /* x widened to fp32 (exact), its rows a cache line further apart where K's rows are whole multiples of
        4096 bytes (f32_linear.c says why) */
-    const int64_t ldx = k % 1024 == 0 ? k + 16 : k;
+    const int64_t ldx = rows_share_l1_set(m, k) ? k + STAGGER_FLOATS : k;
     const int64_t bytes = m * ldx * (int64_t)sizeof(float);
     float *x32 = bytes <= X_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes);
     if (x32 == NULL) return -1;
