@@ -108,8 +108,10 @@ DOT_MAX_ROWS = 16
 NO_LIMIT = 2**62
 _KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
-# Without AMX tiles, bf16 experts on AVX512-BF16 (AMD Zen 4 and 5): bf16_rows.c's groups, the same terms
+# Without AMX tiles, bf16 experts on AVX512-BF16 (AMD Zen 4 and 5): bf16_rows.c's groups, the same terms;
+# without either (AVX2: AMD Zen 3), moe_experts.c's dot products on the bf16 weights widened as loaded
 _AVX512_BF16_GROUPS = ("bf16_rows", "bf16_rows_groups")
+_BF16_DOT_GROUPS = ("moe_experts", "bf16_dot_groups")
 
 
 def _kernels(dtype: torch.dtype) -> tuple | None:
@@ -117,7 +119,9 @@ def _kernels(dtype: torch.dtype) -> tuple | None:
     if dtype == torch.bfloat16:
         if amx_linears.available():
             return _KERNELS[dtype]
-        return (_AVX512_BF16_GROUPS, _KERNELS[dtype][1]) if bf16_rows.avx512_bf16() else None
+        if bf16_rows.avx512_bf16():
+            return _AVX512_BF16_GROUPS, _KERNELS[dtype][1]
+        return (_BF16_DOT_GROUPS, _KERNELS[dtype][1]) if f32_linears.available() else None
     return _KERNELS[dtype] if f32_linears.available() else None
 
 
@@ -127,7 +131,7 @@ _loaded: dict = {}
 
 def _native(dtype: torch.dtype):
     """(entry, kernel table, router) of engine/kernels/native/moe_experts.c for `dtype`, or None where its
-    kernels do not run here (neither AMX nor AVX512-BF16 for bf16, no AVX-512 for fp32, no compiler,
+    kernels do not run here (no AVX-512 or AVX2, no compiler,
     switched off)."""
     if dtype not in _loaded:
         kernels = _kernels(dtype)

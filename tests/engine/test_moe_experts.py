@@ -75,8 +75,10 @@ def test_fuse_checkpoint_stacks_gate_then_up_and_keeps_an_incomplete_layer_as_it
 
 
 def _kernels_run(dtype) -> bool:
+    """Whether the C block has kernels for `dtype` here: bf16's on AMX, AVX512-BF16, or (dot products on
+    FMAs) wherever the fp32 kernel runs, as fp32's."""
     if dtype == torch.bfloat16:
-        return amx_linears.available() or bf16_rows.avx512_bf16()
+        return amx_linears.available() or bf16_rows.avx512_bf16() or f32_linears.available()
     return f32_linears.available()
 
 
@@ -278,3 +280,45 @@ def test_the_c_router_is_f_linear_within_its_roundings(dtype):
         bound = h * 2.0**-24 * mag + ulp * want.abs().double()
         assert got is not None and got.dtype == dtype and got.shape == (t, e)
         assert ((got.double() - want.double()).abs() <= bound).all(), (t, h, e)
+
+
+@pytest.mark.parametrize("n,k", [(48, 800), (37, 70)])  # whole 16s of K and a tail; n not in fours
+def test_bf16_dot_groups_give_each_row_its_own_bits_whatever_shares_its_expert(n, k):
+    """bf16_dot_groups (bf16 experts on AVX2): groups of 0 to 140 rows in one call, experts out of
+    order; each row's outputs are bit for bit that row's alone through its expert (the sums do not
+    depend on the rows beside it: a batch-invariant engine), and within an fp32 dot product's rounding
+    plus one bf16 rounding of the exact product."""
+    import ctypes
+
+    from engine.kernels import native_kernels
+
+    if not f32_linears.available():
+        pytest.skip("no AVX-512 or AVX2, or no C compiler")
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn = native_kernels.function("moe_experts", "bf16_dot_groups", (P, I, P, P, I, P, I, P), ctypes.c_int)
+    g = torch.Generator().manual_seed(n + k)
+    sizes = [1, 40, 0, 140, 8, 17, 5]
+    w = torch.randn(len(sizes), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(sizes), k, generator=g).bfloat16()
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    experts = torch.tensor([3, 0, 6, 5, 1, 2, 4], dtype=torch.int64)  # not in order
+
+    def call(x, starts, experts):
+        out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
+        assert fn(x.data_ptr(), k, starts.data_ptr(), experts.data_ptr(), len(experts), w.data_ptr(), n,
+                  out.data_ptr()) == 0
+        return out
+
+    out = call(x, starts, experts)
+    one = torch.tensor([0, 1], dtype=torch.int64)
+    for i, e in enumerate(experts.tolist()):
+        for r in range(starts[i].item(), starts[i + 1].item(), 7):  # every 7th row, alone through its expert
+            assert torch.equal(out[r], call(x[r:r + 1].contiguous(), one, torch.tensor([e]))[0]), (i, r)
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        exact = x[rows].double() @ w[e].double().T
+        # fp32 sums of k exact products (k roundings at most): k u32 sum|terms|; then bf16's half ulp
+        err = (out[rows].double() - exact).abs()
+        bound = k * 2.0**-24 * (x[rows].double().abs() @ w[e].double().abs().T) + 2.0**-8 * exact.abs()
+        assert (err <= bound * 1.0001 + 1e-30).all(), i
+    wrong = call(x, starts, experts.roll(1))  # another expert's weights fall outside the bound
+    assert not torch.equal(wrong[1:41], out[1:41])

@@ -27,8 +27,10 @@ bf16_loop = pytest.mark.skipif(
     reason="no AMX tiles, AVX512-BF16 or AVX2 fp32 kernel: the bf16 C loop has no linears here")
 f32_kernel = pytest.mark.skipif(not f32_linears.available(),
                                 reason="no AVX-512 or AVX2: the fp32 C loop needs its linears")
-bf16_sparse = pytest.mark.skipif(not BF16_KERNELS,
-                                 reason="no AMX tiles or AVX512-BF16: the C loop's sparse block has no bf16 kernels")
+# the bf16 sparse block's experts: AMX tiles, AVX512-BF16, or (AVX2) fp32 dot products on the bf16 weights
+bf16_sparse = pytest.mark.skipif(
+    not (BF16_KERNELS or f32_linears.available()),
+    reason="no AMX tiles, AVX512-BF16 or AVX2: the C loop's sparse block has no bf16 kernels")
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +100,9 @@ def test_the_c_loop_gives_the_python_forwards_tokens_and_logprobs(dirs, monkeypa
 @bf16_sparse
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_the_c_loop_runs_sparse_layers_with_the_python_forwards_bits_and_routing(moe_dirs, monkeypatch, calls, arch):
-    """bf16 (AMX tiles, or AVX512-BF16's dot products): a sparse MLP (router, routing, experts) in the C loop
-    gives the Python forward's tokens, logprobs and each step's routed experts; qwen2_moe's shared expert
-    keeps Python's forward."""
+    """bf16 (AMX tiles, AVX512-BF16's dot products, or AVX2's in fp32): a sparse MLP (router, routing,
+    experts) in the C loop gives the Python forward's tokens, logprobs and each step's routed experts;
+    qwen2_moe's shared expert keeps Python's forward."""
     from engine.models import moe_model
 
     llm = LLM(EngineConfig(model=moe_dirs[arch], dtype="bfloat16", max_num_seqs=8, max_model_len=256))

@@ -35,40 +35,47 @@ static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, con
 }
 
 /* out rows of group g = its x rows . w_g^T as dot products over K, 16 lanes at a time: 4 weight rows
-   against up to 4 x rows an item, every (expert, 4 weight rows) one item of one team. At a decode
+   against up to DOT_ROWS x rows an item, every (expert, 4 weight rows) one item of one team. At a decode
    step's few rows an expert this streams each weight row once at memory speed, where laying the
    weight out as panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each
-   output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order. */
+   output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order, whatever
+   the rows: a token's bits do not depend on how many others share its expert. fp32 weights and out, or
+   bf16 ones (`bf16`: widened as loaded, each sum rounded once); x in fp32. */
 #define DOT_AHEAD 4
-static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
-                           const float *w, int64_t n, float *out) {
-    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16;
+#ifdef __AVX512F__
+#define DOT_ROWS 4
+#else
+#define DOT_ROWS 1 /* AVX2: a 16-lane vector is two ymm, and 4 x 4 sums would spill its 16 registers */
+#endif
+ALWAYS_INLINE void dot_groups(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                              const void *w, int bf16, int64_t n, void *out) {
+    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16, size = bf16 ? 2 : 4;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < G * nb; i++) {
         const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
-        const float *wj = w + (experts[g] * n + j0) * k, *xg = x + starts[g] * k;
-        float *og = out + starts[g] * n + j0;
-        const float *wr[4]; /* past the last row: the last row again, its sums dropped (constant bounds: registers) */
+        const int64_t wj = (experts[g] * n + j0) * k; /* the item's first weight value */
+        const float *xg = x + starts[g] * k;
+        int64_t wr[4]; /* past the last row: the last row again, its sums dropped (constant bounds: registers) */
         for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
         /* the rows of the item DOT_AHEAD items on, fetched into L2 while this item's loads run: rows a
            few KB long give the hardware's stream prefetcher little to learn from. On Zen 4 (2 cores,
            qwen3-moe-2core's experts, 4 rows an expert) 4 items ahead into L2 ran 1.1-1.9x the next
            item into L1: that item's rows came late, and this one's products waited on them */
         const int64_t ni = i + DOT_AHEAD < G * nb ? i + DOT_AHEAD : i, ng = ni / nb, nj0 = (ni % nb) * 4;
-        const char *next = (const char *)(w + (experts[ng] * n + nj0) * k);
-        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * 4;
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-            const int64_t nr = m - r0 < 4 ? m - r0 : 4;
-            const float *xr[4];
-            for (int64_t r = 0; r < 4; r++) xr[r] = xg + (r0 + (r < nr ? r : nr - 1)) * k;
-            v16f acc[4][4] = {{{0}}};
+        const char *next = (const char *)w + (experts[ng] * n + nj0) * k * size;
+        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * size;
+        for (int64_t r0 = 0; r0 < m; r0 += DOT_ROWS) {
+            const int64_t nr = m - r0 < DOT_ROWS ? m - r0 : DOT_ROWS;
+            const float *xr[DOT_ROWS];
+            for (int64_t r = 0; r < DOT_ROWS; r++) xr[r] = xg + (r0 + (r < nr ? r : nr - 1)) * k;
+            v16f acc[DOT_ROWS][4] = {{{0}}};
             for (int64_t kk = 0; kk < k16; kk += 16) {
                 if (r0 == 0) /* the next block (4 rows, contiguous) in k / 16 steps of 4 lines */
-                    for (int64_t off = kk * 16; off < kk * 16 + 256 && off < next_bytes; off += 64)
+                    for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
                         _mm_prefetch(next + off, _MM_HINT_T1);
-                const v16f w0 = load16_f32(wr[0] + kk), w1 = load16_f32(wr[1] + kk), w2 = load16_f32(wr[2] + kk),
-                           w3 = load16_f32(wr[3] + kk);
-                for (int r = 0; r < 4; r++) {
+                const v16f w0 = load16_at(w, wr[0] + kk, bf16), w1 = load16_at(w, wr[1] + kk, bf16),
+                           w2 = load16_at(w, wr[2] + kk, bf16), w3 = load16_at(w, wr[3] + kk, bf16);
+                for (int r = 0; r < DOT_ROWS; r++) {
                     const v16f xv = load16_f32(xr[r] + kk);
                     acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
                 }
@@ -77,11 +84,35 @@ static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, con
                 for (int64_t j = 0; j < nj; j++) {
                     float sum = 0.0f;
                     for (int l = 0; l < 16; l++) sum += acc[r][j][l];
-                    for (int64_t kk = k16; kk < k; kk++) sum += wr[j][kk] * xr[r][kk];
-                    og[(r0 + r) * n + j] = sum;
+                    for (int64_t kk = k16; kk < k; kk++) sum += load_at(w, wr[j] + kk, bf16) * xr[r][kk];
+                    const int64_t at = (starts[g] + r0 + r) * n + j0 + j;
+                    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(sum);
+                    else ((float *)out)[at] = sum;
                 }
         }
     }
+}
+
+static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const float *w, int64_t n, float *out) {
+    dot_groups(x, k, starts, experts, G, w, 0, n, out);
+}
+
+/* bf16 experts on a CPU without AMX or AVX512-BF16 (AVX2): the dot products above on bf16 weights in place,
+   x widened to fp32 first (exact), each output rounded once to bf16; amx_linear_bf16_groups' signature, so
+   the bf16 block takes it as its GEMM (engine/kernels/moe_experts.py). The same sums at any rows: an engine
+   on it is batch-invariant. Returns 0, or -1 when out of memory. */
+#define X_KEEP_BYTES (4 << 20) /* x's fp32 copy kept per thread up to this (a decode step's); a prefill's freed */
+int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                    const uint16_t *w, int64_t n, uint16_t *out) {
+    const int64_t bytes = starts[G] * k * (int64_t)sizeof(float);
+    if (bytes == 0) return 0;
+    float *x32 = bytes <= X_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes);
+    if (x32 == NULL) return -1;
+    widen_bf16(x, starts[G] * k, x32);
+    dot_groups(x32, k, starts, experts, G, w, 1, n, out);
+    if (bytes > X_KEEP_BYTES) free(x32);
+    return 0;
 }
 
 /* kernels[2]: the most rows an expert may have for the dot products; above, the rows kernel (faster
