@@ -89,31 +89,26 @@ ALWAYS_INLINE void dot_groups(const float *x, int64_t k, const int64_t *starts, 
     }
 }
 
-static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
-                           const float *w, int64_t n, float *out) {
-    dot_groups(x, k, starts, experts, G, w, 0, n, out);
-}
-
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* dot_groups for bf16 weights on AVX2, in 8-lane vectors: 4 weight rows against 2 x rows a pass (8 sums,
-   the x rows' 4 vectors and a weight's 2 in 14 of the 16 registers). Each 16 values of a weight row are
-   one load widened by a shift (the even values of K) and a mask (the odd ones), as the bf16 panels are,
-   against x laid out to match (bf16_dot_groups: each 16 values of K as its 8 even, then its 8 odd). An
-   output: its 8 lanes' sums over K in steps of 16 (even, then odd, products), the lanes in order, then
-   K's last k % 16 one at a time: the same at any rows. */
-static void dot_groups_bf16_avx2(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
-                                 const uint16_t *w, int64_t n, uint16_t *out) {
-    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16;
+/* dot_groups on AVX2, in 8-lane vectors: 4 weight rows against 2 x rows a pass (8 sums, the x rows' 4
+   vectors and a weight's 2 in 14 of the 16 registers; dot_groups' 4 x 4 sums of 16 lanes spilled them).
+   Each 16 values of K: fp32 weights as two loads; bf16 as one load widened by a shift (the even values of
+   K) and a mask (the odd ones), as the bf16 panels are, against x laid out to match (bf16_dot_groups: each
+   16 values of K as its 8 even, then its 8 odd). An output: its 8 lanes' sums over K in steps of 16, the
+   lanes in order, then K's last k % 16 one at a time: the same at any rows. */
+ALWAYS_INLINE void dot_groups_avx2(const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
+                                   int64_t G, const void *w, int bf16, int64_t n, void *out) {
+    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16, size = bf16 ? 2 : 4;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < G * nb; i++) {
         const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
-        const uint16_t *wj = w + (experts[g] * n + j0) * k;
+        const int64_t wj = (experts[g] * n + j0) * k; /* the item's first weight value */
         const float *xg = x + starts[g] * k;
-        const uint16_t *wr[4];
+        int64_t wr[4];
         for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
         const int64_t ni = i + DOT_AHEAD < G * nb ? i + DOT_AHEAD : i, ng = ni / nb, nj0 = (ni % nb) * 4;
-        const char *next = (const char *)(w + (experts[ng] * n + nj0) * k);
-        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * 2;
+        const char *next = (const char *)w + (experts[ng] * n + nj0) * k * size;
+        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * size;
         const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
         for (int64_t r0 = 0; r0 < m; r0 += 2) {
             const int64_t nr = m - r0 < 2 ? m - r0 : 2;
@@ -122,16 +117,22 @@ static void dot_groups_bf16_avx2(const float *x, int64_t k, const int64_t *start
             for (int j = 0; j < 4; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
             for (int64_t kk = 0; kk < k16; kk += 16) {
                 if (r0 == 0)
-                    for (int64_t off = kk * 8; off < (kk + 16) * 8 && off < next_bytes; off += 64)
+                    for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
                         _mm_prefetch(next + off, _MM_HINT_T1);
-                const __m256 x0e = _mm256_loadu_ps(x0 + kk), x0o = _mm256_loadu_ps(x0 + kk + 8);
-                const __m256 x1e = _mm256_loadu_ps(x1 + kk), x1o = _mm256_loadu_ps(x1 + kk + 8);
+                const __m256 x0a = _mm256_loadu_ps(x0 + kk), x0b = _mm256_loadu_ps(x0 + kk + 8);
+                const __m256 x1a = _mm256_loadu_ps(x1 + kk), x1b = _mm256_loadu_ps(x1 + kk + 8);
                 for (int j = 0; j < 4; j++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(wr[j] + kk));
-                    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
-                    acc[0][j] = _mm256_fmadd_ps(wo, x0o, _mm256_fmadd_ps(we, x0e, acc[0][j]));
-                    acc[1][j] = _mm256_fmadd_ps(wo, x1o, _mm256_fmadd_ps(we, x1e, acc[1][j]));
+                    __m256 wa, wb;
+                    if (bf16) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + wr[j] + kk));
+                        wa = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                        wb = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
+                    } else {
+                        wa = _mm256_loadu_ps((const float *)w + wr[j] + kk);
+                        wb = _mm256_loadu_ps((const float *)w + wr[j] + kk + 8);
+                    }
+                    acc[0][j] = _mm256_fmadd_ps(wb, x0b, _mm256_fmadd_ps(wa, x0a, acc[0][j]));
+                    acc[1][j] = _mm256_fmadd_ps(wb, x1b, _mm256_fmadd_ps(wa, x1a, acc[1][j]));
                 }
             }
             for (int64_t r = 0; r < nr; r++)
@@ -140,13 +141,24 @@ static void dot_groups_bf16_avx2(const float *x, int64_t k, const int64_t *start
                     _mm256_storeu_ps(lanes, acc[r][j]);
                     for (int l = 0; l < 8; l++) sum += lanes[l];
                     const float *xr = r ? x1 : x0;
-                    for (int64_t kk = k16; kk < k; kk++) sum += bf16_to_f32(wr[j][kk]) * xr[kk];
-                    out[(starts[g] + r0 + r) * n + j0 + j] = f32_to_bf16(sum);
+                    for (int64_t kk = k16; kk < k; kk++) sum += load_at(w, wr[j] + kk, bf16) * xr[kk];
+                    const int64_t at = (starts[g] + r0 + r) * n + j0 + j;
+                    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(sum);
+                    else ((float *)out)[at] = sum;
                 }
         }
     }
 }
 #endif
+
+static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                           const float *w, int64_t n, float *out) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    dot_groups_avx2(x, k, starts, experts, G, w, 0, n, out);
+#else
+    dot_groups(x, k, starts, experts, G, w, 0, n, out);
+#endif
+}
 
 /* bf16 experts on a CPU without AMX or AVX512-BF16 (AVX2): dot products on the bf16 weights in place
    (dot_groups, or on AVX2 its 8-lane form above), x widened to fp32 first (exact), each output rounded once
@@ -170,7 +182,7 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
                 dst[kk + l] = bf16_to_f32(xr[kk + 2 * l]), dst[kk + 8 + l] = bf16_to_f32(xr[kk + 2 * l + 1]);
         for (int64_t kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(xr[kk]);
     }
-    dot_groups_bf16_avx2(x32, k, starts, experts, G, w, n, out);
+    dot_groups_avx2(x32, k, starts, experts, G, w, 1, n, out);
 #else
     widen_bf16(x, rows * k, x32);
     dot_groups(x32, k, starts, experts, G, w, 1, n, out);
