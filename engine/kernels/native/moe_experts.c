@@ -34,18 +34,100 @@ static int groups_bf16(const int64_t *kernels, const uint16_t *x, int64_t k, con
     return ((groups_bf16_fn)kernels[0])(x, k, starts, experts, G, w, n, out);
 }
 
-/* out rows of group g = its x rows . w_g^T as dot products over K, 16 lanes at a time: 4 weight rows
-   against up to DOT_ROWS x rows an item, every (expert, 4 weight rows) one item of one team. At a decode
-   step's few rows an expert this streams each weight row once at memory speed, where laying the
-   weight out as panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each
-   output is the sum of its 16 lanes' partial sums (over K in steps of 16), added in lane order, whatever
-   the rows: a token's bits do not depend on how many others share its expert. fp32 weights and out, or
-   bf16 ones (`bf16`: widened as loaded, each sum rounded once); x in fp32. */
+/* out rows of group g = its x rows . w_g^T as dot products over K: 4 weight rows against up to DOT_ROWS
+   x rows a pass (dot_pass), every (expert, 4 weight rows) one item of one team. At a decode step's few
+   rows an expert this streams each weight row once at memory speed, where laying the weight out as
+   panels per call (f32_linear_rows below 8 rows) cost more than reading it. Each output is the sum of
+   its lanes' partial sums over K in steps of 16, the lanes in order, then K's last k % 16 one at a time,
+   whatever the rows: a token's bits do not depend on how many others share its expert. fp32 weights and
+   out, or bf16 ones (`bf16`: widened as loaded, each sum rounded once); x in fp32. */
 #define DOT_AHEAD 4
+
+/* an output's sum from its lanes (`lanes` of them), then K's tail, stored in the dtype */
+ALWAYS_INLINE void dot_store(const float *lane, int lanes, const void *w, int64_t wrow, const float *xr, int64_t k16,
+                             int64_t k, int bf16, void *out, int64_t at) {
+    float sum = 0.0f;
+    for (int l = 0; l < lanes; l++) sum += lane[l];
+    for (int64_t kk = k16; kk < k; kk++) sum += load_at(w, wrow + kk, bf16) * xr[kk];
+    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(sum);
+    else ((float *)out)[at] = sum;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2, in 8-lane vectors: 2 x rows a pass (8 sums, the x rows' 4 vectors and a weight's 2 in 14 of the 16
+   registers; 4 x 4 sums of 16 lanes spilled them: fp32 experts ran 2.78x slower). Each 16 values of K: fp32
+   weights as two loads; bf16 as one load widened by a shift (the even values of K) and a mask (the odd
+   ones), as the bf16 panels are, against x laid out to match (bf16_dot_groups: each 16 values of K as its
+   8 even, then its 8 odd). */
+#define DOT_ROWS 2
+ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const int64_t wr[4], int64_t nj, int bf16,
+                            int64_t k, const char *next, int64_t next_bytes, int fetch, void *out, int64_t at,
+                            int64_t n) {
+    const int64_t k16 = k / 16 * 16, size = bf16 ? 2 : 4;
+    const float *x1 = x0 + (nr > 1 ? k : 0); /* rows of K values; the 2nd again where there is one */
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[2][4];
+    for (int j = 0; j < 4; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < k16; kk += 16) {
+        if (fetch)
+            for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
+                _mm_prefetch(next + off, _MM_HINT_T1);
+        const __m256 x0a = _mm256_loadu_ps(x0 + kk), x0b = _mm256_loadu_ps(x0 + kk + 8);
+        const __m256 x1a = _mm256_loadu_ps(x1 + kk), x1b = _mm256_loadu_ps(x1 + kk + 8);
+        for (int j = 0; j < 4; j++) {
+            __m256 wa, wb;
+            if (bf16) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + wr[j] + kk));
+                wa = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                wb = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
+            } else {
+                wa = _mm256_loadu_ps((const float *)w + wr[j] + kk);
+                wb = _mm256_loadu_ps((const float *)w + wr[j] + kk + 8);
+            }
+            acc[0][j] = _mm256_fmadd_ps(wb, x0b, _mm256_fmadd_ps(wa, x0a, acc[0][j]));
+            acc[1][j] = _mm256_fmadd_ps(wb, x1b, _mm256_fmadd_ps(wa, x1a, acc[1][j]));
+        }
+    }
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = 0; j < nj; j++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r][j]);
+            dot_store(lanes, 8, w, wr[j], r ? x1 : x0, k16, k, bf16, out, at + r * n + j);
+        }
+}
+#else
+/* AVX-512 (or a build without AVX2): 16-lane vectors, 4 x rows a pass (16 sums) */
 #define DOT_ROWS 4
+ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const int64_t wr[4], int64_t nj, int bf16,
+                            int64_t k, const char *next, int64_t next_bytes, int fetch, void *out, int64_t at,
+                            int64_t n) {
+    const int64_t k16 = k / 16 * 16, size = bf16 ? 2 : 4;
+    const float *xr[DOT_ROWS]; /* rows of K values; past the last, the last again (its sums dropped) */
+    for (int64_t r = 0; r < DOT_ROWS; r++) xr[r] = x0 + (r < nr ? r : nr - 1) * k;
+    v16f acc[DOT_ROWS][4] = {{{0}}};
+    for (int64_t kk = 0; kk < k16; kk += 16) {
+        if (fetch) /* the next block (4 rows, contiguous) in k / 16 steps of 4 lines */
+            for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
+                _mm_prefetch(next + off, _MM_HINT_T1);
+        const v16f w0 = load16_at(w, wr[0] + kk, bf16), w1 = load16_at(w, wr[1] + kk, bf16),
+                   w2 = load16_at(w, wr[2] + kk, bf16), w3 = load16_at(w, wr[3] + kk, bf16);
+        for (int r = 0; r < DOT_ROWS; r++) {
+            const v16f xv = load16_f32(xr[r] + kk);
+            acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
+        }
+    }
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = 0; j < nj; j++) {
+            float lanes[16];
+            memcpy(lanes, &acc[r][j], sizeof lanes);
+            dot_store(lanes, 16, w, wr[j], xr[r], k16, k, bf16, out, at + r * n + j);
+        }
+}
+#endif
+
 ALWAYS_INLINE void dot_groups(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
                               const void *w, int bf16, int64_t n, void *out) {
-    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16, size = bf16 ? 2 : 4;
+    const int64_t nb = (n + 3) / 4, size = bf16 ? 2 : 4;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t i = 0; i < G * nb; i++) {
         const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
@@ -62,106 +144,18 @@ ALWAYS_INLINE void dot_groups(const float *x, int64_t k, const int64_t *starts, 
         const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * size;
         for (int64_t r0 = 0; r0 < m; r0 += DOT_ROWS) {
             const int64_t nr = m - r0 < DOT_ROWS ? m - r0 : DOT_ROWS;
-            const float *xr[DOT_ROWS];
-            for (int64_t r = 0; r < DOT_ROWS; r++) xr[r] = xg + (r0 + (r < nr ? r : nr - 1)) * k;
-            v16f acc[DOT_ROWS][4] = {{{0}}};
-            for (int64_t kk = 0; kk < k16; kk += 16) {
-                if (r0 == 0) /* the next block (4 rows, contiguous) in k / 16 steps of 4 lines */
-                    for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
-                        _mm_prefetch(next + off, _MM_HINT_T1);
-                const v16f w0 = load16_at(w, wr[0] + kk, bf16), w1 = load16_at(w, wr[1] + kk, bf16),
-                           w2 = load16_at(w, wr[2] + kk, bf16), w3 = load16_at(w, wr[3] + kk, bf16);
-                for (int r = 0; r < DOT_ROWS; r++) {
-                    const v16f xv = load16_f32(xr[r] + kk);
-                    acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
-                }
-            }
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t j = 0; j < nj; j++) {
-                    float sum = 0.0f;
-                    for (int l = 0; l < 16; l++) sum += acc[r][j][l];
-                    for (int64_t kk = k16; kk < k; kk++) sum += load_at(w, wr[j] + kk, bf16) * xr[r][kk];
-                    const int64_t at = (starts[g] + r0 + r) * n + j0 + j;
-                    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(sum);
-                    else ((float *)out)[at] = sum;
-                }
+            dot_pass(xg + r0 * k, nr, w, wr, nj, bf16, k, next, next_bytes, r0 == 0, out, (starts[g] + r0) * n + j0, n);
         }
     }
 }
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* dot_groups on AVX2, in 8-lane vectors: 4 weight rows against 2 x rows a pass (8 sums, the x rows' 4
-   vectors and a weight's 2 in 14 of the 16 registers; dot_groups' 4 x 4 sums of 16 lanes spilled them).
-   Each 16 values of K: fp32 weights as two loads; bf16 as one load widened by a shift (the even values of
-   K) and a mask (the odd ones), as the bf16 panels are, against x laid out to match (bf16_dot_groups: each
-   16 values of K as its 8 even, then its 8 odd). An output: its 8 lanes' sums over K in steps of 16, the
-   lanes in order, then K's last k % 16 one at a time: the same at any rows. */
-ALWAYS_INLINE void dot_groups_avx2(const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
-                                   int64_t G, const void *w, int bf16, int64_t n, void *out) {
-    const int64_t nb = (n + 3) / 4, k16 = k / 16 * 16, size = bf16 ? 2 : 4;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t i = 0; i < G * nb; i++) {
-        const int64_t g = i / nb, j0 = (i % nb) * 4, nj = n - j0 < 4 ? n - j0 : 4, m = starts[g + 1] - starts[g];
-        const int64_t wj = (experts[g] * n + j0) * k; /* the item's first weight value */
-        const float *xg = x + starts[g] * k;
-        int64_t wr[4];
-        for (int64_t j = 0; j < 4; j++) wr[j] = wj + (j < nj ? j : nj - 1) * k;
-        const int64_t ni = i + DOT_AHEAD < G * nb ? i + DOT_AHEAD : i, ng = ni / nb, nj0 = (ni % nb) * 4;
-        const char *next = (const char *)w + (experts[ng] * n + nj0) * k * size;
-        const int64_t next_bytes = (n - nj0 < 4 ? n - nj0 : 4) * k * size;
-        const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
-        for (int64_t r0 = 0; r0 < m; r0 += 2) {
-            const int64_t nr = m - r0 < 2 ? m - r0 : 2;
-            const float *x0 = xg + r0 * k, *x1 = xg + (r0 + nr - 1) * k;
-            __m256 acc[2][4];
-            for (int j = 0; j < 4; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-            for (int64_t kk = 0; kk < k16; kk += 16) {
-                if (r0 == 0)
-                    for (int64_t off = kk * 4 * size; off < (kk + 16) * 4 * size && off < next_bytes; off += 64)
-                        _mm_prefetch(next + off, _MM_HINT_T1);
-                const __m256 x0a = _mm256_loadu_ps(x0 + kk), x0b = _mm256_loadu_ps(x0 + kk + 8);
-                const __m256 x1a = _mm256_loadu_ps(x1 + kk), x1b = _mm256_loadu_ps(x1 + kk + 8);
-                for (int j = 0; j < 4; j++) {
-                    __m256 wa, wb;
-                    if (bf16) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + wr[j] + kk));
-                        wa = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                        wb = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
-                    } else {
-                        wa = _mm256_loadu_ps((const float *)w + wr[j] + kk);
-                        wb = _mm256_loadu_ps((const float *)w + wr[j] + kk + 8);
-                    }
-                    acc[0][j] = _mm256_fmadd_ps(wb, x0b, _mm256_fmadd_ps(wa, x0a, acc[0][j]));
-                    acc[1][j] = _mm256_fmadd_ps(wb, x1b, _mm256_fmadd_ps(wa, x1a, acc[1][j]));
-                }
-            }
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t j = 0; j < nj; j++) {
-                    float lanes[8], sum = 0.0f;
-                    _mm256_storeu_ps(lanes, acc[r][j]);
-                    for (int l = 0; l < 8; l++) sum += lanes[l];
-                    const float *xr = r ? x1 : x0;
-                    for (int64_t kk = k16; kk < k; kk++) sum += load_at(w, wr[j] + kk, bf16) * xr[kk];
-                    const int64_t at = (starts[g] + r0 + r) * n + j0 + j;
-                    if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(sum);
-                    else ((float *)out)[at] = sum;
-                }
-        }
-    }
-}
-#endif
 
 static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
                            const float *w, int64_t n, float *out) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    dot_groups_avx2(x, k, starts, experts, G, w, 0, n, out);
-#else
     dot_groups(x, k, starts, experts, G, w, 0, n, out);
-#endif
 }
 
 /* bf16 experts on a CPU without AMX or AVX512-BF16 (AVX2): dot products on the bf16 weights in place
-   (dot_groups, or on AVX2 its 8-lane form above), x widened to fp32 first (exact), each output rounded once
+   (dot_groups), x widened to fp32 first (exact), each output rounded once
    to bf16; amx_linear_bf16_groups' signature, so the bf16 block takes it as its GEMM
    (engine/kernels/moe_experts.py). The same sums at any rows: an engine on it is batch-invariant. Returns
    0, or -1 when out of memory. */
@@ -182,11 +176,10 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
                 dst[kk + l] = bf16_to_f32(xr[kk + 2 * l]), dst[kk + 8 + l] = bf16_to_f32(xr[kk + 2 * l + 1]);
         for (int64_t kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(xr[kk]);
     }
-    dot_groups_avx2(x32, k, starts, experts, G, w, 1, n, out);
 #else
     widen_bf16(x, rows * k, x32);
-    dot_groups(x32, k, starts, experts, G, w, 1, n, out);
 #endif
+    dot_groups(x32, k, starts, experts, G, w, 1, n, out);
     if (bytes > X_KEEP_BYTES) free(x32);
     return 0;
 }
