@@ -131,8 +131,7 @@ _loaded: dict = {}
 
 def _native(dtype: torch.dtype):
     """(entry, kernel table, router) of engine/kernels/native/moe_experts.c for `dtype`, or None where its
-    kernels do not run here (no AVX-512 or AVX2, no compiler,
-    switched off)."""
+    kernels do not run here (no AVX-512 or AVX2, no compiler, switched off)."""
     if dtype not in _loaded:
         kernels = _kernels(dtype)
         ok = kernels is not None and os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "off", "false", "no")

@@ -168,12 +168,15 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
     if (x32 == NULL) return -1;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     const int64_t k16 = k / 16 * 16;
-    for (int64_t r = 0; r < rows; r++) { /* each 16 values of K as its 8 even, then its 8 odd */
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t r = 0; r < rows; r++) { /* each 16 values of K as its 8 even, then its 8 odd: the weights' widening */
         const uint16_t *xr = x + r * k;
         float *dst = x32 + r * k;
-        for (int64_t kk = 0; kk < k16; kk += 16)
-            for (int l = 0; l < 8; l++)
-                dst[kk + l] = bf16_to_f32(xr[kk + 2 * l]), dst[kk + 8 + l] = bf16_to_f32(xr[kk + 2 * l + 1]);
+        for (int64_t kk = 0; kk < k16; kk += 16) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(xr + kk));
+            _mm256_storeu_si256((__m256i *)(dst + kk), _mm256_slli_epi32(raw, 16));
+            _mm256_storeu_si256((__m256i *)(dst + kk + 8), _mm256_and_si256(raw, odd));
+        }
         for (int64_t kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(xr[kk]);
     }
 #else
