@@ -60,12 +60,19 @@ ALWAYS_INLINE void dot_store(const float *lane, int lanes, const void *w, int64_
    ones), as the bf16 panels are, against x laid out to match (bf16_dot_groups: each 16 values of K as its
    8 even, then its 8 odd). */
 #define DOT_ROWS 2
+/* 16 bf16 values, one load: the even ones widened by a shift, the odd ones by a mask (f32_panels.h's
+   load_bf16_pair, in AVX2's own vectors) */
+static inline void widen_even_odd(const uint16_t *p, __m256 *even, __m256 *odd) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const int64_t wr[4], int64_t nj, int bf16,
                             int64_t k, const char *next, int64_t next_bytes, int fetch, void *out, int64_t at,
                             int64_t n) {
     const int64_t k16 = k / 16 * 16, size = bf16 ? 2 : 4;
     const float *x1 = x0 + (nr > 1 ? k : 0); /* rows of K values; the 2nd again where there is one */
-    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     __m256 acc[2][4];
     for (int j = 0; j < 4; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     for (int64_t kk = 0; kk < k16; kk += 16) {
@@ -77,9 +84,7 @@ ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const in
         for (int j = 0; j < 4; j++) {
             __m256 wa, wb;
             if (bf16) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + wr[j] + kk));
-                wa = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-                wb = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));
+                widen_even_odd((const uint16_t *)w + wr[j] + kk, &wa, &wb);
             } else {
                 wa = _mm256_loadu_ps((const float *)w + wr[j] + kk);
                 wb = _mm256_loadu_ps((const float *)w + wr[j] + kk + 8);
@@ -168,14 +173,13 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
     if (x32 == NULL) return -1;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     const int64_t k16 = k / 16 * 16;
-    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t r = 0; r < rows; r++) { /* each 16 values of K as its 8 even, then its 8 odd: the weights' widening */
         const uint16_t *xr = x + r * k;
         float *dst = x32 + r * k;
         for (int64_t kk = 0; kk < k16; kk += 16) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(xr + kk));
-            _mm256_storeu_si256((__m256i *)(dst + kk), _mm256_slli_epi32(raw, 16));
-            _mm256_storeu_si256((__m256i *)(dst + kk + 8), _mm256_and_si256(raw, odd));
+            __m256 even, odd;
+            widen_even_odd(xr + kk, &even, &odd);
+            _mm256_storeu_ps(dst + kk, even), _mm256_storeu_ps(dst + kk + 8, odd);
         }
         for (int64_t kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(xr[kk]);
     }
