@@ -16,6 +16,34 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
+/* Inlined whatever GCC's heuristics say: also where a v16f crosses a call on AVX2 (no 64-byte vector registers
+   there: it goes through memory, and silu_mul_f32's e^x, left a call, ran at half its inlined speed). */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* a > b lane by lane, all ones or zero. GCC 12 lowers a comparison of vectors wider than the ISA's to one
+   scalar comparison and insert a lane (on AVX2 a v16f `>` was 16 vcomiss: e^x below ran ~17 cycles a
+   value, 5% of a SmolLM2 run in SiLU alone); there, two 8-float comparisons. */
+ALWAYS_INLINE v16i gt16(v16f a, v16f b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    typedef float v8f_ __attribute__((vector_size(32)));
+    typedef int32_t v8i_ __attribute__((vector_size(32)));
+    v8f_ ha[2], hb[2];
+    v8i_ c[2];
+    memcpy(ha, &a, sizeof a), memcpy(hb, &b, sizeof b);
+    c[0] = ha[0] > hb[0], c[1] = ha[1] > hb[1];
+    v16i out;
+    memcpy(&out, c, sizeof out);
+    return out;
+#else
+    return a > b;
+#endif
+}
+
+ALWAYS_INLINE v16f vmax16(v16f a, v16f b) { /* lane-wise max (b where either is NaN) */
+    const v16i c = gt16(a, b);
+    return (v16f)(((v16i)a & c) | ((v16i)b & ~c));
+}
+
 static inline float bf16_to_f32(uint16_t x) { /* exact: the high half of the bits */
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -108,7 +136,6 @@ static inline void narrow_bf16(const float *from, int64_t count, uint16_t *to) {
    and is always inlined into a caller that passes a constant, so each dtype compiles to its own loops,
    as a template would, and a debugger steps through them as functions. These are their loads and
    stores: element `at` of `base` in that dtype, widened to fp32 on load and rounded on store. */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE float load_at(const void *base, int64_t at, int bf16) {
     return bf16 ? load_bf16(((const uint16_t *)base)[at]) : load_f32(((const float *)base)[at]);
@@ -174,8 +201,8 @@ static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst
 /* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
    about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
    clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */
-static inline v16f vexp(v16f x) {
-    const v16i tiny = x < -87.3f, huge = x > 88.3f;
+ALWAYS_INLINE v16f vexp(v16f x) {
+    const v16i tiny = gt16((v16f){0} - 87.3f, x), huge = gt16(x, (v16f){0} + 88.3f);
     x = (v16f)(((v16i)x & ~(tiny | huge)) | ((v16i)((v16f){0} - 87.3f) & tiny) | ((v16i)((v16f){0} + 88.3f) & huge));
     const v16f shift = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
     const v16f n = (x * 1.44269504088896341f + shift) - shift;

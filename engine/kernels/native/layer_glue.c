@@ -94,9 +94,9 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
 /* The gated MLP's activations: SiLU, x / (1 + e^-x); GELU's tanh form, 0.5 x (1 + tanh(y)) with
    y = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + e^-2y) (the same function: one division, and no
    cancellation where tanh nears -1, which torch's form has). */
-static inline v16f silu16(v16f x) { return x / (1.0f + vexp(-x)); }
+ALWAYS_INLINE v16f silu16(v16f x) { return x / (1.0f + vexp(-x)); }
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
-static inline v16f gelu16(v16f x) {
+ALWAYS_INLINE v16f gelu16(v16f x) {
     const v16f y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
     return x / (1.0f + vexp(-(y + y)));
 }

@@ -38,11 +38,6 @@ static inline float hsum(v16f x) {
     return x[0];
 }
 
-static inline v16f vmax16(v16f a, v16f b) { /* lane-wise max */
-    const v16i c = a > b;
-    return (v16f)(((v16i)a & c) | ((v16i)b & ~c));
-}
-
 static inline float hmax(v16f x) {
     for (int i = 8; i >= 1; i /= 2) {
         v16f y;

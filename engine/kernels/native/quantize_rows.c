@@ -27,8 +27,7 @@ static inline v16f round_even(v16f x) {
             for (; c + 16 <= cols; c += 16) {                                                         \
                 const v16f a = LOAD16(xr + c);                                                        \
                 const v16f abs = (v16f)((v16i)a & 0x7fffffff);                                        \
-                const v16i gt = abs > mv;                                                             \
-                mv = (v16f)(((v16i)abs & gt) | ((v16i)mv & ~gt));                                     \
+                mv = vmax16(abs, mv);                                                                 \
             }                                                                                         \
             float m = 0.f;                                                                            \
             for (int l = 0; l < 16; l++) m = fmaxf(m, mv[l]);                                         \

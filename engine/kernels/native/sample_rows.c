@@ -56,8 +56,7 @@ ALWAYS_INLINE float scaled_max(const Row *r, int bf16) {
     v16f mv = (v16f){0} - INFINITY;
     for (; c + 16 <= r->vocab; c += 16) {
         const v16f s = load16_at(r->logits, r->row + c, bf16);
-        const v16i gt = s > mv;
-        mv = (v16f)(((v16i)s & gt) | ((v16i)mv & ~gt));
+        mv = vmax16(s, mv);
     }
     float m = -INFINITY;
     for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);
