@@ -108,3 +108,25 @@ def test_string_and_dict_prompts(llm):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
     single = llm.generate(ids, params, use_tqdm=False)
     assert len(single) == 1 and single[0].outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_generate_hides_the_heap_from_the_collector_only_while_it_runs(llm):
+    """generate freezes what existed before it (as vLLM's engine core freezes its start-up heap) and gives
+    it back after; a heap the process froze itself stays frozen (its count may drop: frozen objects still
+    die by their references)."""
+    import gc
+
+    frozen_during = []
+    step = llm.core.step
+    llm.core.step = lambda: (frozen_during.append(gc.get_freeze_count()), step())[1]
+    try:
+        assert gc.get_freeze_count() == 0
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert frozen_during and min(frozen_during) > 0
+        assert gc.get_freeze_count() == 0
+        gc.freeze()
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        del llm.core.step
