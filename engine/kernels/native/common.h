@@ -198,23 +198,98 @@ static inline void transpose16_u32(const uint32_t *const rows[16], uint32_t *dst
 #endif
 }
 
-/* e^x, 16 at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
+/* e^x, a vector at a time: Cephes' expf (Cody-Waite reduction by ln 2, degree-6 polynomial), within
    about an ulp; exactly 0 below -87.3 (where e^x leaves fp32's normal range; e^-inf = 0), x
-   clamped at 88.3 above. A scalar expf per element cost as much as the work around it. */
-ALWAYS_INLINE v16f vexp(v16f x) {
-    const v16i tiny = gt16((v16f){0} - 87.3f, x), huge = gt16(x, (v16f){0} + 88.3f);
-    x = (v16f)(((v16i)x & ~(tiny | huge)) | ((v16i)((v16f){0} - 87.3f) & tiny) | ((v16i)((v16f){0} + 88.3f) & huge));
-    const v16f shift = (v16f){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
-    const v16f n = (x * 1.44269504088896341f + shift) - shift;
-    const v16f r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (v16f)(((v16i)p + (__builtin_convertvector(n, v16i) << 23)) & ~tiny);
+   clamped at 88.3 above. A scalar expf per element cost as much as the work around it. One body for
+   the 16-float vectors (vexp) and the ISA's own (vexpv, below): VF/VI the float and int vectors, GT their `>`. */
+#define DEFINE_VEXP(NAME, VF, VI, GT)                                                                            \
+    ALWAYS_INLINE VF NAME(VF x) {                                                                                \
+        const VI tiny = GT((VF){0} - 87.3f, x), huge = GT(x, (VF){0} + 88.3f);                                   \
+        x = (VF)(((VI)x & ~(tiny | huge)) | ((VI)((VF){0} - 87.3f) & tiny) | ((VI)((VF){0} + 88.3f) & huge));  \
+        const VF shift = (VF){0} + 12582912.0f; /* 1.5 * 2^23: rounds to an integer */                         \
+        const VF n = (x * 1.44269504088896341f + shift) - shift;                                                 \
+        const VF r = (x - n * 0.693359375f) - n * -2.12194440e-4f;                                               \
+        VF p = (VF){0} + 1.9875691500e-4f;                                                                       \
+        p = p * r + 1.3981999507e-3f;                                                                            \
+        p = p * r + 8.3334519073e-3f;                                                                            \
+        p = p * r + 4.1665795894e-2f;                                                                            \
+        p = p * r + 1.6666665459e-1f;                                                                            \
+        p = p * r + 5.0000001201e-1f;                                                                            \
+        p = p * r * r + r + 1.0f;                                                                                \
+        return (VF)(((VI)p + (__builtin_convertvector(n, VI) << 23)) & ~tiny);                                  \
+    }
+
+DEFINE_VEXP(vexp, v16f, v16i, gt16)
+
+/* The ISA's own vector: 16 floats on AVX-512, 8 (a ymm) elsewhere. Without 64-byte registers (AVX2) GCC
+   keeps a 16-float vector that lives across a loop's iterations (a running max or sum) in memory, stored in
+   halves and reloaded whole each iteration, and casts one to integers through memory: kernels whose vectors
+   live across loops use this type (loadv / storev, their bf16 forms, vexpv, vmaxv). */
+#ifdef __AVX512F__
+typedef v16f vec;
+typedef v16i veci;
+typedef v16u vecu;
+#else
+typedef float vec __attribute__((vector_size(32)));
+typedef int32_t veci __attribute__((vector_size(32)));
+typedef uint32_t vecu __attribute__((vector_size(32)));
+#endif
+#define VW ((int)(sizeof(vec) / sizeof(float))) /* floats a vector */
+
+static inline vec loadv(const float *p) {
+    vec x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
+
+#ifdef __AVX512F__
+#define loadv_bf16 load16_bf16
+#define storev_bf16 store16_bf16
+#define vexpv vexp
+#define vmaxv vmax16
+#else
+typedef uint16_t vech __attribute__((vector_size(16)));
+static inline vec loadv_bf16(const uint16_t *p) { /* exact: the high half of the bits */
+    vech h;
+    memcpy(&h, p, sizeof h);
+    return (vec)(__builtin_convertvector(h, vecu) << 16);
+}
+static inline void storev_bf16(uint16_t *p, vec x) { /* to nearest even, as torch; NaN stays NaN */
+    const vecu u = (vecu)x;
+    const veci nan = (0x7f800000 - (veci)(u & 0x7fffffffu)) >> 31;
+    const vecu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    const vech h = __builtin_convertvector((vecu)(((veci)rounded & ~nan) | ((veci)quiet & nan)), vech);
+    memcpy(p, &h, sizeof h);
+}
+#define GT_NATIVE(a, b) ((a) > (b))
+DEFINE_VEXP(vexpv, vec, veci, GT_NATIVE)
+ALWAYS_INLINE vec vmaxv(vec a, vec b) { /* lane-wise max (b where either is NaN) */
+    const veci c = a > b;
+    return (vec)(((veci)a & c) | ((veci)b & ~c));
+}
+#endif
+
+/* 2 * VW bf16 values, one load, as VW pairs of 32 bits: the pairs' low halves widened (exactly) by a shift
+   into *lo, their high halves by a mask into *hi (bf16 panels, f32_panels.h; the MoE block's rows, moe_experts.c). */
+static inline void load_bf16_pair(const uint16_t *q, vec *lo, vec *hi) {
+    vecu u;
+    memcpy(&u, q, sizeof u);
+    const vecu l = u << 16, h = u & 0xffff0000u;
+    memcpy(lo, &l, sizeof l);
+    memcpy(hi, &h, sizeof h);
+}
+
+ALWAYS_INLINE vec loadv_at(const void *base, int64_t at, int bf16) {
+    return bf16 ? loadv_bf16((const uint16_t *)base + at) : loadv((const float *)base + at);
+}
+
+ALWAYS_INLINE void storev_at(void *base, int64_t at, vec x, int bf16) {
+    if (bf16)
+        storev_bf16((uint16_t *)base + at, x);
+    else
+        storev((float *)base + at, x);
 }
 
 /* A buffer of at least `bytes` that the calling thread keeps between calls (a fresh one is an mmap and its

@@ -25,24 +25,10 @@
 #define STAGGER_FLOATS 16
 static inline int rows_share_l1_set(int64_t m, int64_t k) { return m > 1 && (k * (int64_t)sizeof(float)) % 4096 == 0; }
 
-/* A block's vectors: a zmm of 16 floats on AVX-512, where 2 span a panel's 32 columns; a ymm of 8 on AVX2,
+/* A block's vectors (common.h's vec): a zmm of 16 floats on AVX-512, where 2 span a panel's 32 columns; a ymm of 8 on AVX2,
    where 2 span half a panel and a block runs once for each half (12 x 32 sums would spill AVX2's 16
    registers). The halves read different cache lines of the panel's rows, so each line is still read once a
    block, and each output's sum is the same FMAs in the same order of k: the same bits on either. */
-#ifdef __AVX512F__
-typedef v16f vec;
-#else
-typedef float vec __attribute__((vector_size(32)));
-#endif
-#define VW ((int)(sizeof(vec) / sizeof(float))) /* floats a vector */
-
-static inline vec loadv(const float *p) {
-    vec x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
 /* A panel row's 2 * VW weights from q as two vectors, b0 (columns 0..VW-1 of the block) and b1 (VW..2VW-1). */
 #define LOAD_F32_PAIR(q, b0, b1) (b0 = loadv(q), b1 = loadv((q) + VW))
@@ -111,17 +97,7 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
    whose fp32 copy held twice the model's bytes beside it. A block's 2 * VW values of a panel row lie as VW
    pairs of 32 bits, pair j holding column j in its low half and column VW + j in its high half, so one load,
    a shift and a mask give the block's two vectors (f32_linear.c's f32_pack_rows_bf16 lays them so): the same
-   fp32 values as an fp32 panel's, the same FMAs in the same order, the same bits. */
-typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
-
-static inline void load_bf16_pair(const uint16_t *q, vec *b0, vec *b1) {
-    vecu u;
-    memcpy(&u, q, sizeof u);
-    const vecu lo = u << 16, hi = u & 0xffff0000u;
-    memcpy(b0, &lo, sizeof lo);
-    memcpy(b1, &hi, sizeof hi);
-}
-
+   fp32 values as an fp32 panel's, the same FMAs in the same order, the same bits (common.h's load_bf16_pair). */
 #define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
 PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
 

@@ -60,12 +60,12 @@ ALWAYS_INLINE void dot_store(const float *lane, int lanes, const void *w, int64_
    ones), as the bf16 panels are, against x laid out to match (bf16_dot_groups: each 16 values of K as its
    8 even, then its 8 odd). */
 #define DOT_ROWS 2
-/* 16 bf16 values, one load: the even ones widened by a shift, the odd ones by a mask (f32_panels.h's
-   load_bf16_pair, in AVX2's own vectors) */
+/* 16 bf16 values, one load: the even ones widened by a shift, the odd ones by a mask (common.h's
+   load_bf16_pair; vec is AVX2's __m256 here) */
 static inline void widen_even_odd(const uint16_t *p, __m256 *even, __m256 *odd) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    *even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
+    vec e, o;
+    load_bf16_pair(p, &e, &o);
+    *even = (__m256)e, *odd = (__m256)o;
 }
 
 ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const int64_t wr[4], int64_t nj, int bf16,

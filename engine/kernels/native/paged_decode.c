@@ -6,10 +6,11 @@
    the values, straight from the cache through the block table, as vLLM's CPU paged attention does.
 
    Work item: one row (sequence), all its heads, rows taken in sibling runs (below): a cache slot
-   holds every kv head's key side by side, so each slot is read once, whole. Vectors of 16 floats
-   (GCC vector extensions: zmm on AVX512, pairs of ymm on AVX2), the head size a compile-time
-   multiple of 16, so a key's vectors stay in registers while every query head of its group takes
-   its dot product.
+   holds every kv head's key side by side, so each slot is read once, whole. The ISA's own vectors
+   (common.h's vec: 16 floats on AVX-512, 8 on AVX2, where 16-float vectors living across loops went
+   through memory: the kernel 1.3-1.6x slower there), the head size a compile-time multiple of the
+   width, so a key's vectors stay in registers while every query head of its group takes its dot
+   product.
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
    does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
    Each row's sums run in one fixed order, set by the row alone (its keys block by block, four at a
@@ -28,45 +29,63 @@
 #include "common.h"
 
 #define MAX_HEADS 128
-#define MAX_VECS 16 /* head size up to 256 */
+#define MAX_VECS (256 / VW) /* head size up to 256 */
 
-static inline float hsum(v16f x) {
+/* x's lanes summed: halves paired, then quarters, and so on (one order, set by the width). */
+static inline float hsum(vec x) {
+#ifdef __AVX512F__
     x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
     return x[0];
 }
 
-static inline float hmax(v16f x) {
-    for (int i = 8; i >= 1; i /= 2) {
-        v16f y;
-        for (int l = 0; l < 16; l++) y[l] = x[l ^ i];
-        x = vmax16(x, y);
+static inline float hmax(vec x) {
+    for (int i = VW / 2; i >= 1; i /= 2) {
+        vec y;
+        for (int l = 0; l < VW; l++) y[l] = x[l ^ i];
+        x = vmaxv(x, y);
     }
     return x[0];
 }
 
-/* The four dot products a0..a3 hold in their lanes, summed across lanes at once: two rounds of
-   pairing halves, then two within each group of four (a tenth of four separate sums' shuffles). */
-static inline void reduce4(v16f a0, v16f a1, v16f a2, v16f a3, float *out) {
-    const v16f x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                   __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const v16f y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                   __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+/* The four dot products a0..a3 hold in their lanes, summed across lanes at once: rounds of pairing
+   halves, then the rest within each group (a tenth of four separate sums' shuffles). */
+static inline void reduce4(vec a0, vec a1, vec a2, vec a3, float *out) {
+#ifdef __AVX512F__
+    const vec x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vec y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     /* lanes: a0 in 0-3, a2 in 4-7, a1 in 8-11, a3 in 12-15 */
-    v16f z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-             __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    vec z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     z += __builtin_shufflevector(z, z, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     out[0] = z[0], out[1] = z[8], out[2] = z[4], out[3] = z[12];
+#else
+    const vec x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vec y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* lanes: a0 in 0-1, a2 in 2-3, a1 in 4-5, a3 in 6-7 */
+    vec z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    z += __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] = z[0], out[1] = z[4], out[2] = z[2], out[3] = z[6];
+#endif
 }
 
 /* The cache's two dtypes, one code: every function below that reads or writes the cache takes `bf16`
-   and is inlined with it constant (common.h's ALWAYS_INLINE functions, load16_at and store16_at). */
+   and is inlined with it constant (common.h's ALWAYS_INLINE functions, loadv_at and storev_at). */
 
 /* A row's sizes: H query heads in groups of G per kv head (KVH of them), NV vectors a head (D
-   values), `slot` values a cache slot (every kv head's), the keys [first, len) it attends (first > 0
+   values, NV * VW), `slot` values a cache slot (every kv head's), the keys [first, len) it attends (first > 0
    under a sliding window), `padded` scores a head (len - first rounded up to 16), the cache's `bs`
    slots a block. */
 typedef struct {
@@ -76,11 +95,11 @@ typedef struct {
 
 /* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
    slot's head) on: x[s] the slot s after it. */
-ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v16f x[4][MAX_VECS], int bf16) {
+ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, vec x[4][MAX_VECS], int bf16) {
     for (int i = 0; i < r->NV; i++) {
-        x[0][i] = load16_at(cache, at + i * 16, bf16), x[1][i] = load16_at(cache, at + r->slot + i * 16, bf16);
-        x[2][i] = load16_at(cache, at + 2 * r->slot + i * 16, bf16);
-        x[3][i] = load16_at(cache, at + 3 * r->slot + i * 16, bf16);
+        x[0][i] = loadv_at(cache, at + i * VW, bf16), x[1][i] = loadv_at(cache, at + r->slot + i * VW, bf16);
+        x[2][i] = loadv_at(cache, at + 2 * r->slot + i * VW, bf16);
+        x[3][i] = loadv_at(cache, at + 3 * r->slot + i * VW, bf16);
     }
 }
 
@@ -98,15 +117,15 @@ ALWAYS_INLINE void prefetch_slots(const void *cache, int64_t block, int64_t from
 }
 
 /* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
-ALWAYS_INLINE void score_four(const v16f *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
+ALWAYS_INLINE void score_four(const vec *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
                               int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
-        v16f k[4][MAX_VECS];
+        vec k[4][MAX_VECS];
         load_four(kc, keys + kh * r->D, r, k, bf16);
         for (int g = 0; g < G; g++) {
-            const v16f *q = qs + (kh * G + g) * NV;
-            v16f a0 = q[0] * k[0][0], a1 = q[0] * k[1][0], a2 = q[0] * k[2][0], a3 = q[0] * k[3][0];
+            const vec *q = qs + (kh * G + g) * NV;
+            vec a0 = q[0] * k[0][0], a1 = q[0] * k[1][0], a2 = q[0] * k[2][0], a3 = q[0] * k[3][0];
             for (int i = 1; i < NV; i++)
                 a0 += q[i] * k[0][i], a1 += q[i] * k[1][i], a2 += q[i] * k[2][i], a3 += q[i] * k[3][i];
             reduce4(a0, a1, a2, a3, scores + (kh * G + g) * r->padded);
@@ -115,15 +134,15 @@ ALWAYS_INLINE void score_four(const v16f *qs, const void *kc, int64_t keys, cons
 }
 
 /* The score of the key at element `key` of the cache for every query head. */
-ALWAYS_INLINE void score_one(const v16f *qs, const void *kc, int64_t key, const RowShape *r, float *scores,
+ALWAYS_INLINE void score_one(const vec *qs, const void *kc, int64_t key, const RowShape *r, float *scores,
                              int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
         const int64_t k = key + kh * r->D;
         for (int g = 0; g < G; g++) {
-            const v16f *q = qs + (kh * G + g) * NV;
-            v16f a = q[0] * load16_at(kc, k, bf16);
-            for (int i = 1; i < NV; i++) a += q[i] * load16_at(kc, k + i * 16, bf16);
+            const vec *q = qs + (kh * G + g) * NV;
+            vec a = q[0] * loadv_at(kc, k, bf16);
+            for (int i = 1; i < NV; i++) a += q[i] * loadv_at(kc, k + i * VW, bf16);
             scores[(kh * G + g) * r->padded] = hsum(a);
         }
     }
@@ -135,7 +154,7 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
    through `table`: four keys at a time within a block (their vectors in registers, each query head's
    four sums reduced together), the block's rest one at a time; the next block's keys prefetched
    alongside (the last block's: the first values). */
-ALWAYS_INLINE void score_keys(const v16f *qs, const void *kc, const void *vc, const int64_t *table,
+ALWAYS_INLINE void score_keys(const vec *qs, const void *kc, const void *vc, const int64_t *table,
                               const RowShape *r, float *scores, int bf16) {
     const int64_t b0 = r->first / r->bs;
     for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
@@ -164,12 +183,12 @@ static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
     }
     for (int h = 0; h < r->H; h++) {
         float *s = scores + h * r->padded;
-        v16f mv = load16_f32(s); /* in vectors: a scalar max's chain of compares took an eighth */
-        for (int64_t t = 16; t < r->padded; t += 16) mv = vmax16(load16_f32(s + t), mv);
+        vec mv = loadv(s); /* in vectors: a scalar max's chain of compares took an eighth */
+        for (int64_t t = VW; t < r->padded; t += VW) mv = vmaxv(loadv(s + t), mv);
         const float m = hmax(mv);
-        v16f sum = {0};
-        for (int64_t t = 0; t < r->padded; t += 16) {
-            v16f e = vexp(load16_f32(s + t) - m);
+        vec sum = {0};
+        for (int64_t t = 0; t < r->padded; t += VW) {
+            vec e = vexpv(loadv(s + t) - m);
             memcpy(s + t, &e, sizeof e);
             sum += e;
         }
@@ -178,11 +197,11 @@ static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
 }
 
 /* acc += the weights p[0..3] of values j..j+3 of a block (at element `values` of the cache), every head. */
-ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t values, const RowShape *r, v16f *acc,
+ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t values, const RowShape *r, vec *acc,
                               int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
-        v16f v[4][MAX_VECS];
+        vec v[4][MAX_VECS];
         load_four(vc, values + kh * r->D, r, v, bf16);
         for (int g = 0; g < G; g++) {
             const int h = kh * G + g;
@@ -194,7 +213,7 @@ ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t value
 }
 
 /* acc += the weight of the value at element `value` of the cache, every head. */
-ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value, const RowShape *r, v16f *acc,
+ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value, const RowShape *r, vec *acc,
                              int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
@@ -202,7 +221,7 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
         for (int g = 0; g < G; g++) {
             const int h = kh * G + g;
             const float p = scores[h * r->padded];
-            for (int i = 0; i < NV; i++) acc[h * NV + i] += p * load16_at(vc, v + i * 16, bf16);
+            for (int i = 0; i < NV; i++) acc[h * NV + i] += p * loadv_at(vc, v + i * VW, bf16);
         }
     }
 }
@@ -210,8 +229,8 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
 /* acc [H][NV] = every head's values [first, len) weighted by its (unnormalised) scores, as score_keys
    goes (the next block's values prefetched alongside). */
 ALWAYS_INLINE void weigh_values(const float *scores, const void *vc, const int64_t *table, const RowShape *r,
-                                v16f *acc, int bf16) {
-    for (int i = 0; i < r->H * r->NV; i++) acc[i] = (v16f){0};
+                                vec *acc, int bf16) {
+    for (int i = 0; i < r->H * r->NV; i++) acc[i] = (vec){0};
     const int64_t b0 = r->first / r->bs;
     for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
@@ -236,17 +255,17 @@ static inline int64_t window_start(int64_t len, int64_t window) {
 /* One row: qs [H][NV] vectors (scaled), its keys [first, len) through `table`; out [H][D] (element `at`
    of `out`). `scores` holds H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
    inlined (attend_row's cases), so each head size gets loops unrolled for it. */
-ALWAYS_INLINE void attend(const v16f *qs, const void *kc, const void *vc, const int64_t *table, int64_t first,
-                          int64_t len, int64_t bs, int H, int KVH, const int NV, float *scores, v16f *acc, void *out,
+ALWAYS_INLINE void attend(const vec *qs, const void *kc, const void *vc, const int64_t *table, int64_t first,
+                          int64_t len, int64_t bs, int H, int KVH, const int NV, float *scores, vec *acc, void *out,
                           int64_t at, int bf16) {
-    const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * 16, .slot = (int64_t)KVH * NV * 16,
+    const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * VW, .slot = (int64_t)KVH * NV * VW,
                         .padded = (len - first + 15) & ~(int64_t)15, .first = first, .len = len, .bs = bs};
     float inv[MAX_HEADS];
     score_keys(qs, kc, vc, table, &r, scores, bf16);
     softmax_heads(scores, &r, inv);
     weigh_values(scores, vc, table, &r, acc, bf16);
     for (int h = 0; h < H; h++)
-        for (int i = 0; i < NV; i++) store16_at(out, at + h * r.D + i * 16, acc[h * NV + i] * inv[h], bf16);
+        for (int i = 0; i < NV; i++) storev_at(out, at + h * r.D + i * VW, acc[h * NV + i] * inv[h], bf16);
 }
 
 /* The shapes and buffers of one call (the entry points' arguments). */
@@ -258,38 +277,40 @@ typedef struct {
     float scale;
 } Call;
 
-/* attend with NV a constant in each case. */
-ALWAYS_INLINE void attend_nv(const Call *c, const v16f *qs, const int64_t *tb, int64_t first, int64_t len, int NV,
-                             float *scores, v16f *acc, int64_t at, int bf16) {
+/* attend with NV, the head's vectors, a constant in each case: head sizes 16, 32, 64, 128, 256 and Phi-3's 96. */
+ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, int64_t first, int64_t len, float *scores,
+                             vec *acc, int64_t at, int bf16) {
     const int H = (int)c->H, KVH = (int)c->KVH;
-    switch (NV) {
-    case 1: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 1, scores, acc, c->out, at, bf16); break;
-    case 2: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 2, scores, acc, c->out, at, bf16); break;
-    case 4: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 4, scores, acc, c->out, at, bf16); break;
-    case 6: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 6, scores, acc, c->out, at, bf16); break; /* 96 */
-    case 8: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 8, scores, acc, c->out, at, bf16); break;
-    default: attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, 16, scores, acc, c->out, at, bf16); break;
+#define ATTEND_D(D) attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, (D) / VW, scores, acc, c->out, at, bf16)
+    switch (c->D) {
+    case 16: ATTEND_D(16); break;
+    case 32: ATTEND_D(32); break;
+    case 64: ATTEND_D(64); break;
+    case 96: ATTEND_D(96); break;
+    case 128: ATTEND_D(128); break;
+    default: ATTEND_D(256); break;
     }
+#undef ATTEND_D
 }
 
 /* Row b of the call: its query scaled into qs, then attend; a row the window does not cut runs code
    compiled for first = 0 (the loops as they were before windows: one loop for both cost full
    attention 3-9% in bf16, bench.decode_attention, noisy). */
-ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, v16f *buf, int bf16) {
-    const int NV = (int)(c->D / 16);
-    v16f *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
-    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = load16_at(c->q, b * c->H * c->D + i * 16, bf16) * c->scale;
+ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, vec *buf, int bf16) {
+    const int NV = (int)(c->D / VW);
+    vec *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
+    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = loadv_at(c->q, b * c->H * c->D + i * VW, bf16) * c->scale;
     const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
     const int64_t first = window_start(len, c->window);
     if (first)
-        attend_nv(c, qs, tb, first, len, NV, scores, acc, at, bf16);
+        attend_nv(c, qs, tb, first, len, scores, acc, at, bf16);
     else
-        attend_nv(c, qs, tb, 0, len, NV, scores, acc, at, bf16);
+        attend_nv(c, qs, tb, 0, len, scores, acc, at, bf16);
 }
 
 /* attend_row for each dtype: its own code, the dtype a constant in it. */
-static void attend_row_f32(const Call *c, int64_t b, float *scores, v16f *buf) { attend_row(c, b, scores, buf, 0); }
-static void attend_row_bf16(const Call *c, int64_t b, float *scores, v16f *buf) { attend_row(c, b, scores, buf, 1); }
+static void attend_row_f32(const Call *c, int64_t b, float *scores, vec *buf) { attend_row(c, b, scores, buf, 0); }
+static void attend_row_bf16(const Call *c, int64_t b, float *scores, vec *buf) { attend_row(c, b, scores, buf, 1); }
 
 /* Sibling runs: adjacent rows whose first cache block is the same one are the n samples of one
    prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together).
@@ -336,7 +357,7 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * (size_t)c->H * (size_t)(max_len + 16));
-        v16f *buf = aligned_alloc(64, sizeof(v16f) * 2 * MAX_HEADS * MAX_VECS);
+        vec *buf = aligned_alloc(64, sizeof(vec) * 2 * MAX_HEADS * MAX_VECS);
         if (!scores || !buf) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < count; r++)
@@ -359,10 +380,10 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
    Returns 0, -1 for shapes this kernel does not take (the caller uses torch then), -2 when out
    of memory. */
 static int paged_decode(const Call *c, int64_t B, int64_t max_len, int bf16) {
-    const int64_t NV = c->D / 16;
-    /* head sizes 16, 32, 64, 128, 256 and Phi-3's 96: attend_nv's cases */
-    if (c->KVH <= 0 || c->H % c->KVH || c->H > MAX_HEADS || c->D % 16 || NV > MAX_VECS ||
-        ((NV & (NV - 1)) && NV != 6) || max_len <= 0)
+    const int64_t D = c->D;
+    /* attend_nv's head sizes */
+    if (c->KVH <= 0 || c->H % c->KVH || c->H > MAX_HEADS || max_len <= 0 ||
+        (D != 16 && D != 32 && D != 64 && D != 96 && D != 128 && D != 256))
         return -1;
     int64_t count;
     Run *runs = sibling_runs(c->table, c->table_stride, c->lengths, B, c->window, &count);

@@ -17,20 +17,22 @@
 #include "common.h"
 
 typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 
-/* acc[0..3] += x, 16 fp32 values widened to float64 in four vectors of 4 (lane l in acc[l / 4]; no
-   dependent chain of scalar adds: that cost 4 times the rest of the pass). Vectors of 4 doubles, not 8:
-   a register on AVX2 (8 doubles lived on the stack there, the pass at half its speed); the same sums. */
-ALWAYS_INLINE void add_wide(v4d *acc, v16f x) {
-    acc[0] += __builtin_convertvector(__builtin_shufflevector(x, x, 0, 1, 2, 3), v4d);
-    acc[1] += __builtin_convertvector(__builtin_shufflevector(x, x, 4, 5, 6, 7), v4d);
-    acc[2] += __builtin_convertvector(__builtin_shufflevector(x, x, 8, 9, 10, 11), v4d);
-    acc[3] += __builtin_convertvector(__builtin_shufflevector(x, x, 12, 13, 14, 15), v4d);
+/* acc[0 .. VW / 4 - 1] += x, a vector of fp32 values widened to float64 four at a time (lane l in acc[l / 4];
+   no dependent chain of scalar adds: that cost 4 times the rest of the pass). Vectors of 4 doubles: a register
+   on AVX2 as on AVX-512 (8-double vectors lived on the stack on AVX2). */
+ALWAYS_INLINE void add_wide(v4d *acc, vec x) {
+    for (int j = 0; j < VW / 4; j++) {
+        v4f quarter;
+        memcpy(&quarter, (const float *)&x + 4 * j, sizeof quarter);
+        acc[j] += __builtin_convertvector(quarter, v4d);
+    }
 }
 
-static inline double sum_wide(const v4d *acc) { /* lanes l and l + 8 paired, l = 0..7, in order */
+static inline double sum_wide(const v4d *acc) { /* lanes l and l + VW / 2 paired, in order of l */
     double s = 0;
-    for (int i = 0; i < 8; i++) s += acc[i / 4][i % 4] + acc[2 + i / 4][i % 4];
+    for (int i = 0; i < VW / 2; i++) s += acc[i / 4][i % 4] + acc[(i + VW / 2) / 4][i % 4];
     return s;
 }
 
@@ -43,9 +45,11 @@ typedef struct {
     int unit;
 } Row;
 
-/* l / t as torch divides, 16 values from index c of the row, and one value at c. */
-ALWAYS_INLINE v16f scaled16(const Row *r, int64_t c, int bf16) {
-    return r->unit ? load16_at(r->logits, r->row + c, bf16) : load16_at(r->logits, r->row + c, bf16) / r->t;
+/* l / t as torch divides, a vector's values from index c of the row (common.h's vec: 16 on AVX-512, 8 on
+   AVX2, where 16-float vectors living across the loops below went through memory: the sampler 1.x slower),
+   and one value at c. */
+ALWAYS_INLINE vec scaledv(const Row *r, int64_t c, int bf16) {
+    return r->unit ? loadv_at(r->logits, r->row + c, bf16) : loadv_at(r->logits, r->row + c, bf16) / r->t;
 }
 
 ALWAYS_INLINE float scaled(const Row *r, int64_t c, int bf16) {
@@ -55,13 +59,10 @@ ALWAYS_INLINE float scaled(const Row *r, int64_t c, int bf16) {
 /* max(l / t) = max(l) / t: a correctly rounded division by t > 0 keeps the order. */
 ALWAYS_INLINE float scaled_max(const Row *r, int bf16) {
     int64_t c = 0;
-    v16f mv = (v16f){0} - INFINITY;
-    for (; c + 16 <= r->vocab; c += 16) {
-        const v16f s = load16_at(r->logits, r->row + c, bf16);
-        mv = vmax16(s, mv);
-    }
+    vec mv = (vec){0} - INFINITY;
+    for (; c + VW <= r->vocab; c += VW) mv = vmaxv(loadv_at(r->logits, r->row + c, bf16), mv);
     float m = -INFINITY;
-    for (int i = 0; i < 16; i++) m = fmaxf(m, mv[i]);
+    for (int i = 0; i < VW; i++) m = fmaxf(m, mv[i]);
     for (; c < r->vocab; c++) m = fmaxf(m, load_at(r->logits, r->row + c, bf16));
     return m / r->t;
 }
@@ -71,11 +72,11 @@ ALWAYS_INLINE double block_sums(const Row *r, float m, int64_t block, int64_t nb
     double total = 0;
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t end = b * block + block < r->vocab ? b * block + block : r->vocab;
-        v4d acc[4] = {{0}, {0}, {0}, {0}};
+        v4d acc[VW / 4] = {{0}};
         int64_t c;
-        for (c = b * block; c + 16 <= end; c += 16) add_wide(acc, vexp(scaled16(r, c, bf16) - m));
+        for (c = b * block; c + VW <= end; c += VW) add_wide(acc, vexpv(scaledv(r, c, bf16) - m));
         double s = sum_wide(acc);
-        for (; c < end; c++) s += (double)vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+        for (; c < end; c++) s += (double)vexpv((vec){0} + (scaled(r, c, bf16) - m))[0];
         sums[b] = s;
         total += s;
     }
@@ -84,7 +85,7 @@ ALWAYS_INLINE double block_sums(const Row *r, float m, int64_t block, int64_t nb
 
 /* A token's weight e^(l / t - m): one expression for the sampler and the scorer, so both round alike. */
 ALWAYS_INLINE float token_weight(const Row *r, int64_t c, float m, int bf16) {
-    return vexp((v16f){0} + (scaled(r, c, bf16) - m))[0];
+    return vexpv((vec){0} + (scaled(r, c, bf16) - m))[0];
 }
 
 /* The token the uniform u picks (its block by the sums, then the token by its weights), and its
