@@ -8,7 +8,7 @@
    Work item: one row (sequence), all its heads, rows taken in sibling runs (below): a cache slot
    holds every kv head's key side by side, so each slot is read once, whole. The ISA's own vectors
    (common.h's vec: 16 floats on AVX-512, 8 on AVX2, where 16-float vectors living across loops went
-   through memory: the kernel 1.3-1.6x slower there), the head size a compile-time multiple of the
+   through memory: the kernel 1.1-1.4x slower at SmolLM2's heads), the head size a compile-time multiple of the
    width, so a key's vectors stay in registers while every query head of its group takes its dot
    product.
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel

@@ -46,7 +46,7 @@ typedef struct {
 } Row;
 
 /* l / t as torch divides, a vector's values from index c of the row (common.h's vec: 16 on AVX-512, 8 on
-   AVX2, where 16-float vectors living across the loops below went through memory: the sampler 1.x slower),
+   AVX2, where 16-float vectors living across the loops below went through memory: the sampler at half speed),
    and one value at c. */
 ALWAYS_INLINE vec scaledv(const Row *r, int64_t c, int bf16) {
     return r->unit ? loadv_at(r->logits, r->row + c, bf16) : loadv_at(r->logits, r->row + c, bf16) / r->t;
