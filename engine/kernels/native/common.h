@@ -1,5 +1,6 @@
 /* What the engine's C kernels share: bf16 <-> fp32 as torch converts, 16-float vectors (GCC's
-   vector extensions: zmm on AVX512, pairs of ymm on AVX2) and a vectorised e^x. */
+   vector extensions: zmm on AVX512, pairs of ymm on AVX2, where GCC keeps one that lives across a loop
+   in memory), the ISA's own vector (vec: a zmm or a ymm) and a vectorised e^x for each. */
 #ifndef ROLLOUT_NATIVE_COMMON_H
 #define ROLLOUT_NATIVE_COMMON_H
 
