@@ -40,10 +40,14 @@ ALWAYS_INLINE v16i gt16(v16f a, v16f b) {
 #endif
 }
 
-ALWAYS_INLINE v16f vmax16(v16f a, v16f b) { /* lane-wise max (b where either is NaN) */
-    const v16i c = gt16(a, b);
-    return (v16f)(((v16i)a & c) | ((v16i)b & ~c));
-}
+/* lane-wise max (b where either is NaN): one body for the 16-float vectors (vmax16) and the ISA's own (vmaxv) */
+#define DEFINE_VMAX(NAME, VF, VI, GT)                \
+    ALWAYS_INLINE VF NAME(VF a, VF b) {              \
+        const VI c = GT(a, b);                       \
+        return (VF)(((VI)a & c) | ((VI)b & ~c));     \
+    }
+
+DEFINE_VMAX(vmax16, v16f, v16i, gt16)
 
 static inline float bf16_to_f32(uint16_t x) { /* exact: the high half of the bits */
     uint32_t u = (uint32_t)x << 16;
@@ -115,16 +119,22 @@ static inline void widen_bf16(const uint16_t *from, int64_t count, float *to) {
     for (; i < count; i++) to[i] = bf16_to_f32(from[i]);
 }
 
-static inline void store16_bf16(uint16_t *p, v16f x) {
-    v16u u;
-    memcpy(&u, &x, sizeof u);
-    /* all ones where NaN: GCC turned the unsigned compare of 16 lanes into scalar code on AVX2 */
-    const v16i nan = (0x7f800000 - (v16i)(u & 0x7fffffffu)) >> 31;
-    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const v16u quiet = (u >> 16) | 0x40u; /* NaN stays NaN */
-    const v16h h = __builtin_convertvector((v16u)(((v16i)rounded & ~nan) | ((v16i)quiet & nan)), v16h);
-    memcpy(p, &h, sizeof h);
-}
+/* A vector's floats rounded to bf16 (to nearest even, as torch) and stored: one body for the 16-float vectors
+   (store16_bf16) and the ISA's own (storev_bf16, below); VF/VU/VI the float, unsigned and int vectors, VH
+   the bf16 one. */
+#define DEFINE_STORE_BF16(NAME, VF, VU, VI, VH)                                                                   \
+    static inline void NAME(uint16_t *p, VF x) {                                                                 \
+        VU u;                                                                                                    \
+        memcpy(&u, &x, sizeof u);                                                                                \
+        /* all ones where NaN: GCC turned the unsigned compare of 16 lanes into scalar code on AVX2 */           \
+        const VI nan = (0x7f800000 - (VI)(u & 0x7fffffffu)) >> 31;                                               \
+        const VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;                                               \
+        const VU quiet = (u >> 16) | 0x40u; /* NaN stays NaN */                                                  \
+        const VH h = __builtin_convertvector((VU)(((VI)rounded & ~nan) | ((VI)quiet & nan)), VH);                \
+        memcpy(p, &h, sizeof h);                                                                                 \
+    }
+
+DEFINE_STORE_BF16(store16_bf16, v16f, v16u, v16i, v16h)
 
 /* count fp32 values rounded to bf16 (to nearest even, as torch), 16 at a time */
 static inline void narrow_bf16(const float *from, int64_t count, uint16_t *to) {
@@ -257,19 +267,10 @@ static inline vec loadv_bf16(const uint16_t *p) { /* exact: the high half of the
     memcpy(&h, p, sizeof h);
     return (vec)(__builtin_convertvector(h, vecu) << 16);
 }
-static inline void storev_bf16(uint16_t *p, vec x) { /* to nearest even, as torch; NaN stays NaN */
-    const vecu u = (vecu)x;
-    const veci nan = (0x7f800000 - (veci)(u & 0x7fffffffu)) >> 31;
-    const vecu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-    const vech h = __builtin_convertvector((vecu)(((veci)rounded & ~nan) | ((veci)quiet & nan)), vech);
-    memcpy(p, &h, sizeof h);
-}
+DEFINE_STORE_BF16(storev_bf16, vec, vecu, veci, vech)
 #define GT_NATIVE(a, b) ((a) > (b))
 DEFINE_VEXP(vexpv, vec, veci, GT_NATIVE)
-ALWAYS_INLINE vec vmaxv(vec a, vec b) { /* lane-wise max (b where either is NaN) */
-    const veci c = a > b;
-    return (vec)(((veci)a & c) | ((veci)b & ~c));
-}
+DEFINE_VMAX(vmaxv, vec, veci, GT_NATIVE)
 #endif
 
 /* 2 * VW bf16 values, one load, as VW pairs of 32 bits: the pairs' low halves widened (exactly) by a shift
