@@ -122,27 +122,29 @@ def in_place() -> bool:
 
 
 def rows_fit(weights) -> bool:
-    """Whether `linear_rows` takes these weights: fp32 [n_i, k] each, rows contiguous, at most three,
-    one k, on the CPU."""
-    return (0 < len(weights) <= 3 and all(w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
-                                          and w.shape[1] == weights[0].shape[1] and w.is_contiguous()
-                                          for w in weights))
+    """Whether `linear_rows` takes these weights: fp32 [n_i, k] each (or all bf16: a bf16 model's), rows
+    contiguous, at most three, one k, on the CPU."""
+    return (0 < len(weights) <= 3 and weights[0].dtype in (torch.float32, torch.bfloat16)
+            and all(w.dtype == weights[0].dtype and w.dim() == 2 and w.device.type == "cpu"
+                    and w.shape[1] == weights[0].shape[1] and w.is_contiguous() for w in weights))
 
 
-def _rows_fn():
-    return native_kernels.function("f32_linear", "f32_linear_rows", (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
+def _rows_fn(dtype: torch.dtype = torch.float32):
+    """The kernel over fp32 weight rows, or over bf16 ones (f32_linear_rows_bf16: the bf16 panels' bits)."""
+    symbol = "f32_linear_rows_bf16" if dtype == torch.bfloat16 else "f32_linear_rows"
+    return native_kernels.function("f32_linear", symbol, (_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR),
                                    ctypes.c_int)
 
 
 def linear_rows(x: torch.Tensor, w: derived_weights.WeightRows, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [m, k] fp32 @ (w's rows).T (+ bias [n]) -> [m, n] fp32: `linear`'s bits, read from the
-    weights where they lie."""
+    """x [m, k] fp32 @ (w's rows).T (+ bias [n]) -> [m, n] fp32: `linear`'s bits (fp32 rows; bf16 rows: the
+    bf16 panels'), read from the weights where they lie."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
     b = None if bias is None else bias.float().contiguous()
     d = w.desc.data_ptr()
-    if _rows_fn()(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights), None if b is None else b.data_ptr(),
-                  out.data_ptr()) != 0:
+    if _rows_fn(w.dtype)(x.data_ptr(), x.shape[0], w.k, d + 8, d + 32, len(w.weights),
+                         None if b is None else b.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("f32_linear_rows: no memory for its partial sums")
     return out
 

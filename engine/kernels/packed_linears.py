@@ -102,12 +102,12 @@ def pack(model: torch.nn.Module, dtype: torch.dtype, max_seqs: int | None = None
 def reads_in_place(weight: torch.Tensor, dtype: torch.dtype, max_seqs: int | None = None) -> bool:
     """Whether a linear runs on its weight as it is (derived_weights.WeightRows: no packed copy to
     hold or to derive): a bf16 engine's on AMX tiles or AVX512-BF16 (an engine of `max_seqs` sequences:
-    bf16_rows.available), an fp32 engine's on our fp32 kernel (AVX-512 or AVX2)."""
-    if weight.dtype != dtype:
-        return False
-    if dtype == torch.bfloat16:
+    bf16_rows.available), an fp32 engine's on our fp32 kernel (AVX-512 or AVX2), and a bf16 model's on
+    the fp32 kernel (a CPU without bf16 kernels: `dtype` fp32, its compute_dtype) where that is asked for
+    (f32_linears.in_place)."""
+    if dtype == torch.bfloat16 and weight.dtype == dtype:
         return bf16_rows.available(max_seqs) and bf16_rows.rows_fit([weight])
-    if dtype == torch.float32:
+    if dtype == torch.float32 and weight.dtype in (torch.float32, torch.bfloat16):
         return f32_linears.available() and f32_linears.in_place() and f32_linears.rows_fit([weight])
     return False
 
@@ -165,7 +165,7 @@ def _packed_apply(self: torch.nn.Linear, x: torch.Tensor, packed: torch.Tensor, 
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if isinstance(packed, derived_weights.WeightRows):  # the weights in place
-        rows_linear = bf16_rows.linear_rows if packed.dtype == torch.bfloat16 else f32_linears.linear_rows
+        rows_linear = bf16_rows.linear_rows if dtype == torch.bfloat16 else f32_linears.linear_rows
         out = rows_linear(rows, packed, bias)
     elif isinstance(packed, amx_linears.AmxWeight):  # any row count: no primitive cache to bound
         out = amx_linears.linear_bf16(rows, packed, bias)

@@ -42,6 +42,7 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
     w8_bf16, w8_f32 = w8_linears.c_kernels()
     return (("amx_linear", "amx_linear_bf16"), w8_bf16, ("f32_linear", "f32_linear"), w8_f32, bf16_rows.c_kernel(),
             ("f32_linear", "f32_linear_rows"), ("f32_linear", "f32_linear_bf16_panels"),
+            ("f32_linear", "f32_linear_rows_bf16"),
             ("layer_glue", f"rope_cache_{x}"),
             ("layer_glue", f"add_rms_norm_{x}"), ("layer_glue", f"silu_mul_{x}"), ("paged_decode", f"paged_decode_{x}"),
             ("layer_glue", f"gemma_norm_{x}"), ("layer_glue", f"gelu_tanh_mul_{x}"))
@@ -51,9 +52,10 @@ LAYER_FIELDS = 33  # Layer in decode_layers.c: two norms, four (weight, kind, bi
 # the sliding window, Gemma's two MLP norms and the layer's rope tables
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
-BF16, W8, F32, BF16_ROWS, F32_ROWS, F32_BF16 = 0, 1, 2, 3, 4, 5  # Linear.kind (F32_BF16: the fp32 kernel's bf16 panels)
-# the linears each loop takes: a bf16 loop takes the fp32 kernel's panels too (a CPU without bf16 kernels: AVX2)
-_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS, F32, F32_BF16), torch.float32: (F32, W8, F32_ROWS)}
+# Linear.kind (F32_BF16: the fp32 kernel's bf16 panels; F32_BF16_ROWS: its bf16 weights read in place)
+BF16, W8, F32, BF16_ROWS, F32_ROWS, F32_BF16, F32_BF16_ROWS = 0, 1, 2, 3, 4, 5, 6
+# the linears each loop takes: a bf16 loop takes the fp32 kernel's too (a CPU without bf16 kernels: AVX2)
+_KINDS = {torch.bfloat16: (BF16, W8, BF16_ROWS, F32, F32_BF16, F32_BF16_ROWS), torch.float32: (F32, W8, F32_ROWS)}
 
 
 class _Shape(ctypes.Structure):
@@ -106,7 +108,11 @@ def _copy(linear: torch.nn.Module, group) -> tuple[int, int, int, int] | None:
     it is not one of the loop's kernels'."""
     copy = derived_weights.current_group(group) if group is not None else derived_weights.current(linear)
     if isinstance(copy, derived_weights.WeightRows):
-        return copy.desc.data_ptr(), BF16_ROWS if copy.dtype == torch.bfloat16 else F32_ROWS, copy.n, copy.k
+        if copy.dtype == torch.float32:
+            return copy.desc.data_ptr(), F32_ROWS, copy.n, copy.k
+        owner = group.members[0] if group is not None else linear
+        on_f32 = getattr(owner, "_packed_dtype", None) == torch.float32  # bf16 rows on the fp32 kernel (AVX2)
+        return copy.desc.data_ptr(), F32_BF16_ROWS if on_f32 else BF16_ROWS, copy.n, copy.k
     if isinstance(copy, amx_linears.AmxWeight) and copy.packed.dtype == torch.bfloat16:
         return copy.packed.data_ptr(), BF16, copy.n, copy.k
     if isinstance(copy, f32_linears.F32Weight):

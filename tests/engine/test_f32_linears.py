@@ -81,6 +81,24 @@ def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, f32_linears.pack(w)))
 
 
+@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2, or no C compiler: the kernel does not run")
+@pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
+@pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (70, 2048), (36, 769)])
+def test_on_bf16_weights_in_place_the_bf16_panels_bits(m, n, k):
+    """f32_linear_rows_bf16 (a bf16 model's weights read where they lie, bf16 panels laid out per call: whole
+    runs of 32 values of K, a tail, rows past n) against the bf16 panels packed once: the same bits; a group's
+    members where they lie too."""
+    from engine.kernels.derived_weights import rows_of
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
+    b, packed = torch.randn(n, generator=g), f32_linears.pack(w)
+    for bias in (None, b):
+        assert torch.equal(f32_linears.linear_rows(x, rows_of(w), bias), f32_linears.linear(x, packed, bias))
+    parts = [w[:n // 3].contiguous(), w[n // 3:n // 2].contiguous(), w[n // 2:].contiguous()]
+    assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, packed))
+
+
 @f32_kernel
 @pytest.mark.parametrize("k", [1024, 2048, 6144])
 def test_a_rows_bits_alone_and_among_rows_copied_apart(k):

@@ -189,3 +189,29 @@ def test_the_fp32_engine_on_its_weights_in_place_gives_the_packed_copys_tokens_a
         llm = LLM(EngineConfig(model=model_dirs["qwen2"], dtype="float32", max_num_seqs=8, max_model_len=256))
         outs[switch] = _run(llm, monkeypatch, "1")
     assert outs["1"] == outs["0"] and calls["native"] > 0
+
+
+@pytest.mark.skipif(BF16_KERNELS or not f32_linears.available()
+                    or packed_linears.compute_dtype(torch.bfloat16) != torch.float32,
+                    reason="a CPU with bf16 kernels reads a bf16 model's weights in place anyway; or no fp32 kernel")
+def test_a_bf16_model_on_its_weights_in_place_gives_the_bf16_panels_tokens_and_logprobs(model_dirs, monkeypatch,
+                                                                                        calls):
+    """On a CPU without bf16 kernels (AVX2), ROLLOUT_F32_IN_PLACE=1 serves a bf16 model's linears from its bf16
+    weights (f32_linear_rows_bf16: no panels held, none derived by a push): the bf16 panels' bits, in the C loop
+    and in the prefill, before a push and after it."""
+    outs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(f32_linears.IN_PLACE_SWITCH, switch)
+        llm = LLM(EngineConfig(model=model_dirs["qwen2"], dtype="bfloat16", max_num_seqs=8, max_model_len=256))
+        worker = llm.core.worker
+        before = _run(llm, monkeypatch, "1")
+        held = worker.memory()["derived_copies"]
+        pairs = [(p, (p.detach() * 1.05).to(p.dtype)) for p in worker.model.parameters()]
+        staged = worker.stage_derived_copies(pairs)
+        with torch.no_grad():
+            for p, t in pairs:
+                p.copy_(t)
+        worker.weights_written(staged)
+        outs[switch] = (before, _run(llm, monkeypatch, "1"), held, staged.derived)
+    assert outs["1"][:2] == outs["0"][:2] and outs["1"][0] != outs["1"][1] and calls["native"] > 0
+    assert outs["1"][2:] == (0, 0) and outs["0"][2] > 0 and outs["0"][3] > 0

@@ -37,7 +37,7 @@ typedef int (*linear_w8_f32_fn)(const uint16_t *x, int64_t m, int64_t k, const v
    attention in the loop's dtype (layer_glue.c's and paged_decode.c's _bf16 or _f32). */
 typedef struct {
     int64_t linear_bf16, linear_w8, linear_f32, linear_w8_f32, linear_bf16_rows, linear_f32_rows, linear_f32_bf16,
-        rope_cache, add_rms_norm, silu_mul, paged_decode, gemma_norm, gelu_mul;
+        linear_f32_bf16_rows, rope_cache, add_rms_norm, silu_mul, paged_decode, gemma_norm, gelu_mul;
     /* a model with sparse MLPs: moe_experts.c's moe_block_* and the kernel table it takes, and its
        router_logits_* (0 for a dense model) */
     int64_t moe_block, moe_kernels, router_logits;
@@ -47,8 +47,12 @@ typedef struct {
    as the Python path adds it: by the bf16 and fp32 kernels, after a weight-only int8 one's rounded
    output). LINEAR_BF16_ROWS: `weight` is the segments of weights read in place, [count, 3 pointers,
    3 row counts] (derived_weights.WeightRows); LINEAR_F32_ROWS the same in fp32; LINEAR_F32_BF16 the fp32
-   kernel's bf16 panels (a bf16 model's copy on AVX2: f32_linear_bf16_panels). */
-enum { LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4, LINEAR_F32_BF16 = 5 };
+   kernel's bf16 panels (a bf16 model's copy on AVX2: f32_linear_bf16_panels); LINEAR_F32_BF16_ROWS its bf16
+   weights read in place by it (f32_linear_rows_bf16, ROLLOUT_F32_IN_PLACE=1). */
+enum {
+    LINEAR_BF16 = 0, LINEAR_W8 = 1, LINEAR_F32 = 2, LINEAR_BF16_ROWS = 3, LINEAR_F32_ROWS = 4, LINEAR_F32_BF16 = 5,
+    LINEAR_F32_BF16_ROWS = 6
+};
 typedef struct {
     int64_t weight, kind, bias;
 } Linear;
@@ -77,8 +81,8 @@ typedef struct {
 } Shape;
 
 /* A bf16 model's linear on the fp32 kernel, as packed_linears runs it on a CPU without bf16 kernels (AVX2:
-   compute_dtype; its panels fp32 or bf16): the input and the bias widened (exact), the fp32 kernel's sums
-   and bias, the output rounded to bf16 once: the Python forward's bits. */
+   compute_dtype; its panels fp32 or bf16, or its bf16 weights in place): the input and the bias widened
+   (exact), the fp32 kernel's sums and bias, the output rounded to bf16 once: the Python forward's bits. */
 static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
                               uint16_t *out) {
     float *x32 = thread_buffer((m * k + m * n + n) * (int64_t)sizeof(float));
@@ -86,15 +90,22 @@ static int linear_f32_on_bf16(const Kernels *kn, Linear w, const uint16_t *x, in
     float *out32 = x32 + m * k, *bias = w.bias ? out32 + m * n : NULL;
     widen_bf16(x, m * k, x32);
     if (bias) widen_bf16((const uint16_t *)w.bias, n, bias);
-    const int64_t kernel = w.kind == LINEAR_F32_BF16 ? kn->linear_f32_bf16 : kn->linear_f32;
-    const int rc = ((linear_f32_fn)kernel)(x32, m, k, (const float *)w.weight, n, bias, out32);
+    int rc;
+    if (w.kind == LINEAR_F32_BF16_ROWS) {
+        const int64_t *seg = (const int64_t *)w.weight;
+        rc = ((linear_f32_rows_fn)kn->linear_f32_bf16_rows)(x32, m, k, seg + 1, seg + 4, seg[0], bias, out32);
+    } else {
+        const int64_t kernel = w.kind == LINEAR_F32_BF16 ? kn->linear_f32_bf16 : kn->linear_f32;
+        rc = ((linear_f32_fn)kernel)(x32, m, k, (const float *)w.weight, n, bias, out32);
+    }
     narrow_bf16(out32, m * n, out);
     return rc;
 }
 
 static int linear_bf16(const Kernels *kn, Linear w, const uint16_t *x, int64_t m, int64_t k, int64_t n,
                        uint16_t *out) {
-    if (w.kind == LINEAR_F32 || w.kind == LINEAR_F32_BF16) return linear_f32_on_bf16(kn, w, x, m, k, n, out);
+    if (w.kind == LINEAR_F32 || w.kind == LINEAR_F32_BF16 || w.kind == LINEAR_F32_BF16_ROWS)
+        return linear_f32_on_bf16(kn, w, x, m, k, n, out);
     if (w.kind == LINEAR_BF16)
         return ((linear_bf16_fn)kn->linear_bf16)(x, m, k, (const void *)w.weight, n, (const uint16_t *)w.bias, out);
     if (w.kind == LINEAR_W8) {

@@ -100,7 +100,26 @@ static inline int all_rows(const void *const src[32]) {
         if (src[j] == NULL) return 0;
     return 1;
 }
+
+/* 16 bf16 rows (src[j], read from value `at`) x 8 values of K as 8 rows of a bf16 panel (dst, a panel row
+   apart) in load_bf16_pair's order: rows j and j + 8 paired into 32 bits, then 8 x 8 of those transposed */
+static inline void bf16_pairs_8x16(const uint16_t *const *src, int64_t at, uint16_t *dst) {
+    __m256 r[8];
+    for (int j = 0; j < 8; j++) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(src[j] + at));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src[j + 8] + at));
+        r[j] = _mm256_castsi256_ps(_mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b)));
+    }
+    transpose8_regs(r);
+    for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps((float *)(dst + kk * 32), r[kk]);
+}
 #endif
+
+/* Where column j of a panel row lies in a bf16 panel (load_bf16_pair's order within each block of 2 * VW) */
+static inline int bf16_slot(int j) {
+    const int c = j % (2 * VW);
+    return j - c + 2 * (c % VW) + c / VW;
+}
 
 void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, int64_t k, float *out) {
     int64_t n = 0;
@@ -170,34 +189,19 @@ void f32_pack_rows_bf16(const uint16_t *const *seg, const int64_t *rows, int64_t
     for (int64_t p = 0; p < panels; p++) {
         uint16_t *dst = out + p * k * 32;
         const uint16_t *src[32];
-        int slot[32]; /* column j's place in a panel row */
-        for (int j = 0; j < 32; j++) {
+        for (int j = 0; j < 32; j++)
             src[j] = segment_row((const void *const *)seg, rows, count, p * 32 + j, k * (int64_t)sizeof(uint16_t));
-            const int c = j % (2 * VW);
-            slot[j] = j - c + 2 * (c % VW) + c / VW;
-        }
         int64_t k0 = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-        /* a block's 16 columns x 8 values of K at a time: columns c and c + 8 paired into 32-bit values, then
-           8 x 8 of those transposed (a panel's last, partial, columns: the loop below) */
+        /* a block's 16 columns x 8 values of K at a time (a panel's last, partial, columns: the loop below) */
         if (all_rows((const void *const *)src))
             for (; k0 + 8 <= k; k0 += 8)
-                for (int c = 0; c < 32; c += 16) {
-                    __m256 r[8];
-                    for (int j = 0; j < 8; j++) {
-                        const __m128i a = _mm_loadu_si128((const __m128i *)(src[c + j] + k0));
-                        const __m128i b = _mm_loadu_si128((const __m128i *)(src[c + j + 8] + k0));
-                        const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi16(a, b), _mm_unpacklo_epi16(a, b));
-                        r[j] = _mm256_castsi256_ps(pairs);
-                    }
-                    transpose8_regs(r);
-                    for (int kk = 0; kk < 8; kk++) _mm256_storeu_ps((float *)(dst + (k0 + kk) * 32 + c), r[kk]);
-                }
+                for (int c = 0; c < 32; c += 16) bf16_pairs_8x16(src + c, k0, dst + k0 * 32 + c);
 #endif
         for (; k0 < k; k0 += 64) {
             const int64_t kb = k - k0 < 64 ? k - k0 : 64;
             for (int j = 0; j < 32; j++)
-                for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + slot[j]] = src[j] ? src[j][k0 + kk] : 0;
+                for (int64_t kk = 0; kk < kb; kk++) dst[(k0 + kk) * 32 + bf16_slot(j)] = src[j] ? src[j][k0 + kk] : 0;
         }
     }
 }
@@ -255,8 +259,11 @@ static const wrows_fn wrows_of_rows[MR] = {wrows_1, wrows_2, wrows_3, wrows_4, w
 #endif
 };
 
-static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more) {
-    for (int col = 0; col < 32; col += 2 * VW) wrows_of_rows[rows - 1](w, k0, kc, p + col, (float *)acc + col, more);
+/* ... over the panel's first `cols` columns (rounded up to 2 * VW: the rest of the panel's rows are past m) */
+static void weight_rows(int rows, const float *const *w, int64_t k0, int64_t kc, const float *p, v16f *acc, int more,
+                        int64_t cols) {
+    for (int col = 0; col < cols && col < 32; col += 2 * VW)
+        wrows_of_rows[rows - 1](w, k0, kc, p + col, (float *)acc + col, more);
 }
 
 /* x [m, k] as panels of 32 rows, [ceil(m/32)][k][32], rows past m zero. */
@@ -281,9 +288,11 @@ static void activations_as_panels(const float *x, int64_t m, int64_t k, float *x
     }
 }
 
-/* Each output column's weight row, kept between calls per calling thread (NULL without memory). */
-static const float **row_pointers(const int64_t *seg_ptr, const int64_t *seg_rows, int64_t nseg, int64_t n, int64_t k) {
-    static __thread const float **kept = NULL;
+/* Each output column's weight row (of `value_bytes` values), kept between calls per calling thread (NULL
+   without memory). */
+static const void **row_pointers(const int64_t *seg_ptr, const int64_t *seg_rows, int64_t nseg, int64_t n, int64_t k,
+                                 int64_t value_bytes) {
+    static __thread const void **kept = NULL;
     static __thread int64_t cap = 0;
     if (n > cap) {
         free(kept);
@@ -292,7 +301,7 @@ static const float **row_pointers(const int64_t *seg_ptr, const int64_t *seg_row
         if (kept == NULL) return NULL;
     }
     for (int64_t s = 0, r = 0; s < nseg; s++)
-        for (int64_t i = 0; i < seg_rows[s]; i++) kept[r++] = (const float *)seg_ptr[s] + i * k;
+        for (int64_t i = 0; i < seg_rows[s]; i++) kept[r++] = (const char *)seg_ptr[s] + i * k * value_bytes;
     return kept;
 }
 
@@ -326,7 +335,7 @@ static int rows_broadcast(const float *x, int64_t m, int64_t k, const float **ro
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 for (int64_t mp = 0; mp < mpanels; mp++) {
                     v16f *acc = sums ? sums + mp * 2 * MR : one;
-                    weight_rows(nr, w, k0, kc, xp + mp * k * 32 + k0 * 32, acc, k0 > 0);
+                    weight_rows(nr, w, k0, kc, xp + mp * k * 32 + k0 * 32, acc, k0 > 0, m - mp * 32);
                     if (k0 + kc < k) continue;
                     for (int r = 0; r < nr; r++) { /* acc[r]: column n0 + r of 32 output rows */
                         float v[32];
@@ -378,10 +387,60 @@ int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr
     int64_t n = 0;
     for (int64_t s = 0; s < nseg; s++) n += seg_rows[s];
     if (m == 0 || n == 0) return 0;
-    const float **rows = row_pointers(seg_ptr, seg_rows, nseg, n, k);
+    const float **rows = (const float **)row_pointers(seg_ptr, seg_rows, nseg, n, k, sizeof(float));
     if (rows == NULL) return -1;
     if (m >= 8 && m <= 32) return rows_broadcast(x, m, k, rows, n, bias, out);
     /* else each weight panel's K chunk laid out per call (in L2) and the packed kernel's row blocks run over
        it: at a step's many rows the layout is paid once for many blocks */
     return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, 0, out, NULL);
+}
+
+/* ---- a bf16 model's weights in place on the fp32 kernel: no panels ----------------------------
+
+   A CPU without bf16 kernels (AVX2; AVX-512 without AVX512-BF16) serves a bf16 model's linears on this
+   kernel: from bf16 panels derived at each push (f32_pack_rows_bf16), or from the weights where they lie,
+   with no copy held (the model's bytes, and a push's derive, saved). The same arithmetic as the bf16
+   panels', each weight widened exactly and the fp32 FMAs in order of k: the same bits (tested). */
+
+/* Rows [row0, row0 + 32) of a bf16 weight (`rows`: each column's row), values [k0, k0 + kc) of K, laid out
+   into buf as a bf16 panel chunk [kc][32] (f32_pack_rows_bf16's order; panels_per_call's chunk, widened as
+   its blocks load it). */
+#define LAYOUT_AHEAD 512 /* values of K a row is fetched ahead of the layout's loads */
+static const void *panel_from_bf16_rows(const void *weights, int64_t n, int64_t row0, int64_t k0, int64_t kc,
+                                        float *buf) {
+    const uint16_t *const *rows = weights;
+    uint16_t *dst = (uint16_t *)buf;
+    int64_t kk = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* a row's whole lines (32 values) before the next rows': rows K * 2 bytes apart may share one set of L1
+       (K = 2048, 6144), and a line read 16 bytes at a time across 32 rows was evicted before its next use */
+    static const uint16_t zeros[32] = {0};
+    for (; kk + 32 <= kc; kk += 32)
+        for (int c = 0; c < 32; c += 16) {
+            const uint16_t *src[16];
+            for (int j = 0; j < 16; j++) {
+                src[j] = row0 + c + j < n ? rows[row0 + c + j] + k0 + kk : zeros;
+                __builtin_prefetch(src[j] + LAYOUT_AHEAD); /* 32 streams: more than the hardware follows */
+            }
+            for (int q = 0; q < 32; q += 8) bf16_pairs_8x16(src, q, dst + (kk + q) * 32 + c);
+        }
+#endif
+    for (; kk < kc; kk++) /* K's tail */
+        for (int j = 0; j < 32; j++) dst[kk * 32 + bf16_slot(j)] = row0 + j < n ? rows[row0 + j][k0 + kk] : 0;
+    return dst;
+}
+
+/* f32_linear_rows over bf16 weight rows (seg_ptr[s] a [seg_rows[s], k] bf16 weight, read where it lies):
+   f32_linear_bf16_panels' bits, over bf16 panels laid out per call at every row count (the rows broadcast
+   as f32_linear_rows does at 8-32 rows, each block's rows widened first, ran 1.1-1.5x slower on a Zen 3:
+   its activations, twice the bytes of a bf16 panel, stream from L2 for every block). Returns 0, or -1
+   without memory. */
+int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
+                         int64_t nseg, const float *bias, float *out) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) n += seg_rows[s];
+    if (m == 0 || n == 0) return 0;
+    const void **rows = row_pointers(seg_ptr, seg_rows, nseg, n, k, sizeof(uint16_t));
+    if (rows == NULL) return -1;
+    return panels_per_call(x, k, m, k, n, bias, panel_from_bf16_rows, rows, KC, 1, out, NULL);
 }
