@@ -9,7 +9,8 @@ read probe (at 32 rows a sweep streams 538 MB of SmolLM2's weights as much as it
 
 `--dtype bfloat16`: a bf16 model's linears on a CPU without bf16 kernels (AVX2), each input widened and
 each output rounded to bf16: ours on bf16 panels (the engine's copy there, widened as the kernel loads
-it), ours on an fp32 copy (the engine's before) and oneDNN's op on an fp32 copy (before ours).
+it), ours on the bf16 weights in place (`ROLLOUT_F32_IN_PLACE=1`: no copy), ours on an fp32 copy (the
+engine's before) and oneDNN's op on an fp32 copy (before ours).
 
     python -m bench.f32_linears                  # SmolLM2-135M, rows 1,32,256
     python -m bench.f32_linears --rows 32 --repeats 20
@@ -25,7 +26,7 @@ import torch
 
 from bench.amx_linears import _seconds, activations, model_linears, read_bandwidth, sweep_of
 from bench.engines import probe_peak
-from engine.kernels import f32_linears
+from engine.kernels import derived_weights, f32_linears
 
 log = logging.getLogger("bench.f32_linears")
 
@@ -45,8 +46,9 @@ def sweeps(weights: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> d
             "oneDNN packed": (run(lambda i, x: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")),
                               4 * count)}
     if dtype == torch.bfloat16:  # no F.linear (its fp32 weights: memory a 1B shape's four copies lack)
-        panels = [f32_linears.pack(w) for w in weights]
+        panels, rows = [f32_linears.pack(w) for w in weights], [derived_weights.rows_of(w) for w in weights]
         return {"ours bf16 panels": (run(lambda i, x: f32_linears.linear(x, panels[i])), 2 * count),
+                "ours bf16 in place": (run(lambda i, x: f32_linears.linear_rows(x, rows[i])), 2 * count),
                 "ours fp32 copy": ways["ours"], "oneDNN packed": ways["oneDNN packed"]}
     return {**ways, "F.linear (MKL)": (run(lambda i, x: torch.nn.functional.linear(x, wide[i])), 4 * count)}
 

@@ -405,22 +405,21 @@ int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr
 /* Rows [row0, row0 + 32) of a bf16 weight (`rows`: each column's row), values [k0, k0 + kc) of K, laid out
    into buf as a bf16 panel chunk [kc][32] (f32_pack_rows_bf16's order; panels_per_call's chunk, widened as
    its blocks load it). */
-#define LAYOUT_AHEAD 512 /* values of K a row is fetched ahead of the layout's loads */
+#define LAYOUT_AHEAD 256 /* values of K a row is fetched ahead of the layout's loads */
 static const void *panel_from_bf16_rows(const void *weights, int64_t n, int64_t row0, int64_t k0, int64_t kc,
                                         float *buf) {
     const uint16_t *const *rows = weights;
     uint16_t *dst = (uint16_t *)buf;
     int64_t kk = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    /* a row's whole lines (32 values) before the next rows': rows K * 2 bytes apart may share one set of L1
-       (K = 2048, 6144), and a line read 16 bytes at a time across 32 rows was evicted before its next use */
+    /* a row's whole lines (32 values) before the next rows' */
     static const uint16_t zeros[32] = {0};
     for (; kk + 32 <= kc; kk += 32)
         for (int c = 0; c < 32; c += 16) {
             const uint16_t *src[16];
             for (int j = 0; j < 16; j++) {
                 src[j] = row0 + c + j < n ? rows[row0 + c + j] + k0 + kk : zeros;
-                __builtin_prefetch(src[j] + LAYOUT_AHEAD); /* 32 streams: more than the hardware follows */
+                __builtin_prefetch(src[j] + LAYOUT_AHEAD);
             }
             for (int q = 0; q < 32; q += 8) bf16_pairs_8x16(src, q, dst + (kk + q) * 32 + c);
         }
@@ -430,10 +429,83 @@ static const void *panel_from_bf16_rows(const void *weights, int64_t n, int64_t 
     return dst;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* A decode step's few rows (1..SMALL_M) on bf16 weight rows, with no layout in memory: 8 weight rows x 8 values
+   of K widened and transposed in registers, then each of x's rows adds its 8 products per output in order of
+   k, the sums in registers over the whole of K. The layout per call (below) wrote and read back a chunk of
+   32 rows for each one row, twice the weights' time on a Zen 3 where memory bounds a step. */
+#define SMALL_M 7
+#define TILE_AHEAD 256 /* values of K each of a tile's 8 rows is fetched ahead of its loads */
+
+/* (the sums as 7 named vectors, not an array: GCC 12 kept an array of them in memory across the loop) */
+#define TILE_FMA(i, a, r)                                                                                \
+    if (tile_m > i) a = _mm256_fmadd_ps(_mm256_broadcast_ss(x + (i) * ldx + kk), r, a)
+#define TILE_ROWS(M)                                                                                     \
+    static void tile_rows_##M(const float *x, int64_t ldx, int64_t k, const uint16_t *const *w, __m256 *sums) { \
+        const int tile_m = M;                                                                            \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0;           \
+        int64_t kk = 0;                                                                                  \
+        for (; kk + 8 <= k; kk += 8) {                                                                   \
+            if ((kk & 31) == 0)                                                                          \
+                for (int j = 0; j < 8; j++) __builtin_prefetch(w[j] + kk + TILE_AHEAD);                  \
+            __m256 r[8];                                                                                 \
+            for (int j = 0; j < 8; j++) {                                                                \
+                const __m128i h = _mm_loadu_si128((const __m128i *)(w[j] + kk));                         \
+                r[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));             \
+            }                                                                                            \
+            transpose8_regs(r); /* r[q]: value kk + q of the 8 rows */                                   \
+            for (int q = 0; q < 8; q++, kk++) {                                                          \
+                TILE_FMA(0, a0, r[q]); TILE_FMA(1, a1, r[q]); TILE_FMA(2, a2, r[q]); TILE_FMA(3, a3, r[q]); \
+                TILE_FMA(4, a4, r[q]); TILE_FMA(5, a5, r[q]); TILE_FMA(6, a6, r[q]);                     \
+            }                                                                                            \
+            kk -= 8;                                                                                     \
+        }                                                                                                \
+        for (; kk < k; kk++) { /* K's tail */                                                            \
+            float v[8];                                                                                  \
+            for (int j = 0; j < 8; j++) v[j] = bf16_to_f32(w[j][kk]);                                    \
+            const __m256 r = _mm256_loadu_ps(v);                                                         \
+            TILE_FMA(0, a0, r); TILE_FMA(1, a1, r); TILE_FMA(2, a2, r); TILE_FMA(3, a3, r);              \
+            TILE_FMA(4, a4, r); TILE_FMA(5, a5, r); TILE_FMA(6, a6, r);                                  \
+        }                                                                                                \
+        sums[0] = a0, sums[1] = a1, sums[2] = a2, sums[3] = a3, sums[4] = a4, sums[5] = a5, sums[6] = a6; \
+    }
+TILE_ROWS(1)
+TILE_ROWS(2)
+TILE_ROWS(3)
+TILE_ROWS(4)
+TILE_ROWS(5)
+TILE_ROWS(6)
+TILE_ROWS(7)
+typedef void (*tile_fn)(const float *, int64_t, int64_t, const uint16_t *const *, __m256 *);
+static const tile_fn tile_rows_of[SMALL_M] = {tile_rows_1, tile_rows_2, tile_rows_3, tile_rows_4,
+                                             tile_rows_5, tile_rows_6, tile_rows_7};
+
+/* x [m, k] (m <= SMALL_M, row stride ldx) . the bf16 rows^T (+ bias) into out [m, n]: each output the fp32 sum
+   of its products in order of k, then its bias (the panels' sums and order: their bits). Threads take tiles of 8
+   outputs. */
+static void tiles_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *const *rows, int64_t n,
+                       const float *bias, float *out) {
+    const int64_t tiles = (n + 7) / 8;
+    _Pragma("omp parallel for schedule(static) if (m * n * k > 32768)")
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * 8, cols = n - n0 < 8 ? n - n0 : 8;
+        const uint16_t *w[8];
+        for (int j = 0; j < 8; j++) w[j] = rows[j < cols ? n0 + j : n0]; /* past n: a row read again, dropped */
+        __m256 sums[SMALL_M];
+        tile_rows_of[m - 1](x, ldx, k, w, sums);
+        const float *acc = (const float *)sums;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < cols; j++) out[i * n + n0 + j] = acc[i * 8 + j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+#endif
+
 /* f32_linear_rows over bf16 weight rows (seg_ptr[s] a [seg_rows[s], k] bf16 weight, read where it lies):
-   f32_linear_bf16_panels' bits, over bf16 panels laid out per call at every row count (the rows broadcast
-   as f32_linear_rows does at 8-32 rows, each block's rows widened first, ran 1.1-1.5x slower on a Zen 3:
-   its activations, twice the bytes of a bf16 panel, stream from L2 for every block). Returns 0, or -1
+   f32_linear_bf16_panels' bits; up to SMALL_M rows on AVX2 by tiles transposed in registers (above), more over
+   bf16 panels laid out per call. On a Zen 3 (Qwen3-1.7B's linears) 1.2-1.45x the packed panels' time at 1-4
+   rows, 1.5-1.8x at 8-16, 1.1-1.3x at 32-256. Tried and dropped: the rows broadcast as f32_linear_rows does at
+   8-32 rows, each block's rows widened first (its activations, twice a bf16 panel's bytes, stream from L2 for
+   every block), and tiles of 8 columns transposed into L1 for groups of 7 rows (1.5-2.3x). Returns 0, or -1
    without memory. */
 int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                          int64_t nseg, const float *bias, float *out) {
@@ -442,5 +514,17 @@ int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *se
     if (m == 0 || n == 0) return 0;
     const void **rows = row_pointers(seg_ptr, seg_rows, nseg, n, k, sizeof(uint16_t));
     if (rows == NULL) return -1;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (m <= SMALL_M) {
+        int64_t ldx = k;
+        if (rows_share_l1_set(m, k)) {
+            const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
+            if (copy) x = copy, ldx = k + STAGGER_FLOATS;
+        }
+        tiles_bf16(x, ldx, m, k, (const uint16_t *const *)rows, n, bias, out);
+        rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
+        return 0;
+    }
+#endif
     return panels_per_call(x, k, m, k, n, bias, panel_from_bf16_rows, rows, KC, 1, out, NULL);
 }
