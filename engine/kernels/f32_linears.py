@@ -113,11 +113,15 @@ IN_PLACE_SWITCH = "ROLLOUT_F32_IN_PLACE"
 
 
 def in_place() -> bool:
-    """Whether the fp32 engine's linears read their weights in place (`linear_rows`: no panels to
+    """Whether the fp32 kernel's linears read their weights in place (`linear_rows`: no panels to
     hold or to derive, the same bits) rather than a packed copy: ROLLOUT_F32_IN_PLACE=1, for a
-    sidecar short of memory (the panels are the model's bytes again). Off by default: on SmolLM2's
-    shapes a decode step's few rows read the weights slower that way (a rollout workload ran 0.76x
-    the packed copy's tokens/s: bench/RESULTS.md), though at 1.7B's shapes and 32 rows it was faster."""
+    sidecar short of memory (the panels are the model's bytes again; a push derives nothing). An fp32
+    model's, and a bf16 model's on a CPU without bf16 kernels (AVX2: its bf16 weights widened as they
+    are read, f32_linear_rows_bf16). Off by default: on SmolLM2's shapes a decode step's few rows read
+    fp32 weights slower that way (a rollout workload ran 0.76x the packed copy's tokens/s), though at
+    1.7B's shapes and 32 rows it was faster; a bf16 Qwen3-1.7B shape on a Zen 3 ran 0.77-0.83x the bf16
+    panels' tokens/s at 32 sequences, its sidecar holding 2.51x the model instead of 4.51x
+    (bench/RESULTS.md)."""
     return os.environ.get(IN_PLACE_SWITCH, "0").lower() in ("1", "on", "true", "yes")
 
 
