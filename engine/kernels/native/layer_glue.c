@@ -57,6 +57,28 @@ static inline v16f keep16_f32(v16f x) { return x; }
 DEFINE_ROPE(rope_cache_f32, float, load_f32, round_f32, store_f32, load16_f32, keep16_f32, store16_f32)
 DEFINE_ROPE(rope_cache_bf16, uint16_t, load_bf16, round_bf16, store_bf16, load16_bf16, round16_bf16, store16_bf16)
 
+/* The squares of n16 values (a multiple of 16) summed lane by lane in 16 lanes, then the lanes in order: the norms'
+   one order, whatever the ISA. The 16 lanes are the ISA's vectors (two of 8 on AVX2, where a 16-float vector
+   carried across the loop lived in memory). */
+#define DEFINE_SUM_SQUARES(NAME, T_, LOADV)                                                             \
+    ALWAYS_INLINE float NAME(const T_ *p, int64_t n16) {                                               \
+        vec lo = {0}, hi = {0}; /* lanes 0..VW-1 and (AVX2) VW..15 */                                  \
+        for (int64_t i = 0; i < n16; i += 16) {                                                        \
+            const vec a = LOADV(p + i);                                                                \
+            lo += a * a;                                                                               \
+            if (VW < 16) {                                                                             \
+                const vec b = LOADV(p + i + VW % 16);                                                  \
+                hi += b * b;                                                                           \
+            }                                                                                          \
+        }                                                                                              \
+        float sum = 0.f;                                                                               \
+        for (int l = 0; l < VW; l++) sum += lo[l];                                                     \
+        for (int l = 0; VW < 16 && l < VW; l++) sum += hi[l];                                          \
+        return sum;                                                                                    \
+    }
+DEFINE_SUM_SQUARES(sum_squares_bf16, uint16_t, loadv_bf16)
+DEFINE_SUM_SQUARES(sum_squares_f32, float, loadv)
+
 /* x [T, N] (+ r [T, N] when r is not NULL: h = x + r written to h_out) -> out [T, N], bf16. 16 lanes at a
    time (a 32-row step's norms ran at a nanosecond a value, a thread alone: 2% of a Qwen3-1.7B step),
    the squares summed lane by lane and then the lanes in order: one order, set by N alone. */
@@ -76,13 +98,7 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h_out, co
         }
         /* one loop over h whether or not it was added here: one summation order, so the C decode loop
            (which adds a layer's residual in the next norm) and Python (which adds it with torch) agree */
-        v16f lanes = {0};
-        for (int64_t i = 0; i < N16; i += 16) {
-            const v16f h = load16_bf16(hr + i);
-            lanes += h * h;
-        }
-        float sum = 0.f;
-        for (int l = 0; l < 16; l++) sum += lanes[l];
+        float sum = sum_squares_bf16(hr, N16);
         for (int64_t i = N16; i < N; i++) sum += bf16_to_f32(hr[i]) * bf16_to_f32(hr[i]);
         const float inv = 1.f / sqrtf(sum / (float)N + eps);
         for (int64_t i = 0; i < N16; i += 16)
@@ -149,7 +165,7 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
 
 /* Gemma's RMS norm: x [T, N] -> out [T, N]: (x * (1 / sqrt(mean(x^2) + eps))) * (1 + w), in fp32 (x and w
    widened), rounded to the dtype once; the squares summed lane by lane, then the lanes in order. */
-#define DEFINE_GEMMA_NORM(NAME, T_, LOAD16, STORE16, LOAD, STORE)                                      \
+#define DEFINE_GEMMA_NORM(NAME, T_, SUM_SQUARES, LOAD16, STORE16, LOAD, STORE)                         \
     void NAME(const T_ *x, const T_ *w, float eps, int64_t T, int64_t N, T_ *out) {                   \
         const int64_t N16 = N & ~(int64_t)15;                                                          \
         /* a decode step's (32 rows of 1152, 128 heads' of 256) alone: waking a team cost more */     \
@@ -157,13 +173,7 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
         for (int64_t t = 0; t < T; t++) {                                                              \
             const T_ *xr = x + t * N;                                                                  \
             T_ *o = out + t * N;                                                                       \
-            v16f lanes = {0};                                                                          \
-            for (int64_t i = 0; i < N16; i += 16) {                                                    \
-                const v16f h = LOAD16(xr + i);                                                         \
-                lanes += h * h;                                                                        \
-            }                                                                                          \
-            float sum = 0.f;                                                                           \
-            for (int l = 0; l < 16; l++) sum += lanes[l];                                              \
+            float sum = SUM_SQUARES(xr, N16);                                                          \
             for (int64_t i = N16; i < N; i++) sum += LOAD(xr[i]) * LOAD(xr[i]);                        \
             const float inv = 1.f / sqrtf(sum / (float)N + eps);                                       \
             for (int64_t i = 0; i < N16; i += 16)                                                      \
@@ -172,6 +182,6 @@ void add_rms_norm_f32(const float *x, const float *r, float *h_out, const float 
         }                                                                                              \
     }
 
-DEFINE_GEMMA_NORM(gemma_norm_bf16, uint16_t, load16_bf16, store16_bf16, load_bf16, store_bf16)
-DEFINE_GEMMA_NORM(gemma_norm_f32, float, load16_f32, store16_f32, load_f32, store_f32)
+DEFINE_GEMMA_NORM(gemma_norm_bf16, uint16_t, sum_squares_bf16, load16_bf16, store16_bf16, load_bf16, store_bf16)
+DEFINE_GEMMA_NORM(gemma_norm_f32, float, sum_squares_f32, load16_f32, store16_f32, load_f32, store_f32)
 
