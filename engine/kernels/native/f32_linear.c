@@ -27,6 +27,17 @@
 #define STAGGER_KEEP_BYTES (4 << 20)
 static _Thread_local rows_apart_buf stagger;
 
+/* x, or its rows copied apart where they share a set of L1 (above), with its row stride in *ldx; a call
+   ends with rows_apart_release(&stagger, STAGGER_KEEP_BYTES). */
+static const float *staggered(const float *x, int64_t m, int64_t k, int64_t *ldx) {
+    *ldx = k;
+    if (!rows_share_l1_set(m, k)) return x;
+    const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
+    if (copy == NULL) return x;
+    *ldx = k + STAGGER_FLOATS;
+    return copy;
+}
+
 /* A packed weight (fp32 or bf16 panels) as panels_per_call reads it: each chunk where it lies. */
 typedef struct {
     const char *w;
@@ -44,11 +55,8 @@ static const void *chunk_in_place(const void *weights, int64_t n, int64_t n0, in
    they share a set of L1 (above). Returns 0, or -1 when out of memory. */
 static int linear_packed(const float *x, int64_t m, int64_t k, const void *w, int bf16, int64_t n, const float *bias,
                          float *out) {
-    int64_t ldx = k;
-    if (rows_share_l1_set(m, k)) {
-        const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
-        if (copy) x = copy, ldx = k + STAGGER_FLOATS;
-    }
+    int64_t ldx;
+    x = staggered(x, m, k, &ldx);
     const packed_weight packed = {w, k, bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float)};
     const int rc = panels_per_call(x, ldx, m, k, n, bias, chunk_in_place, &packed, KC, bf16, out, NULL);
     rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
@@ -449,7 +457,7 @@ static const void *panel_from_bf16_rows(const void *weights, int64_t n, int64_t 
             if ((kk & 31) == 0)                                                                          \
                 for (int j = 0; j < 8; j++) __builtin_prefetch(w[j] + kk + TILE_AHEAD);                  \
             __m256 r[8];                                                                                 \
-            for (int j = 0; j < 8; j++) {                                                                \
+            for (int j = 0; j < 8; j++) { /* (common.h's loadv_bf16 compiled to two halves here) */      \
                 const __m128i h = _mm_loadu_si128((const __m128i *)(w[j] + kk));                         \
                 r[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));             \
             }                                                                                            \
@@ -516,11 +524,8 @@ int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *se
     if (rows == NULL) return -1;
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if (m <= SMALL_M) {
-        int64_t ldx = k;
-        if (rows_share_l1_set(m, k)) {
-            const float *copy = rows_apart(&stagger, x, m, (size_t)k * sizeof(float), STAGGER_FLOATS * sizeof(float), 0);
-            if (copy) x = copy, ldx = k + STAGGER_FLOATS;
-        }
+        int64_t ldx;
+        x = staggered(x, m, k, &ldx);
         tiles_bf16(x, ldx, m, k, (const uint16_t *const *)rows, n, bias, out);
         rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
         return 0;
