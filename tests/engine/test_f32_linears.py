@@ -65,7 +65,7 @@ def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
     assert f32_linears.pack(parts, into=other).packed.data_ptr() != other.packed.data_ptr()
 
 
-@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2, or no C compiler: the kernel does not run")
+@f32_kernel
 @pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (40, 2048)])
 def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
@@ -81,7 +81,7 @@ def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     assert torch.equal(f32_linears.linear_rows(x, rows_of(parts)), f32_linears.linear(x, f32_linears.pack(w)))
 
 
-@pytest.mark.skipif(not f32_linears.available(), reason="no AVX-512 or AVX2, or no C compiler: the kernel does not run")
+@f32_kernel
 @pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (70, 2048), (36, 769)])
 def test_on_bf16_weights_in_place_the_bf16_panels_bits(m, n, k):
