@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--idle-s", type=float, default=600.0, help="a session with no call for this long is "
                    "forgotten (its next call is placed anew); /finish_session ends one at once")
     p.add_argument("--poll-s", type=float, default=0.5, help="how often each sidecar's GET /load is asked")
+    p.add_argument("--poll-timeout-s", type=float, default=5.0, help="how long a GET /load may take to answer")
+    p.add_argument("--misses", type=int, default=3, help="polls timed out in a row before a sidecar counts as gone "
+                   "(its sessions move); a refused connection counts at once")
     p.add_argument("--paused-s", type=float, default=60.0, help="a sidecar pushing weights for longer than "
                    "this takes no calls until the push ends")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="request bodies larger than this get 413 (the "
@@ -65,7 +68,7 @@ def main(argv=None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed call and poll otherwise
     app = build_app(args.sidecars, args.token, args.margin, args.idle_s, args.poll_s, args.paused_s,
-                    int(args.max_body_mb * (1 << 20)))
+                    int(args.max_body_mb * (1 << 20)), args.poll_timeout_s, args.misses)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_keep_alive=30)
     server = _Server(config)

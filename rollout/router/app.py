@@ -31,11 +31,13 @@ ROUTED = ("/v1/completions", "/v1/chat/completions", "/generate", "/inference/v1
 
 
 def build_app(urls: list[str], token: str = "", margin: int = 16, idle_s: float = 600.0, poll_s: float = 0.5,
-              paused_s: float = 60.0, max_body_bytes: int = 8 << 20) -> FastAPI:
+              paused_s: float = 60.0, max_body_bytes: int = 8 << 20, poll_timeout_s: float = 5.0,
+              misses: int = 3) -> FastAPI:
     http = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     placement = Placement(margin, idle_s)
-    sidecars = Sidecars(urls, http, token, poll_s, paused_s, on_load=_LoadIntoPlacement(placement))
+    sidecars = Sidecars(urls, http, token, poll_s, paused_s, on_load=_LoadIntoPlacement(placement),
+                        poll_timeout_s=poll_timeout_s, misses=misses)
     metrics = RouterMetrics()
     metrics.watch(sidecars, placement)
     forwarder = Forwarder(sidecars, placement, http, metrics, max_body_bytes)

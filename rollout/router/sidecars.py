@@ -11,7 +11,10 @@ comes back (after `gone`, or with a version lower than it served, a restarted pr
 once it holds the newest version. One whose push has lasted more than `paused_s` takes no calls until it
 ends (its sessions move).
 
-Peers that lie: a reply that is not a load report counts as not answering.
+Peers that die, hang or lie: a refused or reset connection, or a reply that is not a load report, makes a
+sidecar `gone` at once; a poll that times out only once `misses` in a row have (a sidecar on loaded cores
+can miss one answer: taking it for gone moved every new session elsewhere, and a hung one still goes
+within `misses` polls; SGLang's router counts health failures the same way).
 """
 
 from __future__ import annotations
@@ -39,21 +42,26 @@ class Sidecar:
     load: LoadReply | None = None
     reason: str = ""
     pushing_since: float | None = None
+    misses: int = 0  # polls timed out in a row
     changes: list[str] = field(default_factory=list)  # its state changes, oldest first (for /health)
 
 
 class Sidecars:
     def __init__(self, urls: list[str], http: httpx.AsyncClient, token: str = "", poll_s: float = 0.5,
-                 paused_s: float = 60.0, clock=time.monotonic, on_load=None):
+                 paused_s: float = 60.0, clock=time.monotonic, on_load=None, poll_timeout_s: float = 5.0,
+                 misses: int = 3):
         """`on_load(i, LoadReply, asked_at)`: called with each answer and what `on_load.snapshot()` gave when it
         was asked (the placement reads the sidecars' own load)."""
         if not urls:
             raise ValueError("no sidecar to route to")
+        if misses < 1 or poll_timeout_s <= 0:
+            raise ValueError(f"misses must be >= 1 and poll_timeout_s > 0, got {misses} and {poll_timeout_s}")
         self.all = [Sidecar(u.rstrip("/")) for u in urls]
         self.http, self.poll_s, self.paused_s, self.clock = http, poll_s, paused_s, clock
+        self.poll_timeout_s, self.misses = poll_timeout_s, misses
         self.on_load = on_load
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.polled = asyncio.Event()  # set once every sidecar was asked once
+        self.polled = asyncio.Event()  # set once every sidecar was heard or found gone (not merely slow)
         self.newest = 0  # the newest weight version a sidecar served under this router
 
     def serving(self) -> list[int]:
@@ -65,7 +73,8 @@ class Sidecars:
     async def watch(self) -> None:
         while True:
             await self.poll()
-            self.polled.set()
+            if all(s.state != STARTING for s in self.all):
+                self.polled.set()
             await asyncio.sleep(self.poll_s)
 
     def add(self, url: str) -> bool:
@@ -93,8 +102,10 @@ class Sidecars:
         replies = await asyncio.gather(*(self._ask(self.all[i]) for i in present), return_exceptions=True)
         heard = [(i, r) for i, r in zip(present, replies) if isinstance(r, LoadReply)]
         for i, r in zip(present, replies):
-            if not isinstance(r, LoadReply):
-                self.lost(self.all[i], f"{type(r).__name__}: {r}" if str(r) else type(r).__name__)
+            if isinstance(r, LoadReply):
+                self.all[i].misses = 0
+            else:
+                self._missed(self.all[i], r)
         # the newest a serving sidecar holds now, or (none serving yet) the newest any holds; never back:
         # a sidecar restarted on older weights must not serve them because its peers are gone too
         serving = [r.version for i, r in heard if self.all[i].state == SERVING]
@@ -105,7 +116,7 @@ class Sidecars:
                 self.on_load(i, r, asked_at)
 
     async def _ask(self, s: Sidecar) -> LoadReply:
-        resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=5.0)
+        resp = await self.http.get(s.url + "/load", headers=self.headers, timeout=self.poll_timeout_s)
         if resp.status_code != 200:
             raise RuntimeError(f"GET /load answered {resp.status_code}: {resp.text[:200]}")
         return _decode(resp.content)
@@ -124,6 +135,17 @@ class Sidecars:
             self._set(s, SERVING, f"holds version {r.version}")
         else:
             self._set(s, BEHIND, f"holds version {r.version}, the others {newest}: waits to be caught up")
+
+    def _missed(self, s: Sidecar, e: BaseException) -> None:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if isinstance(e, httpx.TimeoutException):
+            s.misses += 1
+            if s.misses < self.misses:
+                log.info("sidecar %s: no load report in %.1f s (%d of %d misses before it counts as gone)",
+                         s.url, self.poll_timeout_s, s.misses, self.misses)
+                return
+            why = f"{self.misses} polls in a row timed out ({why})"
+        self.lost(s, why)
 
     def lost(self, s: Sidecar, why: str) -> None:
         """Sidecar s did not answer (a poll, or a call that could not reach it): no calls until it does."""

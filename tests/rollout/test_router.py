@@ -1,6 +1,7 @@
 """`python -m rollout.router` (issue 66 item 2): a real router process over real sidecar processes'
 HTTP fronts. Sessions stay where their prefix is and spread by load; the token rule holds; a sidecar
-killed mid-session gives its sessions to the others and loses no episode; a streamed call is never sent
+killed mid-session gives its sessions to the others and loses no episode, one slow to answer a poll
+keeps them and a frozen one goes; a streamed call is never sent
 again after its first chunk; a sidecar that comes back on older weights gets no call until its trainer's
 client has caught it up."""
 
@@ -159,6 +160,34 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
                             "temperature": 0, "ignore_eos": True, "stream": True, "user": "chatter"})
     events = [line for line in chat.text.splitlines() if line.startswith("data: ")]
     assert chat.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 7
+
+
+def test_a_sidecar_slow_to_answer_keeps_its_sessions_and_a_frozen_one_goes(two):
+    """b frozen (SIGSTOP, its engines too) for less than the router's misses: its polls time out, and it
+    still serves (on loaded cores one late answer had sent every new session elsewhere); frozen for
+    longer, it goes once `--misses` polls in a row time out, and serves again once it answers."""
+    a, b, _ = two
+    router = LocalRouter([a.http_url, b.http_url], "--poll-s", "0.2", "--poll-timeout-s", "0.5", "--misses", "4",
+                         token=TOKEN)
+    try:
+        _until(lambda: _state(router, b.http_url) == "serving", "b never served")
+        signal_tree(b.proc.pid, signal.SIGSTOP)
+        time.sleep(0.6)  # at most two polls (0.5 s each, 0.2 s apart) time out
+        signal_tree(b.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        health = httpx.get(router.url + "/health", timeout=30).json()["sidecars"][b.http_url]
+        assert health["state"] == "serving" and not any(c.startswith("gone") for c in health["changes"]), health
+        frozen_at = time.monotonic()
+        signal_tree(b.proc.pid, signal.SIGSTOP)
+        _until(lambda: _state(router, b.http_url) == "gone", "a frozen b never went", timeout_s=30)
+        assert time.monotonic() - frozen_at >= 4 * 0.5
+        reason = httpx.get(router.url + "/health", timeout=30).json()["sidecars"][b.http_url]["reason"]
+        assert "4 polls in a row timed out" in reason, reason
+        signal_tree(b.proc.pid, signal.SIGCONT)
+        _until(lambda: _state(router, b.http_url) == "serving", "b never served again")
+    finally:
+        signal_tree(b.proc.pid, signal.SIGCONT)
+        router.stop()
 
 
 def test_a_sidecar_killed_mid_session_moves_its_sessions_and_a_stream_is_never_sent_twice(qwen2_dir):
