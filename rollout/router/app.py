@@ -105,7 +105,7 @@ def _add_status_routes(app: FastAPI, sidecars: Sidecars, placement: Placement, m
         snap = snapshot(sidecars, placement)
         body = {"ok": snap["serving"] > 0, **snap}
         for s in sidecars.all:  # a sidecar removed and added again: its newest entry (as in the snapshot)
-            body["sidecars"][s.url].update(reason=s.reason, changes=s.changes)
+            body["sidecars"][s.url].update(reason=s.reason, changes=s.changes, misses=s.misses)
         return JSONResponse(body, status_code=200 if body["ok"] else 503)
 
     @app.get("/metrics")

@@ -163,20 +163,21 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
 
 
 def test_a_sidecar_slow_to_answer_keeps_its_sessions_and_a_frozen_one_goes(two):
-    """b frozen (SIGSTOP, its engines too) for less than the router's misses: its polls time out, and it
-    still serves (on loaded cores one late answer had sent every new session elsewhere); frozen for
-    longer, it goes once `--misses` polls in a row time out, and serves again once it answers."""
+    """b frozen (SIGSTOP, its engines too) until a poll of it timed out: it still serves (on loaded cores
+    one late answer had sent every new session elsewhere); frozen for longer, it goes once `--misses`
+    polls in a row time out, and serves again once it answers."""
     a, b, _ = two
     router = LocalRouter([a.http_url, b.http_url], "--poll-s", "0.2", "--poll-timeout-s", "0.5", "--misses", "4",
                          token=TOKEN)
+    health = lambda: httpx.get(router.url + "/health", timeout=30).json()["sidecars"][b.http_url]  # noqa: E731
     try:
         _until(lambda: _state(router, b.http_url) == "serving", "b never served")
         signal_tree(b.proc.pid, signal.SIGSTOP)
-        time.sleep(0.6)  # at most two polls (0.5 s each, 0.2 s apart) time out
+        _until(lambda: health()["misses"] >= 1, "no poll of a frozen b timed out", timeout_s=30)
         signal_tree(b.proc.pid, signal.SIGCONT)
-        time.sleep(1.0)
-        health = httpx.get(router.url + "/health", timeout=30).json()["sidecars"][b.http_url]
-        assert health["state"] == "serving" and not any(c.startswith("gone") for c in health["changes"]), health
+        _until(lambda: health()["misses"] == 0, "b never answered again", timeout_s=30)
+        h = health()
+        assert h["state"] == "serving" and not any(c.startswith("gone") for c in h["changes"]), h
         frozen_at = time.monotonic()
         signal_tree(b.proc.pid, signal.SIGSTOP)
         _until(lambda: _state(router, b.http_url) == "gone", "a frozen b never went", timeout_s=30)
