@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process does (launchers set it)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.misses < 1 or args.poll_timeout_s <= 0:
+        p.error(f"--misses must be >= 1 and --poll-timeout-s > 0, got {args.misses} and {args.poll_timeout_s}")
     if not args.token and args.host not in ("127.0.0.1", "localhost", "::1"):
         p.error(f"--host {args.host} reaches beyond this machine: set --token (the sidecars', as they require)")
     return args

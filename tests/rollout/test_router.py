@@ -46,6 +46,9 @@ def test_a_router_reachable_from_other_hosts_needs_a_token(capsys):
         router_args(["--sidecars", "http://10.0.0.1:8000", "--host", "0.0.0.0"])
     assert "set --token" in capsys.readouterr().err
     assert router_args(["--sidecars", "http://10.0.0.1:8000", "--host", "0.0.0.0", "--token", "t"]).token == "t"
+    with pytest.raises(SystemExit):
+        router_args(["--sidecars", "http://127.0.0.1:8000", "--misses", "0"])
+    assert "--misses must be >= 1" in capsys.readouterr().err
 
 
 def _front(model, http_port="0", *extra):
