@@ -182,11 +182,20 @@ class HostBed:
             with open(os.path.join(d, "resolv.conf"), "w") as f:
                 f.write("options timeout:1 attempts:1\n")
 
-    def _shape(self, dev: str, ns: str | None) -> None:
-        rate_bytes = self.rate_mbit * 1e6 / 8
+    def _shape(self, dev: str, ns: str | None, rate_mbit: float | None = None, verb: str = "add") -> None:
+        rate_mbit = rate_mbit or self.rate_mbit
+        rate_bytes = rate_mbit * 1e6 / 8
         burst = max(32 * 1024, int(rate_bytes / 250))  # tbf needs at least rate / HZ of burst
-        _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst),
+        _ip("tc", "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst),
             "latency", "100ms", ns=ns)
+
+    def rate(self, host: str, rate_mbit: float) -> None:
+        """`host`'s link reshaped to `rate_mbit` both ways (the bed's own rate again: pass
+        `bed.rate_mbit`): a test that must act while bytes cross it slows it down instead of racing."""
+        if not self.rate_mbit:
+            raise ValueError("this bed's links are not shaped")
+        self._shape(self._veth(self.names.index(host)), None, rate_mbit, "change")
+        self._shape("eth0", self.ns(host), rate_mbit, "change")
 
     def link_bound_s(self, nbytes: int) -> float:
         """The fastest `nbytes` can cross one link of this bed."""

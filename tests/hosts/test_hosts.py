@@ -230,7 +230,9 @@ def test_a_host_lost_mid_generate_costs_no_rollout(bed, host_sidecars, returned,
 def test_a_peer_lost_while_it_catches_a_sidecar_up_is_replaced_by_another(bed, host_sidecars, qwen2_dir):
     """A newcomer on h2 (a second sidecar there) is being sent the weights by h1 when h1 loses
     power: the client drops h1, the newcomer's half-received push changes nothing, and h3 sends
-    the weights instead; the newcomer serves them (version, checksums). Last: h1 stays dead."""
+    the weights instead; the newcomer serves them (version, checksums). Last: h1 stays dead.
+    h1's link is slowed to 8 Mbit/s (the push takes ~15 s, not 1.2) so that the kill lands
+    mid-push by construction: a late health answer on loaded cores once found it committed."""
     import time
 
     from tests.hosts.conftest import SIDECAR_ARGS
@@ -241,6 +243,7 @@ def test_a_peer_lost_while_it_catches_a_sidecar_up_is_replaced_by_another(bed, h
     try:
         version = client.stats()[0]["version"]
         want = client.weights_checksums()[1]  # h3's
+        bed.rate("h1", 8)
         client.add_sidecar(newcomer.url)  # h1, the first active sidecar, is asked to send
         deadline = time.monotonic() + 60
         while not solo.health()["pushing"] and time.monotonic() < deadline:
@@ -258,3 +261,4 @@ def test_a_peer_lost_while_it_catches_a_sidecar_up_is_replaced_by_another(bed, h
         solo.close()
         client.close()
         newcomer.stop()
+        bed.rate("h1", bed.rate_mbit)
