@@ -66,7 +66,7 @@ def test_a_group_packed_from_its_members_is_the_stacked_weights_pack(rows, k):
 
 
 @f32_kernel
-@pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
+@pytest.mark.parametrize("m", [1, 7, 8, 20, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (40, 2048)])
 def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
     """f32_linear_rows, both of its ways (the rows broadcast at 8-32 rows, panels made per call
@@ -82,12 +82,12 @@ def test_on_the_weights_in_place_the_packed_kernels_bits(m, n, k):
 
 
 @f32_kernel
-@pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100])
+@pytest.mark.parametrize("m", [1, 7, 8, 20, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,k", [(192, 576), (50, 100), (33, 7), (40, 2000), (70, 2048), (36, 769)])
 def test_on_bf16_weights_in_place_the_bf16_panels_bits(m, n, k):
-    """f32_linear_rows_bf16 (a bf16 model's weights read where they lie, bf16 panels laid out per call: whole
-    runs of 32 values of K, a tail, rows past n) against the bf16 panels packed once: the same bits; a group's
-    members where they lie too."""
+    """f32_linear_rows_bf16 (a bf16 model's weights read where they lie: tiles in registers up to 7 rows on
+    AVX2, bf16 panels laid out per call above: whole runs of 32 values of K, a tail, rows past n) against the
+    bf16 panels packed once: the same bits; a group's members where they lie too."""
     from engine.kernels.derived_weights import rows_of
 
     g = torch.Generator().manual_seed(m * n + k)

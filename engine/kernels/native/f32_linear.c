@@ -513,8 +513,13 @@ static void tiles_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const 
    bf16 panels laid out per call. On a Zen 3 (Qwen3-1.7B's linears) 1.2-1.45x the packed panels' time at 1-4
    rows, 1.5-1.8x at 8-16, 1.1-1.3x at 32-256. Tried and dropped: the rows broadcast as f32_linear_rows does at
    8-32 rows, each block's rows widened first (its activations, twice a bf16 panel's bytes, stream from L2 for
-   every block), and tiles of 8 columns transposed into L1 for groups of 7 rows (1.5-2.3x). Returns 0, or -1
-   without memory. */
+   every block), and tiles of 8 columns transposed into L1 for groups of 7 rows (1.5-2.3x). The layout per call
+   costs ~0.2 ns a weight on a core from L2 (its shuffles: as much from memory), so 2026-12-06 tried again: the
+   next chunk's rows prefetched under the products (no gain), and the rows broadcast in groups of 8 blocks over
+   chunks of 128 values of K (activations in L1, each block's rows widened by a load, a zero-extension and a
+   shift): 1.1-1.25x the panels at 32 rows, 1.3x at 16, but 1.5-1.6x at 24 and 2x at 8 (a vector of x's rows
+   half used; one-vector blocks did not help), and Qwen3-1.7B's engine no faster (0.73-0.76x the panels' tok/s).
+   Returns 0, or -1 without memory. */
 int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                          int64_t nseg, const float *bias, float *out) {
     int64_t n = 0;
