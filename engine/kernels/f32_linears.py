@@ -75,12 +75,12 @@ native_kernels.forget_with_kernels(available.cache_clear)
 
 def _pack_fn(dtype: torch.dtype = torch.float32):
     symbol = "f32_pack_rows_bf16" if dtype == torch.bfloat16 else "f32_pack_rows"
-    return native_kernels.function("f32_linear", symbol, (_PTR, _PTR, _I64, _I64, _PTR), None)
+    return native_kernels.function("f32_pack", symbol, (_PTR, _PTR, _I64, _I64, _PTR), None)
 
 
 def pack(weights, into: F32Weight | None = None) -> F32Weight:
     """`weights` [n, k] (or up to three [n_i, k], stacked by rows as a group's copy is: no stacked
-    copy made) in panels: in one pass of engine/kernels/native/f32_linear.c where it builds, else
+    copy made) in panels: in one pass of engine/kernels/native/f32_pack.c where it builds, else
     torch's (the same bytes). bf16 weights stay bf16 in panels of their own order (f32_pack_rows_bf16:
     half the bytes of fp32 panels, the same values and bits; a bf16 model's copy on a CPU without bf16
     kernels). `into`: a copy of the same shape and dtype whose memory takes the panels (one a commit

@@ -40,7 +40,7 @@ def test_kernel_within_an_fp32_gemms_error(m, n, k, with_bias):
 
 @pytest.mark.parametrize("n,k", [(1536, 576), (50, 100), (33, 7), (32, 1), (1, 64)])
 def test_the_one_pass_pack_is_torchs_pack(n, k):
-    """engine/kernels/native/f32_linear.c's f32_pack_rows against the torch ops it replaces: the same bytes."""
+    """engine/kernels/native/f32_pack.c's f32_pack_rows against the torch ops it replaces: the same bytes."""
     if f32_linears._pack_fn() is None:
         pytest.skip("no C compiler for the native kernels")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n * k))

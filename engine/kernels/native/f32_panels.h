@@ -96,7 +96,7 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
    a bf16 model's linears on a CPU whose oneDNN has no bf16 kernels (AVX2; packed_linears.compute_dtype),
    whose fp32 copy held twice the model's bytes beside it. A block's 2 * VW values of a panel row lie as VW
    pairs of 32 bits, pair j holding column j in its low half and column VW + j in its high half, so one load,
-   a shift and a mask give the block's two vectors (f32_linear.c's f32_pack_rows_bf16 lays them so): the same
+   a shift and a mask give the block's two vectors (f32_pack.c's f32_pack_rows_bf16 lays them so): the same
    fp32 values as an fp32 panel's, the same FMAs in the same order, the same bits (common.h's load_bf16_pair). */
 #define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
 PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
