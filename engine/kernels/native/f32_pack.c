@@ -5,14 +5,7 @@
 
 #include "f32_transpose.h"
 
-/* The pack f32_linears.pack describes, in one pass: the rows of up to three segments (a layer's
-   q/k/v or gate/up, one after the other as if stacked, so a group is packed with no concatenated copy;
-   seg[i] holds rows[i] rows of k floats) into panels [ceil(n/32)][k][32], the rows past n zero. A
-   push derives it for every fp32 linear it changes (an adapter's merge: all of them), where torch's
-   zero-fill, copy and transposing copy took three passes (~1.7 GB/s here). Each thread takes whole
-   panels. On AVX-512 a 16 x 16 block (16 rows, 16 values of K) is transposed in registers and
-   written as whole cache lines that bypass the cache (the panels are read at the next forward, long
-   after): scalar stores 128 bytes apart read each line in before writing it. */
+/* Row `row` of the segments as if stacked */
 static const void *segment_row(const void *const *seg, const int64_t *rows, int64_t count, int64_t row,
                                int64_t row_bytes) {
     for (int64_t i = 0; i < count; i++) {
@@ -23,6 +16,7 @@ static const void *segment_row(const void *const *seg, const int64_t *rows, int6
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
+/* a panel's 32 rows all there (none past n): the register transposes' case */
 static inline int all_rows(const void *const src[32]) {
     for (int j = 0; j < 32; j++)
         if (src[j] == NULL) return 0;
@@ -30,6 +24,14 @@ static inline int all_rows(const void *const src[32]) {
 }
 #endif
 
+/* The pack f32_linears.pack describes, in one pass: the rows of up to three segments (a layer's
+   q/k/v or gate/up, one after the other as if stacked, so a group is packed with no concatenated copy;
+   seg[i] holds rows[i] rows of k floats) into panels [ceil(n/32)][k][32], the rows past n zero. A
+   push derives it for every fp32 linear it changes (an adapter's merge: all of them), where torch's
+   zero-fill, copy and transposing copy took three passes (~1.7 GB/s here). Each thread takes whole
+   panels. On AVX-512 a 16 x 16 block (16 rows, 16 values of K) is transposed in registers and
+   written as whole cache lines that bypass the cache (the panels are read at the next forward, long
+   after): scalar stores 128 bytes apart read each line in before writing it. */
 void f32_pack_rows(const float *const *seg, const int64_t *rows, int64_t count, int64_t k, float *out) {
     int64_t n = 0;
     for (int64_t i = 0; i < count; i++) n += rows[i];
