@@ -1,15 +1,18 @@
 """Weight-only int8 on a CPU without AMX tiles: engine/kernels/native/w8_linear.c, on amx_linears.pack_w8's
-copy (int8 weights, a bf16 scale per 16 values of K of each column). It widens each weight as the AMX
-kernel does (q times its scale, rounded once to bf16) and multiplies bf16 activations on AVX512-BF16's dot
-products (AMD Zen 4 and 5, Intel Cooper Lake) or, on AVX2 (AMD Zen 3, Intel before Cooper Lake), in fp32
-(each chunk of 32 x 32 weights widened into a panel that f32_linear.c's FMAs read: every bf16 x bf16
-product is exact in fp32 either way), so the int8 engine is one scheme on every CPU: the activations are
-never rounded to 8 bits (int8_linears says what that costs).
+copy (int8 weights, a bf16 scale per 16 values of K of each column), so the int8 engine is one scheme on
+every CPU: the activations are never rounded to 8 bits (int8_linears says what that costs).
 
-Where a step reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the
-copy streams 0.56 of the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the
-products bound it (16 rows and more there) both run at VDPBF16PS's pace, the widening hidden in the
-products (1.02-1.16x; bench/w8_linears.py, docs/guides/int8.md).
+With AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake) it widens each weight as the AMX kernel does (q
+times its scale, rounded once to bf16) and multiplies bf16 activations on its dot products. Where a step
+reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the copy streams
+0.56 of the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the products
+bound it (16 rows and more there) both run at VDPBF16PS's pace (1.02-1.16x).
+
+On AVX2 alone (AMD Zen 3, Intel Haswell to Ice Lake) it multiplies the int8 weights as integers by each
+row's activations rounded to int16 (exact within 2^7 of the row's largest value, else within 2^-15 of it)
+on VPMADDWD, 16 products a uop where the bf16 engine's FMAs do 8 (`integer_products`; w8_madd.h): 1.6x
+the bf16 engine's linears at 1-8 rows and 1.3x at 16-32 on a Zen 3 (bench/w8_linears.py,
+docs/guides/int8.md).
 """
 
 from __future__ import annotations
@@ -33,6 +36,21 @@ def available() -> bool:
 
 
 native_kernels.forget_with_kernels(available.cache_clear)
+
+
+def integer_products() -> bool:
+    """Whether the kernel here multiplies integers (AVX2 without AVX512-BF16: each weight q * scale exactly,
+    the activations as `int16_rows` rounds them) rather than the bf16 weights `amx_linears.widened_w8` gives."""
+    return "avx512_bf16" not in native_kernels.cpu_flags()
+
+
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """The values the integer kernel multiplies for bf16 rows x [m, k]: each row times 2^(14 - e), where
+    2^e <= its largest |x| < 2^(e + 1), rounded to an integer (ties to even), and scaled back (fp64). Pure."""
+    x = x.double()
+    top = x.abs().amax(dim=1, keepdim=True)
+    e = torch.where(top > 0, torch.frexp(top).exponent - 1, 0).clamp(min=-126)
+    return torch.round(torch.ldexp(x, 14 - e)) * torch.pow(2.0, (e - 14).double())
 
 
 def _fn(out_dtype: torch.dtype):

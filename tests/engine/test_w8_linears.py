@@ -1,8 +1,8 @@
-"""engine/kernels/w8_linears.py: weight-only int8 without AMX tiles (AVX512-BF16's dot products, or AVX2's
-FMAs on the chunks widened into fp32 panels) multiplies the bf16 weights the AMX kernel widens (q times its
-scale, rounded once) within a bf16 GEMM's error bound, each
-output's bits its own row's and column's alone (a row alone, in a batch, in another block of rows), at
-any shape the packed copy takes (columns and K past whole chunks)."""
+"""engine/kernels/w8_linears.py: weight-only int8 without AMX tiles multiplies, on AVX512-BF16's dot products,
+the bf16 weights the AMX kernel widens (q times its scale, rounded once), or on AVX2's integer products the
+weights q times scale exactly by the activations rounded to int16 as `int16_rows` says, within a GEMM's
+error bound, each output's bits its own row's and column's alone (a row alone, in a batch, in another
+block of rows), at any shape the packed copy takes (columns and K past whole chunks)."""
 
 from __future__ import annotations
 
@@ -26,15 +26,57 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
 @w8_kernel
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_it_multiplies_the_bf16_weights_q_times_scale(m, n, k, out_dtype):
+def test_it_multiplies_the_weights_q_times_scale(m, n, k, out_dtype):
     q, scale, w = _weights(n, k, m + n * k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    x[:, ::7] *= 300  # outliers: the integer kernel rounds values 2^7 below a row's largest
+    x = x.bfloat16()
     got = w8_linears.linear_w8(x, amx_linears.pack_w8(q, scale), out_dtype).double()
-    exact = x.double() @ w.double().t()
-    # every bf16 x bf16 product exact in fp32; k fp32 roundings of the running sum at most, then the output's own
-    magnitude = x.double().abs() @ w.double().abs().t()
+    if w8_linears.integer_products():  # exact integer products a group; a rounding per group's fp32 sum
+        xs, ws = w8_linears.int16_rows(x), _exact_weights(q, scale)
+    else:  # every bf16 x bf16 product exact in fp32; a rounding per product's running sum
+        xs, ws = x.double(), w.double()
+    exact = xs @ ws.t()
+    # k fp32 roundings of the running sum at most, then the output's own
+    magnitude = xs.abs() @ ws.abs().t()
     last = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-23
     assert ((got - exact).abs() <= k * 2.0**-24 * magnitude + last * exact.abs() + 1e-30).all()
+
+
+def _exact_weights(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q times its group's scale, in fp64 (exact): the integer kernel's weights."""
+    return q.double() * scale.double().repeat_interleave(amx_linears.W8_GROUP, dim=1)[:, : q.shape[1]]
+
+
+@w8_kernel
+def test_the_integer_kernels_activations_are_rounded_as_int16_rows_says():
+    """A row's values within 2^7 of its largest are exact, smaller ones round to 2^-15 of it: against the
+    rows unrounded the outputs move by that much, and against int16_rows' values by no more than the sums'
+    roundings (a kernel that rounded to 8 bits, or by the wrong power of two, fails one of the two)."""
+    if not w8_linears.integer_products():
+        pytest.skip("this CPU's kernel multiplies bf16 weights and activations (AVX512-BF16)")
+    q, scale, _ = _weights(64, 512, 3)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
+    x[:, 5] = torch.tensor([1e3, -3e4, 2.0**-30, 7.0])  # rows whose largest value sits far above the rest
+    x = x.bfloat16()
+    got = w8_linears.linear_w8(x, amx_linears.pack_w8(q, scale), torch.float32).double()
+    ws = _exact_weights(q, scale)
+    rounded = w8_linears.int16_rows(x)
+    assert (rounded - x.double()).abs().max(dim=1).values.le(x.double().abs().amax(dim=1) * 2.0**-15).all()
+    exact = rounded @ ws.t()
+    assert ((got - exact).abs() <= 64 * 2.0**-24 * (rounded.abs() @ ws.abs().t()) + 1e-30).all()
+    assert not torch.equal(rounded, x.double())  # the test rounds something
+
+
+@w8_kernel
+def test_a_row_holding_an_inf_or_a_nan_spoils_that_row_alone():
+    q, scale, _ = _weights(40, 96, 5)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x[0, 3], x[2, 90] = float("inf"), float("nan")
+    got = w8_linears.linear_w8(x, amx_linears.pack_w8(q, scale), torch.float32)
+    assert not got[0].isfinite().any() and not got[2].isfinite().any()
+    assert torch.equal(got[1], w8_linears.linear_w8(x[1:2], amx_linears.pack_w8(q, scale), torch.float32)[0])
+    assert got[1].isfinite().all()
 
 
 @w8_kernel

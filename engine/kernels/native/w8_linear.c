@@ -1,8 +1,9 @@
 /* Weight-only int8 on a CPU without AMX tiles: out [m, n] = x [m, k] . w^T with w amx_linears.pack_w8's
    chunks (int8, a bf16 scale per W8_GROUP values of K of each column), the bf16 weights each q * scale
    rounded once (w8_chunk.h's widen_chunk, the AMX kernel's), so the int8 engine multiplies the same weights
-   on every CPU. With AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake) on its dot products, as below; on
-   AVX2 (AMD Zen 3) in fp32, at the end of this file.
+   on every CPU with bf16 dot products. With AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake) on them, as
+   below; on AVX2 (AMD Zen 3) as integers instead, each weight q x scale exactly and the activations rounded
+   to int16 (w8_madd.h says how far that is from the bf16 weights' products).
 
    Where a step reads more bytes than it multiplies (a decode step of a few sequences) the int8 copy
    streams half the bf16 weights' bytes. Each chunk's 32 columns are multiplied widened: lane j
@@ -15,7 +16,7 @@
    Arithmetic: every bf16 x bf16 product is exact in fp32; an output sums its pairs in K's order in
    one lane, so its bits depend on its own row and column alone (not on the batch or the block it fell
    in): a row prefilled and the same row decoded give the same bits. Rounded once to bf16 (or not:
-   fp32 out). The same holds on AVX2, where an output sums its products one value of K at a time. */
+   fp32 out). The same holds on AVX2's integer products (w8_madd.h). */
 
 #include <omp.h>
 
@@ -133,46 +134,16 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     return failed ? -1 : 0;
 }
 
-#else /* no AVX512-BF16 (AVX2's or AVX-512's FMAs): the same bf16 weights, each widened to fp32 (exact) into
-   f32_panels.h's panels a chunk of K at a time and multiplied in fp32 (w8_linears.py says what it pays) */
+#elif defined(__AVX2__) /* no AVX512-BF16 (AVX2): the int8 weights as integers, on VPMADDWD */
 
-#include "f32_panels.h"
+#include "w8_madd.h"
 
-/* Values of K widened at a time: at up to MR rows (one block) a chunk's 4 KB, which its products read back from
-   L1 (1.3x f32_panels.h's KC at 1 row); past that KC's, which more blocks read from L2 (1.10-1.17x at 8-32
-   rows: Llama-3.2-1B's shapes on a Zen 3) */
-#define ONE_BLOCK_STEP 32
-#define X_KEEP_BYTES (4 << 20) /* the widened activations of a decode step kept per thread; a prefill's freed */
-
-typedef struct {
-    const uint8_t *w;
-    int64_t kc_count;
-} w8_panels;
-
-/* panels_per_call's chunk: panel n0 / 32's int8 chunks from value k0 of K (a multiple of 32), widened into buf */
-static const void *panel_from_chunks(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf) {
-    (void)n;
-    const w8_panels *w = weights;
-    const uint8_t *wb = w->w + (n0 / 32 * w->kc_count + k0 / 32) * W8_CHUNK_BYTES;
-    for (int64_t c = 0; c * 32 < kc; c++) widen_chunk_f32(wb + c * W8_CHUNK_BYTES, buf + c * 32 * 32);
-    return buf;
-}
+#else /* neither: no kernel here (w8_linears.available() says so), the library still builds */
 
 static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16,
                      float *out_f32) {
-    if (m == 0 || n == 0) return 0;
-    /* x widened to fp32 (exact), its rows a cache line further apart where K's rows are whole multiples of
-       4096 bytes (f32_linear.c says why) */
-    const int64_t ldx = rows_share_l1_set(m, k) ? k + STAGGER_FLOATS : k;
-    const int64_t bytes = m * ldx * (int64_t)sizeof(float);
-    float *x32 = bytes <= X_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes);
-    if (x32 == NULL) return -1;
-    for (int64_t r = 0; r < m; r++) widen_bf16(x + r * k, k, x32 + r * ldx);
-    const w8_panels weights = {w, (k + 31) / 32};
-    const int64_t step = m <= MR ? ONE_BLOCK_STEP : KC;
-    const int rc = panels_per_call(x32, ldx, m, k, n, NULL, panel_from_chunks, &weights, step, 0, out_f32, out_bf16);
-    if (bytes > X_KEEP_BYTES) free(x32);
-    return rc;
+    (void)x, (void)m, (void)k, (void)w, (void)n, (void)out_bf16, (void)out_f32;
+    return -1;
 }
 
 #endif
