@@ -10,9 +10,9 @@ bound it (16 rows and more there) both run at VDPBF16PS's pace (1.02-1.16x).
 
 On AVX2 alone (AMD Zen 3, Intel Haswell to Ice Lake) it multiplies the int8 weights as integers by each
 row's activations rounded to int16 (exact within 2^7 of the row's largest value, else within 2^-15 of it)
-on VPMADDWD, 16 products a uop where the bf16 engine's FMAs do 8 (`integer_products`; w8_madd.h): 1.6x
-the bf16 engine's linears at 1-8 rows and 1.3x at 16-32 on a Zen 3 (bench/w8_linears.py,
-docs/guides/int8.md).
+on VPMADDWD, 16 products a uop where the bf16 engine's FMAs do 8 (`integer_products`; w8_madd.h):
+1.42-1.60x the bf16 engine's linears at 1-8 rows and 1.26-1.51x at 32 on a Zen 3 (Qwen3-1.7B's and
+Llama-3.2-1B's shapes; bench/w8_linears.py, docs/guides/int8.md).
 """
 
 from __future__ import annotations

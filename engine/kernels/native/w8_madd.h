@@ -14,9 +14,9 @@
    block of rows or the thread: a row prefilled and decoded give the same bits. A row holding an inf or
    a NaN gives NaN outputs.
 
-   Speed (Qwen3-1.7B's linears, 4 layers, a Zen 3's 2 cores, bench/RESULTS.md 2026-12-06): 1.6x the bf16
-   engine's panels at 1-8 rows (half the bytes) and 1.3x at 16-32 (the products: VPMADDWD and its VPADDD
-   ran 22 products a cycle in registers against the FMAs' 16). */
+   Speed (whole models' linears swept, bench/w8_linears.py on a Zen 3's 2 cores, bench/RESULTS.md
+   2026-12-06): 1.42-1.60x the bf16 engine's panels at 1-8 rows (half the bytes) and 1.26-1.51x at 32 (the
+   products: VPMADDWD and its VPADDD ran 22 products a cycle in registers against the FMAs' 16). */
 #ifndef ROLLOUT_NATIVE_W8_MADD_H
 #define ROLLOUT_NATIVE_W8_MADD_H
 
