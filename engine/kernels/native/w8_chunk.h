@@ -64,5 +64,4 @@ static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
 #endif
 }
 
-
 #endif
