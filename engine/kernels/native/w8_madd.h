@@ -30,6 +30,9 @@
 #define MADD_ROWS 6 /* a block: 6 rows x 16 columns of int32 sums, two weight vectors, a broadcast, a product */
 #define X_KEEP_BYTES (4 << 20) /* the quantized activations of a decode step kept per thread; a prefill's freed */
 
+/* 8 bf16 values widened to fp32 (exact) */
+static inline __m256 widen8(__m128i bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)); }
+
 /* Row x (k bf16 values) as int16 pairs into dst (every MADD_ROWS-th int32: the block's layout, pair j of
    the row at dst[j * MADD_ROWS]), k padded with zeros to pairs pairs; returns 2^(e - 14) (NaN for a row
    holding an inf or a NaN). */
@@ -47,8 +50,7 @@ static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
-        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16));
-        const __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16));
+        const __m256 lo = widen8(_mm256_castsi256_si128(b)), hi = widen8(_mm256_extracti128_si256(b, 1));
         const __m256i ql = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(lo, f1), f2)); /* to nearest, ties even */
         const __m256i qh = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(hi, f1), f2));
         /* packs interleaves 128-bit lanes: the permute puts the 16 values back in order, 8 pairs */
@@ -96,10 +98,8 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
                 }
             }
             /* the group's scales (bf16, exact in fp32) in the sums' column order */
-            const __m256 s0 = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scales + 32 * g))), 16));
-            const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(scales + 32 * g + 8))), 16));
+            const __m256 s0 = widen8(_mm_loadu_si128((const __m128i *)(scales + 32 * g)));
+            const __m256 s1 = widen8(_mm_loadu_si128((const __m128i *)(scales + 32 * g + 8)));
             const __m256 t0 = _mm256_permute2f128_ps(s0, s1, 0x20), t1 = _mm256_permute2f128_ps(s0, s1, 0x31);
             for (int r = 0; r < rows; r++) {
                 _mm256_store_ps(f[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), t0, _mm256_load_ps(f[r])));
