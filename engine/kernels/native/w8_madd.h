@@ -46,7 +46,8 @@ static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32
     /* a subnormal top (exponent field 0) scales as 2^-126; 2^(14 - e) up to 2^140 as two exact factors */
     const int e = top == 0 ? 0 : (top >> 7 ? (top >> 7) - 127 : -126);
     const int up = 14 - e, half = up > 100 ? 64 : 0;
-    const __m256 f1 = _mm256_set1_ps(ldexpf(1.0f, up - half)), f2 = _mm256_set1_ps(ldexpf(1.0f, half));
+    const float s1 = ldexpf(1.0f, up - half), s2 = ldexpf(1.0f, half);
+    const __m256 f1 = _mm256_set1_ps(s1), f2 = _mm256_set1_ps(s2);
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
@@ -60,7 +61,7 @@ static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32
     }
     int16_t tail[2] = {0, 0};
     for (; i < 2 * pairs; i++) {
-        tail[i % 2] = i < k ? (int16_t)lrintf(bf16_to_f32(x[i]) * ldexpf(1.0f, up - half) * ldexpf(1.0f, half)) : 0;
+        tail[i % 2] = i < k ? (int16_t)lrintf(bf16_to_f32(x[i]) * s1 * s2) : 0;
         if (i % 2) memcpy(&dst[i / 2 * MADD_ROWS], tail, sizeof tail);
     }
     return ldexpf(1.0f, -up);
