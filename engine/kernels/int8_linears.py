@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import (amx_linears, derived_weights, native_glue, native_kernels, native_quantize, packed_linears,
+from engine.kernels import (amx_linears, derived_weights, native_glue, native_quantize, packed_linears,
                             w8_linears)
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
                     "sampled tokens' probabilities by over 10%% (weight-only int8: 9%%; "
                     "bench.fidelity)", how[0])
-    elif how[0] == "w8" and "avx512_bf16" not in native_kernels.cpu_flags():
+    elif how[0] == "w8" and w8_linears.integer_products():
         log.info("weight-only int8 on AVX2 multiplies integers (VPMADDWD, the activations in int16): 1.2-1.6x "
                  "the bf16 engine's tokens/s there (bench/RESULTS.md), in 1.1 bytes a weight beside bf16's 2")
     count = 0

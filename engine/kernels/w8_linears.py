@@ -50,7 +50,7 @@ def int16_rows(x: torch.Tensor) -> torch.Tensor:
     x = x.double()
     top = x.abs().amax(dim=1, keepdim=True)
     e = torch.where(top > 0, torch.frexp(top).exponent - 1, 0).clamp(min=-126)
-    return torch.round(torch.ldexp(x, 14 - e)) * torch.pow(2.0, (e - 14).double())
+    return torch.ldexp(torch.round(torch.ldexp(x, 14 - e)), e - 14)
 
 
 def _fn(out_dtype: torch.dtype):
