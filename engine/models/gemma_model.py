@@ -234,6 +234,9 @@ class CausalLM(llama_model.CausalLM):
         self.lm_head = llama_model.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
 
-def load(model_dir: str, dtype: torch.dtype) -> CausalLM | None:
-    """The model with its checkpoint's weights in `dtype`; None when the checkpoint's names do not fit."""
-    return llama_model.load_into(model_dir, dtype, read_config(model_dir), lambda cfg, gen: CausalLM(cfg, gen))
+def load(model_dir: str, dtype: torch.dtype, max_model_len: int | None = None) -> CausalLM | None:
+    """The model with its checkpoint's weights in `dtype`; None when the checkpoint's names do not fit.
+    `max_model_len`: the engine's, which picks a longrope's factors (rope_scaling.for_context)."""
+    cfg = read_config(model_dir)
+    cfg.ropes = {kind: rope_scaling.for_context(rope, max_model_len) for kind, rope in cfg.ropes.items()}
+    return llama_model.load_into(model_dir, dtype, cfg, lambda cfg, gen: CausalLM(cfg, gen))

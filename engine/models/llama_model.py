@@ -239,11 +239,14 @@ def _generation_config(model_dir: str, cfg: SimpleNamespace) -> SimpleNamespace:
 
 
 def load(model_dir: str, dtype: torch.dtype, layer: type[nn.Module] = DecoderLayer,
-         rename=None) -> CausalLM | None:
+         rename=None, max_model_len: int | None = None) -> CausalLM | None:
     """The model with its checkpoint's weights in `dtype`; None when the checkpoint's names do not
     fit this model (the caller loads it with transformers then). `layer`: the decoder layer's
-    class; `rename(state, cfg)`: the checkpoint's tensors under the model's names (experts fused)."""
-    return load_into(model_dir, dtype, read_config(model_dir), lambda cfg, gen: CausalLM(cfg, gen, layer), rename)
+    class; `rename(state, cfg)`: the checkpoint's tensors under the model's names (experts fused);
+    `max_model_len`: the engine's, which picks longrope's factors (rope_scaling.for_context)."""
+    cfg = read_config(model_dir)
+    cfg.rope = rope_scaling.for_context(cfg.rope, max_model_len)
+    return load_into(model_dir, dtype, cfg, lambda cfg, gen: CausalLM(cfg, gen, layer), rename)
 
 
 def load_into(model_dir: str, dtype: torch.dtype, cfg: SimpleNamespace, build, rename=None):

@@ -23,7 +23,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     attention plugged in."""
     own = own_module(cfg.model)
     why_not = own.unsupported(cfg.model, max_model_len=cfg.max_model_len) if cfg.fuse_layers else "fused layers off"
-    model = own.load(cfg.model, cfg.torch_dtype) if why_not is None else None
+    model = own.load(cfg.model, cfg.torch_dtype, max_model_len=cfg.max_model_len) if why_not is None else None
     if model is None:
         log.info("loading %s with transformers (%s)", cfg.model, why_not or "its weights' names are not ours")
         model = _load_hf(cfg)

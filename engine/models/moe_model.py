@@ -132,10 +132,10 @@ class DecoderLayer(nn.Module):
         return h + (mlp(y) if isinstance(mlp, SparseMoeBlock) else fused_layers.mlp_forward(mlp, y))
 
 
-def load(model_dir: str, dtype: torch.dtype) -> llama_model.CausalLM | None:
+def load(model_dir: str, dtype: torch.dtype, max_model_len: int | None = None) -> llama_model.CausalLM | None:
     """The model with its checkpoint's weights in `dtype` (per-expert tensors stacked); None when
     the checkpoint's names do not fit it."""
-    return llama_model.load(model_dir, dtype, DecoderLayer, expert_names.fuse_checkpoint)
+    return llama_model.load(model_dir, dtype, DecoderLayer, expert_names.fuse_checkpoint, max_model_len)
 
 
 def sparse_blocks(model: nn.Module) -> list[SparseMoeBlock]:

@@ -8,15 +8,19 @@ grows once a sequence passes max_position_embeddings, from the longest position 
 it the default frequencies, so it runs here only where the engine's sequences stay below it:
 `not_fixed_within`) and `longrope` (Phi-3.5's and Phi-4-mini's: each frequency divided by its short factor,
 cos and sin times an attention factor; HF takes the long factors once the batch's longest position
-passes original_max_position_embeddings, so it runs here only below that, as `dynamic`). Pure
-functions on a config's rope parameters; `SUPPORTED` names what the engine's own layers take (another
-type keeps transformers' modelling code)."""
+passes original_max_position_embeddings, which would make a row's rotation depend on its batch: an
+engine whose max_model_len passes it takes the long factors at every position, as vLLM does:
+`for_context`). Pure functions on a config's rope parameters; `SUPPORTED` names what the engine's own
+layers take (another type keeps transformers' modelling code)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # types that read original_max_position_embeddings
@@ -42,19 +46,26 @@ def rope_parameters(raw: dict) -> dict:
 def not_fixed_within(rope: dict, max_model_len: int | None, max_position_embeddings: int | None) -> str | None:
     """Why the rope's frequencies are not one table for every sequence of up to max_model_len tokens (None:
     they are): `dynamic`'s, which HF recomputes from the batch's longest position once it passes
-    max_position_embeddings, and `longrope`'s, whose long factors HF takes once it passes
-    original_max_position_embeddings (a row's rotation would then depend on its batch)."""
-    kind = rope["rope_type"]
-    if kind == "longrope":
-        field, limit = "original_max_position_embeddings", rope["original_max_position_embeddings"]
-    elif kind == "dynamic":
-        field, limit = "max_position_embeddings", max_position_embeddings
-    else:
+    max_position_embeddings (a row's rotation would then depend on its batch)."""
+    limit = max_position_embeddings
+    if rope["rope_type"] != "dynamic" or None not in (max_model_len, limit) and max_model_len <= limit:
         return None
-    if None not in (max_model_len, limit) and max_model_len <= limit:
-        return None
-    return (f"rope type {kind!r} past {field} {limit} (max_model_len {max_model_len}: its frequencies would "
-            "follow the batch's longest sequence)")
+    return (f"rope type 'dynamic' past max_position_embeddings {limit} (max_model_len {max_model_len}: its "
+            "frequencies would follow the batch's longest sequence)")
+
+
+def for_context(rope: dict, max_model_len: int | None) -> dict:
+    """The rope an engine of up to max_model_len tokens a sequence serves: `rope`, but longrope's long factors
+    at every position where max_model_len passes original_max_position_embeddings (vLLM's choice: one
+    table whatever the batch; HF's forward takes the short ones for a batch that stays within it, so
+    there a sequence that short is rotated otherwise than by the trainer's HF model)."""
+    if (rope["rope_type"] != "longrope" or max_model_len is None
+            or max_model_len <= rope["original_max_position_embeddings"]):
+        return rope
+    log.warning("longrope's long factors at every position: max_model_len %d passes its original context of %d "
+                "(HF rotates a batch within that by the short ones; a max_model_len of at most %d keeps them)",
+                max_model_len, rope["original_max_position_embeddings"], rope["original_max_position_embeddings"])
+    return {**rope, "long_factors": True}
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -153,9 +164,10 @@ def rotary_dims(rope: dict, head_dim: int) -> int:
 
 
 def longrope(rope: dict, dim: int, max_position_embeddings: int | None) -> tuple[torch.Tensor, float]:
-    """HF's _compute_longrope_parameters below original_max_position_embeddings (its short factors: the
-    table HF keeps while no position passes it): 1 / (short_factor * base^(2i / dim)), and the attention
-    factor (the config's, else sqrt(1 + ln(factor) / ln(original)), factor the ratio of the contexts)."""
+    """HF's _compute_longrope_parameters: 1 / (short_factor * base^(2i / dim)) (the table HF keeps while
+    no position passes original_max_position_embeddings), or by the long factors where `for_context`
+    chose them, and the attention factor (the config's, else sqrt(1 + ln(factor) / ln(original)), factor
+    the ratio of the contexts; the same for both)."""
     original = rope["original_max_position_embeddings"]
     factor = rope.get("factor")
     if factor is None:
@@ -163,6 +175,7 @@ def longrope(rope: dict, dim: int, max_position_embeddings: int | None) -> tuple
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    ext_factors = torch.tensor(rope["short_factor"], dtype=torch.float32, device="cpu")
+    factors = rope["long_factor"] if rope.get("long_factors") else rope["short_factor"]
+    ext_factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
     inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     return 1.0 / (ext_factors * rope["rope_theta"] ** inv_freq_shape), attention_factor

@@ -140,12 +140,37 @@ def test_phi4_minis_partial_rotary_and_longrope_give_hfs_greedy_tokens(path, phi
         native_kernels.reset()
 
 
-def test_longrope_past_its_original_context_keeps_transformers(phi4_mini_dir):
-    """Past original_max_position_embeddings HF's longrope takes its long factors, by the batch's longest
-    position: such an engine keeps transformers' modelling code, and says why."""
-    assert llama_model.unsupported(phi4_mini_dir, max_model_len=2048) is None
-    why = llama_model.unsupported(phi4_mini_dir, max_model_len=4096)
-    assert why.startswith("rope type 'longrope' past original_max_position_embeddings 2048 (max_model_len 4096")
+def test_longrope_past_its_original_context_takes_the_long_factors_everywhere_as_hf_past_it(phi4_mini_dir, tmp_path):
+    """An engine whose max_model_len passes original_max_position_embeddings rotates every position by
+    longrope's long factors (vLLM's choice: one table whatever the batch), on our layers: HF's own
+    table once a sequence passes the original context, so prompts longer than it get HF's greedy tokens
+    (C loop and Python forward, fp32), and different ones than the short factors give."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    short = model_variant(phi4_mini_dir, tmp_path / "short", original_max_position_embeddings=32,
+                          max_position_embeddings=64)
+    assert llama_model.unsupported(short, max_model_len=128) is None
+    hf = AutoModelForCausalLM.from_pretrained(short, dtype=torch.float32).eval()
+    long_freq, hf_scaling = ROPE_INIT_FUNCTIONS["longrope"](hf.config, "cpu", seq_len=33)
+    within = llama_model.load(short, torch.float32, max_model_len=32).model.rotary_emb
+    past = llama_model.load(short, torch.float32, max_model_len=128).model.rotary_emb
+    assert torch.equal(within.inv_freq, hf.model.rotary_emb.inv_freq)  # the short factors
+    assert torch.equal(past.inv_freq, long_freq) and not torch.equal(past.inv_freq, within.inv_freq)
+    assert past.attention_scaling == within.attention_scaling == hf_scaling > 1
+    prompts = random_prompts(4, 34, 60, 2000, seed=19)  # each past the original context of 32
+    want = [hf_greedy(hf, p, 16, ignore_eos=True) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for native in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ROLLOUT_NATIVE_LAYERS", native)
+            llm = LLM(EngineConfig(model=short, max_num_seqs=8, max_model_len=128))
+            assert type(llm.core.worker.model).__module__ == "engine.models.llama_model"
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    rope = hf.config.rope_parameters
+    shorts = model_variant(short, tmp_path / "shorts", rope_parameters={**rope, "long_factor": rope["short_factor"]})
+    hf_short = AutoModelForCausalLM.from_pretrained(shorts, dtype=torch.float32).eval()  # short factors past it too
+    assert [hf_greedy(hf_short, p, 16, ignore_eos=True) for p in prompts] != want
 
 
 @pytest.mark.parametrize("variant", ["qwen3_yarn", "llama_dynamic"])
@@ -231,12 +256,11 @@ def test_a_core_loads_its_model_without_transformers(qwen2_dir):
 def test_what_it_does_not_cover_loads_with_transformers_and_still_matches_hf(qwen2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    scaled = model_variant(qwen2_dir, tmp_path / "scaled",
-                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
-                                            "long_factor": [2.0] * 32, "original_max_position_embeddings": 64})
-    # longrope's factors switch past its original context, by the batch's longest sequence
+    scaled = model_variant(qwen2_dir, tmp_path / "scaled", max_position_embeddings=64,
+                           rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    # dynamic's frequencies follow the batch's longest sequence past max_position_embeddings
     assert llama_model.unsupported(scaled, max_model_len=128).startswith(
-        "rope type 'longrope' past original_max_position_embeddings 64 (max_model_len 128")
+        "rope type 'dynamic' past max_position_embeddings 64 (max_model_len 128")
     gelu = model_variant(qwen2_dir, tmp_path / "gelu", hidden_act="gelu")
     assert llama_model.unsupported(gelu) == "activation 'gelu'"
     llm = LLM(EngineConfig(model=scaled, max_model_len=128))
