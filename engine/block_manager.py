@@ -8,7 +8,13 @@ contents until they are handed out again, so a later request can still hit them.
 Every chain starts from the weight version its sequence's KV is computed under (`version`, fixed
 when the sequence is allocated), so a push drops nothing: KV of version v serves requests under v,
 never a request under v + 1 (issue 65 item 5), and the old version's blocks age out of the free
-list as any other. A request may ask for an older version's prefix (`SamplingParams.prefix_version`:
+list as any other.
+
+A model whose every layer has a sliding window of W keys (`window`) never reads a sequence's keys
+more than W behind its newest: as it decodes, the blocks wholly behind that go back to the free list
+(still cached, as a finished sequence's) and its table points at `spare` there instead, a block
+outside the manager's that attention reads but never sees (behind the window). A sequence then holds
+about W / block_size + 1 blocks however long it grows. A request may ask for an older version's prefix (`SamplingParams.prefix_version`:
 a multi-turn episode keeping the KV it started under); `prefix_hits_other_version` counts those
 tokens, 0 unless asked.
 """
@@ -39,8 +45,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None, spare: int | None = None):
+        if window is not None and spare is None:
+            raise ValueError("a window needs a spare block for the table entries it releases")
         self.block_size = block_size
+        self.window, self.spare = window, spare
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Where a sequence's hash chain starts: b"" unless unmerged LoRA adapters are in use, where
@@ -89,6 +99,8 @@ class BlockManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         """Hash full block i of `seq` and make it findable, if the chain before it is intact."""
+        if 0 < i <= seq.num_released_blocks:  # its predecessor went back (a window of at most a block)
+            return
         prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self._root(seq)
         if prev is None:  # the chain was cut by a prefix-cache reset
             return
@@ -141,13 +153,27 @@ class BlockManager:
             self.prefix_hits_other_version += seq.num_computed_tokens
 
     def free_seq(self, seq: Sequence) -> None:
-        for bid in reversed(seq.block_table):  # tail first, so prefixes stay cached longest
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[bid] = None
+        for bid in reversed(seq.block_table[seq.num_released_blocks:]):  # tail first: prefixes stay cached longest
+            self._drop(bid)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_released_blocks = 0
+
+    def _drop(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[bid] = None
+
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Hand back the blocks wholly behind the window of `seq`'s newest token, the next query (its
+        keys j > len - 1 - window): block i ends at key (i + 1) * block_size - 1."""
+        if self.window is None:
+            return
+        behind = (len(seq) - self.window) // self.block_size
+        for i in range(seq.num_released_blocks, behind):
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = self.spare
+        seq.num_released_blocks = max(seq.num_released_blocks, behind)
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the newest token (the one the next decode step feeds in)?"""

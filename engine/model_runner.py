@@ -75,6 +75,8 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
         self.routed: dict[int, np.ndarray] = {}  # seq_id -> the step's routed-expert rows, taken by the core
         self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/models/moe_model.py's, in layer order
+        # every layer windowed: the blocks behind it are handed back early (engine/block_manager.py)
+        self.kv_window = attention.every_layer_window(self.model)
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
         self._logits_fp32 = None  # the step's fp32 logits on the CPU, kept between steps (_fp32_logits)
@@ -134,14 +136,19 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
+    def spare_block(self) -> bool:
+        """A block past the block manager's: decode graphs' pad rows write into it, and a windowed model's
+        block tables point at it where their blocks went back early (read, never seen: behind the window)."""
+        return self.graph_mode != "off" or self.kv_window is not None
+
+    @property
     def pad_slot(self) -> int:
-        """The cache slot decode graphs' pad rows write into: the first of a block past the block
-        manager's (allocated only with graphs on)."""
+        """The cache slot decode graphs' pad rows write into: the first of the spare block."""
         return self.num_blocks * self.block_size
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
-        blocks = self.num_blocks + (self.graph_mode != "off")
+        blocks = self.num_blocks + self.spare_block
         shape = (self.num_layers, blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)  # CPU: resident as used
         self.v_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)

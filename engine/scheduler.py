@@ -86,6 +86,7 @@ class Scheduler:
         decoding: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
+            self.bm.release_behind_window(seq)
             while not self.bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())

@@ -31,6 +31,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache, first schedule
         self.block_table: list[int] = []
+        self.num_released_blocks = 0  # its first blocks, behind a sliding window, handed back (block_manager.py)
         self.status = SeqStatus.WAITING
         self.logprobs: list[float] = []
         self.versions: list[int] = []
