@@ -8,15 +8,15 @@ contents until they are handed out again, so a later request can still hit them.
 Every chain starts from the weight version its sequence's KV is computed under (`version`, fixed
 when the sequence is allocated), so a push drops nothing: KV of version v serves requests under v,
 never a request under v + 1 (issue 65 item 5), and the old version's blocks age out of the free
-list as any other.
+list as any other. A request may ask for an older version's prefix (`SamplingParams.prefix_version`:
+a multi-turn episode keeping the KV it started under); `prefix_hits_other_version` counts those
+tokens, 0 unless asked.
 
 A model whose every layer has a sliding window of W keys (`window`) never reads a sequence's keys
 more than W behind its newest: as it decodes, the blocks wholly behind that go back to the free list
 (still cached, as a finished sequence's) and its table points at `spare` there instead, a block
 outside the manager's that attention reads but never sees (behind the window). A sequence then holds
-about W / block_size + 1 blocks however long it grows. A request may ask for an older version's prefix (`SamplingParams.prefix_version`:
-a multi-turn episode keeping the KV it started under); `prefix_hits_other_version` counts those
-tokens, 0 unless asked.
+about W / block_size + 1 blocks however long it grows.
 """
 
 from __future__ import annotations

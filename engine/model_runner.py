@@ -148,7 +148,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
-        blocks = self.num_blocks + self.spare_block
+        blocks = self.num_blocks + int(self.spare_block)
         shape = (self.num_layers, blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)  # CPU: resident as used
         self.v_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)

@@ -161,8 +161,10 @@ def test_calls_without_the_token_are_refused_by_the_router_and_by_the_sidecars(t
     chat = httpx.post(router.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                             "temperature": 0, "ignore_eos": True, "stream": True, "user": "chatter"})
-    events = [line for line in chat.text.splitlines() if line.startswith("data: ")]
-    assert chat.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 7
+    events = [line[len("data: "):] for line in chat.text.splitlines() if line.startswith("data: ")]
+    assert chat.status_code == 200 and events[-1] == "[DONE]"
+    # a stream read late joins tokens into fewer chunks: the tokens count, not the chunks
+    assert sum(len(c.get("token_ids") or []) for e in events[:-1] for c in msgspec.json.decode(e)["choices"]) == 6
 
 
 def test_a_sidecar_slow_to_answer_keeps_its_sessions_and_a_frozen_one_goes(two):
