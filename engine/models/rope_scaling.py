@@ -48,7 +48,7 @@ def not_fixed_within(rope: dict, max_model_len: int | None, max_position_embeddi
     they are): `dynamic`'s, which HF recomputes from the batch's longest position once it passes
     max_position_embeddings (a row's rotation would then depend on its batch)."""
     limit = max_position_embeddings
-    if rope["rope_type"] != "dynamic" or None not in (max_model_len, limit) and max_model_len <= limit:
+    if rope["rope_type"] != "dynamic" or (None not in (max_model_len, limit) and max_model_len <= limit):
         return None
     return (f"rope type 'dynamic' past max_position_embeddings {limit} (max_model_len {max_model_len}: its "
             "frequencies would follow the batch's longest sequence)")
