@@ -133,11 +133,23 @@ def mismatch(trainer, samples: list[tuple], replayed: bool = False, scored: list
             "routing": differ / routed_tokens if routed_tokens else (0.0 if replayed else None)}
 
 
-def fake_quantized(trainer, weights: bool, activations: bool, group: int | None = None):
+def hadamard_rotation(k: int, seed: int = 0) -> torch.Tensor:
+    """An orthogonal [k, k]: random signs times a block-diagonal Hadamard matrix, its blocks the largest power
+    of two dividing k (QuaRot's rotation, which spreads an outlier over its block before rounding). Pure."""
+    block = k & -k
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return signs[:, None] * torch.block_diag(*[h / block**0.5] * (k // block))
+
+
+def fake_quantized(trainer, weights: bool, activations: bool, group: int | None = None, rotate: bool = False):
     """A copy of the trainer with int8 rounding simulated in fp32 (every linear but the lm_head):
     its weights rounded per output channel (`weights`), its linears' inputs per token
     (`activations`), or each per `group` values of K (a scale per group: what a kernel multiplying
-    int8 by int8 with group scales would do): which of the two moves the policy."""
+    int8 by int8 with group scales would do): which of the two moves the policy. `rotate`: each linear's
+    K turned by `hadamard_rotation` first (x R and W R, the same product unrounded), then rounded."""
     import copy
 
     from engine.kernels.int8_linears import quantize_groups, quantize_rows, quantize_weight
@@ -152,8 +164,12 @@ def fake_quantized(trainer, weights: bool, activations: bool, group: int | None 
         q, scale = quantize_weight(w)
         return q.float() * scale[:, None]
 
-    def rounded_input(_, args):
+    def rounded_input(module, args):
         x = args[0].reshape(-1, args[0].shape[-1])
+        if rotate:
+            x = x @ module.rotation
+        if not activations:
+            return (x.reshape(args[0].shape),)
         if group:
             return (grouped(x).reshape(args[0].shape),)
         q, scale = quantize_rows(x)
@@ -163,17 +179,24 @@ def fake_quantized(trainer, weights: bool, activations: bool, group: int | None 
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name.endswith("lm_head"):
             continue
-        if weights:
-            module.weight = torch.nn.Parameter(rounded_weight(module.weight.detach()), requires_grad=False)
-        if activations:
+        w = module.weight.detach()
+        if rotate:
+            module.rotation = hadamard_rotation(w.shape[1])
+            w = w @ module.rotation
+        module.weight = torch.nn.Parameter(rounded_weight(w) if weights else w, requires_grad=False)
+        if activations or rotate:
             module.register_forward_pre_hook(rounded_input)
     return model
 
 
-ABLATIONS = {  # row -> (weights, activations, group): per channel / per token, then per 32 or 16 values of K
+ABLATIONS = {  # row -> (weights, activations, group[, rotate]): per channel / per token, then per 32 or 16 of K
     "fake W8": (True, False, None), "fake A8": (False, True, None), "fake W8A8": (True, True, None),
     "fake W8 g32": (True, False, 32), "fake A8 g32": (False, True, 32), "fake W8A8 g32": (True, True, 32),
     "fake W8 g16": (True, False, 16),  # the engine's weight-only int8 (amx_linears.W8_GROUP)
+    "fake A8 g16": (False, True, 16), "fake W8A8 g16": (True, True, 16),
+    # int8 x int8 (VPDPBUSD: 2x VDPBF16PS's products, bench/dot_rates.py) with outliers spread first
+    "rotated W8 g16": (True, False, 16, True), "rotated A8 g16": (False, True, 16, True),
+    "rotated W8A8 g16": (True, True, 16, True), "rotated W8A8 g32": (True, True, 32, True),
 }
 
 

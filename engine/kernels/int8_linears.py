@@ -61,8 +61,8 @@ log = logging.getLogger(__name__)
 # reduce_range, on the other side of the product).
 # "amx_w8": engine/kernels/amx_linears.py's weight-only kernel where the CPU has AMX (int8 weights widened
 # to bf16 in the tiles, activations in bf16: no per-token rounding of the inputs, the policy moves
-# far less); "w8": the same weights on AVX512-BF16's dot products, or on AVX2 as integers times the
-# activations rounded to int16 per row (engine/kernels/w8_linears.py);
+# far less); "w8": the same int8 weights and scales elsewhere, as integers times the activations rounded
+# to int16 per row (AVX512-VNNI or AVX2: engine/kernels/w8_linears.py);
 # "amx": its int8 x int8 kernel (the same bits as "onednn", faster).
 KERNELS = (("amx_w8", 127), ("w8", 127), ("amx", 127), ("onednn", 127), ("int_mm", 127), ("int_mm", 63),
            ("onednn", 63))
@@ -236,9 +236,10 @@ def install(model: torch.nn.Module, keep: tuple[str, ...] | None = None) -> int:
         log.warning("int8 linears here quantize activations per token (kernel %s): on SmolLM2 that moved 59%% of "
                     "sampled tokens' probabilities by over 10%% (weight-only int8: 9%%; "
                     "bench.fidelity)", how[0])
-    elif how[0] == "w8" and w8_linears.integer_products():
-        log.info("weight-only int8 on AVX2 multiplies integers (VPMADDWD, the activations in int16): 1.2-1.6x "
-                 "the bf16 engine's tokens/s there (bench/RESULTS.md), in 1.1 bytes a weight beside bf16's 2")
+    elif how[0] == "w8":
+        log.info("weight-only int8 without AMX multiplies integers (VPDPWSSD or VPMADDWD, the activations in "
+                 "int16): 1.1-1.6x the bf16 engine's tokens/s at 8-32 sequences (bench/RESULTS.md), in 1.1 bytes "
+                 "a weight beside bf16's 2")
     count = 0
     native_glue.glue_in_c(model)  # fp32 glue in C, as the C decode loop runs it
     for name, module in model.named_modules():

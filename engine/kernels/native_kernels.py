@@ -77,14 +77,15 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
 
 
-def _build(name: str) -> str:
-    """The path of `name`.c compiled for this CPU (built now unless cached). Raises on failure."""
+def _build(name: str, source_dir: str = SOURCE_DIR) -> str:
+    """The path of `name`.c (in `source_dir`: the engine's kernels, or a bench's probe) compiled for this
+    CPU (built now unless cached). Raises on failure."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    src = os.path.join(SOURCE_DIR, f"{name}.c")
+    src = os.path.join(source_dir, f"{name}.c")
     code = b""
-    for path in [src, *sorted(glob.glob(os.path.join(SOURCE_DIR, "*.h")))]:  # a header's change rebuilds too
+    for path in [src, *sorted(glob.glob(os.path.join(source_dir, "*.h")))]:  # a header's change rebuilds too
         with open(path, "rb") as f:
             code += f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -2,17 +2,14 @@
 copy (int8 weights, a bf16 scale per 16 values of K of each column), so the int8 engine is one scheme on
 every CPU: the activations are never rounded to 8 bits (int8_linears says what that costs).
 
-With AVX512-BF16 (AMD Zen 4 and 5, Intel Cooper Lake) it widens each weight as the AMX kernel does (q
-times its scale, rounded once to bf16) and multiplies bf16 activations on its dot products. Where a step
-reads more bytes than it multiplies (up to 8 or so sequences a step on a 2-core Zen 4) the copy streams
-0.56 of the bf16 weights' bytes: 1.33-1.72x the bf16 engine's linears at 1-8 rows; where the products
-bound it (16 rows and more there) both run at VDPBF16PS's pace (1.02-1.16x).
-
-On AVX2 alone (AMD Zen 3, Intel Haswell to Ice Lake) it multiplies the int8 weights as integers by each
-row's activations rounded to int16 (exact within 2^7 of the row's largest value, else within 2^-15 of it)
-on VPMADDWD, 16 products a uop where the bf16 engine's FMAs do 8 (`integer_products`; w8_madd.h):
-1.42-1.60x the bf16 engine's linears at 1-8 rows and 1.26-1.51x at 32 on a Zen 3 (Qwen3-1.7B's and
-Llama-3.2-1B's shapes; bench/w8_linears.py, docs/guides/int8.md).
+It multiplies the int8 weights as integers by each row's activations rounded to int16 (exact within 2^7
+of the row's largest value, else within 2^-15 of it; `int16_rows`), each weight q * scale exactly: on
+AVX512-VNNI's VPDPWSSD (AMD Zen 4 and 5, Intel Ice Lake and later; 32 products an instruction, as
+VDPBF16PS does) or AVX2's VPMADDWD (AMD Zen 3, Intel Haswell and later; 16 a uop where the bf16 engine's
+FMAs do 8), the same bits on both (w8_madd.h). Where a step reads more bytes than it multiplies the copy
+streams 0.56 of the bf16 weights' bytes: on a Zen 3 1.42-1.60x the bf16 engine's linears at 1-8 rows and
+1.26-1.51x at 32; on a Zen 4 the int8 engine 1.44x the bf16 engine's tokens/s at 8 sequences, 1.08x at 32
+(bench/RESULTS.md, docs/guides/int8.md).
 """
 
 from __future__ import annotations
@@ -36,12 +33,6 @@ def available() -> bool:
 
 
 native_kernels.forget_with_kernels(available.cache_clear)
-
-
-def integer_products() -> bool:
-    """Whether the kernel here multiplies integers (AVX2 without AVX512-BF16: each weight q * scale exactly,
-    the activations as `int16_rows` rounds them) rather than the bf16 weights `amx_linears.widened_w8` gives."""
-    return "avx512_bf16" not in native_kernels.cpu_flags()
 
 
 def int16_rows(x: torch.Tensor) -> torch.Tensor:

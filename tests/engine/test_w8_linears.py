@@ -1,41 +1,40 @@
-"""engine/kernels/w8_linears.py: weight-only int8 without AMX tiles multiplies, on AVX512-BF16's dot products,
-the bf16 weights the AMX kernel widens (q times its scale, rounded once), or on AVX2's integer products the
-weights q times scale exactly by the activations rounded to int16 as `int16_rows` says, within a GEMM's
-error bound, each output's bits its own row's and column's alone (a row alone, in a batch, in another
+"""engine/kernels/w8_linears.py: weight-only int8 without AMX tiles multiplies, as integers (AVX512-VNNI or
+AVX2), the weights q times scale exactly by the activations rounded to int16 as `int16_rows` says, within a
+GEMM's error bound, each output's bits its own row's and column's alone (a row alone, in a batch, in another
 block of rows), at any shape the packed copy takes (columns and K past whole chunks)."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+
 import pytest
 import torch
 
-from engine.kernels import amx_linears, int8_linears, w8_linears
+from engine.kernels import amx_linears, int8_linears, native_kernels, w8_linears
 
 w8_kernel = pytest.mark.skipif(not w8_linears.available(), reason="neither AVX512-BF16 nor AVX2 with FMA here")
 # one row; a block of a few; columns and K past whole chunks of 32; two and three blocks of 12 rows; a prefill's
 SHAPES = [(1, 192, 576), (7, 50, 100), (13, 96, 70), (32, 960, 576), (33, 576, 1536), (300, 64, 1536)]
 
 
-def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, the bf16 weights the kernels widen q to)."""
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): int8 weights and their bf16 scale per group."""
     g = torch.Generator().manual_seed(seed)
-    q, scale = int8_linears.quantize_groups(torch.randn(n, k, generator=g))
-    return q, scale, amx_linears.widened_w8(q, scale)
+    return int8_linears.quantize_groups(torch.randn(n, k, generator=g))
 
 
 @w8_kernel
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_it_multiplies_the_weights_q_times_scale(m, n, k, out_dtype):
-    q, scale, w = _weights(n, k, m + n * k)
+    q, scale = _weights(n, k, m + n * k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     x[:, ::7] *= 300  # outliers: the integer kernel rounds values 2^7 below a row's largest
     x = x.bfloat16()
     got = w8_linears.linear_w8(x, amx_linears.pack_w8(q, scale), out_dtype).double()
-    if w8_linears.integer_products():  # exact integer products a group; a rounding per group's fp32 sum
-        xs, ws = w8_linears.int16_rows(x), _exact_weights(q, scale)
-    else:  # every bf16 x bf16 product exact in fp32; a rounding per product's running sum
-        xs, ws = x.double(), w.double()
+    # exact integer products a group; a rounding per group's fp32 sum
+    xs, ws = w8_linears.int16_rows(x), _exact_weights(q, scale)
     exact = xs @ ws.t()
     # k fp32 roundings of the running sum at most, then the output's own
     magnitude = xs.abs() @ ws.abs().t()
@@ -53,9 +52,7 @@ def test_the_integer_kernels_activations_are_rounded_as_int16_rows_says():
     """A row's values within 2^7 of its largest are exact, smaller ones round to 2^-15 of it: against the
     rows unrounded the outputs move by that much, and against int16_rows' values by no more than the sums'
     roundings (a kernel that rounded to 8 bits, or by the wrong power of two, fails one of the two)."""
-    if not w8_linears.integer_products():
-        pytest.skip("this CPU's kernel multiplies bf16 weights and activations (AVX512-BF16)")
-    q, scale, _ = _weights(64, 512, 3)
+    q, scale = _weights(64, 512, 3)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(4))
     x[:, 5] = torch.tensor([1e3, -3e4, 2.0**-30, 7.0])  # rows whose largest value sits far above the rest
     x = x.bfloat16()
@@ -70,7 +67,7 @@ def test_the_integer_kernels_activations_are_rounded_as_int16_rows_says():
 
 @w8_kernel
 def test_a_row_holding_an_inf_or_a_nan_spoils_that_row_alone():
-    q, scale, _ = _weights(40, 96, 5)
+    q, scale = _weights(40, 96, 5)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6)).bfloat16()
     x[0, 3], x[2, 90] = float("inf"), float("nan")
     got = w8_linears.linear_w8(x, amx_linears.pack_w8(q, scale), torch.float32)
@@ -84,13 +81,42 @@ def test_a_row_holding_an_inf_or_a_nan_spoils_that_row_alone():
 def test_a_rows_bits_are_its_own_whatever_the_batch(out_dtype):
     """Alone, first, last, or in the second or third block of rows (the later blocks read the widened
     weights back from the thread's panel): the same bits, so a row prefilled and decoded agree."""
-    q, scale, _ = _weights(100, 1536, 1)
+    q, scale = _weights(100, 1536, 1)
     packed = amx_linears.pack_w8(q, scale)
     x = torch.randn(30, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
     batch = w8_linears.linear_w8(x, packed, out_dtype)
     for row in (0, 13, 29):
         assert torch.equal(w8_linears.linear_w8(x[row:row + 1], packed, out_dtype)[0], batch[row])
     assert torch.equal(w8_linears.linear_w8(x.flip(0), packed, out_dtype), batch.flip(0))
+
+
+def test_the_kernel_builds_wherever_the_cpu_has_avx2_and_fma():
+    """So that a kernel that fails to compile fails here, not skips every test above."""
+    if {"avx2", "fma"} <= native_kernels.cpu_flags() and native_kernels.enabled() and native_kernels._compiler():
+        assert w8_linears.available()
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw"} <= native_kernels.cpu_flags(), reason="no AVX512-VNNI here")
+def test_avx512_vnni_gives_the_bits_avx2_gives(tmp_path):
+    """The same sums in the same order on VPDPWSSD as on VPMADDWD (w8_madd.h): w8_linear.c built for AVX2
+    alone on this CPU gives this CPU's build's bits, a block of rows, several, and one row."""
+    lib = tmp_path / "w8_avx2.so"
+    cc = native_kernels._compiler()
+    flags = [*native_kernels.FLAGS, "-mno-avx512f"]
+    subprocess.run([cc, *flags, "-o", str(lib), f"{native_kernels.SOURCE_DIR}/w8_linear.c", "-lm"], check=True,
+                   capture_output=True)
+    avx2 = ctypes.CDLL(str(lib)).w8_linear_f32
+    avx2.argtypes, avx2.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_int64, ctypes.c_void_p], ctypes.c_int
+    for m, n, k in [(1, 96, 576), (9, 50, 100), (33, 576, 1536)]:
+        q, scale = _weights(n, k, m)
+        packed = amx_linears.pack_w8(q, scale)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+        x[:, ::7] *= 300
+        x = x.bfloat16()
+        want = torch.empty(m, n)
+        assert avx2(x.data_ptr(), m, k, packed.packed.data_ptr(), n, want.data_ptr()) == 0
+        assert torch.equal(w8_linears.linear_w8(x, packed, torch.float32), want)
 
 
 def test_the_c_loop_takes_the_amx_kernel_where_it_runs_else_this_one():

@@ -1,7 +1,9 @@
-/* Weight-only int8 on AVX2 without AVX512-BF16 (AMD Zen 3, Intel Haswell to Ice Lake): the int8 weights
-   multiplied as integers, by activations rounded to int16, on VPMADDWD (16 products of int16 pairs a
-   uop, summed in pairs into int32), where fp32 FMAs on widened weights do 8 a uop on the same pipes.
-   w8_linear.c's AVX2 branch; its AVX512-BF16 one multiplies bf16 weights and activations instead.
+/* Weight-only int8 without AMX tiles (w8_linear.c): the int8 weights multiplied as integers, by activations
+   rounded to int16. With AVX512-VNNI (AMD Zen 4 and 5, Intel Ice Lake and later) on VPDPWSSD: 32 int16
+   products and their sum a 512-bit instruction, at VDPBF16PS's rate (bench/dot_rates.py), with no widening
+   of the weights to bf16 (a VPMOVSXBW a tile row, where widening to bf16 took 9 instructions); on AVX2
+   alone (AMD Zen 3, Intel Haswell and later) on VPMADDWD: 16 products a uop, where fp32 FMAs on widened
+   weights do 8.
 
    Arithmetic, per row of x: its bf16 values times 2^(14 - e), where 2^e <= the row's largest |x| <
    2^(e + 1), rounded to int16 (|v| < 2^15): every value within 2^7 of the largest is exact (a bf16 has 8
@@ -9,14 +11,17 @@
    of W8_GROUP values of K sums its int8 x int16 products exactly in int32 (< 16 x 127 x 2^15 = 2^26),
    converted to fp32 (rounded once) and times its column's scale added to the column's fp32 sum (one
    FMA, in K's order); the sum times 2^(e - 14) (exact) is the output, rounded once to bf16 or not. The
-   weights are q x scale exactly (the AMX and AVX512-BF16 kernels round that to bf16 first: up to 2^-9 of
-   each weight apart). Every output depends on its own row and column alone, whatever the batch, the
-   block of rows or the thread: a row prefilled and decoded give the same bits. A row holding an inf or
-   a NaN gives NaN outputs.
+   weights are q x scale exactly (the AMX kernel rounds that to bf16 first: up to 2^-9 of each weight
+   apart). The same sums in the same order on AVX-512 and AVX2, whatever the blocking: the same bits on
+   both. Every output depends on its own row and column alone, whatever the batch, the block of rows or
+   the thread: a row prefilled and decoded give the same bits. A row holding an inf or a NaN gives NaN
+   outputs.
 
-   Speed (whole models' linears swept, bench/w8_linears.py on a Zen 3's 2 cores, bench/RESULTS.md
-   2026-12-06): 1.42-1.60x the bf16 engine's panels at 1-8 rows (half the bytes) and 1.26-1.51x at 32 (the
-   products: VPMADDWD and its VPADDD ran 22 products a cycle in registers against the FMAs' 16). */
+   Speed (whole models' linears swept, bench/w8_linears.py, 2 cores, bench/RESULTS.md): on a Zen 3
+   (2026-12-06) 1.42-1.60x the bf16 engine's panels at 1-8 rows (half the bytes) and 1.26-1.51x at 32 (the
+   products: VPMADDWD and its VPADDD ran 22 products a cycle in registers against the FMAs' 16); on a Zen 4
+   (2026-12-07) 1.16-1.32x the bf16-widening kernel it replaced at 8 rows, 0.98x at 32, 0.86-0.92x at 1-2
+   (both bound by memory there), and in the engine 1.09-1.29x its tokens/s at 8 and 32 sequences. */
 #ifndef ROLLOUT_NATIVE_W8_MADD_H
 #define ROLLOUT_NATIVE_W8_MADD_H
 
@@ -27,20 +32,31 @@
 #include "common.h"
 #include "w8_chunk.h"
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MADD512 1
+#define MADD_ROWS 12 /* a block: 12 rows x 32 columns of int32 sums and two weight vectors, of 32 registers */
+#define MADD_COLS 32 /* columns a pass over the weights: a chunk's two tiles, or one (madd_tile_block) */
+#define MADD_SPLIT_ROWS 2 /* up to this many rows: two int32 sums a tile, so fewer wait on the last product */
+/* The weight stream fetched into L2 this many chunks ahead (w8_linear.c's first kernel, on a Zen 4: 15.8
+   GB/s of int8 at 1 row with no prefetch, 34.0 at 8 chunks ahead; 16 and 32 ran alike) */
+#define MADD_PREFETCH_CHUNKS 8
+#else
 #define MADD_ROWS 6 /* a block: 6 rows x 16 columns of int32 sums, two weight vectors, a broadcast, a product */
+#define MADD_COLS 16 /* one tile */
+#endif
 #define X_KEEP_BYTES (4 << 20) /* the quantized activations of a decode step kept per thread; a prefill's freed */
 
 /* 8 bf16 values widened to fp32 (exact) */
 static inline __m256 widen8(__m128i bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)); }
 
-/* Row x (k bf16 values) as int16 pairs into dst (every MADD_ROWS-th int32: the block's layout, pair j of
-   the row at dst[j * MADD_ROWS]), k padded with zeros to pairs pairs; returns 2^(e - 14) (NaN for a row
+/* Row x (k bf16 values) as int16 pairs into dst (every `stride`-th int32, stride the rows of its block: the
+   block's layout, pair j of the row at dst[j * stride]), k padded with zeros to pairs pairs; returns 2^(e - 14) (NaN for a row
    holding an inf or a NaN). */
-static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32_t *dst) {
+static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32_t *dst, int stride) {
     uint16_t top = 0;
     for (int64_t i = 0; i < k; i++) top = (x[i] & 0x7fff) > top ? (x[i] & 0x7fff) : top;
     if (top >= 0x7f80) {
-        for (int64_t j = 0; j < pairs; j++) dst[j * MADD_ROWS] = 0;
+        for (int64_t j = 0; j < pairs; j++) dst[j * stride] = 0;
         return NAN;
     }
     /* a subnormal top (exponent field 0) scales as 2^-126; 2^(14 - e) up to 2^140 as two exact factors */
@@ -57,29 +73,129 @@ static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32
         /* packs interleaves 128-bit lanes: the permute puts the 16 values back in order, 8 pairs */
         int32_t p[8];
         _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(_mm256_packs_epi32(ql, qh), 0xd8));
-        for (int j = 0; j < 8; j++) dst[(i / 2 + j) * MADD_ROWS] = p[j];
+        for (int j = 0; j < 8; j++) dst[(i / 2 + j) * stride] = p[j];
     }
     int16_t tail[2] = {0, 0};
     for (; i < 2 * pairs; i++) {
         tail[i % 2] = i < k ? (int16_t)lrintf(bf16_to_f32(x[i]) * s1 * s2) : 0;
-        if (i % 2) memcpy(&dst[i / 2 * MADD_ROWS], tail, sizeof tail);
+        if (i % 2) memcpy(&dst[i / 2 * stride], tail, sizeof tail);
     }
     return ldexpf(1.0f, -up);
 }
 
+#ifdef MADD512
+/* rows (1..MADD_ROWS) rows of x (block layout: the rows' pairs interleaved) times both tiles (32 columns)
+   of a panel's kc_count chunks, into sums [rows][32] (fp32, the columns in order): AVX-512's VPDPWSSD does
+   VPMADDWD's 32 products and their VPADDD in one instruction, and a tile row sign-extends in order with one
+   VPMOVSXBW. The same sums, in the same order, as the AVX2 block: the same bits. A call of one block
+   (up to 12 rows); `fetch`: prefetch the weights ahead. */
+ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int fetch,
+                              float (*sums)[MADD_COLS]) {
+    __m512 f[MADD_ROWS][2];
+    for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+    for (int64_t kc = 0; kc < kc_count; kc++) {
+        const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
+        const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES);
+        const uint16_t *scales = (const uint16_t *)chunk;
+        const int32_t *xk = x + kc * 16 * rows;
+        if (fetch)
+            for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
+                _mm_prefetch((const char *)(chunk + MADD_PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
+        _Pragma("GCC unroll 2") for (int g = 0; g < W8_GROUPS; g++) {
+            __m512i a[MADD_ROWS][2][2]; /* [row][even or odd tile row, with few rows][tile] */
+            for (int r = 0; r < rows; r++)
+                for (int h = 0; h < 2; h++) a[r][h][0] = a[r][h][1] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int pp = 0; pp < W8_ROWS_PER_GROUP; pp++) {
+                const int p = g * W8_ROWS_PER_GROUP + pp, h = rows <= MADD_SPLIT_ROWS ? pp % 2 : 0;
+                const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * p)));
+                const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 512 + 32 * p)));
+                for (int r = 0; r < rows; r++) {
+                    const __m512i xv = _mm512_set1_epi32(xk[p * rows + r]);
+                    a[r][h][0] = _mm512_dpwssd_epi32(a[r][h][0], w0, xv);
+                    a[r][h][1] = _mm512_dpwssd_epi32(a[r][h][1], w1, xv);
+                }
+            }
+            if (rows <= MADD_SPLIT_ROWS) /* integer sums: exact in any order */
+                for (int r = 0; r < rows; r++)
+                    for (int t = 0; t < 2; t++) a[r][0][t] = _mm512_add_epi32(a[r][0][t], a[r][1][t]);
+            /* the group's scales (bf16, exact in fp32), tile 0's 16 columns then tile 1's */
+            const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g))), 16));
+            const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g + 16))), 16));
+            for (int r = 0; r < rows; r++) {
+                f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0][0]), s0, f[r][0]);
+                f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0][1]), s1, f[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums[r], f[r][0]), _mm512_storeu_ps(sums[r] + 16, f[r][1]);
+}
+
+/* madd_block's sums for one tile (16 columns, `tile` of the chunk's two) and so half its registers: with 12
+   rows both tiles' fp32 sums would not fit beside their int32 ones. The same sums, the same bits. */
+ALWAYS_INLINE void madd_tile_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
+                                   int fetch, float (*sums)[MADD_COLS]) {
+    __m512 f[MADD_ROWS];
+    for (int r = 0; r < rows; r++) f[r] = _mm512_setzero_ps();
+    for (int64_t kc = 0; kc < kc_count; kc++) {
+        const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
+        const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES) + 512 * tile;
+        const uint16_t *scales = (const uint16_t *)chunk + 16 * tile;
+        const int32_t *xk = x + kc * 16 * rows;
+        if (fetch)
+            for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
+                _mm_prefetch((const char *)(chunk + MADD_PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
+        _Pragma("GCC unroll 2") for (int g = 0; g < W8_GROUPS; g++) {
+            __m512i a[MADD_ROWS];
+            for (int r = 0; r < rows; r++) a[r] = _mm512_setzero_si512();
+            _Pragma("GCC unroll 8") for (int pp = 0; pp < W8_ROWS_PER_GROUP; pp++) {
+                const int p = g * W8_ROWS_PER_GROUP + pp;
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * p)));
+                for (int r = 0; r < rows; r++) a[r] = _mm512_dpwssd_epi32(a[r], w, _mm512_set1_epi32(xk[p * rows + r]));
+            }
+            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g))), 16));
+            for (int r = 0; r < rows; r++) f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), sc, f[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(sums[r] + 16 * tile, f[r]);
+}
+
+static void madd_tile_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile, int fetch,
+                           float (*sums)[MADD_COLS]) {
+#define MADD(R) madd_tile_block(x, R, kc_count, wb, tile, fetch, sums)
+    switch (rows) {
+    case 1: MADD(1); break;
+    case 2: MADD(2); break;
+    case 3: MADD(3); break;
+    case 4: MADD(4); break;
+    case 5: MADD(5); break;
+    case 6: MADD(6); break;
+    case 7: MADD(7); break;
+    case 8: MADD(8); break;
+    case 9: MADD(9); break;
+    case 10: MADD(10); break;
+    case 11: MADD(11); break;
+    default: MADD(MADD_ROWS); break;
+    }
+#undef MADD
+}
+
+#else
 /* rows (1..MADD_ROWS) rows of x (block layout: the rows' pairs interleaved) times one tile (16 columns,
    `tile` of each chunk's two) of a panel's kc_count chunks, into sums [rows][16] (fp32, the tile's columns
    in order). Always inlined with a constant row count, so the int32 sums stay in registers; the fp32 ones
    live in L1 (12 registers more than AVX2's 16). Both loops over a chunk unrolled: with the groups' loop
    rolled GCC's code ran 1.3-2.3x slower at 8-32 rows. */
 ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
-                              float (*sums)[16]) {
+                              float (*sums)[MADD_COLS]) {
     float f[MADD_ROWS][16] __attribute__((aligned(32))) = {{0}}; /* the sums' columns in w0's and w1's order */
     for (int64_t kc = 0; kc < kc_count; kc++) {
         const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
         const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES) + 512 * tile;
         const uint16_t *scales = (const uint16_t *)chunk + 16 * tile;
-        const int32_t *xk = x + kc * 16 * MADD_ROWS;
+        const int32_t *xk = x + kc * 16 * rows;
         _Pragma("GCC unroll 2") for (int g = 0; g < W8_GROUPS; g++) {
             __m256i a[MADD_ROWS][2];
             for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
@@ -91,7 +207,7 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
                 const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
                 const __m256i w0 = _mm256_unpacklo_epi8(v, sign), w1 = _mm256_unpackhi_epi8(v, sign);
                 for (int r = 0; r < rows; r++) {
-                    const __m256i xv = _mm256_set1_epi32(xk[p * MADD_ROWS + r]);
+                    const __m256i xv = _mm256_set1_epi32(xk[p * rows + r]);
                     a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(w0, xv));
                     a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(w1, xv));
                     /* GCC otherwise reassociated the sums: every product first, spilled, then a tree */
@@ -115,15 +231,30 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
     }
 }
 
-static void madd_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile, float (*sums)[16]) {
+#endif
+
+/* madd_block with `rows` a constant in each copy, so the compiler keeps every int32 sum in a register.
+   `tile`: on AVX2 which tile (16 columns); on AVX-512 (both tiles a pass) whether to prefetch. */
+static void madd_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
+                      float (*sums)[MADD_COLS]) {
+#define MADD(R) madd_block(x, R, kc_count, wb, tile, sums)
     switch (rows) {
-    case 1: madd_block(x, 1, kc_count, wb, tile, sums); break;
-    case 2: madd_block(x, 2, kc_count, wb, tile, sums); break;
-    case 3: madd_block(x, 3, kc_count, wb, tile, sums); break;
-    case 4: madd_block(x, 4, kc_count, wb, tile, sums); break;
-    case 5: madd_block(x, 5, kc_count, wb, tile, sums); break;
-    default: madd_block(x, MADD_ROWS, kc_count, wb, tile, sums); break;
+    case 1: MADD(1); break;
+    case 2: MADD(2); break;
+    case 3: MADD(3); break;
+    case 4: MADD(4); break;
+    case 5: MADD(5); break;
+#ifdef MADD512
+    case 6: MADD(6); break;
+    case 7: MADD(7); break;
+    case 8: MADD(8); break;
+    case 9: MADD(9); break;
+    case 10: MADD(10); break;
+    case 11: MADD(11); break;
+#endif
+    default: MADD(MADD_ROWS); break;
     }
+#undef MADD
 }
 
 static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16,
@@ -134,31 +265,44 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     int32_t *xq = bytes <= X_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes);
     if (xq == NULL) return -1;
     float *row_scale = (float *)(xq + blocks * pairs * MADD_ROWS);
-    for (int64_t r = 0; r < m; r++)
-        row_scale[r] = quantize_row_i16(x + r * k, k, pairs, xq + r / MADD_ROWS * pairs * MADD_ROWS + r % MADD_ROWS);
+    for (int64_t r = 0; r < m; r++) { /* a block of fewer rows interleaves only those: a row alone reads its own */
+        const int64_t blk = r / MADD_ROWS, in_block = m - blk * MADD_ROWS < MADD_ROWS ? m - blk * MADD_ROWS : MADD_ROWS;
+        row_scale[r] = quantize_row_i16(x + r * k, k, pairs, xq + blk * pairs * MADD_ROWS + r % MADD_ROWS, (int)in_block);
+    }
     const int64_t panels = (n + 31) / 32;
 #pragma omp parallel for schedule(static) if (m * n * k > 65536)
     for (int64_t np = 0; np < panels; np++) {
         const uint8_t *wb = w + np * kc_count * W8_CHUNK_BYTES;
-        for (int tile = 0; tile < 2; tile++) {
-            const int64_t col = np * 32 + 16 * tile, cols = n - col < 16 ? n - col : 16;
+        for (int tile = 0; tile < 32 / MADD_COLS; tile++) {
+            const int64_t col = np * 32 + MADD_COLS * tile, cols = n - col < MADD_COLS ? n - col : MADD_COLS;
             if (cols <= 0) break;
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t m0 = blk * MADD_ROWS;
                 const int rows = m - m0 < MADD_ROWS ? (int)(m - m0) : MADD_ROWS;
-                float sums[MADD_ROWS][16];
+                float sums[MADD_ROWS][MADD_COLS];
+#ifdef MADD512
+                /* more than a block: a tile a pass, its fp32 sums in registers (Llama-3.2-1B's linears at 32
+                   rows: 1.07x both tiles a pass); the first pass fetches the chunks, the rest read L2 */
+                if (blocks > 1)
+                    for (int t = 0; t < 2; t++)
+                        madd_tile_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, t, blk == 0 && t == 0, sums);
+                else
+                    madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, 1, sums);
+#else
                 madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, tile, sums);
-                for (int r = 0; r < rows; r++) {
-                    const int64_t at = (m0 + r) * n + col;
-                    const v16f v = load16_f32(sums[r]) * row_scale[m0 + r];
-                    if (cols == 16 && out_f32) store16_f32(out_f32 + at, v);
-                    else if (cols == 16) store16_bf16(out_bf16 + at, v);
-                    else
-                        for (int64_t c = 0; c < cols; c++) {
-                            if (out_f32) out_f32[at + c] = v[c];
-                            else out_bf16[at + c] = f32_to_bf16(v[c]);
-                        }
-                }
+#endif
+                for (int r = 0; r < rows; r++)
+                    for (int64_t h = 0; h < cols; h += 16) {
+                        const int64_t at = (m0 + r) * n + col + h, left = cols - h;
+                        const v16f v = load16_f32(sums[r] + h) * row_scale[m0 + r];
+                        if (left >= 16 && out_f32) store16_f32(out_f32 + at, v);
+                        else if (left >= 16) store16_bf16(out_bf16 + at, v);
+                        else
+                            for (int64_t c = 0; c < left; c++) {
+                                if (out_f32) out_f32[at + c] = v[c];
+                                else out_bf16[at + c] = f32_to_bf16(v[c]);
+                            }
+                    }
             }
         }
     }
