@@ -8,8 +8,8 @@ AVX512-VNNI's VPDPWSSD (AMD Zen 4 and 5, Intel Ice Lake and later; 32 products a
 VDPBF16PS does) or AVX2's VPMADDWD (AMD Zen 3, Intel Haswell and later; 16 a uop where the bf16 engine's
 FMAs do 8), the same bits on both (w8_madd.h). Where a step reads more bytes than it multiplies the copy
 streams 0.56 of the bf16 weights' bytes: on a Zen 3 1.42-1.60x the bf16 engine's linears at 1-8 rows and
-1.26-1.51x at 32; on a Zen 4 the int8 engine 1.44x the bf16 engine's tokens/s at 8 sequences, 1.08x at 32
-(bench/RESULTS.md, docs/guides/int8.md).
+1.26-1.51x at 32; on a Zen 4 the int8 engine 1.30-1.31x the bf16 engine's tokens/s at 8 sequences,
+1.05-1.07x at 32 (Llama-3.2-1B's and Qwen3-1.7B's shapes; bench/RESULTS.md, docs/guides/int8.md).
 """
 
 from __future__ import annotations

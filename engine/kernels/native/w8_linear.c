@@ -7,8 +7,8 @@
    Where a step reads more bytes than it multiplies (a decode step of a few sequences) the int8 copy
    streams 0.56 of the bf16 weights' bytes. The kernel this replaced on AVX512-BF16 (the AMX kernel's bf16
    weights, q * scale rounded, widened before VDPBF16PS multiplied them) spent 9 instructions a tile row
-   widening: in the engine on a Zen 4 the integers ran 1.09-1.29x its tokens/s at 8 and 32 sequences
-   (bench/RESULTS.md, 2026-12-07). */
+   widening: in the engine on a Zen 4 the integers ran 1.10-1.16x its tokens/s at 8 sequences and
+   1.05-1.07x at 32 (bench/RESULTS.md, 2026-12-07). */
 
 #include "common.h"
 

@@ -21,7 +21,7 @@
    (2026-12-06) 1.42-1.60x the bf16 engine's panels at 1-8 rows (half the bytes) and 1.26-1.51x at 32 (the
    products: VPMADDWD and its VPADDD ran 22 products a cycle in registers against the FMAs' 16); on a Zen 4
    (2026-12-07) 1.16-1.32x the bf16-widening kernel it replaced at 8 rows, 0.98x at 32, 0.86-0.92x at 1-2
-   (both bound by memory there), and in the engine 1.09-1.29x its tokens/s at 8 and 32 sequences. */
+   (both bound by memory there), and in the engine 1.10-1.16x its tokens/s at 8 sequences, 1.05-1.07x at 32. */
 #ifndef ROLLOUT_NATIVE_W8_MADD_H
 #define ROLLOUT_NATIVE_W8_MADD_H
 
