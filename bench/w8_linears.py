@@ -5,7 +5,7 @@ as a decode step streams them (bench/amx_linears.py's sweep, on a CPU without ti
 
 Ways with AVX512-BF16 (AMD Zen 4 and 5): "bf16 rows" (bf16_rows.c on the weights in place: the bf16
 engine's up to 64 sequences), "bf16 oneDNN" (its prepacked op: the bf16 engine's past 64) and "w8" (the
-int8 engine's: int8 copies widened to the bf16 weights q * scale, the lm_head on bf16 rows). (The W8A8
+int8 engine's: the int8 copies multiplied as integers on VPDPWSSD, the lm_head on bf16 rows). (The W8A8
 scheme the int8 engine ran on such a CPU before is left out: oneDNN's int8 op took 27 s to sweep
 Qwen2.5-1.5B's linears at one row on a Zen 4, and it moved 59% of SmolLM2's sampled tokens past
 [0.9, 1.1].) On AVX2 alone (AMD Zen 3): "bf16 panels" (the bf16 engine's there: f32_linear.c on the
