@@ -46,6 +46,21 @@
 #endif
 #define X_KEEP_BYTES (4 << 20) /* the quantized activations of a decode step kept per thread; a prefill's freed */
 
+/* switch (rows) calling MADD(R) with R a constant (1..MADD_ROWS) in each case, so the compiler keeps every
+   int32 sum of a block in a register */
+#define MADD_UP_TO_5 \
+    case 1: MADD(1); break; case 2: MADD(2); break; case 3: MADD(3); break; case 4: MADD(4); break; case 5: MADD(5); break;
+#ifdef MADD512
+#define MADD_BY_ROWS(rows)                                                                                    \
+    switch (rows) {                                                                                           \
+    MADD_UP_TO_5                                                                                              \
+    case 6: MADD(6); break; case 7: MADD(7); break; case 8: MADD(8); break; case 9: MADD(9); break;           \
+    case 10: MADD(10); break; case 11: MADD(11); break; default: MADD(12); break;                            \
+    }
+#else
+#define MADD_BY_ROWS(rows) switch (rows) { MADD_UP_TO_5 default: MADD(6); break; }
+#endif
+
 /* 8 bf16 values widened to fp32 (exact) */
 static inline __m256 widen8(__m128i bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)); }
 
@@ -165,20 +180,7 @@ ALWAYS_INLINE void madd_tile_block(const int32_t *x, int rows, int64_t kc_count,
 static void madd_tile_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile, int fetch,
                            float (*sums)[MADD_COLS]) {
 #define MADD(R) madd_tile_block(x, R, kc_count, wb, tile, fetch, sums)
-    switch (rows) {
-    case 1: MADD(1); break;
-    case 2: MADD(2); break;
-    case 3: MADD(3); break;
-    case 4: MADD(4); break;
-    case 5: MADD(5); break;
-    case 6: MADD(6); break;
-    case 7: MADD(7); break;
-    case 8: MADD(8); break;
-    case 9: MADD(9); break;
-    case 10: MADD(10); break;
-    case 11: MADD(11); break;
-    default: MADD(MADD_ROWS); break;
-    }
+    MADD_BY_ROWS(rows)
 #undef MADD
 }
 
@@ -233,27 +235,12 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
 
 #endif
 
-/* madd_block with `rows` a constant in each copy, so the compiler keeps every int32 sum in a register.
-   `tile`: on AVX2 which tile (16 columns); on AVX-512 (both tiles a pass) whether to prefetch. */
+/* madd_block with `rows` a constant in each copy. `tile`: on AVX2 which tile (16 columns); on AVX-512 (both
+   tiles a pass) whether to prefetch. */
 static void madd_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
                       float (*sums)[MADD_COLS]) {
 #define MADD(R) madd_block(x, R, kc_count, wb, tile, sums)
-    switch (rows) {
-    case 1: MADD(1); break;
-    case 2: MADD(2); break;
-    case 3: MADD(3); break;
-    case 4: MADD(4); break;
-    case 5: MADD(5); break;
-#ifdef MADD512
-    case 6: MADD(6); break;
-    case 7: MADD(7); break;
-    case 8: MADD(8); break;
-    case 9: MADD(9); break;
-    case 10: MADD(10); break;
-    case 11: MADD(11); break;
-#endif
-    default: MADD(MADD_ROWS); break;
-    }
+    MADD_BY_ROWS(rows)
 #undef MADD
 }
 
