@@ -48,8 +48,9 @@
 
 /* switch (rows) calling MADD(R) with R a constant (1..MADD_ROWS) in each case, so the compiler keeps every
    int32 sum of a block in a register */
-#define MADD_UP_TO_5 \
-    case 1: MADD(1); break; case 2: MADD(2); break; case 3: MADD(3); break; case 4: MADD(4); break; case 5: MADD(5); break;
+#define MADD_UP_TO_5                                                                                          \
+    case 1: MADD(1); break; case 2: MADD(2); break; case 3: MADD(3); break; case 4: MADD(4); break;           \
+    case 5: MADD(5); break;
 #ifdef MADD512
 #define MADD_BY_ROWS(rows)                                                                                    \
     switch (rows) {                                                                                           \
@@ -65,8 +66,8 @@
 static inline __m256 widen8(__m128i bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16)); }
 
 /* Row x (k bf16 values) as int16 pairs into dst (every `stride`-th int32, stride the rows of its block: the
-   block's layout, pair j of the row at dst[j * stride]), k padded with zeros to pairs pairs; returns 2^(e - 14) (NaN for a row
-   holding an inf or a NaN). */
+   block's layout, pair j of the row at dst[j * stride]), k padded with zeros to pairs pairs; returns
+   2^(e - 14) (NaN for a row holding an inf or a NaN). */
 static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32_t *dst, int stride) {
     uint16_t top = 0;
     for (int64_t i = 0; i < k; i++) top = (x[i] & 0x7fff) > top ? (x[i] & 0x7fff) : top;
@@ -253,8 +254,9 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
     if (xq == NULL) return -1;
     float *row_scale = (float *)(xq + blocks * pairs * MADD_ROWS);
     for (int64_t r = 0; r < m; r++) { /* a block of fewer rows interleaves only those: a row alone reads its own */
-        const int64_t blk = r / MADD_ROWS, in_block = m - blk * MADD_ROWS < MADD_ROWS ? m - blk * MADD_ROWS : MADD_ROWS;
-        row_scale[r] = quantize_row_i16(x + r * k, k, pairs, xq + blk * pairs * MADD_ROWS + r % MADD_ROWS, (int)in_block);
+        const int64_t blk = r / MADD_ROWS, left = m - blk * MADD_ROWS;
+        const int in_block = left < MADD_ROWS ? (int)left : MADD_ROWS;
+        row_scale[r] = quantize_row_i16(x + r * k, k, pairs, xq + blk * pairs * MADD_ROWS + r % MADD_ROWS, in_block);
     }
     const int64_t panels = (n + 31) / 32;
 #pragma omp parallel for schedule(static) if (m * n * k > 65536)
