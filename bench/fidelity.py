@@ -1,7 +1,8 @@
 """How far each engine's policy is from the trainer's (issue 49 item 4): the recipes' arithmetic prompts,
 sampled at temperature 1 from fp32, bf16 (with its LM head in bf16, and in fp32) and int8 engines (the
-int8 one as the engine serves it: weight-only on AMX, AVX512-BF16 or AVX2, its lm_head in full precision;
-with the lm_head quantized too; and W8A8, activations per token, the scheme of CPUs with none), and
+int8 one as the engine serves it: weight-only on AMX, or as integers on AVX512-VNNI or AVX2, its lm_head
+in full precision; with the lm_head quantized too; and W8A8, activations per token, the scheme of CPUs
+with none), and
 every sampled token scored again by the trainer (transformers' model, fp32). The figure is the share of
 sampled tokens whose trainer/engine probability ratio lies outside [0.9, 1.1] (what truncated
 importance sampling has to correct), with the mean and largest |log ratio|. On a mixture of experts
@@ -33,7 +34,7 @@ ENGINES = {  # name -> (dtype, quantization, int8 lm_head quantized too, int8 ac
     "fp32": ("float32", "none", False, False, "auto"),
     "bf16": ("bfloat16", "none", False, False, "auto"),
     "bf16+fp32head": ("bfloat16", "none", False, False, "float32"),  # the LM head in fp32 (engine/kernels/fp32_head.py)
-    "int8": ("float32", "int8", False, False, "auto"),  # the engine's int8: weight-only (AMX, AVX512-BF16, AVX2)
+    "int8": ("float32", "int8", False, False, "auto"),  # the engine's int8: weight-only (AMX; or integers)
     "int8+lm_head": ("float32", "int8", True, False, "auto"),
     "w8a8": ("float32", "int8", False, True, "auto"),  # activations quantized per token as well
 }
