@@ -91,6 +91,8 @@ def serve_commands(code: str) -> list[list[str]]:
         for flag in ("--port", "--http-port"):
             if flag in argv:
                 argv[argv.index(flag) + 1] = "0"
+        if "--port" not in argv:  # the default 5555 may be another test's sidecar's, running beside this one
+            argv += ["--port", "0"]
         cmds.append([sys.executable, *argv[1:], "--parent-pid", str(os.getpid()), "--warm-standby", "off"])
     return cmds
 
