@@ -1,6 +1,6 @@
-/* Weight-only int8's packed chunk (amx_linears.pack_w8's layout), widened to bf16: shared by the AMX
-   kernel (amx_linear.c, whose tiles read the widened chunk) and the AVX512-BF16 one (w8_linear.c, whose
-   dot products do), so both multiply the same bf16 weights. */
+/* Weight-only int8's packed chunk (amx_linears.pack_w8's layout): its constants for the kernels that read
+   it (amx_linear.c, and w8_madd.h without AMX, which multiplies the int8 as integers), and its widening to
+   bf16 for the AMX tiles. */
 #ifndef ROLLOUT_NATIVE_W8_CHUNK_H
 #define ROLLOUT_NATIVE_W8_CHUNK_H
 
@@ -17,7 +17,6 @@
 #define W8_ROWS_PER_GROUP (W8_GROUP / 2)          /* tile rows (pairs of K) a scale covers */
 #define W8_SCALE_BYTES (64 * W8_GROUPS)           /* per group, the chunk's 32 columns' bf16 scales */
 #define W8_CHUNK_BYTES (W8_SCALE_BYTES + 1024)    /* then 2 x 16 columns x 32 values of K in int8 */
-#define W8_WIDE_BYTES 2048                        /* the same chunk in bf16 */
 
 #ifdef __AVX512BF16__
 /* Tile t's 16 column scales of group g (of a chunk's 32 columns) as fp32, each twice, for the two halves
@@ -41,8 +40,7 @@ static inline __m512bh widen_row(const int8_t *q, __m512 lo_scales, __m512 hi_sc
 
 /* One chunk of a weight-only int8 weight to bf16 tiles: per group of W8_GROUP values of K the 32
    columns' bf16 scales, then the two B tiles' 1024 int8, each tile row widen_row'd with its group's. Every CPU
-   with AMX has AVX512-BF16, and w8_linear.c runs only where a CPU has it: the scalar path builds so
-   that the files compile anywhere. */
+   with AMX has AVX512-BF16: the scalar path builds so that the files compile anywhere. */
 static inline void widen_chunk(const uint8_t *chunk, uint16_t *dst) {
     const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES);
 #ifdef __AVX512BF16__

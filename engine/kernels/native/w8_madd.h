@@ -104,10 +104,11 @@ static float quantize_row_i16(const uint16_t *x, int64_t k, int64_t pairs, int32
 /* rows (1..MADD_ROWS) rows of x (block layout: the rows' pairs interleaved) times both tiles (32 columns)
    of a panel's kc_count chunks, into sums [rows][32] (fp32, the columns in order): AVX-512's VPDPWSSD does
    VPMADDWD's 32 products and their VPADDD in one instruction, and a tile row sign-extends in order with one
-   VPMOVSXBW. The same sums, in the same order, as the AVX2 block: the same bits. A call of one block
-   (up to 12 rows); `fetch`: prefetch the weights ahead. */
-ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int fetch,
+   VPMOVSXBW. The same sums, in the same order, as the AVX2 block: the same bits. For a call of one block
+   (up to 12 rows), which fetches the weights ahead. `tile`: unused here (AVX2's block takes one). */
+ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
                               float (*sums)[MADD_COLS]) {
+    (void)tile;
     __m512 f[MADD_ROWS][2];
     for (int r = 0; r < rows; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     for (int64_t kc = 0; kc < kc_count; kc++) {
@@ -115,9 +116,8 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
         const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES);
         const uint16_t *scales = (const uint16_t *)chunk;
         const int32_t *xk = x + kc * 16 * rows;
-        if (fetch)
-            for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
-                _mm_prefetch((const char *)(chunk + MADD_PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
+        for (int l = 0; l < W8_CHUNK_BYTES; l += 64)
+            _mm_prefetch((const char *)(chunk + MADD_PREFETCH_CHUNKS * W8_CHUNK_BYTES + l), _MM_HINT_T1);
         _Pragma("GCC unroll 2") for (int g = 0; g < W8_GROUPS; g++) {
             __m512i a[MADD_ROWS][2][2]; /* [row][even or odd tile row, with few rows][tile] */
             for (int r = 0; r < rows; r++)
@@ -237,8 +237,8 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
 
 #endif
 
-/* madd_block with `rows` a constant in each copy. `tile`: on AVX2 which tile (16 columns); on AVX-512 (both
-   tiles a pass) whether to prefetch. */
+/* madd_block with `rows` a constant in each copy. `tile`: on AVX2 which tile (16 columns); unused on AVX-512
+   (both tiles a pass). */
 static void madd_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
                       float (*sums)[MADD_COLS]) {
 #define MADD(R) madd_block(x, R, kc_count, wb, tile, sums)
@@ -277,7 +277,7 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
                     for (int t = 0; t < 2; t++)
                         madd_tile_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, t, blk == 0 && t == 0, sums);
                 else
-                    madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, 1, sums);
+                    madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, 0, sums);
 #else
                 madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, tile, sums);
 #endif
