@@ -96,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not w8_linears.available():
-        raise SystemExit("no weight-only int8 kernel on this CPU (AVX512-BF16, or AVX2 with FMA): nothing to compare")
+        raise SystemExit("no weight-only int8 kernel on this CPU (it needs AVX2 with FMA): nothing to compare")
     weights = model_linears(args.model)
     params = sum(w.numel() for w in weights)
     probed = "bfloat16" if bf16_rows.avx512_bf16() else "float32"  # what bf16 is multiplied in here

@@ -7,14 +7,15 @@ engine/kernels/derived_weights.py), made by the pure `derive(weight)`. Two schem
 this CPU runs (`kernel()`):
 
 - **Weight-only** (first choice, where the CPU has AMX tiles: engine/kernels/amx_linears.py's `linear_w8`,
-  else engine/kernels/w8_linears.py's, on AVX512-BF16 or AVX2 with FMA): a bf16 scale per 16
-  values of K of each output channel (amx_linears.W8_GROUP), the int8 weights widened to bf16 (q times
-  its scale, rounded once) inside the kernel, the activations kept in bf16: the same weights on every
-  CPU. On SmolLM2, 7.1% of sampled tokens leave [0.9, 1.1] in trainer/engine probability ratio (the
-  bf16 engine: 7.7%; at another seed 7.9% and 8.5%; per 32 values of K it was 9.4-9.9%:
-  bench/fidelity.py), at 1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX and 1.0x at 256
-  (groups of 32; bench/RESULTS.md); on AVX2 alone 0.81-0.86x at 8-32 (7.30% there), where the widening
-  costs more than the bf16 engine's loads of its bf16 panels.
+  else engine/kernels/w8_linears.py's, on AVX512-VNNI or AVX2 with FMA): a bf16 scale per 16
+  values of K of each output channel (amx_linears.W8_GROUP); on AMX the int8 weights widened to bf16 (q
+  times its scale, rounded once) inside the kernel and the activations kept in bf16, elsewhere the int8
+  weights multiplied as integers by each row's activations rounded to int16. On SmolLM2, 7.1% of sampled
+  tokens leave [0.9, 1.1] in trainer/engine probability ratio (the bf16 engine: 7.7%; at another seed
+  7.9% and 8.5%; per 32 values of K it was 9.4-9.9%; the integers 6.74-7.07%: bench/fidelity.py), at
+  1.12-1.16x the bf16 engine's tokens/s at 32 sequences on AMX and 1.0x at 256 (groups of 32); as
+  integers 1.30-1.31x at 8 sequences and 1.05-1.07x at 32 on a Zen 4, 1.20-1.60x at 8-32 on a Zen 3
+  (bench/RESULTS.md).
 - **Per token** (W8A8; a CPU with none of them, or ROLLOUT_INT8_ACTIVATIONS=int8): symmetric per-channel
   weight scales (a row's largest |w| maps to 127), activations quantized per token (per row) at each
   forward, so a row's output depends on that row alone (a per-tensor activation scale, what oneDNN's
@@ -28,7 +29,7 @@ The per-token kernels, measured by bench/int8_linears.py (bench/RESULTS.md): one
 scales multiplied into its output) ran SmolLM2's linears 1.4-1.7x faster than `torch._int_mm` with
 the same quantization; torch's weight-only op (`_weight_int8pack_mm`) wins at 1 row but falls to
 0.07-0.38x of packed bf16 from 8 rows, which is why weight-only int8 runs on our own kernels (AMX's,
-AVX512-BF16's, AVX2's).
+and the integer one on AVX512-VNNI or AVX2).
 oneDNN's int8 on an AVX2-only CPU (no VNNI) lost accuracy (its u8 x s8 pairs saturate int16: 10%
 error where the exact int32 sum gives 1%), so `kernel()` probes once that a kernel gives the exact
 integer product and falls back to `torch._int_mm`, then to 7-bit weights (on AVX2, with oneDNN's ISA
@@ -156,7 +157,7 @@ def _check_runs(name: str) -> None:
     if name.startswith("amx") and not amx_linears.available():
         raise RuntimeError("no AMX tiles here (or ROLLOUT_AMX=0)")
     if name == "w8" and not w8_linears.available():
-        raise RuntimeError("neither AVX512-BF16 nor AVX2 with FMA here (or no kernel build)")
+        raise RuntimeError("no AVX2 with FMA here (or no kernel build)")
 
 
 def _linear_w8(name: str):

@@ -13,7 +13,7 @@ import torch
 
 from engine.kernels import amx_linears, int8_linears, native_kernels, w8_linears
 
-w8_kernel = pytest.mark.skipif(not w8_linears.available(), reason="neither AVX512-BF16 nor AVX2 with FMA here")
+w8_kernel = pytest.mark.skipif(not w8_linears.available(), reason="no AVX2 with FMA here")
 # one row; a block of a few; columns and K past whole chunks of 32; two and three blocks of 12 rows; a prefill's
 SHAPES = [(1, 192, 576), (7, 50, 100), (13, 96, 70), (32, 960, 576), (33, 576, 1536), (300, 64, 1536)]
 
@@ -79,8 +79,8 @@ def test_a_row_holding_an_inf_or_a_nan_spoils_that_row_alone():
 @w8_kernel
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_are_its_own_whatever_the_batch(out_dtype):
-    """Alone, first, last, or in the second or third block of rows (the later blocks read the widened
-    weights back from the thread's panel): the same bits, so a row prefilled and decoded agree."""
+    """Alone, first, last, or in the second or third block of rows (a block alone or several, each a
+    different pass over the weights): the same bits, so a row prefilled and decoded agree."""
     q, scale = _weights(100, 1536, 1)
     packed = amx_linears.pack_w8(q, scale)
     x = torch.randn(30, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()

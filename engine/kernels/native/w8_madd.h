@@ -136,10 +136,7 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
                 for (int r = 0; r < rows; r++)
                     for (int t = 0; t < 2; t++) a[r][0][t] = _mm512_add_epi32(a[r][0][t], a[r][1][t]);
             /* the group's scales (bf16, exact in fp32), tile 0's 16 columns then tile 1's */
-            const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g))), 16));
-            const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g + 16))), 16));
+            const __m512 s0 = (__m512)load16_bf16(scales + 32 * g), s1 = (__m512)load16_bf16(scales + 32 * g + 16);
             for (int r = 0; r < rows; r++) {
                 f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0][0]), s0, f[r][0]);
                 f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0][1]), s1, f[r][1]);
@@ -171,8 +168,7 @@ ALWAYS_INLINE void madd_tile_block(const int32_t *x, int rows, int64_t kc_count,
                 const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * p)));
                 for (int r = 0; r < rows; r++) a[r] = _mm512_dpwssd_epi32(a[r], w, _mm512_set1_epi32(xk[p * rows + r]));
             }
-            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(scales + 32 * g))), 16));
+            const __m512 sc = (__m512)load16_bf16(scales + 32 * g);
             for (int r = 0; r < rows; r++) f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), sc, f[r]);
         }
     }
