@@ -5,8 +5,9 @@ what an engine without a sliding-window manager does), side by side in one run.
 
 The model: SmolLM2-135M's shape (bench/model_shapes.py, random weights) served as a Mistral with a window of
 `--window` keys on every layer. The workload: `--seqs` prompts of 64-128 tokens, `--max-tokens` new tokens
-each (ignore_eos, greedy), in a cache of `--seqs` x (window / block + 3) blocks, about a third of what the
-full lengths need. Printed per run: tok/s, preemptions (each a recompute of the sequence so far), the
+each (ignore_eos, greedy), in the cache the engine sizes for itself where every layer has a window
+(engine/kv_cache_size.py: each sequence its window's blocks and one prefill step's prompts), about half
+of what the full lengths need. Printed per run: tok/s, preemptions (each a recompute of the sequence so far), the
 most blocks in use at once, and the fewest the windows allow (every sequence its window's blocks and
 the one being written).
 
@@ -46,10 +47,10 @@ def run(model: str, release: bool, args, prompts: list[list[int]]) -> dict:
     """One engine's tokens/s, preemptions and peak blocks in use on `prompts`."""
     from engine import LLM, EngineConfig, SamplingParams
 
-    blocks = args.seqs * (args.window // args.block_size + 3)
     llm = LLM(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.seqs, block_size=args.block_size,
-                           max_model_len=128 + args.max_tokens, num_kv_blocks=blocks))
+                           max_model_len=128 + args.max_tokens))
     bm, scheduler = llm.core.block_manager, llm.core.scheduler
+    blocks = llm.core.runner.num_blocks  # the default size: the windows' (the same for both runs)
     assert bm.window == args.window, bm.window
     if not release:
         bm.window = None  # the blocks behind the window stay with their sequence (the engine before)

@@ -61,7 +61,7 @@ class EngineConfig:
     max_model_len: int = 1024  # prompt + completion tokens
     max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(4096, max_model_len)
     block_size: int = 16  # tokens per KV-cache block
-    num_kv_blocks: int | None = None  # default: room for every running sequence at full length
+    num_kv_blocks: int | None = None  # default: room for every running sequence at full length (or its window)
     kv_cache_memory_gb: float = 4.0  # cap on the automatic KV-cache size on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory this engine may fill (vLLM's name)
     enable_prefix_caching: bool = True

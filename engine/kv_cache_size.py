@@ -1,7 +1,12 @@
 """How many KV-cache blocks an engine allocates: as configured (`num_kv_blocks`), else enough
 for every running sequence at full length if the memory budget holds them, else what it holds;
 never fewer than one full-length sequence needs. The budget itself is the runner's to measure
-(on a GPU: engine/gpu_memory.py after a profile run; on the CPU: `kv_cache_memory_gb`)."""
+(on a GPU: engine/gpu_memory.py after a profile run; on the CPU: `kv_cache_memory_gb`).
+
+A model windowed on every layer holds no sequence's blocks behind its window (engine/block_manager.py
+hands them back before each step), so "at full length" there means its window's blocks, plus one
+prefill step's prompts written whole before theirs go back (as vLLM's sliding-window spec counts
+`window - 1 + max_num_batched_tokens` tokens)."""
 
 from __future__ import annotations
 
@@ -27,9 +32,22 @@ def kv_cache_blocks(budget_bytes: int, per_block: int, want: int, min_blocks: in
     return min(want, fits)
 
 
-def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int], int]) -> int:
+def blocks_wanted(max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
+                  window: int | None = None) -> int:
+    """Blocks for every running sequence at full length: `max_model_len` tokens each, or under a
+    window on every layer its window's (a block more where the window starts mid-block) and one
+    prefill step's worth of whole prompts, never more than the full lengths."""
+    full = max_num_seqs * -(-max_model_len // block_size)
+    if not window:
+        return full
+    held = max_num_seqs * (-(-window // block_size) + 1) + -(-max_num_batched_tokens // block_size)
+    return min(full, held)
+
+
+def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int], int],
+                  window: int | None = None) -> int:
     """The blocks `cfg` gets; `budget_bytes(one_sequence)` is called only when `cfg` leaves the
-    number to the memory budget (it may run a profile step)."""
+    number to the memory budget (it may run a profile step). `window`: the model's on every layer."""
     min_blocks = -(-cfg.max_model_len // cfg.block_size)
     if cfg.num_kv_blocks is not None:
         if cfg.num_kv_blocks < min_blocks:
@@ -38,4 +56,5 @@ def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int
                 f"{cfg.max_model_len} tokens (needs {min_blocks} blocks of {cfg.block_size})"
             )
         return cfg.num_kv_blocks
-    return kv_cache_blocks(budget_bytes(per_block * min_blocks), per_block, cfg.max_num_seqs * min_blocks, min_blocks)
+    want = blocks_wanted(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens, window)
+    return kv_cache_blocks(budget_bytes(per_block * min_blocks), per_block, max(want, min_blocks), min_blocks)

@@ -102,7 +102,7 @@ class ModelRunner:
             log.info("decode steps run eagerly: %s", why_not)
         self.decode_graphs = None
         # on CUDA after a profile run, which needs all of the above
-        self.num_blocks = num_kv_blocks(cfg, self.per_block, self._kv_budget_bytes)
+        self.num_blocks = num_kv_blocks(cfg, self.per_block, self._kv_budget_bytes, self.kv_window)
         self.max_num_seqs = min(self.max_num_seqs, self.num_blocks)  # each running sequence holds a block
         if self.max_num_seqs < cfg.max_num_seqs:
             log.warning("max_num_seqs=%d lowered to %d: the KV cache (%d blocks) serves no more sequences at once",

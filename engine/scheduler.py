@@ -62,6 +62,8 @@ class Scheduler:
         """Pick this step's sequences; returns (seqs, is_prefill). Nothing while paused."""
         if self.pause_state == PauseState.PAUSED:
             return [], False
+        for seq in self.running:  # before admitting: a prefill step's prompts hold no blocks behind their windows
+            self.bm.release_behind_window(seq)
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -86,7 +88,6 @@ class Scheduler:
         decoding: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
-            self.bm.release_behind_window(seq)
             while not self.bm.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())

@@ -50,6 +50,17 @@ def test_kv_cache_size_from_a_memory_budget():
             kv_cache_blocks(budget, 10, want=64, min_blocks=8)
 
 
+def test_a_window_on_every_layer_sizes_the_cache_for_its_windows():
+    from engine.kv_cache_size import blocks_wanted
+
+    assert blocks_wanted(8, 128, 8, 256) == 8 * 16  # every sequence at full length
+    # a window of 16 keys spans 2 blocks of 8, 3 where it starts mid-block; one prefill step of 256 tokens
+    assert blocks_wanted(8, 128, 8, 256, window=16) == 8 * 3 + 32
+    assert blocks_wanted(8, 128, 8, 256, window=17) == 8 * 4 + 32
+    assert blocks_wanted(2, 128, 8, 256, window=16) == 2 * 16  # never more than the full lengths
+    assert blocks_wanted(8, 128, 8, 256, window=None) == blocks_wanted(8, 128, 8, 256, window=0) == 128
+
+
 def test_gpu_memory_utilization_is_checked(qwen2_dir):
     for bad in (0, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):

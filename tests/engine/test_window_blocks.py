@@ -1,7 +1,8 @@
 """A model whose every layer has a sliding window hands a sequence's blocks behind the window back as it
 decodes (engine/block_manager.py's release_behind_window): the bookkeeping on its own, then an engine
 whose cache holds half of what its sequences would hold otherwise, giving HF's greedy tokens on every
-attention path of our layers without a preemption."""
+attention path of our layers without a preemption, and a cache sized by default for the windows (not
+the full lengths) doing the same."""
 
 import pytest
 
@@ -91,3 +92,20 @@ def test_a_cache_too_small_without_the_release_serves_hfs_tokens_without_a_preem
     finally:
         monkeypatch.undo()
         native_kernels.reset()
+
+
+def test_the_default_cache_holds_the_windows_not_the_full_lengths(variant_dirs, variant_hf_models):
+    """Left to size itself, the cache of eight sequences of up to 128 tokens under a window of 16 (blocks of
+    8) gets 8 x 3 blocks and one prefill step's 128 tokens (16): 40 where the full lengths need 128, and
+    serves eight prompts decoded to 124 tokens each with HF's tokens and no preemption."""
+    llm = LLM(EngineConfig(model=variant_dirs["mistral_window"], max_num_seqs=8, max_model_len=128,
+                           block_size=8, max_num_batched_tokens=128))
+    assert llm.core.runner.num_blocks == 40
+    hf = variant_hf_models["mistral_window"]
+    prompts = random_prompts(8, 20, 44, 400, seed=31)  # 29's hit EOS, which HF's min_new_tokens masks
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=124 - len(p), ignore_eos=True)
+                                  for p in prompts], use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 124 - len(p), ignore_eos=True)
+    assert llm.core.scheduler.num_preemptions == 0
+    assert llm.core.block_manager.num_free_blocks == 40
