@@ -21,7 +21,7 @@
    1.42-1.60x the bf16 engine's panels at 1-8 rows (half the bytes) and 1.26-1.51x at 32 (the products:
    VPMADDWD and its VPADDD ran 22 products a cycle in registers against the FMAs' 16); on a Zen 4
    (2026-12-07, Llama-3.2-1B's linears alternated with the kernel before) 1.16-1.32x the bf16-widening
-   kernel it replaced at 8 rows, 0.98x at 32, 0.86-0.92x at 1-2 (both bound by memory there), and in the
+   kernel it replaced at 8 rows, 0.98x at 32, 0.91-0.97x at 1-2 (both bound by memory there), and in the
    engine 1.10-1.16x its tokens/s at 8 sequences, 1.05-1.07x at 32. */
 #ifndef ROLLOUT_NATIVE_W8_MADD_H
 #define ROLLOUT_NATIVE_W8_MADD_H
@@ -39,8 +39,11 @@
 #define MADD_COLS 32 /* columns a pass over the weights: a chunk's two tiles, or one (madd_tile_block) */
 #define MADD_SPLIT_ROWS 2 /* up to this many rows: two int32 sums a tile, so fewer wait on the last product */
 /* The weight stream fetched into L2 this many chunks ahead (the bf16-widening kernel before this one, on a
-   Zen 4: 15.8 GB/s of int8 at 1 row with no prefetch, 34.0 at 8 chunks ahead; 16 and 32 ran alike) */
-#define MADD_PREFETCH_CHUNKS 8
+   Zen 4: 15.8 GB/s of int8 at 1 row with no prefetch, 34.0 at 8 chunks ahead). This kernel spends less
+   time a chunk, so its fetches need to start further ahead: 16 chunks ran Llama-3.2-1B's and Qwen3-1.7B's
+   linears 1.01-1.12x faster than 8 at 1-4 rows, alike at 8-32; 4 ahead, none, into L1, or spread over the
+   chunk's rows ran slower (bench/RESULTS.md, 2026-12-07) */
+#define MADD_PREFETCH_CHUNKS 16
 #else
 #define MADD_ROWS 6 /* a block: 6 rows x 16 columns of int32 sums, two weight vectors, a broadcast, a product */
 #define MADD_COLS 16 /* one tile */
