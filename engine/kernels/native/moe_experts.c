@@ -117,7 +117,10 @@ ALWAYS_INLINE void dot_pass(const float *x0, int64_t nr, const void *w, const in
         const v16f w0 = load16_at(w, wr[0] + kk, bf16), w1 = load16_at(w, wr[1] + kk, bf16),
                    w2 = load16_at(w, wr[2] + kk, bf16), w3 = load16_at(w, wr[3] + kk, bf16);
         for (int r = 0; r < DOT_ROWS; r++) {
-            const v16f xv = load16_f32(xr[r] + kk);
+            v16f xv = load16_f32(xr[r] + kk);
+            /* one load of x a row: GCC folded it into each of the row's 4 FMAs, 24 loads a step of K where 8
+               do, and at 16-32 rows an expert the loads bound it (1.1-1.45x, the same sums: bench/RESULTS.md) */
+            __asm__("" : "+v"(xv));
             acc[r][0] += w0 * xv, acc[r][1] += w1 * xv, acc[r][2] += w2 * xv, acc[r][3] += w3 * xv;
         }
     }
