@@ -57,4 +57,4 @@ def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int
             )
         return cfg.num_kv_blocks
     want = blocks_wanted(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens, window)
-    return kv_cache_blocks(budget_bytes(per_block * min_blocks), per_block, max(want, min_blocks), min_blocks)
+    return kv_cache_blocks(budget_bytes(per_block * min_blocks), per_block, want, min_blocks)
