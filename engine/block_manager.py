@@ -46,10 +46,11 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, spare: int | None = None):
+                 window: int | None = None, spare: int | None = None, group: int = 0):
         if window is not None and spare is None:
             raise ValueError("a window needs a spare block for the table entries it releases")
         self.block_size = block_size
+        self.group = group  # the KV cache group whose blocks it hands out: each sequence's table in it (seq.tables)
         self.window, self.spare = window, spare
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -99,49 +100,69 @@ class BlockManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         """Hash full block i of `seq` and make it findable, if the chain before it is intact."""
-        if 0 < i <= seq.num_released_blocks:  # its predecessor went back (a window of at most a block)
+        table = seq.tables[self.group]
+        if 0 < i <= seq.released[self.group]:  # its predecessor went back (a window of at most a block)
             return
-        prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self._root(seq)
+        prev = self.blocks[table[i - 1]].hash if i > 0 else self._root(seq)
         if prev is None:  # the chain was cut by a prefix-cache reset
             return
-        block, tokens = self.blocks[seq.block_table[i]], seq.block_tokens(i)
+        block, tokens = self.blocks[table[i]], seq.block_tokens(i)
         block.hash, block.token_ids = block_hash(prev, tokens), tokens
         if self.enable_prefix_caching:
             self.hash_to_block[block.hash] = block.block_id
 
-    def cached_prefix_blocks(self, seq: Sequence) -> list[int]:
-        """Block ids that already hold a prefix of `seq` (always leaving >= 1 token to compute)."""
+    def cached_prefix_blocks(self, seq: Sequence, limit: int | None = None) -> list[int]:
+        """Block ids that already hold a prefix of `seq` (always leaving >= 1 token to compute), at most
+        `limit` blocks. Under a window only the blocks the first token computed reads need be cached, and
+        those before it are the spare (as vLLM's sliding-window manager): the first blocks of a long
+        prefix go back early and are handed out first, so a hit from block 0 on would seldom last."""
         if not self.enable_prefix_caching:
             return []
-        hits, h = [], self._root(seq)
-        for i in range(seq.num_blocks):
-            if (i + 1) * self.block_size >= len(seq):  # partial block, or the one holding the last token
-                break
+        found, h = [], self._root(seq)
+        whole = (len(seq) - 1) // self.block_size  # blocks before the one holding the last token
+        for i in range(whole if limit is None else min(whole, limit)):
             tokens = seq.block_tokens(i)
             h = block_hash(h, tokens)
             bid = self.hash_to_block.get(h)
-            if bid is None or self.blocks[bid].token_ids != tokens:
+            cached = bid is not None and self.blocks[bid].token_ids == tokens
+            if not cached and self.window is None:
                 break
-            hits.append(bid)
-        return hits
+            found.append(bid if cached else None)
+        if self.window is None:
+            return found
+        for n in range(len(found), 0, -1):  # the longest prefix whose last window's blocks are all here
+            first = max(0, n * self.block_size - self.window + 1) // self.block_size
+            if None not in found[first:n]:
+                return [self.spare] * first + found[first:n]
+        return []
 
     def blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
         """Free blocks an allocation would consume (hit blocks sitting in the free list count too)."""
-        return seq.num_blocks - len(hits) + sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return seq.num_blocks - len(hits) + sum(1 for b in hits if b != self.spare and self.blocks[b].ref_count == 0)
+
+    def cached_tokens(self, hits: list[int]) -> int:
+        return len(hits) * self.block_size
+
+    def can_allocate(self, seq: Sequence, hits: list[int]) -> bool:
+        return self.blocks_needed(seq, hits) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, hits: list[int]) -> None:
-        assert not seq.block_table
+        table = seq.tables[self.group]
+        assert not table
         seq.prefix_root = None  # (a preempted sequence computes its KV again, under the version now)
         seq.prefix_root = self._root(seq)  # fixed: its later blocks chain from the version it starts under
+        seq.released[self.group] = sum(1 for bid in hits if bid == self.spare)  # behind the window already
         for bid in hits:
+            table.append(bid)
+            if bid == self.spare:
+                continue
             block = self.blocks[bid]
             if block.ref_count == 0:
                 self._take_free(bid)
             block.ref_count += 1
-            seq.block_table.append(bid)
         for i in range(len(hits), seq.num_blocks):
             block = self._fresh()
-            seq.block_table.append(block.block_id)
+            table.append(block.block_id)
             if (i + 1) * self.block_size <= len(seq):
                 # Registered now, computed in this same step: the runner writes every sequence's
                 # KV of a layer before any attention of that layer reads the cache.
@@ -153,10 +174,11 @@ class BlockManager:
             self.prefix_hits_other_version += seq.num_computed_tokens
 
     def free_seq(self, seq: Sequence) -> None:
-        for bid in reversed(seq.block_table[seq.num_released_blocks:]):  # tail first: prefixes stay cached longest
+        g = self.group
+        for bid in reversed(seq.tables[g][seq.released[g]:]):  # tail first: prefixes stay cached longest
             self._drop(bid)
-        seq.block_table = []
-        seq.num_computed_tokens = seq.num_released_blocks = 0
+        seq.tables[g] = []
+        seq.released[g] = seq.num_computed_tokens = 0
 
     def _drop(self, bid: int) -> None:
         block = self.blocks[bid]
@@ -169,19 +191,21 @@ class BlockManager:
         keys j > len - 1 - window): block i ends at key (i + 1) * block_size - 1."""
         if self.window is None:
             return
-        behind = (len(seq) - self.window) // self.block_size
-        for i in range(seq.num_released_blocks, behind):
-            self._drop(seq.block_table[i])
-            seq.block_table[i] = self.spare
-        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+        behind, g = (len(seq) - self.window) // self.block_size, self.group
+        table = seq.tables[g]
+        for i in range(seq.released[g], behind):
+            self._drop(table[i])
+            table[i] = self.spare
+        seq.released[g] = max(seq.released[g], behind)
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the KV of the newest token (the one the next decode step feeds in)?"""
-        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+        return len(seq) <= len(seq.tables[self.group]) * self.block_size or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> None:
-        if len(seq) > len(seq.block_table) * self.block_size:
-            seq.block_table.append(self._fresh().block_id)
+        table = seq.tables[self.group]
+        if len(seq) > len(table) * self.block_size:
+            table.append(self._fresh().block_id)
         if len(seq) % self.block_size == 0:  # the last block is now full: make it shareable
             self._register(seq, len(seq) // self.block_size - 1)
 

@@ -62,6 +62,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # prefill tokens per step; default max(4096, max_model_len)
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # default: room for every running sequence at full length (or its window)
+    # layers with and without a window (Gemma 3, Qwen2's upper ones) keep one cache, every layer's keys
+    # at full length, instead of a cache per kind (engine/kv_groups.py; vLLM's name)
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_memory_gb: float = 4.0  # cap on the automatic KV-cache size on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory this engine may fill (vLLM's name)
     enable_prefix_caching: bool = True

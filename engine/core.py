@@ -6,7 +6,8 @@ The offline `LLM` drives it in-process; the async engine wraps it in a process o
 from __future__ import annotations
 
 import logging
-from engine.block_manager import BlockManager
+
+from engine import grouped_blocks
 from engine.config import EngineConfig
 from engine.inputs import validate_params, validate_prompt_ids
 from engine.messages import PAUSE_MODES, PauseMode, RoutedRows, SeqDelta
@@ -35,8 +36,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(cfg.tokenizer)
         self.worker = make_worker(cfg)
         self.eos_ids = eos_token_ids(self.runner.model, self.tokenizer)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          self.runner.kv_window, self.runner.num_blocks)
+        self.block_manager = grouped_blocks.for_runner(self.runner, cfg.enable_prefix_caching)
         self.block_manager.hash_root = self._hash_root
         self.block_manager.current_version = lambda: self.worker.weight_version
         self.scheduler = Scheduler(self.block_manager, self.runner.max_num_seqs, cfg.max_num_batched_tokens)

@@ -45,16 +45,22 @@ def bucket_of(n: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def pad_decode(buf: np.ndarray, layout: DecodeLayout, rows: int, width: int, pad_slot: int) -> np.ndarray:
+def pad_decode(buf: np.ndarray, layout: DecodeLayout, rows: int, width: int, pad_slot: int | list[int]) -> np.ndarray:
     """`step_inputs.pack_decode`'s array for `layout`, laid out for a graph of `rows` x `width`
-    (DecodeLayout(rows, width).views reads it): the real rows first, as packed, then pad rows."""
-    n, w = layout.rows, layout.width
+    (DecodeLayout(rows, width, layout.groups).views reads it): the real rows first, as packed, then pad
+    rows, writing into `pad_slot` (one per KV cache group where the layout has several)."""
+    n, w, groups = layout.rows, layout.width, layout.groups
+    pad_slots = pad_slot if isinstance(pad_slot, list) else [pad_slot]
     if n > rows or w > width:
         raise ValueError(f"a decode step of {n} rows x {w} blocks does not fit a graph of {rows} x {width}")
-    out = np.zeros(4 * rows + rows * width, dtype=np.int64)
+    out = np.zeros(4 * rows + rows * width + (groups - 1) * (rows + rows * width), dtype=np.int64)
     for k in range(4):  # ids, positions, slots, lengths
         out[k * rows : k * rows + n] = buf[k * n : (k + 1) * n]
-    out[2 * rows + n : 3 * rows] = pad_slot
     out[3 * rows + n : 4 * rows] = 1
-    out[4 * rows :].reshape(rows, width)[:n, :w] = buf[4 * n :].reshape(n, w)
+    out[2 * rows + n : 3 * rows] = pad_slots[0]
+    out[4 * rows : 4 * rows + rows * width].reshape(rows, width)[:n, :w] = buf[4 * n : 4 * n + n * w].reshape(n, w)
+    for g in range(1, groups):  # each later group's slots, then its table
+        src, dst = buf[4 * n + n * w + (g - 1) * (n + n * w):], out[4 * rows + rows * width + (g - 1) * (rows + rows * width):]
+        dst[:n], dst[n:rows] = src[:n], pad_slots[g]
+        dst[rows : rows + rows * width].reshape(rows, width)[:n, :w] = src[n : n + n * w].reshape(n, w)
     return out

@@ -59,7 +59,8 @@ class DecodeGraphs:
         self.widths = decode_buckets.width_buckets(-(-runner.cfg.max_model_len // bs))
         most_rows, most_blocks = self.rows[-1], self.widths[-1]
         dev = runner.device
-        size = 4 * most_rows + most_rows * most_blocks
+        self.groups = len(runner.kv_groups.windows)  # a slot and a table per KV cache group (engine/kv_groups.py)
+        size = 4 * most_rows + most_rows * most_blocks + (self.groups - 1) * (most_rows + most_rows * most_blocks)
         self.inputs = torch.zeros(size, dtype=torch.int64, device=dev)  # what every graph reads its step from
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=capture)
         self.key_positions = torch.arange(most_blocks * bs, device=dev)
@@ -74,12 +75,12 @@ class DecodeGraphs:
         """Logits [len(seqs), V] (float32) of a decode step in `decode_order`, or None when no
         bucket holds it (the caller runs it eagerly)."""
         runner = self.runner
-        buf, layout = pack_decode(seqs, runner.block_size)
+        buf, layout = pack_decode(seqs, runner.block_size, self.groups)
         rows = decode_buckets.bucket_of(layout.rows, self.rows)
         width = decode_buckets.bucket_of(layout.width, self.widths)
         if rows is None or width is None:
             return None
-        packed = decode_buckets.pad_decode(buf, layout, rows, width, runner.pad_slot)
+        packed = decode_buckets.pad_decode(buf, layout, rows, width, runner.pad_slots)
         n = packed.size
         # through a pinned buffer kept between steps: the step's sampled tokens (its sync) have come
         # back before the next step writes it, so the copy it queued is done
@@ -98,13 +99,15 @@ class DecodeGraphs:
     def _step(self, rows: int, width: int) -> torch.Tensor:
         """The forward of a (rows x width) decode step on the static buffers: what a graph holds."""
         runner, bs = self.runner, self.runner.block_size
-        views = DecodeLayout(rows, width).views(self.inputs)
+        views = DecodeLayout(rows, width, self.groups).views(self.inputs)
         mask = self.key_positions[: width * bs] < views["lengths"][:, None]
-        chunk = attention.decode_chunk(0, rows, views["block_table"].reshape(-1), width, mask, self.k_buf, self.v_buf,
-                                       views["lengths"])
-        ctx = attention.AttnContext(is_prefill=False, k_cache=runner.k_cache, v_cache=runner.v_cache,
-                                    slot_mapping=views["slots"], decode_chunks=[chunk], **runner._cache_views)
-        attention.set_context(ctx)
+        contexts = []
+        for slots, table in zip(views["group_slots"], views["group_tables"]):
+            chunk = attention.decode_chunk(0, rows, table.reshape(-1), width, mask, self.k_buf, self.v_buf,
+                                           views["lengths"])
+            contexts.append(attention.AttnContext(is_prefill=False, k_cache=runner.k_cache, v_cache=runner.v_cache,
+                                                  slot_mapping=slots, decode_chunks=[chunk], **runner._cache_views))
+        attention.set_context(runner._by_layer(contexts))
         try:
             out = runner.model(input_ids=views["ids"].unsqueeze(0), position_ids=views["positions"].unsqueeze(0),
                                use_cache=False, logits_to_keep=0)

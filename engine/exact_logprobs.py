@@ -34,6 +34,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kernels import native_sampler
 from engine.kernels.lora_merge import merge
+from engine.kv_groups import MAX_GROUPS
 from engine.model_runner import ModelRunner
 from engine.sampler import block_size_for
 from engine.sampling_params import SamplingParams
@@ -50,6 +51,10 @@ class _DecodeRow:
     block_table: list[int]
     at: tuple[int, int]  # (rollout, completion position) whose logprob its logits give
     params = SamplingParams()  # not a field: the same plain parameters for every row
+
+    @property
+    def tables(self) -> list[list[int]]:  # the same blocks in every KV cache group (Sequence.share_table)
+        return [self.block_table] * MAX_GROUPS
 
     @property
     def token_ids(self) -> tuple[int]:
@@ -145,7 +150,7 @@ class ExactLogprobs:
         parts, part, blocks, tokens = [], [], 0, 0
         for i in todo:
             need = self._blocks(len(prompts[i]) + len(completions[i]) - 1)
-            full = blocks + need > self.runner.num_blocks
+            full = blocks + need > min(self.runner.group_blocks)
             if part and (full or tokens + len(prompts[i]) > self.cfg.max_num_batched_tokens):
                 parts.append(part)
                 part, blocks, tokens = [], 0, 0
@@ -156,13 +161,13 @@ class ExactLogprobs:
 
     @torch.inference_mode()
     def _score(self, part: list[int], prompts, completions, temperature: float, out: list[torch.Tensor]) -> None:
-        runner, free = self.runner, iter(range(self.runner.num_blocks))
+        runner, free = self.runner, iter(range(min(self.runner.group_blocks)))  # ids every group has
         tables = {i: [next(free) for _ in range(self._blocks(len(prompts[i]) + len(completions[i]) - 1))]
                   for i in part}
         seqs = []
         for i in part:  # every prompt prefilled, as the engine's first step of the rollout
             seq = Sequence(f"exact-{i}", 0, prompts[i], SamplingParams(), runner.block_size)
-            seq.block_table = tables[i]
+            seq.share_table(tables[i])
             seqs.append(seq)
         first = runner.forward(seqs, is_prefill=True)
         self._put(first, [completions[i][0] for i in part], temperature, [(i, 0) for i in part], out)

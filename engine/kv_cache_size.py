@@ -46,15 +46,38 @@ def blocks_wanted(max_num_seqs: int, max_model_len: int, block_size: int, max_nu
 
 def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int], int],
                   window: int | None = None) -> int:
-    """The blocks `cfg` gets; `budget_bytes(one_sequence)` is called only when `cfg` leaves the
-    number to the memory budget (it may run a profile step). `window`: the model's on every layer."""
+    """The blocks `cfg` gets for one cache of every layer (`per_block` bytes a block; `window`: the
+    model's on every layer): group_blocks' one group."""
+    return group_blocks(cfg, [per_block], [window], budget_bytes)[0]
+
+
+def group_blocks(cfg: EngineConfig, per_block: list[int], windows: list[int | None],
+                 budget_bytes: Callable[[int], int]) -> list[int]:
+    """The blocks `cfg` gets in each KV cache group (engine/kv_groups.py: its blocks' bytes, its window).
+    `budget_bytes(one_sequence)` is called only when `cfg` leaves the number to the memory budget (it may
+    run a profile step). Each group holds one full-length sequence at least (a prompt is written whole
+    before its blocks behind a window go back); where the budget holds less than every group wants, what
+    it holds past those minimums is shared in proportion to what each still wants. `num_kv_blocks` sets
+    the full-attention group's (a windowed group beside it gets as many, or the fewer it wants)."""
     min_blocks = -(-cfg.max_model_len // cfg.block_size)
+    wants = [blocks_wanted(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens, w)
+             for w in windows]
     if cfg.num_kv_blocks is not None:
         if cfg.num_kv_blocks < min_blocks:
             raise ValueError(
                 f"num_kv_blocks={cfg.num_kv_blocks} cannot hold one sequence of max_model_len="
                 f"{cfg.max_model_len} tokens (needs {min_blocks} blocks of {cfg.block_size})"
             )
-        return cfg.num_kv_blocks
-    want = blocks_wanted(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens, window)
-    return kv_cache_blocks(budget_bytes(per_block * min_blocks), per_block, want, min_blocks)
+        hybrid = len(windows) > 1
+        return [min(cfg.num_kv_blocks, want) if hybrid and w else cfg.num_kv_blocks for w, want in zip(windows, wants)]
+    least = sum(p * min_blocks for p in per_block)
+    budget = budget_bytes(least)
+    if len(per_block) == 1:
+        return [kv_cache_blocks(budget, per_block[0], wants[0], min_blocks)]
+    if budget < least:
+        raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GiB) holds fewer blocks than one sequence of "
+                         "max_model_len needs in each group of layers: lower max_model_len or raise "
+                         "gpu_memory_utilization / kv_cache_memory_gb")
+    more = sum(p * (want - min_blocks) for p, want in zip(per_block, wants))
+    share = 1.0 if more <= budget - least else (budget - least) / more
+    return [min_blocks + int((want - min_blocks) * share) for want in wants]

@@ -54,7 +54,7 @@ def profile_step(runner, rows: int | None = None) -> tuple[int, int, int]:
     seqs = []
     for n in [cfg.max_model_len] * whole + ([rest] if rest else []):
         seq = Sequence("profile", 0, [0] * n, SamplingParams(), bs)
-        seq.block_table = list(range(-(-n // bs)))
+        seq.share_table(list(range(-(-n // bs))))  # each layer's view of the scratch cache, whatever its group
         seqs.append(seq)
     try:
         ids, pos, ctx, keep = runner._prepare_prefill(seqs)

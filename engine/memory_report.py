@@ -57,7 +57,8 @@ def resident_bytes(t: torch.Tensor | None) -> int:
     return min(int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * _PAGE, storage.nbytes())
 
 
-def engine_memory(model: torch.nn.Module, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> dict:
-    kv = sum(t.numel() * t.element_size() for t in (k_cache, v_cache) if t is not None)
-    return {"weights": weight_bytes(model), "derived_copies": derived_bytes(model), "kv_cache": kv,
-            "kv_cache_resident": resident_bytes(k_cache) + resident_bytes(v_cache)}
+def engine_memory(model: torch.nn.Module, caches: list[torch.Tensor]) -> dict:
+    """Bytes of the weights, their derived copies and the KV caches (`caches`: every group's keys and values)."""
+    return {"weights": weight_bytes(model), "derived_copies": derived_bytes(model),
+            "kv_cache": sum(t.numel() * t.element_size() for t in caches),
+            "kv_cache_resident": sum(resident_bytes(t) for t in caches)}

@@ -8,15 +8,16 @@ import gc
 import logging
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from engine import decode_graphs, gpu_memory, memory_profile, routed_experts, step_inputs, step_sampling
+from engine import decode_graphs, gpu_memory, kv_groups, memory_profile, routed_experts, step_inputs, step_sampling
 from engine.kernels import native_decode, zero_pages
 from engine.models import attention, moe_model
 from engine.config import EngineConfig
-from engine.kv_cache_size import bytes_per_block, num_kv_blocks
+from engine.kv_cache_size import bytes_per_block, group_blocks
 from engine.models.model_loader import load_model
 from engine.kernels.native_decode import NativeDecode
 from engine.prompt_logprobs import take_prompt_logprobs
@@ -65,7 +66,7 @@ class ModelRunner:
         self.num_kv_heads = mc.num_key_value_heads
         self.head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.block_size = cfg.block_size
-        self.k_cache = self.v_cache = self._gather = self._cache_views = None
+        self.k_cache = self.v_cache = self._gather = self._cache_views = self.kv_caches = None
         self.native_decode = native_decode.available(cfg.torch_dtype, self.device, mc.num_attention_heads,
                                                      self.num_kv_heads, self.head_dim)
         # noise is drawn where the logits are: no batch x vocab copy to the device per step
@@ -75,8 +76,11 @@ class ModelRunner:
         self.prompt_logprobs: dict[int, list] = {}  # seq_id -> its prompt logprobs, taken by the core
         self.routed: dict[int, np.ndarray] = {}  # seq_id -> the step's routed-expert rows, taken by the core
         self.sparse_blocks = moe_model.sparse_blocks(self.model)  # engine/models/moe_model.py's, in layer order
-        # every layer windowed: the blocks behind it are handed back early (engine/block_manager.py)
-        self.kv_window = attention.every_layer_window(self.model)
+        # its layers' KV cache groups (engine/kv_groups.py): one, or the full-attention layers' and the
+        # windowed ones' where they mix; a windowed group's blocks behind the window go back early
+        self.kv_groups = kv_groups.of_windows(kv_groups.layer_windows(self.model) or [None] * self.num_layers,
+                                              hybrid=not cfg.disable_hybrid_kv_cache_manager)
+        self.kv_window = None if self.kv_groups.hybrid else self.kv_groups.windows[0]  # every layer's window
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
         self._logits_fp32 = None  # the step's fp32 logits on the CPU, kept between steps (_fp32_logits)
@@ -85,8 +89,10 @@ class ModelRunner:
         self.padded_prefill = self.device.type == "cuda"
         self.lora_bank = None  # unmerged LoRA adapters (engine/lora_bank.py), set by the worker
         self.row_versions: list[int] | None = None  # the adapter version of each sequence of the last step
-        self.per_block = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                         torch.finfo(cfg.torch_dtype).bits // 8)
+        element = torch.finfo(cfg.torch_dtype).bits // 8
+        group_per_block = [bytes_per_block(len(self.kv_groups.layers(g)), self.block_size, self.num_kv_heads,
+                                           self.head_dim, element) for g in range(len(self.kv_groups.windows))]
+        self.per_block = sum(group_per_block)  # a block's tokens over every layer
         # the most rows a step runs: max_num_seqs, lowered where the cache cannot serve that many
         # (on CUDA by the memory a row takes beside the cache: _kv_budget_bytes)
         self.max_num_seqs = cfg.max_num_seqs
@@ -102,11 +108,12 @@ class ModelRunner:
             log.info("decode steps run eagerly: %s", why_not)
         self.decode_graphs = None
         # on CUDA after a profile run, which needs all of the above
-        self.num_blocks = num_kv_blocks(cfg, self.per_block, self._kv_budget_bytes, self.kv_window)
-        self.max_num_seqs = min(self.max_num_seqs, self.num_blocks)  # each running sequence holds a block
+        self.group_blocks = group_blocks(cfg, group_per_block, list(self.kv_groups.windows), self._kv_budget_bytes)
+        self.num_blocks = self.group_blocks[0]
+        self.max_num_seqs = min(self.max_num_seqs, *self.group_blocks)  # each running sequence holds a block
         if self.max_num_seqs < cfg.max_num_seqs:
-            log.warning("max_num_seqs=%d lowered to %d: the KV cache (%d blocks) serves no more sequences at once",
-                        cfg.max_num_seqs, self.max_num_seqs, self.num_blocks)
+            log.warning("max_num_seqs=%d lowered to %d: the KV cache (%s blocks) serves no more sequences at once",
+                        cfg.max_num_seqs, self.max_num_seqs, " + ".join(map(str, self.group_blocks)))
         self.allocate_kv_cache()
 
     def release(self) -> None:
@@ -137,27 +144,34 @@ class ModelRunner:
 
     @property
     def spare_block(self) -> bool:
-        """A block past the block manager's: decode graphs' pad rows write into it, and a windowed model's
-        block tables point at it where their blocks went back early (read, never seen: behind the window)."""
-        return self.graph_mode != "off" or self.kv_window is not None
+        return self._spare(0)
+
+    def _spare(self, group: int) -> bool:
+        """A block past the group's block manager's: decode graphs' pad rows write into it, and a windowed
+        group's block tables point at it where their blocks went back early (read, never seen: behind the
+        window)."""
+        return self.graph_mode != "off" or self.kv_groups.windows[group] is not None
 
     @property
-    def pad_slot(self) -> int:
-        """The cache slot decode graphs' pad rows write into: the first of the spare block."""
-        return self.num_blocks * self.block_size
+    def pad_slots(self) -> list[int]:
+        """The cache slot decode graphs' pad rows write into, in each KV cache group: its spare block's first."""
+        return [blocks * self.block_size for blocks in self.group_blocks]
 
     def allocate_kv_cache(self) -> None:
         self._gather = None  # decode's gather buffers, see _gather_buffers
-        blocks = self.num_blocks + int(self.spare_block)
-        shape = (self.num_layers, blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)  # CPU: resident as used
-        self.v_cache = zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)
-        self._cache_views = attention.cache_views(self.k_cache, self.v_cache)
+        self.kv_caches = []  # per group: (keys, values) [its layers, its blocks, bs, kvh, d]
+        for g, blocks in enumerate(self.group_blocks):
+            shape = (len(self.kv_groups.layers(g)), blocks + int(self._spare(g)), self.block_size, self.num_kv_heads,
+                     self.head_dim)
+            self.kv_caches.append((zero_pages.zeros(shape, self.cfg.torch_dtype, self.device),  # CPU: resident as used
+                                   zero_pages.zeros(shape, self.cfg.torch_dtype, self.device)))
+        self.k_cache, self.v_cache = self.kv_caches[0]
+        self._cache_views = attention.grouped_cache_views(self.kv_caches, self.kv_groups.layer_group)
         if self.graph_mode != "off":
             self.decode_graphs = decode_graphs.DecodeGraphs(self, capture=self.graph_mode == "capture")
 
     def free_kv_cache(self) -> None:
-        self.k_cache = self.v_cache = self._gather = self._cache_views = self.decode_graphs = None
+        self.k_cache = self.v_cache = self._gather = self._cache_views = self.decode_graphs = self.kv_caches = None
 
     def graph_stats(self) -> dict:
         """How decode steps run: "off" (eagerly), "capture" (CUDA graphs), "eager" (their buffers,
@@ -174,42 +188,65 @@ class ModelRunner:
     def _prepare_prefill(self, seqs: list[Sequence]):
         """Inputs of a prefill step, packed on the host and sent in one copy: token ids,
         positions, cache slots, the rows whose logits are kept, the block tables of the spans
-        that extend a cached prefix, and on GPUs the padded layout of one attention call."""
-        bs = self.block_size
-        ids, pos, slots, last, tables, spans = [], [], [], [], [], []
-        offset = 0
+        that extend a cached prefix, and on GPUs the padded layout of one attention call; the
+        slots and tables once per KV cache group (engine/kv_groups.py), each group's in its context."""
+        bs, groups = self.block_size, range(len(self.kv_groups.windows))
+        ids, pos, last, spans = [], [], [], []
+        slots, tables = [[] for _ in groups], [[] for _ in groups]
+        offset = n_tables = 0
         for seq in seqs:
             start, end = seq.num_computed_tokens, len(seq)
             p = np.arange(start, end)
-            table = np.asarray(seq.block_table, dtype=np.int64)
             ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
             pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            for g in groups:
+                table = np.asarray(seq.tables[g], dtype=np.int64)
+                slots[g].append(table[p // bs] * bs + p % bs)
+                if start:  # attends to its cached prefix: its block table goes along
+                    tables[g].append(table)
             table_at = None
-            if start:  # attends to its cached prefix: its block table goes along
-                table_at = (sum(len(t) for t in tables), len(table))
-                tables.append(table)
+            if start:  # (where in each group's tables)
+                table_at = (n_tables, len(seq.block_table))
+                n_tables += len(seq.block_table)
             spans.append((offset, offset + end - start, start, table_at))
             if seq.wants_prompt_logprobs:  # every position of this prompt: see prompt_logprobs
                 self.prompt_rows[seq.seq_id] = (sum(len(x) for x in last), end - start)
                 last.append(np.arange(offset, offset + end - start - 1))
             offset += end - start
             last.append(np.array([offset - 1]))
-        t, n_last = offset, sum(len(x) for x in last)
-        padded = step_inputs.padded_layout(seqs, spans, t, bs) if self.padded_prefill else None
-        extra = [] if padded is None else list(padded[:4])
-        buf = step_inputs.upload(np.concatenate([*ids, *pos, *slots, *last, *tables, *extra]), self.device)
-        ids_d, pos_d, slots_d = buf[:t], buf[t : 2 * t], buf[2 * t : 3 * t]
-        last_d, rest = buf[3 * t : 3 * t + n_last], buf[3 * t + n_last :]
-        n_tables = sum(len(x) for x in tables)
-        spans = [(a, b, c, None if at is None else rest[at[0] : at[0] + at[1]]) for a, b, c, at in spans]
-        ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=slots_d,
-                                    prefill_spans=spans, **self._cache_views)
-        if self.native_decode and self.cfg.batch_invariant:  # each row attends as a decode row (attention._prefill)
-            ctx.native = _prefill_rows(seqs, pos, t)
-        if padded is not None:
-            ctx.padded_prefill = step_inputs.padded_on_device(rest[n_tables:], *padded[4:], bs)
-        return ids_d, pos_d, ctx, last_d
+        t, n_last, n_groups = offset, sum(len(x) for x in last), len(groups)
+        padded = [step_inputs.padded_layout(seqs, spans, t, bs, g) for g in groups] if self.padded_prefill else [None]
+        extra = [] if padded[0] is None else [x for layout in padded for x in layout[:4]]
+        buf = step_inputs.upload(np.concatenate([*ids, *pos, *(x for g in slots for x in g), *last,
+                                                 *(x for g in tables for x in g), *extra]), self.device)
+        ids_d, pos_d = buf[:t], buf[t : 2 * t]
+        last_d = buf[(2 + n_groups) * t : (2 + n_groups) * t + n_last]
+        rest = buf[(2 + n_groups) * t + n_last :]
+        extra_at = n_groups * n_tables
+        contexts = []
+        for g in groups:
+            table = rest[g * n_tables : (g + 1) * n_tables]
+            ctx = attention.AttnContext(is_prefill=True, k_cache=self.k_cache, v_cache=self.v_cache,
+                                        slot_mapping=buf[(2 + g) * t : (3 + g) * t], **self._cache_views,
+                                        prefill_spans=[(a, b, c, None if at is None else table[at[0] : at[0] + at[1]])
+                                                       for a, b, c, at in spans])
+            if self.native_decode and self.cfg.batch_invariant:  # each row attends as a decode row (attention._prefill)
+                ctx.native = _prefill_rows(seqs, pos, t, g)
+            if padded[0] is not None:
+                size = sum(len(x) for x in padded[g][:4])
+                ctx.padded_prefill = step_inputs.padded_on_device(rest[extra_at : extra_at + size], *padded[g][4:], bs)
+                extra_at += size
+            contexts.append(ctx)
+        return ids_d, pos_d, self._by_layer(contexts), last_d
+
+    def _by_layer(self, contexts: list[attention.AttnContext]) -> attention.AttnContext:
+        """The step's context: the first group's, holding each layer's group's (the same masks for all)."""
+        ctx = contexts[0]
+        if len(contexts) > 1:
+            for other in contexts[1:]:
+                other.span_masks = ctx.span_masks
+            ctx.layer_ctx = [contexts[g] for g in self.kv_groups.layer_group]
+        return ctx
 
     def decode_order(self, seqs: list[Sequence]) -> list[Sequence]:
         """A decode batch in the order the step wants its rows: by block count (see chunk_cuts)."""
@@ -217,16 +254,20 @@ class ModelRunner:
 
     def _prepare_decode(self, seqs: list[Sequence]):
         """Inputs of a decode step (rows sorted by block count: decode_order), all sent in one
-        copy; the attention's chunks cut where padding costs more than a chunk."""
-        buf, layout = step_inputs.pack_decode(seqs, self.block_size)
+        copy; the attention's chunks cut where padding costs more than a chunk. A context per KV cache
+        group (its slots and tables), each layer reading its group's."""
+        groups = range(len(self.kv_groups.windows))
+        buf, layout = step_inputs.pack_decode(seqs, self.block_size, len(groups))
         dev = self.device
         inputs = layout.views(step_inputs.upload(buf, dev))
-        lengths, table = inputs["lengths"], inputs["block_table"]
-        ctx = attention.AttnContext(is_prefill=False, k_cache=self.k_cache, v_cache=self.v_cache,
-                                    slot_mapping=inputs["slots"], **self._cache_views)
+        lengths, tables = inputs["lengths"], inputs["group_tables"]
+        contexts = [attention.AttnContext(is_prefill=False, k_cache=self.k_cache, v_cache=self.v_cache,
+                                          slot_mapping=inputs["group_slots"][g], **self._cache_views) for g in groups]
         if self.native_decode:  # the C kernel reads the blocks in place: no chunks, no gather
-            ctx.native = NativeDecode(table, lengths, max(len(s) for s in seqs))
-            return inputs["ids"], inputs["positions"], ctx
+            longest = max(len(s) for s in seqs)
+            for ctx, table in zip(contexts, tables):
+                ctx.native = NativeDecode(table, lengths, longest)
+            return inputs["ids"], inputs["positions"], self._by_layer(contexts)
         widths = [len(s.block_table) for s in seqs]
         cuts = step_inputs.chunk_cuts(widths, self.decode_chunk_overhead_rows)
         if self._key_positions is None or self._key_positions.numel() < layout.width * self.block_size:
@@ -234,15 +275,17 @@ class ModelRunner:
             self._key_positions = torch.arange(width * self.block_size, device=dev)
         k_buf, v_buf = self._gather_buffers(max((end - start) * nb for start, end, nb in cuts))
         bs = self.block_size
-        chunks = []
+        for ctx in contexts:
+            ctx.decode_chunks = []
         for start, end, nb in cuts:
-            blocks = table[start:end, :nb].reshape(-1)  # row after row
             mask = self._key_positions[: nb * bs] < lengths[start:end, None]
             # the CPU's SDPA turns a bool mask into an additive one at every call: once a step, not per layer
             mask = attention.as_mask(mask, self.k_cache.dtype if dev.type == "cpu" else torch.bool)
-            chunks.append(attention.decode_chunk(start, end, blocks, nb, mask, k_buf, v_buf, lengths[start:end]))
-        ctx.decode_chunks = chunks
-        return inputs["ids"], inputs["positions"], ctx
+            chunk = attention.decode_chunk(start, end, tables[0][start:end, :nb].reshape(-1), nb, mask, k_buf, v_buf,
+                                           lengths[start:end])
+            for g, ctx in enumerate(contexts):  # the same rows, masks and buffers; each group's blocks (row after row)
+                ctx.decode_chunks.append(chunk if g == 0 else replace(chunk, blocks=tables[g][start:end, :nb].reshape(-1)))
+        return inputs["ids"], inputs["positions"], self._by_layer(contexts)
 
     def _gather_buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's gather buffers, kept between steps and grown on demand."""
@@ -352,13 +395,13 @@ class ModelRunner:
         return SampleResult(tokens, logprobs, top_rows)
 
 
-def _prefill_rows(seqs: list[Sequence], positions: list[np.ndarray], rows: int) -> NativeDecode:
-    """A prefill step's rows as the decode kernel takes them: each row its sequence's block table and
-    the keys up to its own position."""
+def _prefill_rows(seqs: list[Sequence], positions: list[np.ndarray], rows: int, group: int = 0) -> NativeDecode:
+    """A prefill step's rows as the decode kernel takes them: each row its sequence's block table (in
+    KV cache group `group`) and the keys up to its own position."""
     width = max(len(s.block_table) for s in seqs)
     tables = np.zeros((len(seqs), width), dtype=np.int64)
     for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = s.block_table
+        tables[i, : len(s.block_table)] = s.tables[group]
     counts = [len(p) for p in positions]
     lengths = np.concatenate(positions) + 1
     return NativeDecode(torch.from_numpy(np.repeat(tables, counts, axis=0)), torch.from_numpy(lengths),

@@ -71,8 +71,8 @@ class Scheduler:
             # prompt logprobs need every prompt position's logits, prompt routing its routed experts:
             # no prefix-cache hits (as vLLM for the logprobs)
             hits = [] if seq.wants_prompt_logprobs or seq.wants_prompt_routing else self.bm.cached_prefix_blocks(seq)
-            new_tokens = len(seq) - len(hits) * self.bm.block_size
-            if new_tokens > budget or self.bm.blocks_needed(seq, hits) > self.bm.num_free_blocks:
+            new_tokens = len(seq) - self.bm.cached_tokens(hits)
+            if new_tokens > budget or not self.bm.can_allocate(seq, hits):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, hits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from engine.kv_groups import MAX_GROUPS
 from engine.seeded_draws import seed_key
 from engine.sampling_params import SamplingParams
 
@@ -30,8 +31,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache, first schedule
-        self.block_table: list[int] = []
-        self.num_released_blocks = 0  # its first blocks, behind a sliding window, handed back (block_manager.py)
+        # per KV cache group (engine/kv_groups.py; block_table: the first's) its blocks, and how many of its
+        # first ones went back behind a sliding window (engine/block_manager.py)
+        self.tables: list[list[int]] = [[] for _ in range(MAX_GROUPS)]
+        self.released = [0] * MAX_GROUPS
         self.status = SeqStatus.WAITING
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -53,6 +56,22 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.tables[0] = table
+
+    @property
+    def num_released_blocks(self) -> int:
+        return self.released[0]
+
+    def share_table(self, table: list[int]) -> None:
+        """The same blocks in every group (a scratch cache's or a scoring pass's, never the block managers')."""
+        self.tables = [table] * MAX_GROUPS
 
     @property
     def wants_prompt_routing(self) -> bool:

@@ -27,36 +27,49 @@ CHUNK_OVERHEAD_BYTES = {"cpu": 1 << 20, "cuda": 1 << 62}
 class DecodeLayout:
     rows: int
     width: int  # block-table columns: the longest sequence's block count
+    groups: int = 1  # KV cache groups (engine/kv_groups.py): a slot and a table of each row in each
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named slices of the packed buffer (on whatever device it is)."""
+        """Named slices of the packed buffer (on whatever device it is); the first group's slots and
+        table also as group_slots[0], group_tables[0]."""
         n, w = self.rows, self.width
-        return {
+        out = {
             "ids": buf[0:n],
             "positions": buf[n : 2 * n],
             "slots": buf[2 * n : 3 * n],
             "lengths": buf[3 * n : 4 * n],
             "block_table": buf[4 * n : 4 * n + n * w].view(n, w),
         }
+        more = buf[4 * n + n * w :]  # each later group's slots, then its table
+        out["group_slots"] = [out["slots"]] + [more[g * (n + n * w) : g * (n + n * w) + n]
+                                               for g in range(self.groups - 1)]
+        out["group_tables"] = [out["block_table"]] + [more[g * (n + n * w) + n : (g + 1) * (n + n * w)].view(n, w)
+                                                      for g in range(self.groups - 1)]
+        return out
 
 
-def pack_decode(seqs: list, block_size: int) -> tuple[np.ndarray, DecodeLayout]:
+def pack_decode(seqs: list, block_size: int, groups: int = 1) -> tuple[np.ndarray, DecodeLayout]:
     """One int64 array holding a decode step's inputs (see DecodeLayout.views); rows in the
-    order given. Block tables are padded with block 0 (masked out by the lengths)."""
+    order given. Block tables are padded with block 0 (masked out by the lengths). `groups`: the KV
+    cache groups whose slots and tables go along (every group's table as long as the first's)."""
     n = len(seqs)
     width = max(len(s.block_table) for s in seqs)
-    buf = np.zeros(4 * n + n * width, dtype=np.int64)
-    ids, pos, slots, lens = buf[:n], buf[n : 2 * n], buf[2 * n : 3 * n], buf[3 * n : 4 * n]
-    table = buf[4 * n :].reshape(n, width)
+    per_group = n + n * width
+    buf = np.zeros(4 * n + n * width + (groups - 1) * per_group, dtype=np.int64)
+    ids, pos, lens = buf[:n], buf[n : 2 * n], buf[3 * n : 4 * n]
+    slot_rows = [buf[2 * n : 3 * n]] + [buf[4 * n + n * width + g * per_group:][:n] for g in range(groups - 1)]
+    table_rows = [buf[4 * n : 4 * n + n * width].reshape(n, width)] + [
+        buf[4 * n + n * width + g * per_group + n:][: n * width].reshape(n, width) for g in range(groups - 1)]
     for i, s in enumerate(seqs):
         length = len(s)
-        bt = s.block_table
         ids[i] = s.token_ids[-1]
         lens[i] = length
-        table[i, : len(bt)] = bt
-        slots[i] = bt[(length - 1) // block_size] * block_size + (length - 1) % block_size
+        for g in range(groups):
+            bt = s.tables[g]
+            table_rows[g][i, : len(bt)] = bt
+            slot_rows[g][i] = bt[(length - 1) // block_size] * block_size + (length - 1) % block_size
     pos[:] = lens - 1
-    return buf, DecodeLayout(n, width)
+    return buf, DecodeLayout(n, width, groups)
 
 
 def chunk_cuts(widths: list[int], overhead_rows: float) -> list[tuple[int, int, int]]:
@@ -84,7 +97,7 @@ def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def padded_layout(seqs: list, spans: list, total: int, block_size: int):
+def padded_layout(seqs: list, spans: list, total: int, block_size: int, group: int = 0):
     """Host arrays of a padded prefill (attention.PaddedPrefill), the GPU's one attention call per
     layer: blocks, query rows, back index, each padded row's position; then (spans, q_len,
     num_blocks). `spans`: (first row, end row, cached prefix length, table) per sequence of the
@@ -101,7 +114,7 @@ def padded_layout(seqs: list, spans: list, total: int, block_size: int):
     rows, qpos = np.empty((n, q_len), dtype=np.int64), np.empty((n, q_len), dtype=np.int64)
     back = np.empty(total, dtype=np.int64)
     for k, ((a, b, c, _), seq) in enumerate(zip(spans, seqs)):
-        blocks[k, : need[k]] = seq.block_table[: need[k]]
+        blocks[k, : need[k]] = seq.tables[group][: need[k]]
         clipped = np.minimum(i, b - a - 1)  # a pad row repeats the span's last token: no empty softmax
         rows[k], qpos[k] = a + clipped, c + clipped
         back[a:b] = k * q_len + np.arange(b - a)

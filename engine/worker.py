@@ -83,7 +83,7 @@ class Worker:
     def memory(self) -> dict:
         """Bytes by part (engine/memory_report.py), and an extension's parts (`_memory_report`: weight
         sync's kept staging buffer)."""
-        out = engine_memory(self.model, self.runner.k_cache, self.runner.v_cache)
+        out = engine_memory(self.model, [t for kv in self.runner.kv_caches or [] for t in kv])
         collapser = getattr(self, "collapser", None)
         out["huge_pages_moving"] = int(collapser is not None and not collapser.idle.is_set())  # 1: weights still moving
         extra = getattr(self, "_memory_report", None)

@@ -73,6 +73,9 @@ class AttnContext:
     span_masks: dict = field(default_factory=dict)  # prefill: (span index, window) -> its mask, made by the first layer
     # decode through the C kernel (engine/kernels/native_decode.py) instead of decode_chunks
     native: NativeDecode | None = None
+    # per layer: the context of its KV cache group (engine/kv_groups.py: its slots, tables and their
+    # chunks) where the layers keep two; None: this one serves every layer
+    layer_ctx: list[AttnContext] | None = None
 
 
 @dataclass
@@ -170,9 +173,29 @@ def cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, list[
     }
 
 
+def grouped_cache_views(caches: list[tuple[torch.Tensor, torch.Tensor]], layer_group) -> dict[str, list[torch.Tensor]]:
+    """Per-layer views (cache_views') of each KV cache group's caches [its layers, its blocks, bs, kvh, d],
+    in layer order: layer i is the next of its group's (`layer_group[i]`)."""
+    per = [cache_views(k, v) for k, v in caches]
+    taken = [0] * len(caches)
+    out = {name: [] for name in per[0]}
+    for g in layer_group:
+        for name, views in out.items():
+            views.append(per[g][name][taken[g]])
+        taken[g] += 1
+    return out
+
+
 def set_context(ctx: AttnContext | None) -> None:
     global _ctx
     _ctx = ctx
+
+
+def _layer_context(layer: int) -> AttnContext:
+    """The step's context as layer `layer` reads it: its KV cache group's."""
+    ctx = _ctx
+    assert ctx is not None, "paged attention called outside the engine's model runner"
+    return ctx if ctx.layer_ctx is None else ctx.layer_ctx[layer]
 
 
 def _prefill(ctx: AttnContext, layer: int, query, key, value, scaling, window: int | None = None) -> torch.Tensor:
@@ -250,8 +273,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    ctx = _ctx
-    assert ctx is not None, "paged attention called outside the engine's model runner"
+    ctx = _layer_context(module.layer_idx)
     # what this attention does not compute: refused, never ignored (Gemma 2's soft-capped scores, gpt-oss's sinks)
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
@@ -320,8 +342,7 @@ def rotate_and_attend(layer: int, q, k, v, cos, sin_signed, scaling: float, rota
     """The fused layers' attention of q [T, H, d], k and v [T, kvh, d] not yet rotated: on the CPU
     the rotation and the cache writes in one C call (native_glue.rope_cache, torch's bits), else
     `rotate(x, cos, sin_signed)` and `attend`. `window`: the layer's sliding window (None: none)."""
-    ctx = _ctx
-    assert ctx is not None, "paged attention called outside the engine's model runner"
+    ctx = _layer_context(layer)
     done = native_glue.rope_cache(q, k, v, cos, sin_signed, ctx.slot_mapping, ctx.k_slots[layer], ctx.v_slots[layer])
     if done is None:
         return attend(layer, rotate(q, cos, sin_signed), rotate(k, cos, sin_signed), v, scaling, window)
@@ -332,8 +353,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
            window: int | None = None) -> torch.Tensor:
     """The fused layers' attention (engine/models/fused_layers.py): q [T, H, d], k and v [T, kvh, d]
     of this step's tokens; writes k, v into the cache, returns [T, H * d]-shaped output."""
-    ctx = _ctx
-    assert ctx is not None, "paged attention called outside the engine's model runner"
+    ctx = _layer_context(layer)
     ctx.k_slots[layer].index_copy_(0, ctx.slot_mapping, k)
     ctx.v_slots[layer].index_copy_(0, ctx.slot_mapping, v)
     return _attend_written(ctx, layer, q, k, v, scaling, window)

@@ -48,8 +48,8 @@ def _kernel_names(dtype: torch.dtype) -> tuple:
             ("layer_glue", f"gemma_norm_{x}"), ("layer_glue", f"gelu_tanh_mul_{x}"))
 
 
-LAYER_FIELDS = 33  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE,
-# the sliding window, Gemma's two MLP norms and the layer's rope tables
+LAYER_FIELDS = 35  # Layer in decode_layers.c: two norms, four (weight, kind, bias), two caches, q/k norms, 10 MoE,
+# the sliding window, Gemma's two MLP norms, the layer's rope tables, its KV cache group's slots and block table
 MOE_FIELDS = 10  # moe, router, experts_gate_up, experts_down, experts, top_k, expert_width, norm_topk, weights_f32, ids
 _MOE_KERNELS = 3  # Kernels' moe_block, moe_kernels, router_logits: set per call for a model with sparse MLPs
 # Linear.kind (F32_BF16: the fp32 kernel's bf16 panels; F32_BF16_ROWS: its bf16 weights read in place)
@@ -86,7 +86,7 @@ def _kernels(dtype: torch.dtype):
     if dtype not in _kernels_cache:
         names = _kernel_names(dtype)
         libs = {name: native_kernels.library(name) for name in {lib for lib, _ in names}}
-        entry = native_kernels.function("decode_layers", f"decode_layers_{_SUFFIX[dtype]}", (_PTR,) * 11,
+        entry = native_kernels.function("decode_layers", f"decode_layers_{_SUFFIX[dtype]}", (_PTR,) * 9,
                                         ctypes.c_int)
         ok = entry is not None and all(libs.values())  # each layer's copies say which linears run (_copy)
         table = (ctypes.c_int64 * (len(names) + _MOE_KERNELS))(
@@ -235,7 +235,13 @@ def _layer_row(layer, ctx, index: int, shape: dict, keep: list, routed: list, t:
     if moe is None:
         return None
     window = getattr(layer.self_attn, "sliding_window", None) or 0
-    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe, window, *mlp_norms, *rope]
+    group = ctx if ctx.layer_ctx is None else ctx.layer_ctx[index]  # its KV cache group's slots and table
+    slots, table = group.slot_mapping, group.native.block_table
+    if (table.shape != ctx.native.block_table.shape or table.stride() != ctx.native.block_table.stride()
+            or slots.dtype != torch.int64 or not slots.is_contiguous()):
+        return None
+    return row + [k_cache.data_ptr(), v_cache.data_ptr(), *heads, *moe, window, *mlp_norms, *rope,
+                  slots.data_ptr(), table.data_ptr()]
 
 
 def _shape(model, dtype: torch.dtype) -> dict | None:
@@ -350,8 +356,8 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
                **{k: shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "eps", "scale")})
     buffer, scratch = _scratch(model, _scratch_bytes(shape, t, dtype, bool(sparse)))  # buffer: alive through the call
     rc = entry(ctypes.addressof(kernels), table.data_ptr(), ctypes.addressof(s), model.norm.weight.data_ptr(),
-               cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), nd.block_table.data_ptr(),
-               nd.lengths.data_ptr(), ctypes.addressof(scratch), hidden.data_ptr())
+               cos.data_ptr(), sin_signed.data_ptr(), nd.lengths.data_ptr(), ctypes.addressof(scratch),
+               hidden.data_ptr())
     if rc != 0:
         raise RuntimeError(f"decode_layers_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
     for mlp, ids in sparse:

@@ -59,6 +59,23 @@ def test_padding_keeps_the_real_rows_and_parks_the_pads():
     assert got["block_table"][3].tolist() == [0] * 4
 
 
+def test_padding_parks_the_pads_in_each_kv_cache_groups_own_slot():
+    """A cache per group of layers (engine/kv_groups.py): each group's table and slots padded alike, its
+    pad rows writing into its own spare block."""
+    seqs = _seqs([5, 9, 3])
+    for i, s in enumerate(seqs):
+        s.tables[1] = [b + 500 for b in s.block_table]
+    buf, layout = pack_decode(seqs, 4, groups=2)
+    padded = pad_decode(buf, layout, rows=4, width=4, pad_slot=[999, 777])
+    got = DecodeLayout(4, 4, groups=2).views(torch.from_numpy(padded))
+    want = layout.views(torch.from_numpy(buf))
+    for g, pad in enumerate((999, 777)):
+        assert got["group_slots"][g].tolist() == want["group_slots"][g].tolist() + [pad]
+        assert got["group_tables"][g][:3, :3].tolist() == want["group_tables"][g].tolist()
+        assert got["group_tables"][g][3].tolist() == got["group_tables"][g][:, 3].tolist() == [0] * 4
+    assert got["lengths"].tolist() == want["lengths"].tolist() + [1]
+
+
 def test_a_step_past_the_bucket_is_refused():
     buf, layout = pack_decode(_seqs([5, 9]), 4)
     with pytest.raises(ValueError, match="does not fit a graph of 1 x 4"):

@@ -12,7 +12,7 @@ TOP_LEAVES = ("engine.config", "engine.errors")
 TOP = [
     "__init__.py", "async_engine.py", "block_manager.py", "config.py", "core.py", "core_connection.py", "core_proc.py",
     "cpu_preload.py", "decode_buckets.py", "decode_graphs.py", "engine_client.py", "errors.py", "exact_logprobs.py",
-    "gpu_memory.py", "inputs.py", "kv_cache_size.py", "llm.py",
+    "gpu_memory.py", "grouped_blocks.py", "inputs.py", "kv_cache_size.py", "kv_groups.py", "llm.py",
     "logits_processors.py", "lora_bank.py", "memory_profile.py", "memory_report.py", "messages.py", "model_runner.py",
     "output_collector.py", "output_processor.py", "outputs.py", "prompt_logprobs.py", "routed_experts.py",
     "sampler.py", "sampling_params.py", "scheduler.py", "seeded_draws.py", "sequence.py", "serial.py", "standby.py",

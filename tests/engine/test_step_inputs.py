@@ -32,12 +32,25 @@ def _seq(tokens: list[int], table: list[int]) -> Sequence:
 def test_pack_decode_lays_out_ids_positions_slots_lengths_and_padded_tables():
     seqs = [_seq([5, 6, 7], [9]), _seq([1, 2, 3, 4, 5, 6], [2, 7])]
     buf, layout = pack_decode(seqs, block_size=4)
-    v = {k: t.numpy() for k, t in layout.views(torch.from_numpy(buf)).items()}
+    v = {k: t.numpy() for k, t in layout.views(torch.from_numpy(buf)).items() if torch.is_tensor(t)}
     assert v["ids"].tolist() == [7, 6]
     assert v["positions"].tolist() == [2, 5]
     assert v["slots"].tolist() == [9 * 4 + 2, 7 * 4 + 1]
     assert v["lengths"].tolist() == [3, 6]
     assert v["block_table"].tolist() == [[9, 0], [2, 7]]
+
+
+def test_pack_decode_lays_out_each_kv_cache_groups_slots_and_table():
+    """A model with a cache per group of layers (engine/kv_groups.py): the second group's table (its first
+    block gone back behind a window: the spare, 11) and the slots in it ride after the first's."""
+    seqs = [_seq([5, 6, 7], [9]), _seq([1, 2, 3, 4, 5, 6], [2, 7])]
+    seqs[0].tables[1], seqs[1].tables[1] = [3], [11, 4]
+    buf, layout = pack_decode(seqs, block_size=4, groups=2)
+    views = layout.views(torch.from_numpy(buf))
+    assert views["lengths"].tolist() == [3, 6]
+    assert [t.tolist() for t in views["group_slots"]] == [[9 * 4 + 2, 7 * 4 + 1], [3 * 4 + 2, 4 * 4 + 1]]
+    assert [t.tolist() for t in views["group_tables"]] == [[[9, 0], [2, 7]], [[3, 0], [11, 4]]]
+    assert buf.size == 4 * 2 + 2 * 2 + 2 + 2 * 2
 
 
 @pytest.mark.parametrize("cost", [0.0, float("inf")], ids=["a-chunk-per-block-count", "one-chunk"])

@@ -71,6 +71,9 @@ typedef struct {
     int64_t window; /* the layer's sliding window in keys (0: full attention) */
     /* Gemma's: the norms before and after the MLP, and the layer's rope tables [T, D] (0: the call's) */
     int64_t pre_ff_norm, post_ff_norm, cos, sin;
+    /* the step's cache slot of each row [T] and block table [T, table_stride] in this layer's KV cache group
+       (engine/kv_groups.py: a model mixing windowed and full layers keeps a cache of each) */
+    int64_t slots, table;
 } Layer;
 
 /* The model's sizes and the step's rows (T decode rows, one per sequence). */
@@ -175,8 +178,8 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
                                  T_ *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float);   \
     /* One Gemma layer over cur [T, H] (header): the layer's output in b->h2. */                               \
     static int NAME##_gemma_layer(const Kernels *kn, const Layer *L, const Shape *s, const T_ *cur,           \
-                                  const int64_t *slots, const int64_t *table, const int64_t *lengths,         \
-                                  const NAME##_scratch *b) {                                                  \
+                                  const int64_t *lengths, const NAME##_scratch *b) {                          \
+        const int64_t *slots = (const int64_t *)L->slots, *table = (const int64_t *)L->table;                  \
         const NAME##_gnorm gnorm = (NAME##_gnorm)kn->gemma_norm;                                               \
         const int64_t T = s->T, H = s->hidden, D = s->head_dim, nq = s->heads * D, nkv = s->kv_heads * D;      \
         const int64_t nqkv = nq + 2 * nkv, I = s->intermediate;                                                \
@@ -209,16 +212,16 @@ static int linear_bf16_(const Kernels *kn, Linear w, const uint16_t *x, int64_t 
         return 0;                                                                                              \
     }                                                                                                          \
     int NAME(const Kernels *kn, const Layer *layers, const Shape *s, const T_ *final_norm, const T_ *cos,      \
-             const T_ *sin_signed, const int64_t *slots, const int64_t *table, const int64_t *lengths,          \
-             const NAME##_scratch *b, T_ *hidden) {                                                             \
+             const T_ *sin_signed, const int64_t *lengths, const NAME##_scratch *b, T_ *hidden) {              \
         const NAME##_norm norm = (NAME##_norm)kn->add_rms_norm;                                                \
         const int64_t T = s->T, H = s->hidden, D = s->head_dim, nq = s->heads * D, nkv = s->kv_heads * D;      \
         const int64_t nqkv = nq + 2 * nkv, I = s->intermediate;                                                \
         const T_ *cur = hidden, *res = NULL; /* the layer's input is cur + res (res NULL: cur) */             \
         for (int64_t l = 0; l < s->layers; l++) {                                                              \
             const Layer *L = layers + l;                                                                       \
+            const int64_t *slots = (const int64_t *)L->slots, *table = (const int64_t *)L->table;              \
             if (s->gemma) {                                                                                    \
-                const int rc = NAME##_gemma_layer(kn, L, s, cur, slots, table, lengths, b);                    \
+                const int rc = NAME##_gemma_layer(kn, L, s, cur, lengths, b);                                  \
                 if (rc) return rc;                                                                             \
                 cur = b->h2;                                                                                   \
                 continue;                                                                                      \
