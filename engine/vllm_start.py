@@ -99,6 +99,8 @@ def engine_args(cfg: EngineConfig, tensor_parallel_size: int, on_cpu: bool):
         disable_log_stats=True,
         # vLLM's own fp32 head (its hf_overrides key; absent: its default, the model's dtype on CPU)
         **({"hf_overrides": {"head_dtype": "float32"}} if cfg.head_dtype == "float32" else {}),
+        # one cache of every layer asked for (absent: vLLM's own choice, its hybrid manager where it runs it)
+        **({"disable_hybrid_kv_cache_manager": True} if cfg.disable_hybrid_kv_cache_manager else {}),
         # our weight receiver in every worker (weight_sync/vllm/extension.py); vLLM takes dotted names
         worker_extension_cls=(cfg.worker_extension_cls or "").replace(":", "."),
     )

@@ -20,10 +20,10 @@ GPU it is one chunk, on the CPU (memory-bound) it is cut where padding costs mor
 A layer with a sliding window of W keys (Mistral's every layer, Qwen2's upper ones: the module's
 `sliding_window`) gives each query its last W keys, as HF's mask does (key j of query i where
 i - W < j <= i): the kernel from each row's first key in the window on, the torch paths by a mask.
-Where every layer has a window (`every_layer_window`: Mistral v0.1's, Phi-3-mini's), the blocks wholly
-behind a sequence's window go back to the free list as it decodes (engine/block_manager.py, as vLLM's
-sliding-window manager does), their table entries pointing at a spare block: the kernel starts past
-them, the masks leave them out.
+A window's layers keep a cache of their own where they mix with full ones (engine/kv_groups.py: each
+layer reads its group's slots and tables, `AttnContext.layer_ctx`); the blocks wholly behind a sequence's
+window go back to the free list as it decodes (engine/block_manager.py, as vLLM's sliding-window manager
+does), their table entries pointing at a spare block: the kernel starts past them, the masks leave them out.
 """
 
 from __future__ import annotations
@@ -37,17 +37,6 @@ from engine.kernels import native_decode, native_glue
 from engine.kernels.native_decode import NativeDecode
 
 ATTN_NAME = "rollout_paged"
-
-
-def every_layer_window(model) -> int | None:
-    """The window (in keys) behind which no layer of `model` looks, the largest of its layers', where
-    every layer of it has one as an attribute (the engine's own layers; transformers' Qwen2); None where
-    a layer attends to every key or keeps its window elsewhere (transformers' Mistral passes its config's)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers:
-        return None
-    windows = [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers]
-    return max(windows) if all(windows) else None
 
 
 @dataclass
