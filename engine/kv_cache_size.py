@@ -55,13 +55,20 @@ def group_blocks(cfg: EngineConfig, per_block: list[int], windows: list[int | No
                  budget_bytes: Callable[[int], int]) -> list[int]:
     """The blocks `cfg` gets in each KV cache group (engine/kv_groups.py: its blocks' bytes, its window).
     `budget_bytes(one_sequence)` is called only when `cfg` leaves the number to the memory budget (it may
-    run a profile step). Each group holds one full-length sequence at least (a prompt is written whole
-    before its blocks behind a window go back); where the budget holds less than every group wants, what
-    it holds past those minimums is shared in proportion to what each still wants. `num_kv_blocks` sets
-    the full-attention group's (a windowed group beside it gets as many, or the fewer it wants)."""
+    run a profile step). Each group gets what it wants (blocks_wanted) where the budget holds it all; else
+    as many sequences at full length as fit, a windowed group holding their windows and one prompt written
+    whole (the prefill room past that only speeds admission, the sequences held spare recomputes), and
+    what is left shared in proportion to what each group still wants. `num_kv_blocks` sets the
+    full-attention group's (a windowed group beside it gets as many, or the fewer it wants)."""
     min_blocks = -(-cfg.max_model_len // cfg.block_size)
-    wants = [blocks_wanted(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens, w)
-             for w in windows]
+
+    def wanted(seqs: int, prefill_tokens: int) -> list[int]:
+        return [blocks_wanted(seqs, cfg.max_model_len, cfg.block_size, prefill_tokens, w) for w in windows]
+
+    def nbytes(blocks: list[int]) -> int:
+        return sum(p * n for p, n in zip(per_block, blocks))
+
+    wants = wanted(cfg.max_num_seqs, cfg.max_num_batched_tokens)
     if cfg.num_kv_blocks is not None:
         if cfg.num_kv_blocks < min_blocks:
             raise ValueError(
@@ -78,6 +85,9 @@ def group_blocks(cfg: EngineConfig, per_block: list[int], windows: list[int | No
         raise ValueError(f"the KV cache budget ({budget / 2**30:.2f} GiB) holds fewer blocks than one sequence of "
                          "max_model_len needs in each group of layers: lower max_model_len or raise "
                          "gpu_memory_utilization / kv_cache_memory_gb")
-    more = sum(p * (want - min_blocks) for p, want in zip(per_block, wants))
-    share = 1.0 if more <= budget - least else (budget - least) / more
-    return [min_blocks + int((want - min_blocks) * share) for want in wants]
+    if nbytes(wants) <= budget:
+        return wants
+    seqs = max(s for s in range(1, cfg.max_num_seqs + 1) if nbytes(wanted(s, cfg.max_model_len)) <= budget)
+    base = wanted(seqs, cfg.max_model_len)
+    share = (budget - nbytes(base)) / sum(p * (want - b) for p, want, b in zip(per_block, wants, base))
+    return [b + int((want - b) * share) for want, b in zip(wants, base)]

@@ -35,16 +35,17 @@ def _cfg(num_kv_blocks=None) -> SimpleNamespace:
                            num_kv_blocks=num_kv_blocks)
 
 
-def test_each_group_gets_what_it_wants_and_a_short_budget_is_shared_past_one_sequence_each():
+def test_each_group_gets_what_it_wants_and_a_short_budget_as_many_full_length_sequences_as_fit():
     # the full group: 8 sequences x 16 blocks; the windowed one (16 keys): 8 x 3 + a prefill step's 32
     fits = group_blocks(_cfg(), [10, 30], [None, 16], lambda least: 10**9)
     assert fits == [128, 56]
-    # a budget of one sequence each (16 blocks) and half of what they want past that
-    least = 16 * 10 + 16 * 30
-    more = (128 - 16) * 10 + (56 - 16) * 30
-    assert group_blocks(_cfg(), [10, 30], [None, 16], lambda one: least + more // 2) == [16 + 56, 16 + 20]
+    # s sequences at full length take 16s blocks of 10 bytes and min(16s, 3s + 16) of 30 (their windows and
+    # one prompt of 16 blocks): 7 take 2230 bytes, 8 take 2480; what a budget of 2470 holds past 7's goes
+    # to each group in proportion to what it still wants (16 and 19 blocks: 240 / 730 of them)
+    assert group_blocks(_cfg(), [10, 30], [None, 16], lambda one: 2470) == [112 + 5, 37 + 6]
+    assert group_blocks(_cfg(), [10, 30], [None, 16], lambda one: 16 * 10 + 16 * 30) == [16, 16]  # one sequence
     with pytest.raises(ValueError, match="each group of layers"):
-        group_blocks(_cfg(), [10, 30], [None, 16], lambda one: least - 1)
+        group_blocks(_cfg(), [10, 30], [None, 16], lambda one: 16 * 10 + 16 * 30 - 1)
     # num_kv_blocks sets the full group's; the windowed group's is no more than it wants
     assert group_blocks(_cfg(num_kv_blocks=100), [10, 30], [None, 16], None) == [100, 56]
     assert group_blocks(_cfg(num_kv_blocks=40), [10, 30], [None, 16], None) == [40, 40]
