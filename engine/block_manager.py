@@ -130,9 +130,14 @@ class BlockManager:
             found.append(bid if cached else None)
         if self.window is None:
             return found
+        missed, misses = -1, []  # misses[n]: the last block of found[:n] not cached (-1: none)
+        for i, bid in enumerate(found):
+            misses.append(missed)
+            missed = i if bid is None else missed
+        misses.append(missed)
         for n in range(len(found), 0, -1):  # the longest prefix whose last window's blocks are all here
             first = max(0, n * self.block_size - self.window + 1) // self.block_size
-            if None not in found[first:n]:
+            if misses[n] < first:
                 return [self.spare] * first + found[first:n]
         return []
 
@@ -179,6 +184,7 @@ class BlockManager:
             self._drop(bid)
         seq.tables[g] = []
         seq.released[g] = seq.num_computed_tokens = 0
+        seq.prefix_root = None  # a preempted sequence looks up (and computes) its KV under the version then
 
     def _drop(self, bid: int) -> None:
         block = self.blocks[bid]

@@ -45,8 +45,9 @@ class EngineCore:
         self.asleep = False
         self._paused_before_sleep = False
         log.info(
-            "engine core ready: %s on %s (%s), %d KV blocks of %d tokens",
-            cfg.model, cfg.device, cfg.dtype, self.runner.num_blocks, cfg.block_size,
+            "engine core ready: %s on %s (%s), %s KV blocks of %d tokens (windows %s)",
+            cfg.model, cfg.device, cfg.dtype, " + ".join(map(str, self.runner.group_blocks)), cfg.block_size,
+            self.runner.kv_groups.windows,
         )
 
     @property
@@ -243,6 +244,9 @@ class EngineCore:
             "num_running": len(self.scheduler.running),
             "num_free_blocks": bm.num_free_blocks,
             "num_blocks": len(bm.blocks),
+            # each KV cache group's (engine/kv_groups.py; the first's above): the full layers', the windowed ones'
+            "num_free_blocks_per_group": [m.num_free_blocks for m in getattr(bm, "managers", [bm])],
+            "num_blocks_per_group": [len(m.blocks) for m in getattr(bm, "managers", [bm])],
             **{f"prefix_cache_{k}": v for k, v in self.prefix_cache_stats().items()},
             "num_preemptions": self.scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,

@@ -123,7 +123,8 @@ def test_a_default_cache_a_fraction_of_one_caches_bytes_gives_hfs_tokens(gemma_d
     got = _greedy(llm, prompts, 150)
     assert llm.core.scheduler.num_preemptions == 0
     assert got == [hf_greedy(hf_gemma, p, 150, ignore_eos=True) for p in prompts]
-    assert [m.num_free_blocks for m in llm.core.block_manager.managers] == runner.group_blocks  # all handed back
+    stats = llm.core.stats()
+    assert stats["num_free_blocks_per_group"] == stats["num_blocks_per_group"] == runner.group_blocks  # all back
 
 
 def test_a_cache_set_too_small_preempts_and_still_gives_hfs_tokens(gemma_dir, hf_gemma):

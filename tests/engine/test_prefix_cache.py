@@ -107,6 +107,9 @@ def test_blocks_are_keyed_by_the_version_their_kv_was_computed_under():
         bm.append_slot(a)
     assert bm.cached_prefix_blocks(_seq_at(list(range(12)) + [0], prefix_version=3)) == a.block_table[:3]
     assert bm.cached_prefix_blocks(_seq_at(list(range(12)) + [0])) == []
+    # preempted after the push, it is computed again under 4: its lookup is 4's (it held 3's root before)
+    bm.free_seq(a)
+    assert a.prefix_root is None and bm.cached_prefix_blocks(a) == []
 
 
 def test_a_push_keeps_the_cache_and_a_version_number_again_drops_it(qwen2_dir):

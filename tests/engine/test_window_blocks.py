@@ -42,7 +42,9 @@ def test_blocks_wholly_behind_the_window_go_back_and_nothing_else():
     assert 12 not in bm.free  # the spare is never handed out
     # a released block keeps its hash: a new sequence on the same prefix hits it
     b = Sequence("r", 1, a.token_ids[:13], SP(max_tokens=1), 4)
-    assert len(bm.cached_prefix_blocks(b)) == 3
+    # (its first token, 12, reads keys 7-11: blocks 1 and 2; block 0 needs no hit, the spare stands in)
+    hits = bm.cached_prefix_blocks(b)
+    assert len(hits) == 3 and hits[0] == 12 and all(h in bm.free for h in hits[1:])
     bm.free_seq(a)
     assert bm.num_free_blocks == 12 and a.num_released_blocks == 0
 
