@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
 
 log = logging.getLogger("bench.kv_groups")
 
@@ -48,22 +47,12 @@ def cache_sizes(model: str, args) -> dict:
 
 def run(model: str, hybrid: bool, args, prompts: list[list[int]]) -> dict:
     """One engine's tokens/s and preemptions on `prompts` in a cache of --budget-gb."""
-    from engine import SamplingParams
+    from bench.window_blocks import timed_greedy
 
     llm = engine(model, hybrid, args.dtype, max_num_seqs=args.seqs, max_model_len=128 + args.max_tokens,
                  block_size=args.block_size, kv_cache_memory_gb=args.budget_gb)
-    scheduler = llm.core.scheduler
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-    scheduler.num_preemptions = 0
-    llm.core.block_manager.reset_prefix_cache()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": tokens / seconds, "seconds": seconds, "preemptions": scheduler.num_preemptions,
-            "blocks": llm.core.runner.group_blocks, "bytes": llm.core.worker.memory()["kv_cache"],
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+    return {**timed_greedy(llm, prompts, args.max_tokens), "blocks": llm.core.runner.group_blocks,
+            "bytes": llm.core.worker.memory()["kv_cache"]}
 
 
 def main() -> None:

@@ -43,9 +43,29 @@ def windowed_model(out: Path, window: int) -> str:
     return str(out)
 
 
+def timed_greedy(llm, prompts: list[list[int]], max_tokens: int, before=lambda: None) -> dict:
+    """Greedy rollouts of `prompts` (`max_tokens` each, ignore_eos) timed after a warm-up on two of them,
+    the preemption count and the prefix cache reset (and `before()` called) between: tok/s, seconds,
+    preemptions, each rollout's tokens."""
+    from engine import SamplingParams
+
+    scheduler = llm.core.scheduler
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
+    scheduler.num_preemptions = 0
+    llm.core.block_manager.reset_prefix_cache()
+    before()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tok_s": tokens / seconds, "seconds": seconds, "preemptions": scheduler.num_preemptions,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
 def run(model: str, release: bool, args, prompts: list[list[int]]) -> dict:
     """One engine's tokens/s, preemptions and peak blocks in use on `prompts`."""
-    from engine import LLM, EngineConfig, SamplingParams
+    from engine import LLM, EngineConfig
 
     llm = LLM(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.seqs, block_size=args.block_size,
                            max_model_len=128 + args.max_tokens))
@@ -63,17 +83,8 @@ def run(model: str, release: bool, args, prompts: list[list[int]]) -> dict:
         return out
 
     scheduler.schedule = noting_peak
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm up
-    scheduler.num_preemptions, peak[0] = 0, 0
-    llm.core.block_manager.reset_prefix_cache()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": tokens / seconds, "seconds": seconds, "preemptions": scheduler.num_preemptions,
-            "peak_blocks": peak[0], "cache_blocks": blocks,
-            "tokens": [o.outputs[0].token_ids for o in outs]}
+    out = timed_greedy(llm, prompts, args.max_tokens, before=lambda: peak.__setitem__(0, 0))
+    return {**out, "peak_blocks": peak[0], "cache_blocks": blocks}
 
 
 def main() -> None:
