@@ -80,7 +80,6 @@ class ModelRunner:
         # windowed ones' where they mix; a windowed group's blocks behind the window go back early
         self.kv_groups = kv_groups.of_windows(kv_groups.layer_windows(self.model) or [None] * self.num_layers,
                                               hybrid=not cfg.disable_hybrid_kv_cache_manager)
-        self.kv_window = None if self.kv_groups.hybrid else self.kv_groups.windows[0]  # every layer's window
         self.decode_chunk_cost = 1.0  # scales a chunk's overhead in chunk_cuts (0: a chunk per block count)
         self._key_positions = None  # arange over key positions, for decode masks
         self._logits_fp32 = None  # the step's fp32 logits on the CPU, kept between steps (_fp32_logits)
@@ -141,10 +140,6 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    @property
-    def spare_block(self) -> bool:
-        return self._spare(0)
 
     def _spare(self, group: int) -> bool:
         """A block past the group's block manager's: decode graphs' pad rows write into it, and a windowed
