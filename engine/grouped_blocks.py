@@ -43,10 +43,6 @@ class GroupedBlocks:
         return self.managers[0].num_free_blocks
 
     @property
-    def window(self) -> int | None:
-        return self.managers[-1].window
-
-    @property
     def prefix_hits(self) -> int:
         return self.managers[0].prefix_hits
 
