@@ -226,7 +226,7 @@ class ModelRunner:
                                         prefill_spans=[(a, b, c, None if at is None else table[at[0] : at[0] + at[1]])
                                                        for a, b, c, at in spans])
             if self.native_decode and self.cfg.batch_invariant:  # each row attends as a decode row (attention._prefill)
-                ctx.native = _prefill_rows(seqs, pos, t, g)
+                ctx.native = step_inputs.prefill_rows(seqs, pos, t, g)
             if padded[0] is not None:
                 size = sum(len(x) for x in padded[g][:4])
                 ctx.padded_prefill = step_inputs.padded_on_device(rest[extra_at : extra_at + size], *padded[g][4:], bs)
@@ -388,16 +388,3 @@ class ModelRunner:
         tokens = [int(x) for x in tokens]
         top_rows = None if top is None else step_sampling.top_entries(seqs, tokens, logprobs, top)
         return SampleResult(tokens, logprobs, top_rows)
-
-
-def _prefill_rows(seqs: list[Sequence], positions: list[np.ndarray], rows: int, group: int = 0) -> NativeDecode:
-    """A prefill step's rows as the decode kernel takes them: each row its sequence's block table (in
-    KV cache group `group`) and the keys up to its own position."""
-    width = max(len(s.block_table) for s in seqs)
-    tables = np.zeros((len(seqs), width), dtype=np.int64)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = s.tables[group]
-    counts = [len(p) for p in positions]
-    lengths = np.concatenate(positions) + 1
-    return NativeDecode(torch.from_numpy(np.repeat(tables, counts, axis=0)), torch.from_numpy(lengths),
-                        int(lengths.max()) if rows else 1)

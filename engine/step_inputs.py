@@ -5,7 +5,8 @@ one per sequence (a block table each, a seed each) is bound by the host. So the 
 decode step's token ids, positions, cache slots, lengths and block tables into one int64 numpy
 array (`pack_decode`), and the sampler's per-row parameters into one float64 array
 (`step_sampling.SamplingColumns`); each goes to the device as a single tensor whose slices are the inputs.
-A GPU's prefill also packs its padded layout (`padded_layout`: one attention call per layer).
+A GPU's prefill also packs its padded layout (`padded_layout`: one attention call per layer); a CPU's
+batch-invariant prefill gives the decode kernel its rows (`prefill_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kernels.native_decode import NativeDecode
 from engine.models.attention import PaddedPrefill
 
 # what one more decode chunk costs per layer, in bytes of KV gathered: on the CPU a handful of
@@ -131,3 +133,16 @@ def padded_on_device(buf: torch.Tensor, n: int, q_len: int, nb: int, block_size:
     positions = qpos.view(n, 1, q_len, 1)
     mask = keys <= positions  # [S, 1, Lq, Lk]: causal at each row's position
     return PaddedPrefill(blocks, rows, back, mask, n, q_len, nb, positions)
+
+
+def prefill_rows(seqs: list, positions: list[np.ndarray], rows: int, group: int = 0) -> NativeDecode:
+    """A prefill step's rows as the decode kernel takes them: each row its sequence's block table (in
+    KV cache group `group`) and the keys up to its own position."""
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.tables[group]
+    counts = [len(p) for p in positions]
+    lengths = np.concatenate(positions) + 1
+    return NativeDecode(torch.from_numpy(np.repeat(tables, counts, axis=0)), torch.from_numpy(lengths),
+                        int(lengths.max()) if rows else 1)
