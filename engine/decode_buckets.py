@@ -45,22 +45,21 @@ def bucket_of(n: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def pad_decode(buf: np.ndarray, layout: DecodeLayout, rows: int, width: int, pad_slot: int | list[int]) -> np.ndarray:
+def pad_decode(buf: np.ndarray, layout: DecodeLayout, rows: int, width: int, pad_slots: list[int]) -> np.ndarray:
     """`step_inputs.pack_decode`'s array for `layout`, laid out for a graph of `rows` x `width`
     (DecodeLayout(rows, width, layout.groups).views reads it): the real rows first, as packed, then pad
-    rows, writing into `pad_slot` (one per KV cache group where the layout has several)."""
-    n, w, groups = layout.rows, layout.width, layout.groups
-    pad_slots = pad_slot if isinstance(pad_slot, list) else [pad_slot]
+    rows, writing into `pad_slots` (one slot per KV cache group)."""
+    n, w = layout.rows, layout.width
     if n > rows or w > width:
         raise ValueError(f"a decode step of {n} rows x {w} blocks does not fit a graph of {rows} x {width}")
-    out = np.zeros(4 * rows + rows * width + (groups - 1) * (rows + rows * width), dtype=np.int64)
-    for k in range(4):  # ids, positions, slots, lengths
+    padded = DecodeLayout(rows, width, layout.groups)
+    out = np.zeros(padded.size, dtype=np.int64)
+    for k in (0, 1, 3):  # ids, positions, lengths
         out[k * rows : k * rows + n] = buf[k * n : (k + 1) * n]
     out[3 * rows + n : 4 * rows] = 1
-    out[2 * rows + n : 3 * rows] = pad_slots[0]
-    out[4 * rows : 4 * rows + rows * width].reshape(rows, width)[:n, :w] = buf[4 * n : 4 * n + n * w].reshape(n, w)
-    for g in range(1, groups):  # each later group's slots, then its table
-        src, dst = buf[4 * n + n * w + (g - 1) * (n + n * w):], out[4 * rows + rows * width + (g - 1) * (rows + rows * width):]
-        dst[:n], dst[n:rows] = src[:n], pad_slots[g]
-        dst[rows : rows + rows * width].reshape(rows, width)[:n, :w] = src[n : n + n * w].reshape(n, w)
+    for g, pad_slot in enumerate(pad_slots):
+        slots, src = out[padded.slots_at(g) :], buf[layout.slots_at(g) :]
+        slots[:n], slots[n:rows] = src[:n], pad_slot
+        table = out[padded.table_at(g) :][: rows * width].reshape(rows, width)
+        table[:n, :w] = buf[layout.table_at(g) :][: n * w].reshape(n, w)
     return out

@@ -60,7 +60,7 @@ class DecodeGraphs:
         most_rows, most_blocks = self.rows[-1], self.widths[-1]
         dev = runner.device
         self.groups = len(runner.kv_groups.windows)  # a slot and a table per KV cache group (engine/kv_groups.py)
-        size = 4 * most_rows + most_rows * most_blocks + (self.groups - 1) * (most_rows + most_rows * most_blocks)
+        size = DecodeLayout(most_rows, most_blocks, self.groups).size
         self.inputs = torch.zeros(size, dtype=torch.int64, device=dev)  # what every graph reads its step from
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=capture)
         self.key_positions = torch.arange(most_blocks * bs, device=dev)

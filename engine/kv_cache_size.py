@@ -44,13 +44,6 @@ def blocks_wanted(max_num_seqs: int, max_model_len: int, block_size: int, max_nu
     return min(full, held)
 
 
-def num_kv_blocks(cfg: EngineConfig, per_block: int, budget_bytes: Callable[[int], int],
-                  window: int | None = None) -> int:
-    """The blocks `cfg` gets for one cache of every layer (`per_block` bytes a block; `window`: the
-    model's on every layer): group_blocks' one group."""
-    return group_blocks(cfg, [per_block], [window], budget_bytes)[0]
-
-
 def group_blocks(cfg: EngineConfig, per_block: list[int], windows: list[int | None],
                  budget_bytes: Callable[[int], int]) -> list[int]:
     """The blocks `cfg` gets in each KV cache group (engine/kv_groups.py: its blocks' bytes, its window).

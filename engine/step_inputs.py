@@ -31,23 +31,27 @@ class DecodeLayout:
     width: int  # block-table columns: the longest sequence's block count
     groups: int = 1  # KV cache groups (engine/kv_groups.py): a slot and a table of each row in each
 
+    @property
+    def size(self) -> int:
+        return 4 * self.rows + self.rows * self.width + (self.groups - 1) * (self.rows + self.rows * self.width)
+
+    def slots_at(self, group: int) -> int:
+        """Where group `group`'s slots start: the first's between positions and lengths, each later
+        group's after the tables before it (its slots, then its table)."""
+        n, w = self.rows, self.width
+        return 2 * n if group == 0 else 4 * n + n * w + (group - 1) * (n + n * w)
+
+    def table_at(self, group: int) -> int:
+        return 4 * self.rows if group == 0 else self.slots_at(group) + self.rows
+
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named slices of the packed buffer (on whatever device it is); the first group's slots and
         table also as group_slots[0], group_tables[0]."""
         n, w = self.rows, self.width
-        out = {
-            "ids": buf[0:n],
-            "positions": buf[n : 2 * n],
-            "slots": buf[2 * n : 3 * n],
-            "lengths": buf[3 * n : 4 * n],
-            "block_table": buf[4 * n : 4 * n + n * w].view(n, w),
-        }
-        more = buf[4 * n + n * w :]  # each later group's slots, then its table
-        out["group_slots"] = [out["slots"]] + [more[g * (n + n * w) : g * (n + n * w) + n]
-                                               for g in range(self.groups - 1)]
-        out["group_tables"] = [out["block_table"]] + [more[g * (n + n * w) + n : (g + 1) * (n + n * w)].view(n, w)
-                                                      for g in range(self.groups - 1)]
-        return out
+        slots = [buf[self.slots_at(g) : self.slots_at(g) + n] for g in range(self.groups)]
+        tables = [buf[self.table_at(g) : self.table_at(g) + n * w].view(n, w) for g in range(self.groups)]
+        return {"ids": buf[0:n], "positions": buf[n : 2 * n], "slots": slots[0], "lengths": buf[3 * n : 4 * n],
+                "block_table": tables[0], "group_slots": slots, "group_tables": tables}
 
 
 def pack_decode(seqs: list, block_size: int, groups: int = 1) -> tuple[np.ndarray, DecodeLayout]:
@@ -56,12 +60,11 @@ def pack_decode(seqs: list, block_size: int, groups: int = 1) -> tuple[np.ndarra
     cache groups whose slots and tables go along (every group's table as long as the first's)."""
     n = len(seqs)
     width = max(len(s.block_table) for s in seqs)
-    per_group = n + n * width
-    buf = np.zeros(4 * n + n * width + (groups - 1) * per_group, dtype=np.int64)
+    layout = DecodeLayout(n, width, groups)
+    buf = np.zeros(layout.size, dtype=np.int64)
     ids, pos, lens = buf[:n], buf[n : 2 * n], buf[3 * n : 4 * n]
-    slot_rows = [buf[2 * n : 3 * n]] + [buf[4 * n + n * width + g * per_group:][:n] for g in range(groups - 1)]
-    table_rows = [buf[4 * n : 4 * n + n * width].reshape(n, width)] + [
-        buf[4 * n + n * width + g * per_group + n:][: n * width].reshape(n, width) for g in range(groups - 1)]
+    slot_rows = [buf[layout.slots_at(g) :][:n] for g in range(groups)]  # numpy views: the loop below is per row
+    table_rows = [buf[layout.table_at(g) :][: n * width].reshape(n, width) for g in range(groups)]
     for i, s in enumerate(seqs):
         length = len(s)
         ids[i] = s.token_ids[-1]
@@ -71,7 +74,7 @@ def pack_decode(seqs: list, block_size: int, groups: int = 1) -> tuple[np.ndarra
             table_rows[g][i, : len(bt)] = bt
             slot_rows[g][i] = bt[(length - 1) // block_size] * block_size + (length - 1) % block_size
     pos[:] = lens - 1
-    return buf, DecodeLayout(n, width, groups)
+    return buf, layout
 
 
 def chunk_cuts(widths: list[int], overhead_rows: float) -> list[tuple[int, int, int]]:

@@ -47,7 +47,7 @@ def _seqs(lengths, block_size=4):
 def test_padding_keeps_the_real_rows_and_parks_the_pads():
     seqs = _seqs([5, 9, 3])
     buf, layout = pack_decode(seqs, 4)
-    padded = pad_decode(buf, layout, rows=4, width=4, pad_slot=999)
+    padded = pad_decode(buf, layout, rows=4, width=4, pad_slots=[999])
     got = DecodeLayout(4, 4).views(torch.from_numpy(padded))
     want = layout.views(torch.from_numpy(buf))
     for name in ("ids", "positions", "slots", "lengths"):
@@ -66,7 +66,7 @@ def test_padding_parks_the_pads_in_each_kv_cache_groups_own_slot():
     for i, s in enumerate(seqs):
         s.tables[1] = [b + 500 for b in s.block_table]
     buf, layout = pack_decode(seqs, 4, groups=2)
-    padded = pad_decode(buf, layout, rows=4, width=4, pad_slot=[999, 777])
+    padded = pad_decode(buf, layout, rows=4, width=4, pad_slots=[999, 777])
     got = DecodeLayout(4, 4, groups=2).views(torch.from_numpy(padded))
     want = layout.views(torch.from_numpy(buf))
     for g, pad in enumerate((999, 777)):
@@ -79,9 +79,9 @@ def test_padding_parks_the_pads_in_each_kv_cache_groups_own_slot():
 def test_a_step_past_the_bucket_is_refused():
     buf, layout = pack_decode(_seqs([5, 9]), 4)
     with pytest.raises(ValueError, match="does not fit a graph of 1 x 4"):
-        pad_decode(buf, layout, rows=1, width=4, pad_slot=0)
+        pad_decode(buf, layout, rows=1, width=4, pad_slots=[0])
     with pytest.raises(ValueError, match="does not fit a graph of 2 x 2"):
-        pad_decode(buf, layout, rows=2, width=2, pad_slot=0)
+        pad_decode(buf, layout, rows=2, width=2, pad_slots=[0])
 
 
 @pytest.fixture
