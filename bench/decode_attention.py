@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", default="9,3,64", help="query heads, kv heads, head size (default: SmolLM2's 9,3,64)")
     p.add_argument("--window", type=int, default=0,
                    help="a sliding window: each row attends its last WINDOW keys (default: 0, all of them)")
+    p.add_argument("--prompt-lens", default="16,128", help="prompt lengths drawn from LO,HI (default: 16,128)")
+    p.add_argument("--generated", default="0,64",
+                   help="tokens each row has generated, drawn per prompt from LO,HI (default: 0,64; a long "
+                        "rollout's late steps: 512,1024)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per system; the best is kept (default: 5)")
     p.add_argument("--no-vllm-cpu-setup", action="store_true", help="run without vLLM's documented CPU set-up")
     p.add_argument("--log-level", default="INFO")
@@ -191,15 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     setup = vllm_cpu_setup.apply("bench.decode_attention", argv, enabled=not args.no_vllm_cpu_setup)
     torch.set_num_threads(available_cpus())
     heads, kvh, d = (int(x) for x in args.heads.split(","))
+    prompt_lens = tuple(int(x) for x in args.prompt_lens.split(","))
+    generated = tuple(int(x) for x in args.generated.split(","))
     bandwidth = read_bandwidth()
     lines = [f"decode attention, {heads} heads / {kvh} kv heads / head size {d}, {args.layers} layers a step, "
-             f"n={args.n} samples per prompt, prompts 16-128 tokens + 0-64 generated"
+             f"n={args.n} samples per prompt, prompts {prompt_lens[0]}-{prompt_lens[1]} tokens + "
+             f"{generated[0]}-{generated[1]} generated"
              f"{f', a sliding window of {args.window} keys' if args.window else ''}; {torch.get_num_threads()} "
              f"threads; memory read probe {bandwidth / 1e9:.1f} GB/s; {setup}"]
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for rows in (int(r) for r in args.rows.split(",")):
-            batch = grpo_batch(rows, args.n, (16, 128), (0, 64), seed=rows)
+            batch = grpo_batch(rows, args.n, prompt_lens, generated, seed=rows)
             kv = token_kv(batch, kvh, d, dtype, seed=1)
             q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(2)).to(dtype)
             scale = d**-0.5

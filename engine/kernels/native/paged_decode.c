@@ -12,7 +12,9 @@
    width, so a key's vectors stay in registers while every query head of its group takes its dot
    product.
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
-   does; softmax with the row's max subtracted; output rounded to the cache's dtype once.
+   does; softmax with the row's max subtracted; output rounded to the cache's dtype once. Where the
+   CPU has AVX512-BF16 a bf16 cache's passes multiply pairs of bf16 instead (bf16_pairs.h: exact
+   products, fp32 sums, each weight as two bf16 halves), without widening the keys and values first.
    Each row's sums run in one fixed order, set by the row alone (its keys block by block, four at a
    time then one by one, each head's lanes reduced by reduce4 / hsum; its values the same way), never
    by the other rows or the threads: batch invariant. A layer with a sliding window W (Mistral's,
@@ -91,6 +93,7 @@ static inline void reduce4(vec a0, vec a1, vec a2, vec a3, float *out) {
 typedef struct {
     int H, KVH, G, NV, D;
     int64_t slot, padded, first, len, bs;
+    float scale; /* the scores' (bf16_pairs.h scales them; the fp32 passes get a scaled query) */
 } RowShape;
 
 /* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
@@ -150,6 +153,8 @@ ALWAYS_INLINE void score_one(const vec *qs, const void *kc, int64_t key, const R
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+#include "bf16_pairs.h"
+
 /* Every head's scores of the row's keys [first, len) (key t's at scores[t - first]), block by block
    through `table`: four keys at a time within a block (their vectors in registers, each query head's
    four sums reduced together), the block's rest one at a time; the next block's keys prefetched
@@ -168,15 +173,23 @@ ALWAYS_INLINE void score_keys(const vec *qs, const void *kc, const void *vc, con
         int64_t j = blk == b0 ? r->first - t0 : 0;
         for (; j + 4 <= n; j += 4) {
             if (j < next_n) prefetch_slots(next, next_block, j, min64(j + 4, next_n), r, bf16);
-            score_four(qs, kc, kb + j * r->slot, r, s + j, bf16);
+            if (PAIRS_FOR(bf16, r))
+                score_pairs(qs, kc, kb + j * r->slot, r, s + j, 4);
+            else
+                score_four(qs, kc, kb + j * r->slot, r, s + j, bf16);
         }
         if (j < next_n) prefetch_slots(next, next_block, j, next_n, r, bf16);
-        for (; j < n; j++) score_one(qs, kc, kb + j * r->slot, r, s + j, bf16);
+        for (; j < n; j++)
+            if (PAIRS_FOR(bf16, r))
+                score_pairs(qs, kc, kb + j * r->slot, r, s + j, 1);
+            else
+                score_one(qs, kc, kb + j * r->slot, r, s + j, bf16);
     }
 }
 
-/* Each head's scores to e^(s - max) in place (padded with -inf: e^-inf = 0), and 1 / their sum in inv. */
-static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
+/* Each head's scores to e^(s - max) (padded with -inf: e^-inf = 0), and 1 / their sum in inv: in place,
+   or with hi != NULL as bf16_pairs.h's two bf16 halves into hi / lo ([H][padded]). */
+ALWAYS_INLINE void softmax_heads(float *scores, const RowShape *r, float *inv, uint16_t *hi, uint16_t *lo) {
     for (int h = 0; h < r->H; h++) {
         float *s = scores + h * r->padded;
         for (int64_t t = r->len - r->first; t < r->padded; t++) s[t] = -INFINITY;
@@ -189,7 +202,10 @@ static inline void softmax_heads(float *scores, const RowShape *r, float *inv) {
         vec sum = {0};
         for (int64_t t = 0; t < r->padded; t += VW) {
             vec e = vexpv(loadv(s + t) - m);
-            memcpy(s + t, &e, sizeof e);
+            if (hi)
+                split_weights(e, hi + h * r->padded + t, lo + h * r->padded + t);
+            else
+                memcpy(s + t, &e, sizeof e);
             sum += e;
         }
         inv[h] = 1.f / hsum(sum);
@@ -253,16 +269,24 @@ static inline int64_t window_start(int64_t len, int64_t window) {
 }
 
 /* One row: qs [H][NV] vectors (scaled), its keys [first, len) through `table`; out [H][D] (element `at`
-   of `out`). `scores` holds H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
+   of `out`). `scores` holds 2 * H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
    inlined (attend_row's cases), so each head size gets loops unrolled for it. */
 ALWAYS_INLINE void attend(const vec *qs, const void *kc, const void *vc, const int64_t *table, int64_t first,
                           int64_t len, int64_t bs, int H, int KVH, const int NV, float *scores, vec *acc, void *out,
-                          int64_t at, int bf16) {
+                          int64_t at, float scale, int bf16) {
     const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * VW, .slot = (int64_t)KVH * NV * VW,
-                        .padded = (len - first + 15) & ~(int64_t)15, .first = first, .len = len, .bs = bs};
+                        .padded = (len - first + 15) & ~(int64_t)15, .first = first, .len = len, .bs = bs,
+                        .scale = scale};
     float inv[MAX_HEADS];
     score_keys(qs, kc, vc, table, &r, scores, bf16);
-    softmax_heads(scores, &r, inv);
+    if (PAIRS_FOR(bf16, &r)) { /* the weights' halves after the scores (scores holds 2 * H * padded floats) */
+        uint16_t *hi = (uint16_t *)(scores + H * r.padded), *lo = hi + H * r.padded;
+        softmax_heads(scores, &r, inv, hi, lo);
+        weigh_values_pairs(hi, lo, vc, table, &r, acc);
+        store_pairs(acc, inv, &r, out, at);
+        return;
+    }
+    softmax_heads(scores, &r, inv, NULL, NULL);
     weigh_values(scores, vc, table, &r, acc, bf16);
     for (int h = 0; h < H; h++)
         for (int i = 0; i < NV; i++) storev_at(out, at + h * r.D + i * VW, acc[h * NV + i] * inv[h], bf16);
@@ -281,7 +305,7 @@ typedef struct {
 ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, int64_t first, int64_t len, float *scores,
                              vec *acc, int64_t at, int bf16) {
     const int H = (int)c->H, KVH = (int)c->KVH;
-#define ATTEND_D(D) attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, (D) / VW, scores, acc, c->out, at, bf16)
+#define ATTEND_D(D) attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, (D) / VW, scores, acc, c->out, at, c->scale, bf16)
     switch (c->D) {
     case 16: ATTEND_D(16); break;
     case 32: ATTEND_D(32); break;
@@ -299,7 +323,10 @@ ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, in
 ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, vec *buf, int bf16) {
     const int NV = (int)(c->D / VW);
     vec *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
-    for (int64_t i = 0; i < c->H * NV; i++) qs[i] = loadv_at(c->q, b * c->H * c->D + i * VW, bf16) * c->scale;
+    if (BF16_PAIRS && bf16 && c->D % 32 == 0) /* bf16_pairs.h's scores: the query as it is */
+        memcpy(qs, (const uint16_t *)c->q + b * c->H * c->D, sizeof(uint16_t) * (size_t)(c->H * c->D));
+    else
+        for (int64_t i = 0; i < c->H * NV; i++) qs[i] = loadv_at(c->q, b * c->H * c->D + i * VW, bf16) * c->scale;
     const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
     const int64_t first = window_start(len, c->window);
     if (first)
@@ -359,7 +386,7 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)c->H * (size_t)(max_len + 16));
+        float *scores = malloc(2 * sizeof(float) * (size_t)c->H * (size_t)(max_len + 16)); /* and bf16_pairs.h's weights */
         vec *buf = aligned_alloc(64, sizeof(vec) * 2 * MAX_HEADS * MAX_VECS);
         if (!scores || !buf) failed = 1;
 #pragma omp for schedule(dynamic, 1)

@@ -1,0 +1,150 @@
+/* paged_decode.c's passes over a bf16 cache with AVX512-BF16's vdpbf16ps (each fp32 lane += the two
+   products of a pair of bf16, exact products summed in fp32): included by paged_decode.c after its
+   RowShape, reduce4, hsum, prefetch_slots and min64; BF16_PAIRS says whether this CPU has them.
+
+   Why: at long contexts a row's keys and values come from DRAM, and the fp32 passes widened every bf16
+   (two ops a vector) before multiplying: each pass ran at ~1.6x the read probe's rate in cache, too
+   little to keep the reads streaming (a 32-row step of Qwen3-1.7B at 530-1150 keys: 20 GB/s of a
+   30 GB/s probe). Here
+   - keys: the query as the model made it (bf16) against the keys as they lie, scaled after the dot
+     product (scale * q.k, not (scale * q).k): no widening, half the multiplies;
+   - values: two slots' values interleaved (vpunpck{l,h}wd: lane i a pair, slot j's and slot j + 1's
+     value of one d) against their two weights, each weight p split p = hi + lo into two bf16 (hi + lo
+     within 2^-18 p of p): the output within 2^-18 max|v| of fp32 weights' (a 512th of a bf16 ulp), as
+     torch's CPU flash attention rounds its weights to bf16 whole (2^-9).
+   Each row's sums still run in an order set by the row alone (its keys four, then one at a time; its
+   values four, two, then one, paired with a weight of 0): batch invariant, and a row's prefill bits
+   its decode bits, as before. */
+#ifndef ROLLOUT_NATIVE_BF16_PAIRS_H
+#define ROLLOUT_NATIVE_BF16_PAIRS_H
+
+#ifdef __AVX512BF16__
+#define BF16_PAIRS 1
+
+/* Whether a row's passes run here: a bf16 cache, and heads of whole 32-value words. */
+#define PAIRS_FOR(bf16, r) ((bf16) && (r)->D % 32 == 0)
+
+/* q . k over one head: D / 32 words. */
+ALWAYS_INLINE vec dot_words(const __m512bh *q, const uint16_t *k, int words) {
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+    for (int i = 1; i < words; i++) a = _mm512_dpbf16_ps(a, q[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+    return (vec)a;
+}
+
+/* score_four's and score_one's work for `keys` (4 or 1) keys from element `at` of the cache, every query
+   head; q: the row's bf16 query, head after head. */
+ALWAYS_INLINE void score_pairs(const void *q, const void *kc, int64_t at, const RowShape *r, float *scores,
+                               int keys) {
+    const int words = r->D / 32, G = r->G;
+    const __m512bh *qh = q;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        const uint16_t *k = (const uint16_t *)kc + at + kh * r->D;
+        for (int g = 0; g < G; g++) {
+            const __m512bh *qg = qh + (kh * G + g) * words;
+            float *s = scores + (kh * G + g) * r->padded;
+            if (keys == 1) {
+                s[0] = hsum(dot_words(qg, k, words)) * r->scale;
+                continue;
+            }
+            reduce4(dot_words(qg, k, words), dot_words(qg, k + r->slot, words), dot_words(qg, k + 2 * r->slot, words),
+                    dot_words(qg, k + 3 * r->slot, words), s);
+            s[0] *= r->scale, s[1] *= r->scale, s[2] *= r->scale, s[3] *= r->scale;
+        }
+    }
+}
+
+/* Weights e (16 lanes) as bf16 halves: hi = e rounded, lo = the rest rounded. */
+ALWAYS_INLINE void split_weights(vec e, uint16_t *hi, uint16_t *lo) {
+    const __m256bh h = _mm512_cvtneps_pbh((__m512)e);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    _mm256_storeu_si256((__m256i *)hi, (__m256i)h);
+    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh((__m512)e - back));
+}
+
+/* The bf16 weights of slots t and t + 1 (lone: t's, with 0 for its partner) in every fp32 lane. */
+ALWAYS_INLINE __m512bh weight_pair(const uint16_t *p, int lone) {
+    uint32_t w = p[0];
+    if (!lone) memcpy(&w, p, sizeof w);
+    return (__m512bh)_mm512_set1_epi32((int)w);
+}
+
+/* acc += the weights of `pairs` (1 or 2) pairs of slots from element `at` of the cache (slots j, j + 1,
+   then j + 2, j + 3; lone: slot j alone), every head; t: slot j's index into the halves hi / lo
+   ([H][padded]). acc: each head's 2 * D / 32 vectors, word w's as [2w] (unpacklo's d) and [2w + 1]
+   (unpackhi's). */
+ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t, const void *vc, int64_t at,
+                               const RowShape *r, vec *acc, int pairs, int lone) {
+    const int words = r->D / 32, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        __m512bh vlo[2][256 / 32], vhi[2][256 / 32];
+        for (int p = 0; p < pairs; p++)
+            for (int w = 0; w < words; w++) {
+                const uint16_t *v = (const uint16_t *)vc + at + 2 * p * r->slot + kh * r->D + 32 * w;
+                const __m512i a = _mm512_loadu_si512(v), b = lone ? a : _mm512_loadu_si512(v + r->slot);
+                vlo[p][w] = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi[p][w] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+        for (int g = 0; g < G; g++) {
+            const int h = kh * G + g;
+            __m512bh wh[2], wl[2];
+            for (int p = 0; p < pairs; p++)
+                wh[p] = weight_pair(hi + h * r->padded + t + 2 * p, lone),
+                wl[p] = weight_pair(lo + h * r->padded + t + 2 * p, lone);
+            for (int w = 0; w < words; w++) {
+                __m512 x = (__m512)acc[h * 2 * words + 2 * w], y = (__m512)acc[h * 2 * words + 2 * w + 1];
+                for (int p = 0; p < pairs; p++) {
+                    x = _mm512_dpbf16_ps(x, vlo[p][w], wh[p]), x = _mm512_dpbf16_ps(x, vlo[p][w], wl[p]);
+                    y = _mm512_dpbf16_ps(y, vhi[p][w], wh[p]), y = _mm512_dpbf16_ps(y, vhi[p][w], wl[p]);
+                }
+                acc[h * 2 * words + 2 * w] = (vec)x, acc[h * 2 * words + 2 * w + 1] = (vec)y;
+            }
+        }
+    }
+}
+
+/* weigh_values' walk with weigh_pairs: four slots at a time within a block, then a pair, then one. */
+ALWAYS_INLINE void weigh_values_pairs(const uint16_t *hi, const uint16_t *lo, const void *vc, const int64_t *table,
+                                      const RowShape *r, vec *acc) {
+    for (int i = 0; i < r->H * 2 * (r->D / 32); i++) acc[i] = (vec){0};
+    const int64_t b0 = r->first / r->bs;
+    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
+        const int64_t n = min64(r->len - t0, r->bs);
+        const int64_t vb = table[blk] * r->bs * r->slot;
+        const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
+        const int64_t t = t0 - r->first;
+        int64_t j = blk == b0 ? r->first - t0 : 0;
+        for (; j + 4 <= n; j += 4) {
+            if (j < next_n) prefetch_slots(vc, table[blk + 1], j, min64(j + 4, next_n), r, 1);
+            weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 2, 0);
+        }
+        if (j < next_n) prefetch_slots(vc, table[blk + 1], j, next_n, r, 1);
+        if (j + 2 <= n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 0), j += 2;
+        if (j < n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 1);
+    }
+}
+
+/* Head h's output = its acc times inv[h], rounded to bf16 at element `at` of out, d back in order:
+   word w's [2w] lanes 4L + k hold d = 32w + 8L + k, its [2w + 1] lanes d = 32w + 8L + 4 + k. */
+ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {
+    const int words = r->D / 32;
+    const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < r->H; h++)
+        for (int w = 0; w < words; w++) {
+            const __m512 x = (__m512)acc[h * 2 * words + 2 * w], y = (__m512)acc[h * 2 * words + 2 * w + 1];
+            const vec s = (vec){0} + inv[h];
+            storev_at(out, at + h * r->D + 32 * w, (vec)_mm512_permutex2var_ps(x, low, y) * s, 1);
+            storev_at(out, at + h * r->D + 32 * w + 16, (vec)_mm512_permutex2var_ps(x, high, y) * s, 1);
+        }
+}
+
+#else /* no AVX512-BF16: the fp32 passes run; these are never called */
+#define BF16_PAIRS 0
+#define PAIRS_FOR(bf16, r) 0
+ALWAYS_INLINE void score_pairs(const void *q, const void *kc, int64_t at, const RowShape *r, float *scores, int keys) {}
+ALWAYS_INLINE void split_weights(vec e, uint16_t *hi, uint16_t *lo) {}
+ALWAYS_INLINE void weigh_values_pairs(const uint16_t *hi, const uint16_t *lo, const void *vc, const int64_t *table,
+                                      const RowShape *r, vec *acc) {}
+ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {}
+#endif
+
+#endif
