@@ -3,9 +3,9 @@
    RowShape, reduce4, hsum, prefetch_slots and min64; BF16_PAIRS says whether this CPU has them.
 
    Why: at long contexts a row's keys and values come from DRAM, and the fp32 passes widened every bf16
-   (two ops a vector) before multiplying: each pass ran at ~1.6x the read probe's rate in cache, too
-   little to keep the reads streaming (a 32-row step of Qwen3-1.7B at 530-1150 keys: 20 GB/s of a
-   30 GB/s probe). Here
+   (two ops a vector) before multiplying: a core's arithmetic, not its reads, set the pace (a 32-row
+   step of Qwen3-1.7B at 530-1150 keys read 20 GB/s of KV; 25-28 GB/s here, 1.12-1.28x, bench/RESULTS.md).
+   Here
    - keys: the query as the model made it (bf16) against the keys as they lie, scaled after the dot
      product (scale * q.k, not (scale * q).k): no widening, half the multiplies;
    - values: two slots' values interleaved (vpunpck{l,h}wd: lane i a pair, slot j's and slot j + 1's
@@ -21,7 +21,7 @@
 #ifdef __AVX512BF16__
 #define BF16_PAIRS 1
 
-/* Whether a row's passes run here: a bf16 cache, and heads of whole 32-value words. */
+/* Whether a row's passes run here: a bf16 cache, and heads of whole 32-value words (r: anything with a D). */
 #define PAIRS_FOR(bf16, r) ((bf16) && (r)->D % 32 == 0)
 
 /* q . k over one head: D / 32 words. */

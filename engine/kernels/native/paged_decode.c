@@ -323,7 +323,7 @@ ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, in
 ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, vec *buf, int bf16) {
     const int NV = (int)(c->D / VW);
     vec *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
-    if (BF16_PAIRS && bf16 && c->D % 32 == 0) /* bf16_pairs.h's scores: the query as it is */
+    if (PAIRS_FOR(bf16, c)) /* bf16_pairs.h's scores: the query as it is */
         memcpy(qs, (const uint16_t *)c->q + b * c->H * c->D, sizeof(uint16_t) * (size_t)(c->H * c->D));
     else
         for (int64_t i = 0; i < c->H * NV; i++) qs[i] = loadv_at(c->q, b * c->H * c->D + i * VW, bf16) * c->scale;
