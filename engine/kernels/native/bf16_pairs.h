@@ -7,7 +7,7 @@
    step of Qwen3-1.7B at 530-1150 keys read 20 GB/s of KV; 25-28 GB/s here, 1.12-1.28x, bench/RESULTS.md).
    Here
    - keys: the query as the model made it (bf16) against the keys as they lie, scaled after the dot
-     product (scale * q.k, not (scale * q).k): no widening, half the multiplies;
+     product, as the softmax reads them (scale * q.k, not (scale * q).k): no widening, half the multiplies;
    - values: two slots' values interleaved (vpunpck{l,h}wd: lane i a pair, slot j's and slot j + 1's
      value of one d) against their two weights, each weight p split p = hi + lo into two bf16 (hi + lo
      within 2^-18 p of p): the output within 2^-18 max|v| of fp32 weights' (a 512th of a bf16 ulp), as
@@ -32,7 +32,7 @@ ALWAYS_INLINE vec dot_words(const __m512bh *q, const uint16_t *k, int words) {
 }
 
 /* score_four's and score_one's work for `keys` (4 or 1) keys from element `at` of the cache, every query
-   head; q: the row's bf16 query, head after head. */
+   head, unscaled (softmax_heads scales them); q: the row's bf16 query, head after head. */
 ALWAYS_INLINE void score_pairs(const void *q, const void *kc, int64_t at, const RowShape *r, float *scores,
                                int keys) {
     const int words = r->D / 32, G = r->G;
@@ -43,12 +43,11 @@ ALWAYS_INLINE void score_pairs(const void *q, const void *kc, int64_t at, const 
             const __m512bh *qg = qh + (kh * G + g) * words;
             float *s = scores + (kh * G + g) * r->padded;
             if (keys == 1) {
-                s[0] = hsum(dot_words(qg, k, words)) * r->scale;
+                s[0] = hsum(dot_words(qg, k, words));
                 continue;
             }
             reduce4(dot_words(qg, k, words), dot_words(qg, k + r->slot, words), dot_words(qg, k + 2 * r->slot, words),
                     dot_words(qg, k + 3 * r->slot, words), s);
-            s[0] *= r->scale, s[1] *= r->scale, s[2] *= r->scale, s[3] *= r->scale;
         }
     }
 }

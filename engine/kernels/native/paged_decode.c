@@ -93,7 +93,7 @@ static inline void reduce4(vec a0, vec a1, vec a2, vec a3, float *out) {
 typedef struct {
     int H, KVH, G, NV, D;
     int64_t slot, padded, first, len, bs;
-    float scale; /* the scores' (bf16_pairs.h scales them; the fp32 passes get a scaled query) */
+    float scale; /* the scores' (softmax_heads applies it to bf16_pairs.h's; the fp32 passes get a scaled query) */
 } RowShape;
 
 /* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
@@ -198,10 +198,10 @@ ALWAYS_INLINE void softmax_heads(float *scores, const RowShape *r, float *inv, u
         float *s = scores + h * r->padded;
         vec mv = loadv(s); /* in vectors: a scalar max's chain of compares took an eighth */
         for (int64_t t = VW; t < r->padded; t += VW) mv = vmaxv(loadv(s + t), mv);
-        const float m = hmax(mv);
+        const float scale = hi ? r->scale : 1.f, m = hmax(mv) * scale; /* bf16_pairs.h's scores come unscaled */
         vec sum = {0};
         for (int64_t t = 0; t < r->padded; t += VW) {
-            vec e = vexpv(loadv(s + t) - m);
+            vec e = vexpv(loadv(s + t) * scale - m);
             if (hi)
                 split_weights(e, hi + h * r->padded + t, lo + h * r->padded + t);
             else
