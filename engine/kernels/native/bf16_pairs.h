@@ -100,27 +100,6 @@ ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t
     }
 }
 
-/* weigh_values' walk with weigh_pairs: four slots at a time within a block, then a pair, then one. */
-ALWAYS_INLINE void weigh_values_pairs(const uint16_t *hi, const uint16_t *lo, const void *vc, const int64_t *table,
-                                      const RowShape *r, vec *acc) {
-    for (int i = 0; i < r->H * 2 * (r->D / 32); i++) acc[i] = (vec){0};
-    const int64_t b0 = r->first / r->bs;
-    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
-        const int64_t n = min64(r->len - t0, r->bs);
-        const int64_t vb = table[blk] * r->bs * r->slot;
-        const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
-        const int64_t t = t0 - r->first;
-        int64_t j = blk == b0 ? r->first - t0 : 0;
-        for (; j + 4 <= n; j += 4) {
-            if (j < next_n) prefetch_slots(vc, table[blk + 1], j, min64(j + 4, next_n), r, 1);
-            weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 2, 0);
-        }
-        if (j < next_n) prefetch_slots(vc, table[blk + 1], j, next_n, r, 1);
-        if (j + 2 <= n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 0), j += 2;
-        if (j < n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 1);
-    }
-}
-
 /* Head h's output = its acc times inv[h], rounded to bf16 at element `at` of out, d back in order:
    word w's [2w] lanes 4L + k hold d = 32w + 8L + k, its [2w + 1] lanes d = 32w + 8L + 4 + k. */
 ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {
@@ -141,8 +120,8 @@ ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape 
 #define PAIRS_FOR(bf16, r) 0
 ALWAYS_INLINE void score_pairs(const void *q, const void *kc, int64_t at, const RowShape *r, float *scores, int keys) {}
 ALWAYS_INLINE void split_weights(vec e, uint16_t *hi, uint16_t *lo) {}
-ALWAYS_INLINE void weigh_values_pairs(const uint16_t *hi, const uint16_t *lo, const void *vc, const int64_t *table,
-                                      const RowShape *r, vec *acc) {}
+ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t, const void *vc, int64_t at,
+                               const RowShape *r, vec *acc, int pairs, int lone) {}
 ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {}
 #endif
 

@@ -243,23 +243,30 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
 }
 
 /* acc [H][NV] = every head's values [first, len) weighted by its (unnormalised) scores, as score_keys
-   goes (the next block's values prefetched alongside). */
-ALWAYS_INLINE void weigh_values(const float *scores, const void *vc, const int64_t *table, const RowShape *r,
-                                vec *acc, int bf16) {
+   goes (the next block's values prefetched alongside); with bf16_pairs.h's passes, by the weights'
+   halves hi / lo, a pair of slots at a time (four, two, then one alone). */
+ALWAYS_INLINE void weigh_values(const float *scores, const uint16_t *hi, const uint16_t *lo, const void *vc,
+                                const int64_t *table, const RowShape *r, vec *acc, int bf16) {
+    const int pairs = PAIRS_FOR(bf16, r);
     for (int i = 0; i < r->H * r->NV; i++) acc[i] = (vec){0};
     const int64_t b0 = r->first / r->bs;
     for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
         const int64_t vb = table[blk] * r->bs * r->slot;
         const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
-        const float *s = scores + t0 - r->first;
+        const int64_t t = t0 - r->first; /* value t0 + j's weight at index t + j */
         int64_t j = blk == b0 ? r->first - t0 : 0;
         for (; j + 4 <= n; j += 4) {
             if (j < next_n) prefetch_slots(vc, table[blk + 1], j, min64(j + 4, next_n), r, bf16);
-            weigh_four(s + j, vc, vb + j * r->slot, r, acc, bf16);
+            if (pairs)
+                weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 2, 0);
+            else
+                weigh_four(scores + t + j, vc, vb + j * r->slot, r, acc, bf16);
         }
         if (j < next_n) prefetch_slots(vc, table[blk + 1], j, next_n, r, bf16);
-        for (; j < n; j++) weigh_one(s + j, vc, vb + j * r->slot, r, acc, bf16);
+        if (pairs && j + 2 <= n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 0), j += 2;
+        if (pairs && j < n) weigh_pairs(hi, lo, t + j, vc, vb + j * r->slot, r, acc, 1, 1), j++;
+        for (; j < n; j++) weigh_one(scores + t + j, vc, vb + j * r->slot, r, acc, bf16);
     }
 }
 
@@ -279,15 +286,14 @@ ALWAYS_INLINE void attend(const vec *qs, const void *kc, const void *vc, const i
                         .scale = scale};
     float inv[MAX_HEADS];
     score_keys(qs, kc, vc, table, &r, scores, bf16);
-    if (PAIRS_FOR(bf16, &r)) { /* the weights' halves after the scores (scores holds 2 * H * padded floats) */
-        uint16_t *hi = (uint16_t *)(scores + H * r.padded), *lo = hi + H * r.padded;
-        softmax_heads(scores, &r, inv, hi, lo);
-        weigh_values_pairs(hi, lo, vc, table, &r, acc);
+    /* bf16_pairs.h's passes: the weights' halves after the scores (scores holds 2 * H * padded floats) */
+    uint16_t *hi = PAIRS_FOR(bf16, &r) ? (uint16_t *)(scores + H * r.padded) : NULL, *lo = hi ? hi + H * r.padded : NULL;
+    softmax_heads(scores, &r, inv, hi, lo);
+    weigh_values(scores, hi, lo, vc, table, &r, acc, bf16);
+    if (hi) {
         store_pairs(acc, inv, &r, out, at);
         return;
     }
-    softmax_heads(scores, &r, inv, NULL, NULL);
-    weigh_values(scores, vc, table, &r, acc, bf16);
     for (int h = 0; h < H; h++)
         for (int i = 0; i < NV; i++) storev_at(out, at + h * r.D + i * VW, acc[h * NV + i] * inv[h], bf16);
 }
