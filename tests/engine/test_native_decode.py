@@ -133,6 +133,40 @@ def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (9, 3, 64), (6, 6, 96), (4, 2, 16)])  # Qwen3; SmolLM2; Phi-3; 16
+def test_a_prompts_rows_taken_together_get_the_bits_each_gets_alone(kernel_ready, dtype, shape):
+    """A prefill's rows (keys 1..T of one prompt, one table) go to a thread eight at a time, which reads
+    their whole blocks once for all of them (paged_decode.c's tiles, where the CPU multiplies bf16 pairs):
+    a 45-token prompt whose rows are cut at 8, then 13 rows of a chunk after a 37-token cached prefix,
+    with bs = 8 (whole blocks of 2 pairs of pairs) and bs = 16. Each row's output must be what it gets
+    alone, bit for bit, and within float64 attention's bound."""
+    g = torch.Generator().manual_seed(5)
+    heads, kvh, d = shape
+    for bs in (8, 16):
+        prompt, prefix, chunk = 45, 37, 13
+        need_a, need_b = -(-prompt // bs), -(-(prefix + chunk) // bs)
+        blocks = torch.randperm(need_a + need_b + 3, generator=g)
+        table_a, table_b = blocks[:need_a], blocks[need_a : need_a + need_b]
+        width = max(need_a, need_b) + 1
+        rows = [(table_a, n) for n in range(1, prompt + 1)] + [(table_b, prefix + i) for i in range(1, chunk + 1)]
+        table = torch.zeros(len(rows), width, dtype=torch.int64)
+        for r, (t, _) in enumerate(rows):
+            table[r, : len(t)] = t
+        lens = torch.tensor([n for _, n in rows])
+        k = torch.randn(len(blocks), bs, kvh, d, generator=g).to(dtype)
+        v = torch.randn(len(blocks), bs, kvh, d, generator=g).to(dtype)
+        q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
+        nd = NativeDecode(table, lens, int(lens.max()))
+        got = native_decode.attend(nd, q, k, v, d**-0.5)
+        for r in range(len(rows)):
+            alone = native_decode.attend(NativeDecode(table[r : r + 1], lens[r : r + 1], int(lens[r])), q[r : r + 1],
+                                         k, v, d**-0.5)
+            assert torch.equal(got[r], alone[0]), f"bs {bs}, row {r}"
+        ref, bound = _reference(q, k, v, nd, d**-0.5)
+        assert ((got.double() - ref).abs().amax(dim=(1, 2)) <= _with_output_rounding(bound, ref, dtype, v)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 7, 16, 50])  # one key; a window starting mid-block, on a block's edge
 def test_a_sliding_window_attends_each_rows_last_keys(kernel_ready, dtype, window):
     """Under a window of W keys each row attends its last W (HF's mask), against float64 attention over

@@ -100,6 +100,59 @@ ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t
     }
 }
 
+/* A prefill's rows sharing their blocks (paged_decode.c's tiles), their keys: four slots from element `at`
+   of the cache against `rows` rows' queries, every head; each kv head's keys loaded into registers once for
+   all the rows (score_pairs, row after row, loaded them again for each row and head). The sums are
+   score_pairs' (dot_words, then reduce4): the bits each row gets alone. q[i]: row i's bf16 query, s[i]:
+   where its head 0's four scores go, padded[i]: its heads' stride in scores. */
+ALWAYS_INLINE void score_rows(const void *const *q, float *const *s, const int64_t *padded, int rows, const void *kc,
+                              int64_t at, const RowShape *r) {
+    const int words = r->D / 32, G = r->G;
+    for (int kh = 0; kh < r->KVH; kh++) {
+        __m512bh k[4][256 / 32];
+        for (int j = 0; j < 4; j++)
+            for (int w = 0; w < words; w++)
+                k[j][w] = (__m512bh)_mm512_loadu_si512((const uint16_t *)kc + at + j * r->slot + kh * r->D + 32 * w);
+        for (int i = 0; i < rows; i++)
+            for (int g = 0; g < G; g++) {
+                const __m512bh *qg = (const __m512bh *)q[i] + (kh * G + g) * words;
+                vec a[4];
+                for (int j = 0; j < 4; j++) {
+                    __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], k[j][0]);
+                    for (int w = 1; w < words; w++) x = _mm512_dpbf16_ps(x, qg[w], k[j][w]);
+                    a[j] = (vec)x;
+                }
+                reduce4(a[0], a[1], a[2], a[3], s[i] + (kh * G + g) * padded[i]);
+            }
+    }
+}
+
+/* A prefill's rows sharing their blocks (paged_decode.c's tiles), their values: ROWS rows' sums of head h
+   (kv head kh), word w of it (acc[i][2w], acc[i][2w + 1]: d = 32w ...), += the weights of every slot of
+   the whole blocks table[0 .. blocks) (pairs of slots only); each pair's values loaded and interleaved
+   once for all the rows, the rows' sums in registers over the blocks. Each sum gets the products
+   weigh_pairs gives it, in its order: the bits each row gets alone. hi[i] / lo[i]: row i's weight halves
+   of head h (slot t's at [t]), acc[i]: row i's sums of head h. */
+ALWAYS_INLINE void weigh_rows(const uint16_t *const *hi, const uint16_t *const *lo, vec *const *acc, const void *vc,
+                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w, const int ROWS) {
+    __m512 x[ROWS], y[ROWS];
+    for (int i = 0; i < ROWS; i++) x[i] = (__m512)acc[i][2 * w], y[i] = (__m512)acc[i][2 * w + 1];
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const uint16_t *v = (const uint16_t *)vc + table[blk] * r->bs * r->slot + kh * r->D + 32 * w;
+        for (int64_t j = 0; j < r->bs; j += 2, v += 2 * r->slot) {
+            const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + r->slot);
+            const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            const int64_t t = blk * r->bs + j;
+            for (int i = 0; i < ROWS; i++) {
+                const __m512bh wh = weight_pair(hi[i] + t, 0), wl = weight_pair(lo[i] + t, 0);
+                x[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(x[i], vl, wh), vl, wl);
+                y[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(y[i], vh, wh), vh, wl);
+            }
+        }
+    }
+    for (int i = 0; i < ROWS; i++) acc[i][2 * w] = (vec)x[i], acc[i][2 * w + 1] = (vec)y[i];
+}
+
 /* Head h's output = its acc times inv[h], rounded to bf16 at element `at` of out, d back in order:
    word w's [2w] lanes 4L + k hold d = 32w + 8L + k, its [2w + 1] lanes d = 32w + 8L + 4 + k. */
 ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {
@@ -123,6 +176,10 @@ ALWAYS_INLINE void split_weights(vec e, uint16_t *hi, uint16_t *lo) {}
 ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t, const void *vc, int64_t at,
                                const RowShape *r, vec *acc, int pairs, int lone) {}
 ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {}
+ALWAYS_INLINE void score_rows(const void *const *q, float *const *s, const int64_t *padded, int rows, const void *kc,
+                              int64_t at, const RowShape *r) {}
+ALWAYS_INLINE void weigh_rows(const uint16_t *const *hi, const uint16_t *const *lo, vec *const *acc, const void *vc,
+                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w, const int ROWS) {}
 #endif
 
 #endif

@@ -156,13 +156,13 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 #include "bf16_pairs.h"
 
 /* Every head's scores of the row's keys [first, len) (key t's at scores[t - first]), block by block
-   through `table`: four keys at a time within a block (their vectors in registers, each query head's
+   through `table` from block `from` on (the blocks before it: shared_passes'): four keys at a time within a block (their vectors in registers, each query head's
    four sums reduced together), the block's rest one at a time; the next block's keys prefetched
    alongside (the last block's: the first values). */
 ALWAYS_INLINE void score_keys(const vec *qs, const void *kc, const void *vc, const int64_t *table,
-                              const RowShape *r, float *scores, int bf16) {
+                              const RowShape *r, float *scores, int64_t from, int bf16) {
     const int64_t b0 = r->first / r->bs;
-    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
+    for (int64_t blk = b0 > from ? b0 : from, t0 = blk * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
         const int64_t kb = table[blk] * r->bs * r->slot;
         const int last = t0 + r->bs >= r->len;
@@ -242,15 +242,14 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
     }
 }
 
-/* acc [H][NV] = every head's values [first, len) weighted by its (unnormalised) scores, as score_keys
-   goes (the next block's values prefetched alongside); with bf16_pairs.h's passes, by the weights'
+/* acc [H][NV] += every head's values [first, len) weighted by its (unnormalised) scores from block `from`
+   on, as score_keys goes (the next block's values prefetched alongside); with bf16_pairs.h's passes, by the weights'
    halves hi / lo, a pair of slots at a time (four, two, then one alone). */
 ALWAYS_INLINE void weigh_values(const float *scores, const uint16_t *hi, const uint16_t *lo, const void *vc,
-                                const int64_t *table, const RowShape *r, vec *acc, int bf16) {
+                                const int64_t *table, const RowShape *r, vec *acc, int64_t from, int bf16) {
     const int pairs = PAIRS_FOR(bf16, r);
-    for (int i = 0; i < r->H * r->NV; i++) acc[i] = (vec){0};
     const int64_t b0 = r->first / r->bs;
-    for (int64_t blk = b0, t0 = b0 * r->bs; t0 < r->len; t0 += r->bs, blk++) {
+    for (int64_t blk = b0 > from ? b0 : from, t0 = blk * r->bs; t0 < r->len; t0 += r->bs, blk++) {
         const int64_t n = min64(r->len - t0, r->bs);
         const int64_t vb = table[blk] * r->bs * r->slot;
         const int64_t next_n = t0 + r->bs < r->len ? min64(r->len - t0 - r->bs, r->bs) : 0;
@@ -275,28 +274,7 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
-/* One row: qs [H][NV] vectors (scaled), its keys [first, len) through `table`; out [H][D] (element `at`
-   of `out`). `scores` holds 2 * H * (len + 16) floats, `acc` H * NV vectors. NV is a constant where this is
-   inlined (attend_row's cases), so each head size gets loops unrolled for it. */
-ALWAYS_INLINE void attend(const vec *qs, const void *kc, const void *vc, const int64_t *table, int64_t first,
-                          int64_t len, int64_t bs, int H, int KVH, const int NV, float *scores, vec *acc, void *out,
-                          int64_t at, float scale, int bf16) {
-    const RowShape r = {.H = H, .KVH = KVH, .G = H / KVH, .NV = NV, .D = NV * VW, .slot = (int64_t)KVH * NV * VW,
-                        .padded = (len - first + 15) & ~(int64_t)15, .first = first, .len = len, .bs = bs,
-                        .scale = scale};
-    float inv[MAX_HEADS];
-    score_keys(qs, kc, vc, table, &r, scores, bf16);
-    /* bf16_pairs.h's passes: the weights' halves after the scores (scores holds 2 * H * padded floats) */
-    uint16_t *hi = PAIRS_FOR(bf16, &r) ? (uint16_t *)(scores + H * r.padded) : NULL, *lo = hi ? hi + H * r.padded : NULL;
-    softmax_heads(scores, &r, inv, hi, lo);
-    weigh_values(scores, hi, lo, vc, table, &r, acc, bf16);
-    if (hi) {
-        store_pairs(acc, inv, &r, out, at);
-        return;
-    }
-    for (int h = 0; h < H; h++)
-        for (int i = 0; i < NV; i++) storev_at(out, at + h * r.D + i * VW, acc[h * NV + i] * inv[h], bf16);
-}
+#define MAX_RUN 8 /* rows a thread attends together at most (sibling runs, below) */
 
 /* The shapes and buffers of one call (the entry points' arguments). */
 typedef struct {
@@ -307,11 +285,119 @@ typedef struct {
     float scale;
 } Call;
 
-/* attend with NV, the head's vectors, a constant in each case: head sizes 16, 32, 64, 128, 256 and Phi-3's 96. */
-ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, int64_t first, int64_t len, float *scores,
-                             vec *acc, int64_t at, int bf16) {
-    const int H = (int)c->H, KVH = (int)c->KVH;
-#define ATTEND_D(D) attend(qs, c->kc, c->vc, tb, first, len, c->bs, H, KVH, (D) / VW, scores, acc, c->out, at, c->scale, bf16)
+/* Row b of the call's shape, its keys [first, len); NV, the head's vectors, a constant where this is
+   inlined (attend_nv's cases), so each head size gets loops unrolled for it. */
+ALWAYS_INLINE RowShape row_shape(const Call *c, int64_t b, const int NV, int64_t first) {
+    const int64_t len = c->lengths[b];
+    return (RowShape){.H = (int)c->H, .KVH = (int)c->KVH, .G = (int)(c->H / c->KVH), .NV = NV, .D = NV * VW,
+                      .slot = c->KVH * NV * VW, .padded = (len - first + 15) & ~(int64_t)15, .first = first,
+                      .len = len, .bs = c->bs, .scale = c->scale};
+}
+
+/* A tile: rows b0 .. b0 + n - 1 of the call that one thread attends together, the first `shared` blocks
+   of their tables the same cache blocks, read whole by each (0: none; then n is 1). Row i's scratch:
+   its scores (and bf16_pairs.h's weight halves after them) at scores + i * stride, its query and its
+   acc at buf + i * 2 * H * NV. */
+typedef struct {
+    int64_t b0, shared, stride;
+    int n;
+    float *scores;
+    vec *buf;
+} Tile;
+
+/* Row i of the tile's query, its acc, and bf16_pairs.h's weight halves (NULL for the fp32 passes). */
+ALWAYS_INLINE vec *tile_qs(const Tile *t, int i, const RowShape *r) { return t->buf + (int64_t)i * 2 * r->H * r->NV; }
+ALWAYS_INLINE vec *tile_acc(const Tile *t, int i, const RowShape *r) { return tile_qs(t, i, r) + r->H * r->NV; }
+ALWAYS_INLINE uint16_t *tile_hi(const Tile *t, int i, const RowShape *r, int bf16) {
+    return PAIRS_FOR(bf16, r) ? (uint16_t *)(t->scores + i * t->stride + r->H * r->padded) : NULL;
+}
+
+/* The tile's shared blocks (bf16_pairs.h's passes only), keys then values. Keys: a group of four slots
+   (every kv head's) read from memory once, then from L1 by the rows after the first, each row's scores
+   the ones score_keys makes of them. Values: a kv head's words at a time over every shared slot for
+   eight rows together (bf16_pairs.h's weigh_rows), the sums in registers. A prefill's rows read the
+   prompt's keys up to their own: taken row after row, each read them all again (2048 times at 2048
+   tokens, from L3), and each row's sums went through memory every four slots. */
+ALWAYS_INLINE void shared_keys(const Call *c, const Tile *t, const int NV) {
+    const int64_t *table = c->table + t->b0 * c->table_stride;
+    const RowShape r = row_shape(c, t->b0, NV, 0);
+    const void *q[MAX_RUN];
+    float *s[MAX_RUN]; /* row i's scores of the next four slots */
+    int64_t padded[MAX_RUN];
+    for (int i = 0; i < t->n; i++) {
+        const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
+        q[i] = tile_qs(t, i, &ri), s[i] = t->scores + i * t->stride, padded[i] = ri.padded;
+    }
+    for (int64_t blk = 0; blk < t->shared; blk++) {
+        const int64_t kb = table[blk] * c->bs * r.slot;
+        for (int64_t j = 0; j < c->bs; j += 4) {
+            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + 4, &r, 1);
+            score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r);
+            for (int i = 0; i < t->n; i++) s[i] += 4;
+        }
+    }
+}
+
+ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
+    const RowShape r = row_shape(c, t->b0, NV, 0);
+    const uint16_t *hi[MAX_RUN], *lo[MAX_RUN];
+    vec *acc[MAX_RUN];
+    for (int kh = 0; kh < r.KVH; kh++)
+        for (int h = kh * r.G; h < (kh + 1) * r.G; h++) {
+            for (int i = 0; i < t->n; i++) {
+                const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
+                hi[i] = tile_hi(t, i, &ri, 1) + h * ri.padded, lo[i] = hi[i] + ri.H * ri.padded;
+                acc[i] = tile_acc(t, i, &ri) + h * 2 * (r.D / 32);
+            }
+            for (int w = 0; w < r.D / 32; w++) {
+                int i = 0;
+                for (; i + MAX_RUN <= t->n; i += MAX_RUN)
+                    weigh_rows(hi + i, lo + i, acc + i, c->vc, c->table + t->b0 * c->table_stride, t->shared, &r, kh, w,
+                               MAX_RUN);
+                for (; i < t->n; i++)
+                    weigh_rows(hi + i, lo + i, acc + i, c->vc, c->table + t->b0 * c->table_stride, t->shared, &r, kh, w, 1);
+            }
+        }
+}
+
+/* The tile's rows, their keys [first, len) (first > 0 only for a tile of one row): the shared blocks'
+   keys, each row's own keys, each row's softmax, the shared blocks' values, each row's own values;
+   out [H][D] at row b's place. */
+ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16) {
+    float inv[MAX_RUN][MAX_HEADS];
+    const int tiled = t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0; /* constant false where they never run */
+    if (tiled) shared_keys(c, t, NV);
+    for (int i = 0; i < t->n; i++) {
+        const RowShape r = row_shape(c, t->b0 + i, NV, first);
+        float *scores = t->scores + i * t->stride;
+        uint16_t *hi = tile_hi(t, i, &r, bf16);
+        score_keys(tile_qs(t, i, &r), c->kc, c->vc, c->table + (t->b0 + i) * c->table_stride, &r, scores, t->shared,
+                   bf16);
+        softmax_heads(scores, &r, inv[i], hi, hi ? hi + r.H * r.padded : NULL);
+        vec *acc = tile_acc(t, i, &r);
+        for (int k = 0; k < r.H * NV; k++) acc[k] = (vec){0};
+    }
+    if (tiled) shared_values(c, t, NV);
+    for (int i = 0; i < t->n; i++) {
+        const RowShape r = row_shape(c, t->b0 + i, NV, first);
+        const float *scores = t->scores + i * t->stride;
+        const uint16_t *hi = tile_hi(t, i, &r, bf16);
+        vec *acc = tile_acc(t, i, &r);
+        weigh_values(scores, hi, hi ? hi + r.H * r.padded : NULL, c->vc, c->table + (t->b0 + i) * c->table_stride, &r,
+                     acc, t->shared, bf16);
+        const int64_t at = (t->b0 + i) * r.H * r.D;
+        if (hi) {
+            store_pairs(acc, inv[i], &r, c->out, at);
+            continue;
+        }
+        for (int h = 0; h < r.H; h++)
+            for (int k = 0; k < NV; k++) storev_at(c->out, at + h * r.D + k * VW, acc[h * NV + k] * inv[i][h], bf16);
+    }
+}
+
+/* attend with NV a constant in each case: head sizes 16, 32, 64, 128, 256 and Phi-3's 96. */
+ALWAYS_INLINE void attend_nv(const Call *c, const Tile *t, int64_t first, int bf16) {
+#define ATTEND_D(D) attend(c, t, first, (D) / VW, bf16)
     switch (c->D) {
     case 16: ATTEND_D(16); break;
     case 32: ATTEND_D(32); break;
@@ -323,34 +409,36 @@ ALWAYS_INLINE void attend_nv(const Call *c, const vec *qs, const int64_t *tb, in
 #undef ATTEND_D
 }
 
-/* Row b of the call: its query scaled into qs, then attend; a row the window does not cut runs code
-   compiled for first = 0 (the loops as they were before windows: one loop for both cost full
-   attention 3-9% in bf16, bench.decode_attention, noisy). */
-ALWAYS_INLINE void attend_row(const Call *c, int64_t b, float *scores, vec *buf, int bf16) {
-    const int NV = (int)(c->D / VW);
-    vec *qs = buf, *acc = buf + MAX_HEADS * MAX_VECS;
-    if (PAIRS_FOR(bf16, c)) /* bf16_pairs.h's scores: the query as it is */
-        memcpy(qs, (const uint16_t *)c->q + b * c->H * c->D, sizeof(uint16_t) * (size_t)(c->H * c->D));
-    else
-        for (int64_t i = 0; i < c->H * NV; i++) qs[i] = loadv_at(c->q, b * c->H * c->D + i * VW, bf16) * c->scale;
-    const int64_t *tb = c->table + b * c->table_stride, len = c->lengths[b], at = b * c->H * c->D;
-    const int64_t first = window_start(len, c->window);
+/* The tile's queries into their scratch (bf16_pairs.h's: as they are; the fp32 passes': scaled), then
+   attend; a row the window does not cut runs code compiled for first = 0 (the loops as they were
+   before windows: one loop for both cost full attention 3-9% in bf16, bench.decode_attention, noisy). */
+ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16) {
+    const int64_t NV = c->D / VW, per_row = c->H * c->D;
+    for (int i = 0; i < t->n; i++) {
+        vec *qs = t->buf + i * 2 * c->H * NV;
+        const int64_t b = t->b0 + i;
+        if (PAIRS_FOR(bf16, c))
+            memcpy(qs, (const uint16_t *)c->q + b * per_row, sizeof(uint16_t) * (size_t)per_row);
+        else
+            for (int64_t k = 0; k < c->H * NV; k++) qs[k] = loadv_at(c->q, b * per_row + k * VW, bf16) * c->scale;
+    }
+    const int64_t first = t->n == 1 ? window_start(c->lengths[t->b0], c->window) : 0;
     if (first)
-        attend_nv(c, qs, tb, first, len, scores, acc, at, bf16);
+        attend_nv(c, t, first, bf16);
     else
-        attend_nv(c, qs, tb, 0, len, scores, acc, at, bf16);
+        attend_nv(c, t, 0, bf16);
 }
 
-/* attend_row for each dtype: its own code, the dtype a constant in it. */
-static void attend_row_f32(const Call *c, int64_t b, float *scores, vec *buf) { attend_row(c, b, scores, buf, 0); }
-static void attend_row_bf16(const Call *c, int64_t b, float *scores, vec *buf) { attend_row(c, b, scores, buf, 1); }
+/* attend_tile for each dtype: its own code, the dtype a constant in it. */
+static void attend_tile_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0); }
+static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1); }
 
-/* Sibling runs: adjacent rows whose first cache block is the same one are the n samples of one
-   prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together).
-   One thread takes a run, row after row, so the shared blocks it read for the first row are still
-   in its L2 for the others (a 256-row GRPO-shaped step of SmolLM2: 5-7% less time). A run is cut at
+/* Sibling runs (MAX_RUN, above): adjacent rows whose first cache block is the same one are the n samples of one
+   prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together), or
+   the rows of one prompt's prefill. One thread takes a run as a tile (above) over the blocks every row
+   of it reads whole; before (row after row, finding the shared blocks in L2 after the first row) a
+   256-row GRPO-shaped step of SmolLM2 took 5-7% less time than rows taken apart. A run is cut at
    MAX_RUN rows so that rows which all share one system prompt still spread over the threads. */
-#define MAX_RUN 8
 
 /* A sibling run: rows [first, end), `keys` keys in all (its cost). */
 typedef struct {
@@ -387,23 +475,47 @@ static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64
     return runs;
 }
 
-/* The rows of `c`, a thread a sibling run at a time, each thread with scratch of its own. */
+/* How many leading blocks the rows [b0, end) all read whole from the same cache blocks (a tile's
+   `shared`): 0 where a window cuts a row (its first block is its own) or a block is not a whole
+   number of groups of four slots. */
+static int64_t shared_blocks(const Call *c, int64_t b0, int64_t end, int bf16) {
+    if (!PAIRS_FOR(bf16, c) || end - b0 < 2 || c->bs % 4) return 0;
+    int64_t shared = INT64_MAX, longest = 0;
+    for (int64_t b = b0; b < end; b++) {
+        if (window_start(c->lengths[b], c->window)) return 0;
+        shared = min64(shared, c->lengths[b] / c->bs), longest = c->lengths[b] > longest ? c->lengths[b] : longest;
+    }
+    const int64_t *first = c->table + b0 * c->table_stride, blocks = (longest + c->bs - 1) / c->bs;
+    for (int64_t b = b0 + 1; b < end; b++)
+        if (memcmp(c->table + b * c->table_stride, first, sizeof(int64_t) * (size_t)blocks)) return 0;
+    return shared;
+}
+
+/* The rows of `c`, a thread a sibling run at a time (a tile, or row after row where its rows share no
+   block), each thread with scratch of its own for the longest run. */
 static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t max_len, int bf16) {
     int failed = 0;
+    const int64_t stride = 2 * c->H * (max_len + 16); /* a row's scores and bf16_pairs.h's weights */
+    int64_t most = 1;
+    for (int64_t r = 0; r < count; r++) most = runs[r].end - runs[r].first > most ? runs[r].end - runs[r].first : most;
 #pragma omp parallel
     {
-        float *scores = malloc(2 * sizeof(float) * (size_t)c->H * (size_t)(max_len + 16)); /* and bf16_pairs.h's weights */
-        vec *buf = aligned_alloc(64, sizeof(vec) * 2 * MAX_HEADS * MAX_VECS);
+        float *scores = malloc(sizeof(float) * (size_t)(most * stride));
+        vec *buf = aligned_alloc(64, sizeof(vec) * (size_t)(most * 2 * c->H * (c->D / VW))); /* 64 B a multiple */
         if (!scores || !buf) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < count; r++)
-            for (int64_t b = runs[r].first; b < runs[r].end; b++) {
-                if (!scores || !buf) continue;
+        for (int64_t r = 0; r < count; r++) {
+            if (!scores || !buf) continue;
+            const int64_t shared = shared_blocks(c, runs[r].first, runs[r].end, bf16);
+            for (int64_t b = runs[r].first; b < runs[r].end; b += shared ? runs[r].end - b : 1) {
+                const Tile t = {.b0 = b, .shared = shared, .stride = stride,
+                                .n = shared ? (int)(runs[r].end - b) : 1, .scores = scores, .buf = buf};
                 if (bf16)
-                    attend_row_bf16(c, b, scores, buf);
+                    attend_tile_bf16(c, &t);
                 else
-                    attend_row_f32(c, b, scores, buf);
+                    attend_tile_f32(c, &t);
             }
+        }
         free(scores);
         free(buf);
     }
