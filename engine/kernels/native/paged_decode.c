@@ -22,7 +22,11 @@
    i - W < j <= i), the first block read from the window's first key on: the order is still set by
    the row alone. A batch-invariant engine's prefill rows come here too (engine/models/attention.py,
    _native_prefill: a row's keys up to its own position), so a row has the same bits in a prefill as
-   in a decode step.
+   in a decode step. A prefill's rows of one prompt (one block table) go to a thread eight at a time as a
+   tile: their whole blocks' keys read once for all of them and their values' sums kept in registers
+   (bf16_pairs.h's score_rows / weigh_rows, where the CPU multiplies bf16 pairs), each row's sums the
+   same products in the same order, so its bits are still the ones it gets alone (a 2048-token prefill's
+   attention 1.42x at Qwen3's heads, bench.prefill_attention).
    Compiled at first use by engine/kernels/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
    threads are torch's own (the same libgomp, already loaded). */
 
@@ -156,9 +160,10 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 #include "bf16_pairs.h"
 
 /* Every head's scores of the row's keys [first, len) (key t's at scores[t - first]), block by block
-   through `table` from block `from` on (the blocks before it: shared_passes'): four keys at a time within a block (their vectors in registers, each query head's
-   four sums reduced together), the block's rest one at a time; the next block's keys prefetched
-   alongside (the last block's: the first values). */
+   through `table` from block `from` on (a tile's shared blocks before it: shared_keys'): four keys at a
+   time within a block (their vectors in registers, each query head's four sums reduced together), the
+   block's rest one at a time; the next block's keys prefetched alongside (the last block's: the first
+   values). */
 ALWAYS_INLINE void score_keys(const vec *qs, const void *kc, const void *vc, const int64_t *table,
                               const RowShape *r, float *scores, int64_t from, int bf16) {
     const int64_t b0 = r->first / r->bs;
@@ -242,9 +247,9 @@ ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value,
     }
 }
 
-/* acc [H][NV] += every head's values [first, len) weighted by its (unnormalised) scores from block `from`
-   on, as score_keys goes (the next block's values prefetched alongside); with bf16_pairs.h's passes, by the weights'
-   halves hi / lo, a pair of slots at a time (four, two, then one alone). */
+/* acc [H][NV] += every head's values [first, len) weighted by its (unnormalised) scores from block
+   `from` on, as score_keys goes (the next block's values prefetched alongside); with bf16_pairs.h's
+   passes, by the weights' halves hi / lo, a pair of slots at a time (four, two, then one alone). */
 ALWAYS_INLINE void weigh_values(const float *scores, const uint16_t *hi, const uint16_t *lo, const void *vc,
                                 const int64_t *table, const RowShape *r, vec *acc, int64_t from, int bf16) {
     const int pairs = PAIRS_FOR(bf16, r);
@@ -339,6 +344,7 @@ ALWAYS_INLINE void shared_keys(const Call *c, const Tile *t, const int NV) {
 }
 
 ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
+    const int64_t *table = c->table + t->b0 * c->table_stride;
     const RowShape r = row_shape(c, t->b0, NV, 0);
     const uint16_t *hi[MAX_RUN], *lo[MAX_RUN];
     vec *acc[MAX_RUN];
@@ -352,10 +358,8 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
             for (int w = 0; w < r.D / 32; w++) {
                 int i = 0;
                 for (; i + MAX_RUN <= t->n; i += MAX_RUN)
-                    weigh_rows(hi + i, lo + i, acc + i, c->vc, c->table + t->b0 * c->table_stride, t->shared, &r, kh, w,
-                               MAX_RUN);
-                for (; i < t->n; i++)
-                    weigh_rows(hi + i, lo + i, acc + i, c->vc, c->table + t->b0 * c->table_stride, t->shared, &r, kh, w, 1);
+                    weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, MAX_RUN);
+                for (; i < t->n; i++) weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1);
             }
         }
 }
@@ -365,14 +369,15 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
    out [H][D] at row b's place. */
 ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16) {
     float inv[MAX_RUN][MAX_HEADS];
-    const int tiled = t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0; /* constant false where they never run */
+    /* constant false where the tile's passes never run (shared_blocks gives them no tile) */
+    const int tiled = t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0;
+    const int64_t from = tiled ? t->shared : 0; /* each row's own blocks from here */
     if (tiled) shared_keys(c, t, NV);
     for (int i = 0; i < t->n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         float *scores = t->scores + i * t->stride;
         uint16_t *hi = tile_hi(t, i, &r, bf16);
-        score_keys(tile_qs(t, i, &r), c->kc, c->vc, c->table + (t->b0 + i) * c->table_stride, &r, scores, t->shared,
-                   bf16);
+        score_keys(tile_qs(t, i, &r), c->kc, c->vc, c->table + (t->b0 + i) * c->table_stride, &r, scores, from, bf16);
         softmax_heads(scores, &r, inv[i], hi, hi ? hi + r.H * r.padded : NULL);
         vec *acc = tile_acc(t, i, &r);
         for (int k = 0; k < r.H * NV; k++) acc[k] = (vec){0};
@@ -384,7 +389,7 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
         const uint16_t *hi = tile_hi(t, i, &r, bf16);
         vec *acc = tile_acc(t, i, &r);
         weigh_values(scores, hi, hi ? hi + r.H * r.padded : NULL, c->vc, c->table + (t->b0 + i) * c->table_stride, &r,
-                     acc, t->shared, bf16);
+                     acc, from, bf16);
         const int64_t at = (t->b0 + i) * r.H * r.D;
         if (hi) {
             store_pairs(acc, inv[i], &r, c->out, at);
