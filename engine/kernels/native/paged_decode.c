@@ -366,14 +366,16 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
 
 /* The tile's rows, their keys [first, len) (first > 0 only for a tile of one row): the shared blocks'
    keys, each row's own keys, each row's softmax, the shared blocks' values, each row's own values;
-   out [H][D] at row b's place. */
-ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16) {
+   out [H][D] at row b's place. `single`: a constant 1 for a tile of one row (a decode row), whose code
+   then holds none of the tile's (with it, a step of Qwen3's decode attention ran 3-8% slower). */
+ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16, const int single) {
     float inv[MAX_RUN][MAX_HEADS];
+    const int n = single ? 1 : t->n;
     /* constant false where the tile's passes never run (shared_blocks gives them no tile) */
-    const int tiled = t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0;
+    const int tiled = !single && t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0;
     const int64_t from = tiled ? t->shared : 0; /* each row's own blocks from here */
     if (tiled) shared_keys(c, t, NV);
-    for (int i = 0; i < t->n; i++) {
+    for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         float *scores = t->scores + i * t->stride;
         uint16_t *hi = tile_hi(t, i, &r, bf16);
@@ -383,7 +385,7 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
         for (int k = 0; k < r.H * NV; k++) acc[k] = (vec){0};
     }
     if (tiled) shared_values(c, t, NV);
-    for (int i = 0; i < t->n; i++) {
+    for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         const float *scores = t->scores + i * t->stride;
         const uint16_t *hi = tile_hi(t, i, &r, bf16);
@@ -401,8 +403,8 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
 }
 
 /* attend with NV a constant in each case: head sizes 16, 32, 64, 128, 256 and Phi-3's 96. */
-ALWAYS_INLINE void attend_nv(const Call *c, const Tile *t, int64_t first, int bf16) {
-#define ATTEND_D(D) attend(c, t, first, (D) / VW, bf16)
+ALWAYS_INLINE void attend_nv(const Call *c, const Tile *t, int64_t first, int bf16, const int single) {
+#define ATTEND_D(D) attend(c, t, first, (D) / VW, bf16, single)
     switch (c->D) {
     case 16: ATTEND_D(16); break;
     case 32: ATTEND_D(32); break;
@@ -417,9 +419,9 @@ ALWAYS_INLINE void attend_nv(const Call *c, const Tile *t, int64_t first, int bf
 /* The tile's queries into their scratch (bf16_pairs.h's: as they are; the fp32 passes': scaled), then
    attend; a row the window does not cut runs code compiled for first = 0 (the loops as they were
    before windows: one loop for both cost full attention 3-9% in bf16, bench.decode_attention, noisy). */
-ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16) {
+ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16, const int single) {
     const int64_t NV = c->D / VW, per_row = c->H * c->D;
-    for (int i = 0; i < t->n; i++) {
+    for (int i = 0; i < (single ? 1 : t->n); i++) {
         vec *qs = t->buf + i * 2 * c->H * NV;
         const int64_t b = t->b0 + i;
         if (PAIRS_FOR(bf16, c))
@@ -427,16 +429,18 @@ ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16) {
         else
             for (int64_t k = 0; k < c->H * NV; k++) qs[k] = loadv_at(c->q, b * per_row + k * VW, bf16) * c->scale;
     }
-    const int64_t first = t->n == 1 ? window_start(c->lengths[t->b0], c->window) : 0;
+    const int64_t first = single ? window_start(c->lengths[t->b0], c->window) : 0;
     if (first)
-        attend_nv(c, t, first, bf16);
+        attend_nv(c, t, first, bf16, single);
     else
-        attend_nv(c, t, 0, bf16);
+        attend_nv(c, t, 0, bf16, single);
 }
 
-/* attend_tile for each dtype: its own code, the dtype a constant in it. */
-static void attend_tile_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0); }
-static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1); }
+/* attend_tile for each dtype and for one row: its own code, the dtype a constant in it (a tile's
+   rows only where the CPU multiplies bf16 pairs: shared_blocks). */
+static void attend_row_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0, 1); }
+static void attend_row_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1, 1); }
+static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1, 0); }
 
 /* Sibling runs (MAX_RUN, above): adjacent rows whose first cache block is the same one are the n samples of one
    prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together), or
@@ -445,9 +449,10 @@ static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1
    256-row GRPO-shaped step of SmolLM2 took 5-7% less time than rows taken apart. A run is cut at
    MAX_RUN rows so that rows which all share one system prompt still spread over the threads. */
 
-/* A sibling run: rows [first, end), `keys` keys in all (its cost). */
+/* A sibling run: rows [first, end), `keys` keys in all (its cost), the leading blocks its rows attend
+   together as a tile (shared_blocks; 0: row after row). */
 typedef struct {
-    int64_t first, end, keys;
+    int64_t first, end, keys, shared;
 } Run;
 
 static int more_keys_first(const void *a, const void *b) {
@@ -471,7 +476,7 @@ static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64
         const int64_t start = window_start(lengths[b], window), keys = lengths[b] - start;
         const int64_t first = table[b * table_stride + start / bs]; /* not a spare block behind the window */
         if (last == NULL || b - last->first >= MAX_RUN || first != previous)
-            runs[(*count)++] = (Run){b, b + 1, keys};
+            runs[(*count)++] = (Run){b, b + 1, keys, 0};
         else
             last->end = b + 1, last->keys += keys;
         previous = first;
@@ -497,12 +502,15 @@ static int64_t shared_blocks(const Call *c, int64_t b0, int64_t end, int bf16) {
 }
 
 /* The rows of `c`, a thread a sibling run at a time (a tile, or row after row where its rows share no
-   block), each thread with scratch of its own for the longest run. */
-static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t max_len, int bf16) {
+   block), each thread with scratch of its own for the largest tile (a decode step's: one row). */
+static int attend_rows(const Call *c, Run *runs, int64_t count, int64_t max_len, int bf16) {
     int failed = 0;
     const int64_t stride = 2 * c->H * (max_len + 16); /* a row's scores and bf16_pairs.h's weights */
     int64_t most = 1;
-    for (int64_t r = 0; r < count; r++) most = runs[r].end - runs[r].first > most ? runs[r].end - runs[r].first : most;
+    for (int64_t r = 0; r < count; r++) {
+        runs[r].shared = shared_blocks(c, runs[r].first, runs[r].end, bf16);
+        if (runs[r].shared && runs[r].end - runs[r].first > most) most = runs[r].end - runs[r].first;
+    }
 #pragma omp parallel
     {
         float *scores = malloc(sizeof(float) * (size_t)(most * stride));
@@ -511,14 +519,16 @@ static int attend_rows(const Call *c, const Run *runs, int64_t count, int64_t ma
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < count; r++) {
             if (!scores || !buf) continue;
-            const int64_t shared = shared_blocks(c, runs[r].first, runs[r].end, bf16);
+            const int64_t shared = runs[r].shared;
             for (int64_t b = runs[r].first; b < runs[r].end; b += shared ? runs[r].end - b : 1) {
                 const Tile t = {.b0 = b, .shared = shared, .stride = stride,
                                 .n = shared ? (int)(runs[r].end - b) : 1, .scores = scores, .buf = buf};
-                if (bf16)
+                if (shared)
                     attend_tile_bf16(c, &t);
+                else if (bf16)
+                    attend_row_bf16(c, &t);
                 else
-                    attend_tile_f32(c, &t);
+                    attend_row_f32(c, &t);
             }
         }
         free(scores);
