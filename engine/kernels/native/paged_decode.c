@@ -367,7 +367,8 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
 /* The tile's rows, their keys [first, len) (first > 0 only for a tile of one row): the shared blocks'
    keys, each row's own keys, each row's softmax, the shared blocks' values, each row's own values;
    out [H][D] at row b's place. `single`: a constant 1 for a tile of one row (a decode row), whose code
-   then holds none of the tile's (with it, a step of Qwen3's decode attention ran 3-8% slower). */
+   then holds none of the tile's (one function for both ran a step of Qwen3's decode attention at
+   0.92-0.96x in one-process A/Bs, bench/RESULTS.md). */
 ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16, const int single) {
     float inv[MAX_RUN][MAX_HEADS];
     const int n = single ? 1 : t->n;
