@@ -423,8 +423,9 @@ ALWAYS_INLINE void attend_nv(const Call *c, const Tile *t, int64_t first, int bf
 ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16, const int single) {
     const int64_t NV = c->D / VW, per_row = c->H * c->D;
     for (int i = 0; i < (single ? 1 : t->n); i++) {
-        vec *qs = t->buf + i * 2 * c->H * NV;
         const int64_t b = t->b0 + i;
+        const RowShape r = row_shape(c, b, (int)NV, 0);
+        vec *qs = tile_qs(t, i, &r);
         if (PAIRS_FOR(bf16, c))
             memcpy(qs, (const uint16_t *)c->q + b * per_row, sizeof(uint16_t) * (size_t)per_row);
         else
