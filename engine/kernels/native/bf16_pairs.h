@@ -100,57 +100,97 @@ ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t
     }
 }
 
-/* A prefill's rows sharing their blocks (paged_decode.c's tiles), their keys: four slots from element `at`
-   of the cache against `rows` rows' queries, every head; each kv head's keys loaded into registers once for
-   all the rows (score_pairs, row after row, loaded them again for each row and head). The sums are
-   score_pairs' (dot_words, then reduce4): the bits each row gets alone. q[i]: row i's bf16 query, s[i]:
-   where its head 0's four scores go, padded[i]: its heads' stride in scores. */
+/* Eight keys' lane sums a[0..7] into out[0..7], each key's sum in reduce4's order (lanes i and i + 8, then
+   i and i + 4, then i and i + 2, then the two left: the same bits), the keys' trees side by side: a blend
+   and one shuffle a step where reduce4 took two shuffles, and one store for the eight where reduce4
+   extracted each lane (about 5 instructions a key against 3.5; a 64-value head's products are 2). */
+ALWAYS_INLINE void reduce8(const vec *a, float *out) {
+    __m512 x[4], y[2];
+    for (int m = 0; m < 4; m++) { /* keys 2m, 2m + 1: lanes i and i + 8 */
+        const __m512 e = (__m512)a[2 * m], o = (__m512)a[2 * m + 1];
+        x[m] = _mm512_mask_blend_ps(0xFF00, e, o) + _mm512_shuffle_f32x4(e, o, 0x4E);
+    }
+    for (int n = 0; n < 2; n++) { /* lanes i and i + 4: 128-bit lanes 0..3 hold keys 4n, 4n + 2, 4n + 1, 4n + 3 */
+        const __m512 A = x[2 * n], B = x[2 * n + 1], swapped = _mm512_mask_blend_ps(0x0F0F, A, B);
+        y[n] = _mm512_mask_blend_ps(0xF0F0, A, B) + _mm512_shuffle_f32x4(swapped, swapped, 0xB1);
+    }
+    /* lanes i and i + 2: 128-bit lane L holds [y0's key's two, y1's key's two] */
+    const __m512 w = _mm512_mask_blend_ps(0xCCCC, y[0], y[1]) +
+                     _mm512_permute_ps(_mm512_mask_blend_ps(0x3333, y[0], y[1]), 0x4E);
+    const __m512 z = w + _mm512_permute_ps(w, 0xB1); /* the two left: key k < 4 at 4 [0, 2, 1, 3][k], k + 4 two on */
+    const __m512i order = _mm512_setr_epi32(0, 8, 4, 12, 2, 10, 6, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, z)));
+}
+
+/* Keys a tile's group takes at once: eight where they fit in registers (heads of 64 values or fewer,
+   whose reduce4 cost more than their products), else four. */
+#define TILE_KEYS(r) ((r)->D <= 64 && (r)->bs % 8 == 0 ? 8 : 4)
+
+/* A prefill's rows sharing their blocks (paged_decode.c's tiles), their keys: KEYS (TILE_KEYS) slots from
+   element `at` of the cache against `rows` rows' queries, every head; each kv head's keys loaded into
+   registers once for all the rows (score_pairs, row after row, loaded them again for each row and head).
+   The sums are score_pairs' (dot_words, then reduce4's order): the bits each row gets alone. q[i]: row
+   i's bf16 query, s[i]: where its head 0's scores go, padded[i]: its heads' stride in scores. */
 ALWAYS_INLINE void score_rows(const void *const *q, float *const *s, const int64_t *padded, int rows, const void *kc,
-                              int64_t at, const RowShape *r) {
+                              int64_t at, const RowShape *r, const int KEYS) {
     const int words = r->D / 32, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
-        __m512bh k[4][256 / 32];
-        for (int j = 0; j < 4; j++)
+        __m512bh k[8][256 / 32];
+        for (int j = 0; j < KEYS; j++)
             for (int w = 0; w < words; w++)
                 k[j][w] = (__m512bh)_mm512_loadu_si512((const uint16_t *)kc + at + j * r->slot + kh * r->D + 32 * w);
         for (int i = 0; i < rows; i++)
             for (int g = 0; g < G; g++) {
                 const __m512bh *qg = (const __m512bh *)q[i] + (kh * G + g) * words;
-                vec a[4];
-                for (int j = 0; j < 4; j++) {
+                vec a[8];
+                for (int j = 0; j < KEYS; j++) {
                     __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qg[0], k[j][0]);
                     for (int w = 1; w < words; w++) x = _mm512_dpbf16_ps(x, qg[w], k[j][w]);
                     a[j] = (vec)x;
                 }
-                reduce4(a[0], a[1], a[2], a[3], s[i] + (kh * G + g) * padded[i]);
+                float *out = s[i] + (kh * G + g) * padded[i];
+                if (KEYS == 8)
+                    reduce8(a, out);
+                else
+                    reduce4(a[0], a[1], a[2], a[3], out);
             }
     }
 }
 
 /* A prefill's rows sharing their blocks (paged_decode.c's tiles), their values: ROWS rows' sums of head h
-   (kv head kh), word w of it (acc[i][2w], acc[i][2w + 1]: d = 32w ...), += the weights of every slot of
-   the whole blocks table[0 .. blocks) (pairs of slots only); each pair's values loaded and interleaved
-   once for all the rows, the rows' sums in registers over the blocks. Each sum gets the products
-   weigh_pairs gives it, in its order: the bits each row gets alone. hi[i] / lo[i]: row i's weight halves
-   of head h (slot t's at [t]), acc[i]: row i's sums of head h. */
+   (kv head kh), WORDS words of it from word w0 on (acc[i][2w], acc[i][2w + 1]: d = 32w ...), += the
+   weights of every slot of the whole blocks table[0 .. blocks) (pairs of slots only); each pair's values
+   loaded and interleaved once for all the rows, the rows' sums in registers over the blocks. Each sum
+   gets the products weigh_pairs gives it, in its order: the bits each row gets alone. hi[i] / lo[i]: row
+   i's weight halves of head h (slot t's at [t]), acc[i]: row i's sums of head h. Four rows and two words
+   at a time: each weight broadcast once for both words, and the rows' 8 pointers stay in registers
+   (eight rows' 16 did not: the compiler moved each from a vector register at each use). */
 ALWAYS_INLINE void weigh_rows(const uint16_t *const *hi, const uint16_t *const *lo, vec *const *acc, const void *vc,
-                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w, const int ROWS) {
-    __m512 x[ROWS], y[ROWS];
-    for (int i = 0; i < ROWS; i++) x[i] = (__m512)acc[i][2 * w], y[i] = (__m512)acc[i][2 * w + 1];
+                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w0, const int ROWS,
+                              const int WORDS) {
+    __m512 x[8][2], y[8][2]; /* [ROWS][WORDS]: constant sizes, so they stay in registers */
+    for (int i = 0; i < ROWS; i++)
+        for (int w = 0; w < WORDS; w++) x[i][w] = (__m512)acc[i][2 * (w0 + w)], y[i][w] = (__m512)acc[i][2 * (w0 + w) + 1];
     for (int64_t blk = 0; blk < blocks; blk++) {
-        const uint16_t *v = (const uint16_t *)vc + table[blk] * r->bs * r->slot + kh * r->D + 32 * w;
+        const uint16_t *v = (const uint16_t *)vc + table[blk] * r->bs * r->slot + kh * r->D + 32 * w0;
         for (int64_t j = 0; j < r->bs; j += 2, v += 2 * r->slot) {
-            const __m512i a = _mm512_loadu_si512(v), b = _mm512_loadu_si512(v + r->slot);
-            const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(a, b), vh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            __m512bh vl[2], vh[2];
+            for (int w = 0; w < WORDS; w++) {
+                const __m512i a = _mm512_loadu_si512(v + 32 * w), b = _mm512_loadu_si512(v + r->slot + 32 * w);
+                vl[w] = (__m512bh)_mm512_unpacklo_epi16(a, b), vh[w] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
             const int64_t t = blk * r->bs + j;
             for (int i = 0; i < ROWS; i++) {
                 const __m512bh wh = weight_pair(hi[i] + t, 0), wl = weight_pair(lo[i] + t, 0);
-                x[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(x[i], vl, wh), vl, wl);
-                y[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(y[i], vh, wh), vh, wl);
+                for (int w = 0; w < WORDS; w++) {
+                    x[i][w] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(x[i][w], vl[w], wh), vl[w], wl);
+                    y[i][w] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(y[i][w], vh[w], wh), vh[w], wl);
+                }
             }
         }
     }
-    for (int i = 0; i < ROWS; i++) acc[i][2 * w] = (vec)x[i], acc[i][2 * w + 1] = (vec)y[i];
+    for (int i = 0; i < ROWS; i++)
+        for (int w = 0; w < WORDS; w++) acc[i][2 * (w0 + w)] = (vec)x[i][w], acc[i][2 * (w0 + w) + 1] = (vec)y[i][w];
 }
 
 /* Head h's output = its acc times inv[h], rounded to bf16 at element `at` of out, d back in order:
@@ -176,10 +216,12 @@ ALWAYS_INLINE void split_weights(vec e, uint16_t *hi, uint16_t *lo) {}
 ALWAYS_INLINE void weigh_pairs(const uint16_t *hi, const uint16_t *lo, int64_t t, const void *vc, int64_t at,
                                const RowShape *r, vec *acc, int pairs, int lone) {}
 ALWAYS_INLINE void store_pairs(const vec *acc, const float *inv, const RowShape *r, void *out, int64_t at) {}
+#define TILE_KEYS(r) 4
 ALWAYS_INLINE void score_rows(const void *const *q, float *const *s, const int64_t *padded, int rows, const void *kc,
-                              int64_t at, const RowShape *r) {}
+                              int64_t at, const RowShape *r, const int KEYS) {}
 ALWAYS_INLINE void weigh_rows(const uint16_t *const *hi, const uint16_t *const *lo, vec *const *acc, const void *vc,
-                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w, const int ROWS) {}
+                              const int64_t *table, int64_t blocks, const RowShape *r, int kh, int w0, const int ROWS,
+                              const int WORDS) {}
 #endif
 
 #endif

@@ -318,27 +318,32 @@ ALWAYS_INLINE uint16_t *tile_hi(const Tile *t, int i, const RowShape *r, int bf1
 }
 
 /* The tile's shared blocks (bf16_pairs.h's passes only), keys then values. Keys: a group of four slots
-   (every kv head's) read from memory once, then from L1 by the rows after the first, each row's scores
-   the ones score_keys makes of them. Values: a kv head's words at a time over every shared slot for
-   eight rows together (bf16_pairs.h's weigh_rows), the sums in registers. A prefill's rows read the
+   (eight for heads of 64 values or fewer: TILE_KEYS), every kv head's, read from memory once, then from
+   L1 by the rows after the first, each row's scores the ones score_keys makes of them. Values: a kv
+   head's words two at a time over every shared slot for four rows together (bf16_pairs.h's weigh_rows),
+   the sums in registers. A prefill's rows read the
    prompt's keys up to their own: taken row after row, each read them all again (2048 times at 2048
    tokens, from L3), and each row's sums went through memory every four slots. */
 ALWAYS_INLINE void shared_keys(const Call *c, const Tile *t, const int NV) {
     const int64_t *table = c->table + t->b0 * c->table_stride;
     const RowShape r = row_shape(c, t->b0, NV, 0);
     const void *q[MAX_RUN];
-    float *s[MAX_RUN]; /* row i's scores of the next four slots */
+    float *s[MAX_RUN]; /* row i's scores of the next `keys` slots */
     int64_t padded[MAX_RUN];
+    const int keys = TILE_KEYS(&r);
     for (int i = 0; i < t->n; i++) {
         const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
         q[i] = tile_qs(t, i, &ri), s[i] = t->scores + i * t->stride, padded[i] = ri.padded;
     }
     for (int64_t blk = 0; blk < t->shared; blk++) {
         const int64_t kb = table[blk] * c->bs * r.slot;
-        for (int64_t j = 0; j < c->bs; j += 4) {
-            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + 4, &r, 1);
-            score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r);
-            for (int i = 0; i < t->n; i++) s[i] += 4;
+        for (int64_t j = 0; j < c->bs; j += keys) {
+            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + keys, &r, 1);
+            if (keys == 8)
+                score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r, 8);
+            else
+                score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r, 4);
+            for (int i = 0; i < t->n; i++) s[i] += keys;
         }
     }
 }
@@ -355,11 +360,19 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
                 hi[i] = tile_hi(t, i, &ri, 1) + h * ri.padded, lo[i] = hi[i] + ri.H * ri.padded;
                 acc[i] = tile_acc(t, i, &ri) + h * 2 * (r.D / 32);
             }
-            for (int w = 0; w < r.D / 32; w++) {
+            for (int w = 0; w < r.D / 32; w += 2) {
+                const int two = w + 2 <= r.D / 32; /* Phi-3's 96 values: a last word alone */
                 int i = 0;
-                for (; i + MAX_RUN <= t->n; i += MAX_RUN)
-                    weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, MAX_RUN);
-                for (; i < t->n; i++) weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1);
+                for (; i + 4 <= t->n; i += 4)
+                    if (two)
+                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 4, 2);
+                    else
+                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 4, 1);
+                for (; i < t->n; i++)
+                    if (two)
+                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1, 2);
+                    else
+                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1, 1);
             }
         }
 }
