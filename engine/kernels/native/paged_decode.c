@@ -321,9 +321,9 @@ ALWAYS_INLINE uint16_t *tile_hi(const Tile *t, int i, const RowShape *r, int bf1
    (eight for heads of 64 values or fewer: TILE_KEYS), every kv head's, read from memory once, then from
    L1 by the rows after the first, each row's scores the ones score_keys makes of them. Values: a kv
    head's words two at a time over every shared slot for four rows together (bf16_pairs.h's weigh_rows),
-   the sums in registers. A prefill's rows read the
-   prompt's keys up to their own: taken row after row, each read them all again (2048 times at 2048
-   tokens, from L3), and each row's sums went through memory every four slots. */
+   the sums in registers. A prefill's rows read the prompt's keys up to their own: taken row after row,
+   each read them all again (2048 times at 2048 tokens, from L3), and each row's sums went through memory
+   every four slots. */
 ALWAYS_INLINE void shared_keys(const Call *c, const Tile *t, const int NV) {
     const int64_t *table = c->table + t->b0 * c->table_stride;
     const RowShape r = row_shape(c, t->b0, NV, 0);
@@ -363,16 +363,10 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
             for (int w = 0; w < r.D / 32; w += 2) {
                 const int two = w + 2 <= r.D / 32; /* Phi-3's 96 values: a last word alone */
                 int i = 0;
-                for (; i + 4 <= t->n; i += 4)
-                    if (two)
-                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 4, 2);
-                    else
-                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 4, 1);
-                for (; i < t->n; i++)
-                    if (two)
-                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1, 2);
-                    else
-                        weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, 1, 1);
+#define WEIGH(ROWS, WORDS) weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, ROWS, WORDS)
+                for (; i + 4 <= t->n; i += 4) two ? WEIGH(4, 2) : WEIGH(4, 1);
+                for (; i < t->n; i++) two ? WEIGH(1, 2) : WEIGH(1, 1);
+#undef WEIGH
             }
         }
 }
