@@ -136,7 +136,8 @@ def test_rows_sharing_prompt_blocks_get_the_bits_each_gets_alone(kernel_ready, d
 @pytest.mark.parametrize("shape", [(16, 8, 128), (9, 3, 64), (6, 6, 96), (4, 2, 16)])  # Qwen3; SmolLM2; Phi-3; 16
 def test_a_prompts_rows_taken_together_get_the_bits_each_gets_alone(kernel_ready, dtype, shape):
     """A prefill's rows (keys 1..T of one prompt, one table) go to a thread eight at a time, which reads
-    their whole blocks once for all of them (paged_decode.c's tiles, where the CPU multiplies bf16 pairs):
+    their whole blocks once for all of them (paged_decode.c's tiles: bf16_pairs.h's passes where the CPU
+    multiplies bf16 pairs, the fp32 passes four slots at a time for each row in turn elsewhere):
     a 45-token prompt whose rows are cut at 8, then 13 rows of a chunk after a 37-token cached prefix,
     with bs = 8 (whole blocks of 2 pairs of pairs) and bs = 16. Each row's output must be what it gets
     alone, bit for bit, and within float64 attention's bound."""

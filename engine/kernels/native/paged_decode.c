@@ -24,9 +24,10 @@
    _native_prefill: a row's keys up to its own position), so a row has the same bits in a prefill as
    in a decode step. A prefill's rows of one prompt (one block table) go to a thread eight at a time as a
    tile: their whole blocks' keys read once for all of them and their values' sums kept in registers
-   (bf16_pairs.h's score_rows / weigh_rows, where the CPU multiplies bf16 pairs), each row's sums the
-   same products in the same order, so its bits are still the ones it gets alone (a 2048-token prefill's
-   attention 1.42x at Qwen3's heads, bench.prefill_attention).
+   (bf16_pairs.h's score_rows / weigh_rows, where the CPU multiplies bf16 pairs; elsewhere four slots at
+   a time from L1 for each row in turn), each row's sums the same products in the same order, so its
+   bits are still the ones it gets alone (a 2048-token prefill's attention at Qwen3's heads 1.42x in
+   bf16, 1.29-1.43x in fp32, bench.prefill_attention).
    Compiled at first use by engine/kernels/native_kernels.py (-O3 -march=native -fopenmp); OpenMP's
    threads are torch's own (the same libgomp, already loaded). */
 
@@ -371,6 +372,46 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
         }
 }
 
+/* The tile's shared blocks through the fp32 passes (an fp32 cache, or bf16 widened where the CPU does not
+   multiply bf16 pairs), keys then values: a group of four slots at a time, each row's score_four and
+   weigh_four on it in turn, so the slots come from L1 for the rows after the first (row after row, each
+   row read the prompt's keys and values from L3 again: a 2048-token prefill's attention at Qwen3's
+   heads 1.29-1.43x, bench/RESULTS.md). A row's sums are the ones it makes alone, in the same order:
+   the same inlined functions, NV a constant in each (a row's shape made in the loop, where it is one),
+   so the compiler fuses the same products into FMAs (a shape read from an array left NV unknown, the
+   loops rolled, and some values' bits an ulp apart; the tile test compares every row's bits). */
+ALWAYS_INLINE void shared_keys_f32(const Call *c, const Tile *t, const int NV, int bf16) {
+    const int64_t *table = c->table + t->b0 * c->table_stride;
+    const RowShape r = row_shape(c, t->b0, NV, 0);
+    for (int64_t blk = 0; blk < t->shared; blk++) {
+        const int64_t kb = table[blk] * c->bs * r.slot;
+        for (int64_t j = 0; j < c->bs; j += 4) {
+            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + 4, &r, bf16);
+            for (int i = 0; i < t->n; i++) {
+                const RowShape ri = row_shape(c, t->b0 + i, NV, 0); /* NV a constant in it: loops unrolled */
+                score_four(tile_qs(t, i, &ri), c->kc, kb + j * r.slot, &ri, t->scores + i * t->stride + blk * c->bs + j,
+                           bf16);
+            }
+        }
+    }
+}
+
+ALWAYS_INLINE void shared_values_f32(const Call *c, const Tile *t, const int NV, int bf16) {
+    const int64_t *table = c->table + t->b0 * c->table_stride;
+    const RowShape r = row_shape(c, t->b0, NV, 0);
+    for (int64_t blk = 0; blk < t->shared; blk++) {
+        const int64_t vb = table[blk] * c->bs * r.slot;
+        for (int64_t j = 0; j < c->bs; j += 4) {
+            if (blk + 1 < t->shared) prefetch_slots(c->vc, table[blk + 1], j, j + 4, &r, bf16);
+            for (int i = 0; i < t->n; i++) {
+                const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
+                weigh_four(t->scores + i * t->stride + blk * c->bs + j, c->vc, vb + j * r.slot, &ri, tile_acc(t, i, &ri),
+                           bf16);
+            }
+        }
+    }
+}
+
 /* The tile's rows, their keys [first, len) (first > 0 only for a tile of one row): the shared blocks'
    keys, each row's own keys, each row's softmax, the shared blocks' values, each row's own values;
    out [H][D] at row b's place. `single`: a constant 1 for a tile of one row (a decode row), whose code
@@ -379,10 +420,11 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
 ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int NV, int bf16, const int single) {
     float inv[MAX_RUN][MAX_HEADS];
     const int n = single ? 1 : t->n;
-    /* constant false where the tile's passes never run (shared_blocks gives them no tile) */
-    const int tiled = !single && t->shared && PAIRS_FOR(bf16, c) && NV * VW % 32 == 0;
+    const int tiled = !single && t->shared; /* a decode row's code holds none of the tile's passes */
+    const int pairs = PAIRS_FOR(bf16, c) && NV * VW % 32 == 0; /* bf16_pairs.h's (constant 0 where NV rules them out) */
     const int64_t from = tiled ? t->shared : 0; /* each row's own blocks from here */
-    if (tiled) shared_keys(c, t, NV);
+    if (tiled && pairs) shared_keys(c, t, NV);
+    if (tiled && !pairs) shared_keys_f32(c, t, NV, bf16);
     for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         float *scores = t->scores + i * t->stride;
@@ -392,7 +434,8 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
         vec *acc = tile_acc(t, i, &r);
         for (int k = 0; k < r.H * NV; k++) acc[k] = (vec){0};
     }
-    if (tiled) shared_values(c, t, NV);
+    if (tiled && pairs) shared_values(c, t, NV);
+    if (tiled && !pairs) shared_values_f32(c, t, NV, bf16);
     for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         const float *scores = t->scores + i * t->stride;
@@ -445,10 +488,10 @@ ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16, const int
         attend_nv(c, t, 0, bf16, single);
 }
 
-/* attend_tile for each dtype and for one row: its own code, the dtype a constant in it (a tile's
-   rows only where the CPU multiplies bf16 pairs: shared_blocks). */
+/* attend_tile for each dtype, for one row and for a tile: its own code, the dtype a constant in it. */
 static void attend_row_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0, 1); }
 static void attend_row_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1, 1); }
+static void attend_tile_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0, 0); }
 static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1, 0); }
 
 /* Sibling runs (MAX_RUN, above): adjacent rows whose first cache block is the same one are the n samples of one
@@ -497,8 +540,8 @@ static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64
 /* How many leading blocks the rows [b0, end) all read whole from the same cache blocks (a tile's
    `shared`): 0 where a window cuts a row (its first block is its own) or a block is not a whole
    number of groups of four slots. */
-static int64_t shared_blocks(const Call *c, int64_t b0, int64_t end, int bf16) {
-    if (!PAIRS_FOR(bf16, c) || end - b0 < 2 || c->bs % 4) return 0;
+static int64_t shared_blocks(const Call *c, int64_t b0, int64_t end) {
+    if (end - b0 < 2 || c->bs % 4) return 0;
     int64_t shared = INT64_MAX, longest = 0;
     for (int64_t b = b0; b < end; b++) {
         if (window_start(c->lengths[b], c->window)) return 0;
@@ -517,7 +560,7 @@ static int attend_rows(const Call *c, Run *runs, int64_t count, int64_t max_len,
     const int64_t stride = 2 * c->H * (max_len + 16); /* a row's scores and bf16_pairs.h's weights */
     int64_t most = 1;
     for (int64_t r = 0; r < count; r++) {
-        runs[r].shared = shared_blocks(c, runs[r].first, runs[r].end, bf16);
+        runs[r].shared = shared_blocks(c, runs[r].first, runs[r].end);
         if (runs[r].shared && runs[r].end - runs[r].first > most) most = runs[r].end - runs[r].first;
     }
 #pragma omp parallel
@@ -532,8 +575,10 @@ static int attend_rows(const Call *c, Run *runs, int64_t count, int64_t max_len,
             for (int64_t b = runs[r].first; b < runs[r].end; b += shared ? runs[r].end - b : 1) {
                 const Tile t = {.b0 = b, .shared = shared, .stride = stride,
                                 .n = shared ? (int)(runs[r].end - b) : 1, .scores = scores, .buf = buf};
-                if (shared)
+                if (shared && bf16)
                     attend_tile_bf16(c, &t);
+                else if (shared)
+                    attend_tile_f32(c, &t);
                 else if (bf16)
                     attend_row_bf16(c, &t);
                 else
