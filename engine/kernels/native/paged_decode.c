@@ -380,33 +380,21 @@ ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
    the same inlined functions, NV a constant in each (a row's shape made in the loop, where it is one),
    so the compiler fuses the same products into FMAs (a shape read from an array left NV unknown, the
    loops rolled, and some values' bits an ulp apart; the tile test compares every row's bits). */
-ALWAYS_INLINE void shared_keys_f32(const Call *c, const Tile *t, const int NV, int bf16) {
+ALWAYS_INLINE void shared_f32(const Call *c, const Tile *t, const int NV, int bf16, const int values) {
     const int64_t *table = c->table + t->b0 * c->table_stride;
     const RowShape r = row_shape(c, t->b0, NV, 0);
+    const void *cache = values ? c->vc : c->kc;
     for (int64_t blk = 0; blk < t->shared; blk++) {
-        const int64_t kb = table[blk] * c->bs * r.slot;
+        const int64_t at = table[blk] * c->bs * r.slot;
         for (int64_t j = 0; j < c->bs; j += 4) {
-            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + 4, &r, bf16);
+            if (blk + 1 < t->shared) prefetch_slots(cache, table[blk + 1], j, j + 4, &r, bf16);
             for (int i = 0; i < t->n; i++) {
                 const RowShape ri = row_shape(c, t->b0 + i, NV, 0); /* NV a constant in it: loops unrolled */
-                score_four(tile_qs(t, i, &ri), c->kc, kb + j * r.slot, &ri, t->scores + i * t->stride + blk * c->bs + j,
-                           bf16);
-            }
-        }
-    }
-}
-
-ALWAYS_INLINE void shared_values_f32(const Call *c, const Tile *t, const int NV, int bf16) {
-    const int64_t *table = c->table + t->b0 * c->table_stride;
-    const RowShape r = row_shape(c, t->b0, NV, 0);
-    for (int64_t blk = 0; blk < t->shared; blk++) {
-        const int64_t vb = table[blk] * c->bs * r.slot;
-        for (int64_t j = 0; j < c->bs; j += 4) {
-            if (blk + 1 < t->shared) prefetch_slots(c->vc, table[blk + 1], j, j + 4, &r, bf16);
-            for (int i = 0; i < t->n; i++) {
-                const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
-                weigh_four(t->scores + i * t->stride + blk * c->bs + j, c->vc, vb + j * r.slot, &ri, tile_acc(t, i, &ri),
-                           bf16);
+                float *scores = t->scores + i * t->stride + blk * c->bs + j;
+                if (values)
+                    weigh_four(scores, cache, at + j * r.slot, &ri, tile_acc(t, i, &ri), bf16);
+                else
+                    score_four(tile_qs(t, i, &ri), cache, at + j * r.slot, &ri, scores, bf16);
             }
         }
     }
@@ -424,7 +412,7 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
     const int pairs = PAIRS_FOR(bf16, c) && NV * VW % 32 == 0; /* bf16_pairs.h's (constant 0 where NV rules them out) */
     const int64_t from = tiled ? t->shared : 0; /* each row's own blocks from here */
     if (tiled && pairs) shared_keys(c, t, NV);
-    if (tiled && !pairs) shared_keys_f32(c, t, NV, bf16);
+    if (tiled && !pairs) shared_f32(c, t, NV, bf16, 0);
     for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         float *scores = t->scores + i * t->stride;
@@ -435,7 +423,7 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
         for (int k = 0; k < r.H * NV; k++) acc[k] = (vec){0};
     }
     if (tiled && pairs) shared_values(c, t, NV);
-    if (tiled && !pairs) shared_values_f32(c, t, NV, bf16);
+    if (tiled && !pairs) shared_f32(c, t, NV, bf16, 1);
     for (int i = 0; i < n; i++) {
         const RowShape r = row_shape(c, t->b0 + i, NV, first);
         const float *scores = t->scores + i * t->stride;
