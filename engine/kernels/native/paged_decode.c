@@ -5,7 +5,7 @@
    (a third of a 256-sequence fp32 decode step on 2 cores). Here one pass reads the keys, one
    the values, straight from the cache through the block table, as vLLM's CPU paged attention does.
 
-   Work item: one row (sequence), all its heads, rows taken in sibling runs (below): a cache slot
+   Work item: one row (sequence), all its heads, rows taken in sibling runs (sibling_runs.h): a cache slot
    holds every kv head's key side by side, so each slot is read once, whole. The ISA's own vectors
    (common.h's vec: 16 floats on AVX-512, 8 on AVX2, where 16-float vectors living across loops went
    through memory: the kernel 1.1-1.4x slower at SmolLM2's heads), the head size a compile-time multiple of the
@@ -280,7 +280,7 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
-#define MAX_RUN 8 /* rows a thread attends together at most (sibling runs, below) */
+#define MAX_RUN 8 /* rows a thread attends together at most (sibling_runs.h) */
 
 /* The shapes and buffers of one call (the entry points' arguments). */
 typedef struct {
@@ -318,87 +318,7 @@ ALWAYS_INLINE uint16_t *tile_hi(const Tile *t, int i, const RowShape *r, int bf1
     return PAIRS_FOR(bf16, r) ? (uint16_t *)(t->scores + i * t->stride + r->H * r->padded) : NULL;
 }
 
-/* The tile's shared blocks (bf16_pairs.h's passes only), keys then values. Keys: a group of four slots
-   (eight for heads of 64 values or fewer: TILE_KEYS), every kv head's, read from memory once, then from
-   L1 by the rows after the first, each row's scores the ones score_keys makes of them. Values: a kv
-   head's words two at a time over every shared slot for four rows together (bf16_pairs.h's weigh_rows),
-   the sums in registers. A prefill's rows read the prompt's keys up to their own: taken row after row,
-   each read them all again (2048 times at 2048 tokens, from L3), and each row's sums went through memory
-   every four slots. */
-ALWAYS_INLINE void shared_keys(const Call *c, const Tile *t, const int NV) {
-    const int64_t *table = c->table + t->b0 * c->table_stride;
-    const RowShape r = row_shape(c, t->b0, NV, 0);
-    const void *q[MAX_RUN];
-    float *s[MAX_RUN]; /* row i's scores of the next `keys` slots */
-    int64_t padded[MAX_RUN];
-    const int keys = TILE_KEYS(&r);
-    for (int i = 0; i < t->n; i++) {
-        const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
-        q[i] = tile_qs(t, i, &ri), s[i] = t->scores + i * t->stride, padded[i] = ri.padded;
-    }
-    for (int64_t blk = 0; blk < t->shared; blk++) {
-        const int64_t kb = table[blk] * c->bs * r.slot;
-        for (int64_t j = 0; j < c->bs; j += keys) {
-            if (blk + 1 < t->shared) prefetch_slots(c->kc, table[blk + 1], j, j + keys, &r, 1);
-            if (keys == 8)
-                score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r, 8);
-            else
-                score_rows(q, s, padded, t->n, c->kc, kb + j * r.slot, &r, 4);
-            for (int i = 0; i < t->n; i++) s[i] += keys;
-        }
-    }
-}
-
-ALWAYS_INLINE void shared_values(const Call *c, const Tile *t, const int NV) {
-    const int64_t *table = c->table + t->b0 * c->table_stride;
-    const RowShape r = row_shape(c, t->b0, NV, 0);
-    const uint16_t *hi[MAX_RUN], *lo[MAX_RUN];
-    vec *acc[MAX_RUN];
-    for (int kh = 0; kh < r.KVH; kh++)
-        for (int h = kh * r.G; h < (kh + 1) * r.G; h++) {
-            for (int i = 0; i < t->n; i++) {
-                const RowShape ri = row_shape(c, t->b0 + i, NV, 0);
-                hi[i] = tile_hi(t, i, &ri, 1) + h * ri.padded, lo[i] = hi[i] + ri.H * ri.padded;
-                acc[i] = tile_acc(t, i, &ri) + h * 2 * (r.D / 32);
-            }
-            for (int w = 0; w < r.D / 32; w += 2) {
-                const int two = w + 2 <= r.D / 32; /* Phi-3's 96 values: a last word alone */
-                int i = 0;
-#define WEIGH(ROWS, WORDS) weigh_rows(hi + i, lo + i, acc + i, c->vc, table, t->shared, &r, kh, w, ROWS, WORDS)
-                for (; i + 4 <= t->n; i += 4) two ? WEIGH(4, 2) : WEIGH(4, 1);
-                for (; i < t->n; i++) two ? WEIGH(1, 2) : WEIGH(1, 1);
-#undef WEIGH
-            }
-        }
-}
-
-/* The tile's shared blocks through the fp32 passes (an fp32 cache, or bf16 widened where the CPU does not
-   multiply bf16 pairs), keys then values: a group of four slots at a time, each row's score_four and
-   weigh_four on it in turn, so the slots come from L1 for the rows after the first (row after row, each
-   row read the prompt's keys and values from L3 again: a 2048-token prefill's attention at Qwen3's
-   heads 1.29-1.43x, bench/RESULTS.md). A row's sums are the ones it makes alone, in the same order:
-   the same inlined functions, NV a constant in each (a row's shape made in the loop, where it is one),
-   so the compiler fuses the same products into FMAs (a shape read from an array left NV unknown, the
-   loops rolled, and some values' bits an ulp apart; the tile test compares every row's bits). */
-ALWAYS_INLINE void shared_f32(const Call *c, const Tile *t, const int NV, int bf16, const int values) {
-    const int64_t *table = c->table + t->b0 * c->table_stride;
-    const RowShape r = row_shape(c, t->b0, NV, 0);
-    const void *cache = values ? c->vc : c->kc;
-    for (int64_t blk = 0; blk < t->shared; blk++) {
-        const int64_t at = table[blk] * c->bs * r.slot;
-        for (int64_t j = 0; j < c->bs; j += 4) {
-            if (blk + 1 < t->shared) prefetch_slots(cache, table[blk + 1], j, j + 4, &r, bf16);
-            for (int i = 0; i < t->n; i++) {
-                const RowShape ri = row_shape(c, t->b0 + i, NV, 0); /* NV a constant in it: loops unrolled */
-                float *scores = t->scores + i * t->stride + blk * c->bs + j;
-                if (values)
-                    weigh_four(scores, cache, at + j * r.slot, &ri, tile_acc(t, i, &ri), bf16);
-                else
-                    score_four(tile_qs(t, i, &ri), cache, at + j * r.slot, &ri, scores, bf16);
-            }
-        }
-    }
-}
+#include "tile_passes.h"
 
 /* The tile's rows, their keys [first, len) (first > 0 only for a tile of one row): the shared blocks'
    keys, each row's own keys, each row's softmax, the shared blocks' values, each row's own values;
@@ -482,64 +402,7 @@ static void attend_row_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1,
 static void attend_tile_f32(const Call *c, const Tile *t) { attend_tile(c, t, 0, 0); }
 static void attend_tile_bf16(const Call *c, const Tile *t) { attend_tile(c, t, 1, 0); }
 
-/* Sibling runs (MAX_RUN, above): adjacent rows whose first cache block is the same one are the n samples of one
-   prompt (prefix caching gave them its blocks; the batch, sorted by length, keeps them together), or
-   the rows of one prompt's prefill. One thread takes a run as a tile (above) over the blocks every row
-   of it reads whole; before (row after row, finding the shared blocks in L2 after the first row) a
-   256-row GRPO-shaped step of SmolLM2 took 5-7% less time than rows taken apart. A run is cut at
-   MAX_RUN rows so that rows which all share one system prompt still spread over the threads. */
-
-/* A sibling run: rows [first, end), `keys` keys in all (its cost), the leading blocks its rows attend
-   together as a tile (shared_blocks; 0: row after row). */
-typedef struct {
-    int64_t first, end, keys, shared;
-} Run;
-
-static int more_keys_first(const void *a, const void *b) {
-    const Run *x = a, *y = b;
-    if (x->keys != y->keys) return x->keys < y->keys ? 1 : -1;
-    return (x->first > y->first) - (x->first < y->first);
-}
-
-/* The sibling runs of the B rows, `count` of them, the costliest first: handed out in that order the
-   last runs are short ones, so no thread waits long for another at the end (a 32-row step's few runs
-   differ in keys by up to 8x: taken in row order, one thread often had the two longest; a step of
-   Qwen3-1.7B's attention 1.19x faster at 32 rows, 1.11x at 256). malloc'd; NULL when out of memory. */
-static Run *sibling_runs(const int64_t *table, int64_t table_stride, const int64_t *lengths, int64_t B,
-                         int64_t window, int64_t bs, int64_t *count) {
-    Run *runs = malloc(sizeof(Run) * (size_t)(B + 1));
-    if (runs == NULL) return NULL;
-    *count = 0;
-    int64_t previous = -1; /* the first block the row before reads (under a window: its window's first) */
-    for (int64_t b = 0; b < B; b++) {
-        Run *last = *count ? runs + *count - 1 : NULL;
-        const int64_t start = window_start(lengths[b], window), keys = lengths[b] - start;
-        const int64_t first = table[b * table_stride + start / bs]; /* not a spare block behind the window */
-        if (last == NULL || b - last->first >= MAX_RUN || first != previous)
-            runs[(*count)++] = (Run){b, b + 1, keys, 0};
-        else
-            last->end = b + 1, last->keys += keys;
-        previous = first;
-    }
-    qsort(runs, (size_t)*count, sizeof(Run), more_keys_first);
-    return runs;
-}
-
-/* How many leading blocks the rows [b0, end) all read whole from the same cache blocks (a tile's
-   `shared`): 0 where a window cuts a row (its first block is its own) or a block is not a whole
-   number of groups of four slots. */
-static int64_t shared_blocks(const Call *c, int64_t b0, int64_t end) {
-    if (end - b0 < 2 || c->bs % 4) return 0;
-    int64_t shared = INT64_MAX, longest = 0;
-    for (int64_t b = b0; b < end; b++) {
-        if (window_start(c->lengths[b], c->window)) return 0;
-        shared = min64(shared, c->lengths[b] / c->bs), longest = c->lengths[b] > longest ? c->lengths[b] : longest;
-    }
-    const int64_t *first = c->table + b0 * c->table_stride, blocks = (longest + c->bs - 1) / c->bs;
-    for (int64_t b = b0 + 1; b < end; b++)
-        if (memcmp(c->table + b * c->table_stride, first, sizeof(int64_t) * (size_t)blocks)) return 0;
-    return shared;
-}
+#include "sibling_runs.h"
 
 /* The rows of `c`, a thread a sibling run at a time (a tile, or row after row where its rows share no
    block), each thread with scratch of its own for the largest tile (a decode step's: one row). */
