@@ -255,6 +255,19 @@ static inline vec loadv(const float *p) {
 
 static inline void storev(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
+/* a * b + c, rounded once, as written: a chain of these keeps its order and its bits wherever it is inlined
+   (with -ffp-contract=fast the compiler fuses `s = a0 * b0 + a1 * b1` either way round, and did so
+   differently in two loops of one kernel) */
+ALWAYS_INLINE vec fmav(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 #ifdef __AVX512F__
 #define loadv_bf16 load16_bf16
 #define storev_bf16 store16_bf16

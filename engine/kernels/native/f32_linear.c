@@ -378,7 +378,10 @@ static void tiles_bf16(const float *x, int64_t ldx, int64_t m, int64_t k, const 
    chunks of 128 values of K (activations in L1, each block's rows widened by a load, a zero-extension and a
    shift): 1.1-1.25x the panels at 32 rows, 1.3x at 16, but 1.5-1.6x at 24 and 2x at 8 (a vector of x's rows
    half used; one-vector blocks did not help), and Qwen3-1.7B's engine no faster (0.73-0.76x the panels' tok/s).
-   Returns 0, or -1 without memory. */
+   2026-12-07, dot products in another order of sums (each 16 values of K widened by a shift and a mask, x laid
+   out even / odd to match, 8-lane sums, 2 x rows x 4 weight rows a block): 1.2-1.36x the panels at 1 row, but
+   0.81-0.85x at 32 and 0.6-0.7x at 256 (each widened weight feeds 2-4 products on AVX2's 16 registers, the
+   panels' 12; bench/RESULTS.md). Returns 0, or -1 without memory. */
 int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr, const int64_t *seg_rows,
                          int64_t nseg, const float *bias, float *out) {
     int64_t n = 0;

@@ -101,14 +101,31 @@ typedef struct {
     float scale; /* the scores' (softmax_heads applies it to bf16_pairs.h's; the fp32 passes get a scaled query) */
 } RowShape;
 
-/* One kv head's vectors of four consecutive cache slots, from element `at` of the cache (the first
-   slot's head) on: x[s] the slot s after it. */
+/* One kv head's vectors of four consecutive cache slots, from element `at` (the first slot's head) on, for
+   every query head of its group (widened once where bf16): x[s] the slot s after it. */
 ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, vec x[4][MAX_VECS], int bf16) {
     for (int i = 0; i < r->NV; i++) {
         x[0][i] = loadv_at(cache, at + i * VW, bf16), x[1][i] = loadv_at(cache, at + r->slot + i * VW, bf16);
         x[2][i] = loadv_at(cache, at + 2 * r->slot + i * VW, bf16);
         x[3][i] = loadv_at(cache, at + 3 * r->slot + i * VW, bf16);
     }
+}
+
+/* Whether the four slots' vectors are read into an array first (load_four) rather than where they lie at each
+   use: a bf16 cache's, widened once for the group's query heads (on AVX2 widening at each use ran 0.57-0.76x);
+   an fp32 cache's on AVX-512 as before (unmeasured there). On AVX2 an fp32 cache's array of a 128-value head
+   (64 vectors) went through the stack, and read in place from L1 fp32 prefill attention ran 1.36-1.87x faster
+   (bench/RESULTS.md, 2026-12-07). */
+#ifdef __AVX512F__
+#define SLOTS_COPIED(bf16) 1
+#else
+#define SLOTS_COPIED(bf16) (bf16)
+#endif
+
+/* Vector i of slot j of the four: from the array x, or where it lies in an fp32 cache (SLOTS_COPIED) */
+ALWAYS_INLINE vec slot_vec(const void *cache, const vec x[4][MAX_VECS], int64_t at, int64_t slot, int j, int i,
+                           int bf16) {
+    return SLOTS_COPIED(bf16) ? x[j][i] : loadv((const float *)cache + at + j * slot + i * VW);
 }
 
 /* Slots [from, to) of cache block `block` into L2 ahead of their pass (a software prefetch, locality 1).
@@ -125,17 +142,21 @@ ALWAYS_INLINE void prefetch_slots(const void *cache, int64_t block, int64_t from
 }
 
 /* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
-ALWAYS_INLINE void score_four(const vec *qs, const void *kc, int64_t keys, const RowShape *r, float *scores,
-                              int bf16) {
+ALWAYS_INLINE void score_four(const vec *qs, const void *kc, int64_t keys, const RowShape *r,
+                              float *restrict scores, int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
+        const int64_t at = keys + kh * r->D, s = r->slot;
         vec k[4][MAX_VECS];
-        load_four(kc, keys + kh * r->D, r, k, bf16);
+        if (SLOTS_COPIED(bf16)) load_four(kc, at, r, k, bf16);
         for (int g = 0; g < G; g++) {
             const vec *q = qs + (kh * G + g) * NV;
-            vec a0 = q[0] * k[0][0], a1 = q[0] * k[1][0], a2 = q[0] * k[2][0], a3 = q[0] * k[3][0];
-            for (int i = 1; i < NV; i++)
-                a0 += q[i] * k[0][i], a1 += q[i] * k[1][i], a2 += q[i] * k[2][i], a3 += q[i] * k[3][i];
+#define K(j, i) slot_vec(kc, k, at, s, j, i, bf16)
+            vec a0 = q[0] * K(0, 0), a1 = q[0] * K(1, 0), a2 = q[0] * K(2, 0), a3 = q[0] * K(3, 0);
+            for (int i = 1; i < NV; i++) /* each key's chain of FMAs in order of i, as written (fmav) */
+                a0 = fmav(q[i], K(0, i), a0), a1 = fmav(q[i], K(1, i), a1), a2 = fmav(q[i], K(2, i), a2),
+                a3 = fmav(q[i], K(3, i), a3);
+#undef K
             reduce4(a0, a1, a2, a3, scores + (kh * G + g) * r->padded);
         }
     }
@@ -219,17 +240,19 @@ ALWAYS_INLINE void softmax_heads(float *scores, const RowShape *r, float *inv, u
 }
 
 /* acc += the weights p[0..3] of values j..j+3 of a block (at element `values` of the cache), every head. */
-ALWAYS_INLINE void weigh_four(const float *scores, const void *vc, int64_t values, const RowShape *r, vec *acc,
-                              int bf16) {
+ALWAYS_INLINE void weigh_four(const float *restrict scores, const void *vc, int64_t values, const RowShape *r,
+                              vec *restrict acc, int bf16) {
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
+        const int64_t at = values + kh * r->D, s = r->slot;
         vec v[4][MAX_VECS];
-        load_four(vc, values + kh * r->D, r, v, bf16);
+        if (SLOTS_COPIED(bf16)) load_four(vc, at, r, v, bf16);
         for (int g = 0; g < G; g++) {
             const int h = kh * G + g;
             const float *p = scores + h * r->padded;
-            for (int i = 0; i < NV; i++)
-                acc[h * NV + i] += p[0] * v[0][i] + p[1] * v[1][i] + p[2] * v[2][i] + p[3] * v[3][i];
+#define V(j, i) slot_vec(vc, v, at, s, j, i, bf16)
+            for (int i = 0; i < NV; i++) acc[h * NV + i] += p[0] * V(0, i) + p[1] * V(1, i) + p[2] * V(2, i) + p[3] * V(3, i);
+#undef V
         }
     }
 }
