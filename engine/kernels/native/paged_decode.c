@@ -9,8 +9,10 @@
    holds every kv head's key side by side, so each slot is read once, whole. The ISA's own vectors
    (common.h's vec: 16 floats on AVX-512, 8 on AVX2, where 16-float vectors living across loops went
    through memory: the kernel 1.1-1.4x slower at SmolLM2's heads), the head size a compile-time multiple of the
-   width, so a key's vectors stay in registers while every query head of its group takes its dot
-   product.
+   width, so a key's vectors stay in registers (or in L1, read again for each query head of its group: an
+   fp32 cache's on AVX2) while every query head of its group takes its dot product. Where the CPU widens a
+   bf16 cache (AVX2) each 16 values are taken as their 8 even then 8 odd ones, widened by one load, a shift and
+   a mask, the query and the sums laid out to match (even_odd_passes.h: 1.2-2.1x the zero-extending loads).
    Arithmetic in fp32 whatever the cache holds (bf16 is widened exactly), as SDPA's CPU kernel
    does; softmax with the row's max subtracted; output rounded to the cache's dtype once. Where the
    CPU has AVX512-BF16 a bf16 cache's passes multiply pairs of bf16 instead (bf16_pairs.h: exact
@@ -111,6 +113,8 @@ ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v
     }
 }
 
+#include "even_odd_passes.h"
+
 /* Whether the four slots' vectors are read into an array first (load_four) rather than where they lie at each
    use: a bf16 cache's, widened once for the group's query heads (on AVX2 widening at each use ran 0.57-0.76x);
    an fp32 cache's on AVX-512 as before (unmeasured there). On AVX2 an fp32 cache's array of a 128-value head
@@ -123,7 +127,7 @@ ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v
 #endif
 
 /* Vector i of slot j of the four: from the array x, or where it lies in an fp32 cache (SLOTS_COPIED) */
-ALWAYS_INLINE vec slot_vec(const void *cache, const vec x[4][MAX_VECS], int64_t at, int64_t slot, int j, int i,
+ALWAYS_INLINE vec slot_vec(const void *cache, vec x[4][MAX_VECS], int64_t at, int64_t slot, int j, int i,
                            int bf16) {
     return SLOTS_COPIED(bf16) ? x[j][i] : loadv((const float *)cache + at + j * slot + i * VW);
 }
@@ -144,6 +148,7 @@ ALWAYS_INLINE void prefetch_slots(const void *cache, int64_t block, int64_t from
 /* The scores of keys j..j+3 of a block (at element `keys` of the cache) for every query head. */
 ALWAYS_INLINE void score_four(const vec *qs, const void *kc, int64_t keys, const RowShape *r,
                               float *restrict scores, int bf16) {
+    if (EVEN_ODD(bf16)) { score_four_eo(qs, kc, keys, r, scores); return; }
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
         const int64_t at = keys + kh * r->D, s = r->slot;
@@ -165,6 +170,7 @@ ALWAYS_INLINE void score_four(const vec *qs, const void *kc, int64_t keys, const
 /* The score of the key at element `key` of the cache for every query head. */
 ALWAYS_INLINE void score_one(const vec *qs, const void *kc, int64_t key, const RowShape *r, float *scores,
                              int bf16) {
+    if (EVEN_ODD(bf16)) { score_one_eo(qs, kc, key, r, scores); return; }
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
         const int64_t k = key + kh * r->D;
@@ -242,6 +248,7 @@ ALWAYS_INLINE void softmax_heads(float *scores, const RowShape *r, float *inv, u
 /* acc += the weights p[0..3] of values j..j+3 of a block (at element `values` of the cache), every head. */
 ALWAYS_INLINE void weigh_four(const float *restrict scores, const void *vc, int64_t values, const RowShape *r,
                               vec *restrict acc, int bf16) {
+    if (EVEN_ODD(bf16)) { weigh_four_eo(scores, vc, values, r, acc); return; }
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
         const int64_t at = values + kh * r->D, s = r->slot;
@@ -260,6 +267,7 @@ ALWAYS_INLINE void weigh_four(const float *restrict scores, const void *vc, int6
 /* acc += the weight of the value at element `value` of the cache, every head. */
 ALWAYS_INLINE void weigh_one(const float *scores, const void *vc, int64_t value, const RowShape *r, vec *acc,
                              int bf16) {
+    if (EVEN_ODD(bf16)) { weigh_one_eo(scores, vc, value, r, acc); return; }
     const int NV = r->NV, G = r->G;
     for (int kh = 0; kh < r->KVH; kh++) {
         const int64_t v = value + kh * r->D;
@@ -379,6 +387,10 @@ ALWAYS_INLINE void attend(const Call *c, const Tile *t, int64_t first, const int
             store_pairs(acc, inv[i], &r, c->out, at);
             continue;
         }
+        if (EVEN_ODD(bf16)) {
+            for (int h = 0; h < r.H; h++) even_odd_store(acc + h * NV, NV, inv[i][h], (uint16_t *)c->out + at + h * r.D);
+            continue;
+        }
         for (int h = 0; h < r.H; h++)
             for (int k = 0; k < NV; k++) storev_at(c->out, at + h * r.D + k * VW, acc[h * NV + k] * inv[i][h], bf16);
     }
@@ -409,6 +421,8 @@ ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16, const int
         vec *qs = tile_qs(t, i, &r);
         if (PAIRS_FOR(bf16, c))
             memcpy(qs, (const uint16_t *)c->q + b * per_row, sizeof(uint16_t) * (size_t)per_row);
+        else if (EVEN_ODD(bf16))
+            even_odd_query((const uint16_t *)c->q + b * per_row, per_row, c->scale, qs);
         else
             for (int64_t k = 0; k < c->H * NV; k++) qs[k] = loadv_at(c->q, b * per_row + k * VW, bf16) * c->scale;
     }
