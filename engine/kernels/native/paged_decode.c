@@ -116,10 +116,10 @@ ALWAYS_INLINE void load_four(const void *cache, int64_t at, const RowShape *r, v
 #include "even_odd_passes.h"
 
 /* Whether the four slots' vectors are read into an array first (load_four) rather than where they lie at each
-   use: a bf16 cache's, widened once for the group's query heads (on AVX2 widening at each use ran 0.57-0.76x);
-   an fp32 cache's on AVX-512 as before (unmeasured there). On AVX2 an fp32 cache's array of a 128-value head
-   (64 vectors) went through the stack, and read in place from L1 fp32 prefill attention ran 1.36-1.87x faster
-   (bench/RESULTS.md, 2026-12-07). */
+   use: a bf16 cache's, widened once for the group's query heads (where even_odd_passes.h does not take it: on
+   AVX2 widening at each use had run 0.57-0.76x); an fp32 cache's on AVX-512 as before (unmeasured there). On
+   AVX2 an fp32 cache's array of a 128-value head (64 vectors) went through the stack, and read in place from L1
+   fp32 prefill attention ran 1.36-1.87x faster (bench/RESULTS.md, 2026-12-07). */
 #ifdef __AVX512F__
 #define SLOTS_COPIED(bf16) 1
 #else
