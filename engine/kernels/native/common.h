@@ -296,6 +296,17 @@ static inline void load_bf16_pair(const uint16_t *q, vec *lo, vec *hi) {
     memcpy(hi, &h, sizeof h);
 }
 
+/* n bf16 values (a multiple of 2 * VW) widened, each 2 * VW of them as their VW even then their VW odd values
+   (load_bf16_pair's halves), times scale, into dst: a row laid out as kernels that widen bf16 so read their
+   other operand (paged_decode.c's even_odd_passes.h, moe_experts.c's dot products on AVX2) */
+static inline void widen_row_even_odd(const uint16_t *src, int64_t n, float scale, float *dst) {
+    for (int64_t i = 0; i < n; i += 2 * VW) {
+        vec e, o;
+        load_bf16_pair(src + i, &e, &o);
+        storev(dst + i, e * scale), storev(dst + i + VW, o * scale);
+    }
+}
+
 ALWAYS_INLINE vec loadv_at(const void *base, int64_t at, int bf16) {
     return bf16 ? loadv_bf16((const uint16_t *)base + at) : loadv((const float *)base + at);
 }

@@ -1,7 +1,7 @@
 /* A bf16 cache's passes on a CPU that widens bf16 (AVX2: no bf16 products): each 16 values of a head taken
    as its 8 even values, then its 8 odd ones, so one load, a shift and a mask widen them (common.h's
    load_bf16_pair), where two zero-extending loads and two shifts did, into an array the group's query
-   heads read back through the stack. The query is laid out the same way (even_odd_query), the keys' dot
+   heads read back through the stack. The query is laid out the same way (common.h's widen_row_even_odd), the keys' dot
    products summed in that order, and the values' weighted sums kept so until the output puts them back in
    order (even_odd_store). Part of paged_decode.c: included after RowShape, reduce4 and hsum. */
 #ifndef ROLLOUT_NATIVE_EVEN_ODD_PASSES_H
@@ -85,15 +85,6 @@ ALWAYS_INLINE void weigh_one_eo(const float *scores, const void *vc, int64_t val
                 acc[h * NV + i] += p * e, acc[h * NV + i + 1] += p * o;
             }
         }
-    }
-}
-
-/* A row's query (H heads of D bf16 values) into qs, scaled, each 16 values as its even then its odd ones */
-static inline void even_odd_query(const uint16_t *q, int64_t values, float scale, vec *qs) {
-    for (int64_t i = 0; i < values; i += 2 * VW) {
-        vec e, o;
-        load_bf16_pair(q + i, &e, &o);
-        qs[i / VW] = e * scale, qs[i / VW + 1] = o * scale;
     }
 }
 

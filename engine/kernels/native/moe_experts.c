@@ -179,11 +179,7 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
     for (int64_t r = 0; r < rows; r++) { /* each 16 values of K as its 8 even, then its 8 odd: the weights' widening */
         const uint16_t *xr = x + r * k;
         float *dst = x32 + r * k;
-        for (int64_t kk = 0; kk < k16; kk += 16) {
-            __m256 even, odd;
-            widen_even_odd(xr + kk, &even, &odd);
-            _mm256_storeu_ps(dst + kk, even), _mm256_storeu_ps(dst + kk + 8, odd);
-        }
+        widen_row_even_odd(xr, k16, 1.0f, dst);
         for (int64_t kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(xr[kk]);
     }
 #else

@@ -422,7 +422,7 @@ ALWAYS_INLINE void attend_tile(const Call *c, const Tile *t, int bf16, const int
         if (PAIRS_FOR(bf16, c))
             memcpy(qs, (const uint16_t *)c->q + b * per_row, sizeof(uint16_t) * (size_t)per_row);
         else if (EVEN_ODD(bf16))
-            even_odd_query((const uint16_t *)c->q + b * per_row, per_row, c->scale, qs);
+            widen_row_even_odd((const uint16_t *)c->q + b * per_row, per_row, c->scale, (float *)qs);
         else
             for (int64_t k = 0; k < c->H * NV; k++) qs[k] = loadv_at(c->q, b * per_row + k * VW, bf16) * c->scale;
     }
