@@ -59,7 +59,7 @@ static int linear_packed(const float *x, int64_t m, int64_t k, const void *w, in
     int64_t ldx;
     x = staggered(x, m, k, &ldx);
     const packed_weight packed = {w, k, bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float)};
-    const int rc = panels_per_call(x, ldx, m, k, n, bias, chunk_in_place, &packed, KC, bf16, out, NULL);
+    const int rc = panels_per_call(x, ldx, m, k, n, bias, chunk_in_place, &packed, KC, bf16, out, NULL, 1);
     rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
     return rc;
 }
@@ -259,7 +259,7 @@ int f32_linear_rows(const float *x, int64_t m, int64_t k, const int64_t *seg_ptr
     if (m >= 8 && m <= 32) return rows_broadcast(x, m, k, rows, n, bias, out);
     /* else each weight panel's K chunk laid out per call (in L2) and the packed kernel's row blocks run over
        it: at a step's many rows the layout is paid once for many blocks */
-    return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, 0, out, NULL);
+    return panels_per_call(x, k, m, k, n, bias, panel_from_rows, rows, KC, 0, out, NULL, 0);
 }
 
 /* ---- a bf16 model's weights in place on the fp32 kernel: no panels ----------------------------
@@ -398,5 +398,5 @@ int f32_linear_rows_bf16(const float *x, int64_t m, int64_t k, const int64_t *se
         return 0;
     }
 #endif
-    return panels_per_call(x, k, m, k, n, bias, panel_from_bf16_rows, rows, KC, 1, out, NULL);
+    return panels_per_call(x, k, m, k, n, bias, panel_from_bf16_rows, rows, KC, 1, out, NULL, 0);
 }

@@ -7,8 +7,14 @@
 
 #include "common.h"
 
-/* How far ahead of its loads a block prefetches the panel's weights (32 of its rows, 4 KB in fp32): the
-   first row block of a panel streams it from memory, where the hardware prefetcher lagged. */
+/* A packed weight's chunks lie one after another in the order a thread takes them (the next chunk of K, or
+   the next panel's first), so while a thread's blocks multiply one chunk (from L2) they prefetch the next,
+   spread evenly over every block's loop: the weights stream from memory the whole time the products run,
+   rather than during the first block alone while the others wait on nothing but the FMAs. On a Zen 3 over
+   Qwen2.5-1.5B's linears, fp32: 1.58x / 1.40x / 1.24x at 8 / 16 / 32 rows, 1.13x at 1, the same at 256;
+   bf16 panels 1.05-1.26x (bench/RESULTS.md). prefetcht0, as before (t1, into L2 only, ran the same there). */
+/* Where a chunk is laid out per call instead (into a buffer, so nothing to stream ahead): how far ahead of
+   its loads a block prefetches it (32 of its rows, 4 KB in fp32). */
 #define PREFETCH_VALUES 1024
 #ifdef __AVX512F__
 #define MR 12 /* rows a block: 24 accumulators of the 32 vector registers on AVX-512 */
@@ -48,15 +54,16 @@ ALWAYS_INLINE void sums_out(vec (*c)[2], int rows, float *acc) {
 
 /* rows (1..MR) rows from x (row stride ldx) times kc rows of a panel of T ([kc][32], from column `p`'s, each
    row's pair loaded by LOAD_PAIR) into 2 * VW columns of acc (row r's at acc + 32 r), starting from acc's sums
-   (`more`) or from zero. */
+   (`more`) or from zero; prefetching from `ahead`, `step` bytes further each row of the panel. */
 #define PANEL_ROWS(R, NAME, T, LOAD_PAIR)                                                                \
-    static void NAME##_##R(const float *x, int64_t ldx, int64_t kc, const void *pv, float *acc, int more) { \
+    static void NAME##_##R(const float *x, int64_t ldx, int64_t kc, const void *pv, float *acc, int more,     \
+                           const char *ahead, int64_t step) {                                          \
         const T *p = pv;                                                                                 \
         vec c[R][2];                                                                                     \
         sums_in(c, R, acc, more);                                                                        \
         for (int64_t kk = 0; kk < kc; kk++) {                                                            \
             for (int line = 0; line < 2 * VW * (int)sizeof(T); line += 64) /* the lines this block reads */ \
-                __builtin_prefetch((const char *)(p + kk * 32 + PREFETCH_VALUES) + line);                \
+                __builtin_prefetch(ahead + kk * step + line);                                            \
             vec b0, b1;                                                                                  \
             LOAD_PAIR(p + kk * 32, b0, b1);                                                              \
             for (int r = 0; r < R; r++) {                                                                \
@@ -84,12 +91,30 @@ ALWAYS_INLINE void sums_out(vec (*c)[2], int rows, float *acc) {
     static const panel_fn NAME##_of_rows[MR] = {NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
 #endif
 
-typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *, int);
+typedef void (*panel_fn)(const float *, int64_t, int64_t, const void *, float *, int, const char *, int64_t);
+
+/* Where a block's pass over a half (AVX2) or the whole (AVX-512) of a panel's chunk prefetches: its share of
+   the next chunk (`next`: this block's, `step` bytes a row of the panel; see PREFETCH_VALUES), or, with
+   no next chunk to stream, PREFETCH_VALUES ahead in the chunk itself (`here`: the pass's columns). */
+typedef struct {
+    const char *at;
+    int64_t step;
+} prefetch_from;
+
+static inline prefetch_from pass_prefetch(const char *next, int64_t step, int64_t kc, int col, const char *here,
+                                          int64_t value_bytes) {
+    if (next) return (prefetch_from){next + col / (2 * VW) * kc * step, step};
+    return (prefetch_from){here + PREFETCH_VALUES * value_bytes, 32 * value_bytes};
+}
 PANEL_FAMILY(panel, float, LOAD_F32_PAIR)
 
 /* rows (1..MR) rows of x times a whole panel into acc's rows of 32 sums (v16f pairs) */
-static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more) {
-    for (int col = 0; col < 32; col += 2 * VW) panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float *p, v16f *acc, int more,
+                  const char *next, int64_t step) {
+    for (int col = 0; col < 32; col += 2 * VW) {
+        const prefetch_from pf = pass_prefetch(next, step, kc, col, (const char *)(p + col), sizeof(float));
+        panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more, pf.at, pf.step);
+    }
 }
 
 /* bf16 panels: the same panels with each weight in bf16, half the bytes, widened (exactly) as they are loaded:
@@ -101,9 +126,12 @@ static void panel(int rows, const float *x, int64_t ldx, int64_t kc, const float
 #define LOAD_BF16_PAIR(q, b0, b1) load_bf16_pair(q, &b0, &b1)
 PANEL_FAMILY(bf16_panel, uint16_t, LOAD_BF16_PAIR)
 
-static void bf16_panel(int rows, const float *x, int64_t ldx, int64_t kc, const uint16_t *p, v16f *acc, int more) {
-    for (int col = 0; col < 32; col += 2 * VW)
-        bf16_panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more);
+static void bf16_panel(int rows, const float *x, int64_t ldx, int64_t kc, const uint16_t *p, v16f *acc, int more,
+                       const char *next, int64_t step) {
+    for (int col = 0; col < 32; col += 2 * VW) {
+        const prefetch_from pf = pass_prefetch(next, step, kc, col, (const char *)(p + col), sizeof(uint16_t));
+        bf16_panel_of_rows[rows - 1](x, ldx, kc, p + col, (float *)acc + col, more, pf.at, pf.step);
+    }
 }
 
 /* The chunk of a weight's panel a call reads: columns [n0, n0 + 32) (rows past n: zeros), values [k0, k0 + kc)
@@ -115,11 +143,12 @@ typedef const void *(*panel_chunk_fn)(const void *weights, int64_t n, int64_t n0
    (out_bf16), over w's panels a chunk of `step` values of K (<= KC) at a time (`chunk`: in place, or laid out
    per call into a buffer each thread keeps, in L2: paid once for all the call's rows), every block of rows
    run over each chunk. Threads take whole panels. Each output is the fp32 sum of its products in order of k
-   (the sums kept between chunks exactly), then its bias: the same bits whichever way w is kept. Returns 0,
-   or -1 without memory. */
+   (the sums kept between chunks exactly), then its bias: the same bits whichever way w is kept. `streams`:
+   the chunks lie one after another where they are read (a packed weight), so each is prefetched while the
+   one before is multiplied (see PREFETCH_VALUES). Returns 0, or -1 without memory. */
 static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float *bias,
                            panel_chunk_fn chunk, const void *weights, int64_t step, int bf16, float *out,
-                           uint16_t *out_bf16) {
+                           uint16_t *out_bf16, int streams) {
     const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
     int failed = 0;
     _Pragma("omp parallel if (m * n * k > 32768)") {
@@ -127,6 +156,7 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
         static __thread float *buf = NULL; /* a panel chunk, [KC][32]: each thread's own, kept */
         if (buf == NULL) buf = aligned_alloc(64, sizeof(float) * 32 * KC);
         if ((k > step && sums == NULL) || buf == NULL) failed = 1;
+        int first_chunk = 1; /* a thread's first: nothing prefetched it */
         _Pragma("omp for schedule(static)")
         for (int64_t np = 0; np < panels; np++) {
             if ((k > step && sums == NULL) || buf == NULL) continue;
@@ -138,12 +168,21 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
             for (int64_t k0 = 0; k0 < k; k0 += step) {
                 const int64_t kc = k - k0 < step ? k - k0 : step;
                 const void *p = chunk(weights, n, n0, k0, kc, buf);
+                /* the next chunk's bytes shared evenly by this chunk's passes (blocks x halves), a row of K at a time */
+                const int64_t chunk_bytes = kc * 32 * (bf16 ? 2 : 4), passes = blocks * (32 / (2 * VW));
+                const int64_t pf_step = (chunk_bytes + passes * kc - 1) / (passes * kc);
+                const char *next = streams ? (const char *)p + chunk_bytes : NULL;
+                if (streams && first_chunk)
+                    for (int64_t b = 0; b < chunk_bytes; b += 64)
+                        __builtin_prefetch((const char *)p + b);
+                first_chunk = 0;
                 for (int64_t blk = 0; blk < blocks; blk++) {
+                    const char *block_next = next ? next + blk * (32 / (2 * VW)) * kc * pf_step : NULL;
                     const int64_t m0 = blk * MR;
                     const int nrows = m - m0 < MR ? (int)(m - m0) : MR;
                     v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0);
-                    else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0);
+                    if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
+                    else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
                     if (k0 + kc < k) continue;
                     for (int r = 0; r < nrows; r++) {
                         float v[32];
