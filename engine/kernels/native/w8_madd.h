@@ -190,15 +190,17 @@ static void madd_tile_rows(const int32_t *x, int rows, int64_t kc_count, const u
    `tile` of each chunk's two) of a panel's kc_count chunks, into sums [rows][16] (fp32, the tile's columns
    in order). Always inlined with a constant row count, so the int32 sums stay in registers; the fp32 ones
    live in L1 (12 registers more than AVX2's 16). Both loops over a chunk unrolled: with the groups' loop
-   rolled GCC's code ran 1.3-2.3x slower at 8-32 rows. */
+   rolled GCC's code ran 1.3-2.3x slower at 8-32 rows. Prefetches `step` bytes from `ahead` a chunk (see
+   w8_linear's MADD_AHEAD). */
 ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
-                              float (*sums)[MADD_COLS]) {
+                              float (*sums)[MADD_COLS], const char *ahead, int64_t step) {
     float f[MADD_ROWS][16] __attribute__((aligned(32))) = {{0}}; /* the sums' columns in w0's and w1's order */
     for (int64_t kc = 0; kc < kc_count; kc++) {
         const uint8_t *chunk = wb + kc * W8_CHUNK_BYTES;
         const int8_t *q = (const int8_t *)(chunk + W8_SCALE_BYTES) + 512 * tile;
         const uint16_t *scales = (const uint16_t *)chunk + 16 * tile;
         const int32_t *xk = x + kc * 16 * rows;
+        for (int64_t l = 0; l < step; l += 64) _mm_prefetch(ahead + kc * step + l, _MM_HINT_T1);
         _Pragma("GCC unroll 2") for (int g = 0; g < W8_GROUPS; g++) {
             __m256i a[MADD_ROWS][2];
             for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
@@ -237,13 +239,25 @@ ALWAYS_INLINE void madd_block(const int32_t *x, int rows, int64_t kc_count, cons
 #endif
 
 /* madd_block with `rows` a constant in each copy. `tile`: on AVX2 which tile (16 columns); unused on AVX-512
-   (both tiles a pass). */
+   (both tiles a pass). `ahead`, `step`: AVX2's prefetch (MADD_AHEAD); AVX-512's block fetches its own. */
 static void madd_rows(const int32_t *x, int rows, int64_t kc_count, const uint8_t *wb, int tile,
-                      float (*sums)[MADD_COLS]) {
+                      float (*sums)[MADD_COLS], const char *ahead, int64_t step) {
+#ifdef MADD512
+    (void)ahead, (void)step;
 #define MADD(R) madd_block(x, R, kc_count, wb, tile, sums)
+#else
+#define MADD(R) madd_block(x, R, kc_count, wb, tile, sums, ahead, step)
+#endif
     MADD_BY_ROWS(rows)
 #undef MADD
 }
+
+/* AVX2, a call of 1-2 rows (a decode step of one or two sequences, bound by the weights' bytes): each tile's
+   pass prefetches half the next panel (it lies right after this one), so the weights stream the whole time
+   rather than as fast as the hardware's prefetcher follows: on a Zen 3 over Qwen2.5-1.5B's linears 1.10-1.85x
+   at 1 row, 1.41-1.43x at 2. At 4-6 rows it ran 0.95x, and spread over every block's passes (f32_panels.h's
+   way) 0.96-0.97x at 8-12 rows: there the products bound a call (bench/RESULTS.md). */
+#define MADD_AHEAD(m) ((m) <= 2)
 
 static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *out_bf16,
                      float *out_f32) {
@@ -262,6 +276,8 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
 #pragma omp parallel for schedule(static) if (m * n * k > 65536)
     for (int64_t np = 0; np < panels; np++) {
         const uint8_t *wb = w + np * kc_count * W8_CHUNK_BYTES;
+        const int64_t pf_step = MADD_AHEAD(m) ? (W8_CHUNK_BYTES + 1) / 2 : 0; /* a tile's pass: half of each chunk */
+        const char *next = (const char *)(wb + kc_count * W8_CHUNK_BYTES);
         for (int tile = 0; tile < 32 / MADD_COLS; tile++) {
             const int64_t col = np * 32 + MADD_COLS * tile, cols = n - col < MADD_COLS ? n - col : MADD_COLS;
             if (cols <= 0) break;
@@ -276,9 +292,10 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
                     for (int t = 0; t < 2; t++)
                         madd_tile_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, t, blk == 0 && t == 0, sums);
                 else
-                    madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, 0, sums);
+                    madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, 0, sums, NULL, 0);
 #else
-                madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, tile, sums);
+                madd_rows(xq + blk * pairs * MADD_ROWS, rows, kc_count, wb, tile, sums, next + tile * kc_count * pf_step,
+                          pf_step);
 #endif
                 for (int r = 0; r < rows; r++)
                     for (int64_t h = 0; h < cols; h += 16) {
