@@ -14,13 +14,13 @@ block's 12 rows otherwise share one L1 set (on a Zen 4 at 32 rows, 1.04-1.35x pe
 engine's fp32 decode 1.09-1.12x, bench/RESULTS.md).
 
 On an AMD EPYC with AVX2 only (Zen 3, 2 cores) it ran 1.05 / 1.36 / 1.43 / 1.35x oneDNN's prepacked
-matmul at 1 / 8 / 16 / 32 rows on Qwen2.5-1.5B's linears (99% of the fp32 matmul probe at 32 rows, 98% of the
-read probe at 1) once each chunk of a panel is prefetched while the one before is multiplied (f32_panels.h;
-1.00-1.08x at 8-32 rows before), and a bf16 model's linears there run on it too
-(packed_linears.compute_dtype), on panels kept in bf16 and widened as they are loaded: the fp32 panels' values and bits in half their bytes, 2.09 / 1.37 / 1.27 / 1.04x the fp32 copy's
-speed at 1 / 8 / 16 / 32 rows on Qwen2.5-1.5B's linears (a Zen 3; 0.96x at 256, where the products bound a
-call and the widening costs 4%). Each output row's sums are the same whatever the other rows are, which
-oneDNN's GEMM does not promise: a request's bits in any batch.
+matmul at 1 / 8 / 16 / 32 rows on Qwen2.5-1.5B's linears (99% of the fp32 matmul probe at 32 rows, 98% of
+the read probe at 1) once each chunk of a panel is prefetched while the one before is multiplied
+(f32_panels.h; 1.00-1.08x at 8-32 rows before). A bf16 model's linears there run on it too
+(packed_linears.compute_dtype), on panels kept in bf16 and widened as they are loaded: the fp32 panels'
+values and bits in half their bytes, 2.09 / 1.37 / 1.27 / 1.04x the fp32 copy's speed at 1 / 8 / 16 / 32
+rows (0.96x at 256, where the products bound a call and the widening costs 4%). Each output row's sums are
+the same whatever the other rows are, which oneDNN's GEMM does not promise: a request's bits in any batch.
 
 Arithmetic: each output is the fp32 sum of its k products in order of k (one FMA a product), then
 its bias: a plain fp32 GEMM's error bound (tested); the same bits on AVX-512 and AVX2. With
