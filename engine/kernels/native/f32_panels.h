@@ -178,8 +178,12 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
                 first_chunk = 0;
                 for (int64_t blk = 0; blk < blocks; blk++) {
                     const char *block_next = next ? next + blk * (32 / (2 * VW)) * kc * pf_step : NULL;
-                    const int64_t m0 = blk * MR;
-                    const int nrows = m - m0 < MR ? (int)(m - m0) : MR;
+                    /* the rows shared evenly by the blocks (8 as 4 + 4, not 6 + 2): a block of one or two
+                       rows waits on its loads and widening more than on its few FMAs. bf16 panels on a Zen 3,
+                       Qwen3-1.7B's linears: 1.10-1.15x at 7-20 rows, 1.05x at 32 (6 + 6 + 5 + 5 + 5 + 5); the
+                       same sums for every row */
+                    const int64_t m0 = blk * (m / blocks) + (blk < m % blocks ? blk : m % blocks);
+                    const int nrows = (int)(m / blocks) + (blk < m % blocks);
                     v16f *acc = sums ? sums + blk * 2 * MR : one;
                     if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
                     else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
