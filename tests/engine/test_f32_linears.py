@@ -100,6 +100,17 @@ def test_on_bf16_weights_in_place_the_bf16_panels_bits(m, n, k):
 
 
 @f32_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_rows_give_no_rows(dtype):
+    """A call of no rows (an empty batch) returns an empty output, fp32 or bf16 panels, and the next call of
+    rows is as it was: there are no blocks of rows to share the next chunk's prefetch by."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 1600, generator=g), f32_linears.pack(torch.randn(70, 1600, generator=g).to(dtype))
+    assert f32_linears.linear(x[:0], w).shape == (0, 70)
+    assert torch.equal(f32_linears.linear(x, w), torch.cat([f32_linears.linear(x[i:i + 1], w) for i in range(5)]))
+
+
+@f32_kernel
 @pytest.mark.parametrize("k", [1024, 2048, 6144])
 def test_a_rows_bits_alone_and_among_rows_copied_apart(k):
     """Rows of 4 KB multiples are copied a cache line apart before a call of several (f32_linear.c's

@@ -159,6 +159,7 @@ typedef const void *(*panel_chunk_fn)(const void *weights, int64_t n, int64_t n0
 static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float *bias,
                            panel_chunk_fn chunk, const void *weights, int64_t step, int bf16, float *out,
                            uint16_t *out_bf16, int streams) {
+    if (m == 0 || n == 0) return 0; /* nothing to write (and no blocks to share the next chunk by) */
     const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
     int failed = 0;
     _Pragma("omp parallel if (m * n * k > 32768)") {
