@@ -121,7 +121,8 @@ def in_place() -> bool:
     are read, f32_linear_rows_bf16). Off by default: on SmolLM2's shapes a decode step's few rows read
     fp32 weights slower that way (a rollout workload ran 0.76x the packed copy's tokens/s), though at
     1.7B's shapes and 32 rows it was faster; a bf16 Qwen3-1.7B shape on a Zen 3 ran 0.77-0.83x the bf16
-    panels' tokens/s at 32 sequences, its sidecar holding 2.51x the model instead of 4.51x
+    panels' tokens/s at 32 sequences, its sidecar holding 2.51x the model instead of 4.51x, and since the
+    panels' chunks are prefetched ahead of their products its linears run 0.57-0.83x theirs at 1-32 rows
     (bench/RESULTS.md)."""
     return os.environ.get(IN_PLACE_SWITCH, "0").lower() in ("1", "on", "true", "yes")
 
