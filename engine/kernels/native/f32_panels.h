@@ -160,7 +160,7 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
                            panel_chunk_fn chunk, const void *weights, int64_t step, int bf16, float *out,
                            uint16_t *out_bf16, int streams) {
     if (m == 0 || n == 0) return 0; /* nothing to write (and no blocks to share the next chunk by) */
-    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
+    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR, passes = blocks * (32 / (2 * VW));
     int failed = 0;
     _Pragma("omp parallel if (m * n * k > 32768)") {
         v16f *sums = k > step ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
@@ -180,7 +180,7 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
                 const int64_t kc = k - k0 < step ? k - k0 : step;
                 const void *p = chunk(weights, n, n0, k0, kc, buf);
                 /* the next chunk's bytes shared evenly by this chunk's passes (blocks x halves), a row of K at a time */
-                const int64_t chunk_bytes = kc * 32 * (bf16 ? 2 : 4), passes = blocks * (32 / (2 * VW));
+                const int64_t chunk_bytes = kc * 32 * (bf16 ? 2 : 4);
                 const int64_t pf_step = (chunk_bytes + passes * kc - 1) / (passes * kc);
                 const char *next = streams ? (const char *)p + chunk_bytes : NULL;
                 if (streams && first_chunk)
@@ -188,9 +188,9 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
                         __builtin_prefetch((const char *)p + b);
                 first_chunk = 0;
                 for (int64_t blk = 0; blk < blocks; blk++) {
-                    const char *block_next = next ? next + blk * (32 / (2 * VW)) * kc * pf_step : NULL;
-                    /* bf16 panels on a Zen 3, Qwen3-1.7B's linears: 1.10-1.15x at 7-20 rows, 1.05x at 32
-                       (6 + 6 + 5 + 5 + 5 + 5) with the rows shared evenly, than with 6 a block and the rest */
+                    const char *block_next = next ? next + blk * (passes / blocks) * kc * pf_step : NULL;
+                    /* rows shared evenly, against 6 a block and the rest in the last: bf16 panels over Qwen3-1.7B's
+                       linears on a Zen 3 1.10-1.15x at 7-20 rows, 1.05x at 32 (6 + 6 + 5 + 5 + 5 + 5) */
                     int64_t m0;
                     const int nrows = even_block(m, blocks, blk, &m0);
                     v16f *acc = sums ? sums + blk * 2 * MR : one;
