@@ -273,10 +273,10 @@ static int w8_linear(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, 
         row_scale[r] = quantize_row_i16(x + r * k, k, pairs, xq + blk * pairs * MADD_ROWS + r % MADD_ROWS, in_block);
     }
     const int64_t panels = (n + 31) / 32;
+    const int64_t pf_step = MADD_AHEAD(m) ? (W8_CHUNK_BYTES + 1) / 2 : 0; /* a tile's pass: half of each chunk */
 #pragma omp parallel for schedule(static) if (m * n * k > 65536)
     for (int64_t np = 0; np < panels; np++) {
         const uint8_t *wb = w + np * kc_count * W8_CHUNK_BYTES;
-        const int64_t pf_step = MADD_AHEAD(m) ? (W8_CHUNK_BYTES + 1) / 2 : 0; /* a tile's pass: half of each chunk */
         const char *next = (const char *)(wb + kc_count * W8_CHUNK_BYTES);
         for (int tile = 0; tile < 32 / MADD_COLS; tile++) {
             const int64_t col = np * 32 + MADD_COLS * tile, cols = n - col < MADD_COLS ? n - col : MADD_COLS;
