@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import amx_linears, bf16_rows, f32_linears, native_kernels
+from engine.kernels import amx_linears, bf16_rows, derived_weights, f32_linears, native_kernels
 
 ENV_SWITCH = "ROLLOUT_NATIVE_EXPERTS"  # 0: torch's grouped GEMM (`run`) always
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -85,14 +85,15 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def loop_kernels(dtype: torch.dtype, invariant: bool = True) -> tuple[int, int, int] | None:
+def loop_kernels(dtype: torch.dtype, invariant: bool = True, on_panels: bool = False) -> tuple[int, int, int] | None:
     """(moe_block_*, its kernel table, router_logits_*) as addresses, for the C decode loop
-    (engine/models/native_layers.py), or None where the C block does not run for `dtype`."""
+    (engine/models/native_layers.py), or None where the C block does not run for `dtype` (or, `on_panels`,
+    not over the experts' panels)."""
     loaded = _native(dtype) if dtype in _KERNELS else None
-    if loaded is None:
+    if loaded is None or (invariant, on_panels) not in loaded[1]:
         return None
     entry, tables, router = loaded
-    return ctypes.cast(entry, _PTR).value, tables[invariant].data_ptr(), ctypes.cast(router, _PTR).value
+    return ctypes.cast(entry, _PTR).value, tables[invariant, on_panels].data_ptr(), ctypes.cast(router, _PTR).value
 
 
 def fits(h: int, i: int, dtype: torch.dtype) -> bool:
@@ -128,6 +129,25 @@ def _kernels(dtype: torch.dtype) -> tuple | None:
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _loaded: dict = {}
 
+# On AVX2 both dtypes' experts run over a copy of their weights as panels (f32_linear.c's
+# f32_panel_groups*: a dense linear's kernel, the weights streamed while the products run), 1.1x the dot
+# products in place at 1 row an expert, 1.4-1.5x at 4-8, 1.4-1.5x at 32 (qwen3-moe-2core's experts, bf16, Zen 3:
+# bench/RESULTS.md), for the experts' bytes again in memory, as the dense linears' panels there.
+# ROLLOUT_EXPERT_PANELS=1 takes them on any CPU f32_linear.c runs on, 0 on none; ROLLOUT_F32_IN_PLACE=1
+# (a sidecar short of memory) keeps the experts in place.
+PANELS_SWITCH = "ROLLOUT_EXPERT_PANELS"
+_PANEL_GROUPS = {torch.bfloat16: "f32_panel_groups_bf16", torch.float32: "f32_panel_groups"}
+
+
+def panels(dtype: torch.dtype) -> bool:
+    """Whether experts in `dtype` run over a copy of their weights as panels here (see PANELS_SWITCH)."""
+    switch = os.environ.get(PANELS_SWITCH, "").lower()
+    if switch in ("0", "off", "false", "no") or dtype not in _PANEL_GROUPS or f32_linears.in_place():
+        return False
+    if not f32_linears.available() or _native(dtype) is None:
+        return False
+    return switch in ("1", "on", "true", "yes") or "avx512f" not in native_kernels.cpu_flags()
+
 
 def _native(dtype: torch.dtype):
     """(entry, kernel table, router) of engine/kernels/native/moe_experts.c for `dtype`, or None where its
@@ -143,8 +163,15 @@ def _native(dtype: torch.dtype):
             _loaded[dtype] = None
         else:
             fns = [ctypes.cast(getattr(lib, sym), _PTR).value for lib, (_, sym) in zip(libs, kernels)]
-            tables = {invariant: torch.tensor(fns + [NO_LIMIT if invariant else DOT_MAX_ROWS], dtype=torch.int64)
-                      for invariant in (False, True)}
+            grouped = native_kernels.library("f32_linear")
+            grouped = ctypes.cast(getattr(grouped, _PANEL_GROUPS[dtype]), _PTR).value if grouped else None
+            tables = {}
+            for invariant in (False, True):
+                row = fns + [NO_LIMIT if invariant else DOT_MAX_ROWS, 0]  # [GEMM, silu, dots' limit, fp32 panels]
+                tables[invariant, False] = torch.tensor(row, dtype=torch.int64)
+                if grouped:  # the experts' panels (panels()): bf16's GEMM, fp32's fourth entry
+                    on_panels = [grouped, *row[1:3], 0] if dtype == torch.bfloat16 else [*row[:3], grouped]
+                    tables[invariant, True] = torch.tensor(on_panels, dtype=torch.int64)
             router = native_kernels.function("moe_experts", f"router_logits_{_SUFFIX[dtype]}",
                                              (_PTR, _I64, _I64, _PTR, _I64, _PTR))
             _loaded[dtype] = (entry, tables, router)
@@ -167,22 +194,25 @@ def _fits(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: to
 
 
 def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: bool, scores_fp32: bool,
-                 gate_up: torch.Tensor, down: torch.Tensor, invariant: bool = True
+                 gate_up: torch.Tensor, down: torch.Tensor, invariant: bool = True,
+                 on_panels: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(`run` of `route`'s choice, the expert ids [T, k]) in one C call on the weights in place
-    (engine/kernels/native/moe_experts.c; silu experts), or None where it does not run (another dtype,
-    shapes its kernels refuse, gradients). Its softmax, and each GEMM's order of sums, are C's:
-    within their roundings of torch's. `invariant`: each token's sums in one order whatever shares
-    the call (DOT_MAX_ROWS)."""
+    """(`run` of `route`'s choice, the expert ids [T, k]) in one C call on the weights in place, or on
+    `on_panels` (their copies: `served_panels`) where given (engine/kernels/native/moe_experts.c; silu
+    experts), or None where it does not run (another dtype, shapes its kernels refuse, gradients). Its
+    softmax, and each GEMM's order of sums, are C's: within their roundings of torch's. `invariant`: each
+    token's sums in one order whatever shares the call (DOT_MAX_ROWS; the panels' always)."""
     dtype = x.dtype
     if dtype not in _KERNELS or torch.is_grad_enabled() or not _fits(x, logits, gate_up, down):
         return None
     loaded = _native(dtype)
-    if loaded is None:
+    if loaded is None or (invariant, on_panels is not None) not in loaded[1]:
         return None
     entry, tables, _ = loaded
-    table = tables[invariant]
+    table = tables[invariant, on_panels is not None]
     (t, h), e, i = x.shape, gate_up.shape[0], down.shape[2]
+    if on_panels is not None:
+        gate_up, down = on_panels
     s = t * top_k
     scratch = torch.empty(s * (2 * h + 3 * i), dtype=dtype)
     xg, gu, act, dn = scratch.split([s * h, s * 2 * i, s * i, s * h])
@@ -196,3 +226,53 @@ def block_native(x: torch.Tensor, logits: torch.Tensor, top_k: int, norm_topk: b
     if rc != 0:
         raise RuntimeError(f"moe_block_{_SUFFIX[dtype]} failed ({rc}): out of memory, or a shape its kernels refuse")
     return out, ids.view(t, top_k)
+
+
+class ExpertPanels(torch.nn.Module):
+    """One of an experts module's 3-D weights, [E, n, k], as a derived module's `weight`
+    (engine/kernels/derived_weights.py): its copy is every expert's [n, k] as panels, one after another
+    (f32_linears.pack of [E * n, k]), made and swapped by a push as a linear's copy is. Holds no parameter."""
+
+    def __init__(self, experts: torch.nn.Module, name: str):
+        super().__init__()
+        self._of = (experts, name)  # a tuple: not a submodule (modules() would walk back up)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        experts, name = self._of
+        return getattr(experts, name)
+
+
+def _pack_experts(weight: torch.Tensor, into=None) -> f32_linears.F32Weight:
+    return f32_linears.pack(weight.reshape(-1, weight.shape[-1]), into=into)
+
+
+_pack_experts.takes_parts = True  # (one tensor; a retired copy's memory)
+_HOLDERS = (("gate_up_proj", "gate_up_panels"), ("down_proj", "down_panels"))
+
+
+def attach_panels(blocks) -> int:
+    """Serve the experts of each of `blocks` (sparse MLPs: a router and 3-D experts) over copies of their
+    weights as panels where `panels` says so and their widths are whole panels; returns how many."""
+    count = 0
+    for block in blocks:
+        e = block.experts
+        weights = [getattr(e, name) for name, _ in _HOLDERS]
+        if not (panels(weights[0].dtype) and all(w.dtype == weights[0].dtype and w.dim() == 3 for w in weights)
+                and all(w.shape[1] % f32_linears.PANEL == 0 for w in weights)):
+            continue
+        for name, holder in _HOLDERS:
+            setattr(e, holder, ExpertPanels(e, name))
+            derived_weights.attach(getattr(e, holder), _pack_experts)
+        count += 1
+    return count
+
+
+def served_panels(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(gate_up's, down's) panels the experts are served from now (attach_panels; derived again if a
+    weight changed), or None where they run on their weights in place."""
+    holders = [getattr(experts, holder, None) for _, holder in _HOLDERS]
+    if holders[0] is None:
+        return None
+    return tuple(derived_weights.current(h).packed for h in holders)
+

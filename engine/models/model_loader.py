@@ -9,8 +9,8 @@ import logging
 
 import torch
 
-from engine.kernels import (derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, native_glue,
-                            packed_linears)
+from engine.kernels import (derived_weights, fp32_head, fused_linears, huge_pages, int8_linears, moe_experts,
+                            native_glue, packed_linears)
 from engine.models import attention, fused_layers, gemma_model, llama_model, moe_model
 from engine.config import EngineConfig
 
@@ -37,6 +37,8 @@ def load_model(cfg: EngineConfig, device: torch.device) -> torch.nn.Module:
     _quantize(model, cfg.quantization)
     for block in moe_model.sparse_blocks(model):
         block.batch_invariant = cfg.batch_invariant
+    if cfg.prepack_linears and device.type == "cpu":
+        moe_experts.attach_panels(moe_model.sparse_blocks(model))  # on AVX2: the experts over panels
     if cfg.batch_invariant and device.type == "cpu":
         native_glue.glue_in_c(model)  # a prefill row's fp32 norms and silu as a decode row's (the C loop's)
     if cfg.head_dtype == "float32":

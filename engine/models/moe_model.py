@@ -103,7 +103,8 @@ class SparseMoeBlock(nn.Module):
         shared = fused_layers.mlp_forward(self.shared_expert, y).view_as(x) if hasattr(self, "shared_expert") else None
         e, logits = self.experts, self.gate(x)
         done = moe_experts.block_native(x, logits, self.top_k, self.norm_topk, self.scores_fp32, e.gate_up_proj,
-                                        e.down_proj, self.batch_invariant) if isinstance(e.act_fn, nn.SiLU) else None
+                                        e.down_proj, self.batch_invariant, moe_experts.served_panels(e)
+                                        ) if isinstance(e.act_fn, nn.SiLU) else None
         if done is None:
             weights, ids = moe_experts.route(logits, self.top_k, self.norm_topk, self.scores_fp32)
             done = moe_experts.run(x, ids, weights, e.gate_up_proj, e.down_proj, e.act_fn), ids

@@ -143,8 +143,12 @@ def _sparse_fields(mlp, shape: dict, t: int, routed: list) -> list[int] | None:
             or (e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2]) != (shape["experts"], shape["top_k"],
                                                                               shape["expert_width"])):
         return None  # (the step's scratch is sized once, by the first sparse block's sizes)
+    on_panels = moe_experts.served_panels(e)  # the experts' copies as panels, where they run on them
+    if (on_panels is not None) != shape["expert_panels"]:
+        return None  # (the step's kernel table is one for every sparse block)
     ids = torch.empty(t, mlp.top_k, dtype=torch.int64)
     routed.append((mlp, ids))
+    weights = weights[:1] + (on_panels or weights[1:])
     return [1, *(w.data_ptr() for w in weights), e.gate_up_proj.shape[0], mlp.top_k, e.down_proj.shape[2],
             int(mlp.norm_topk), int(mlp.scores_fp32 and dtype != torch.float32), ids.data_ptr()]
 
@@ -268,7 +272,8 @@ def _shape(model, dtype: torch.dtype) -> dict | None:
             # the sparse MLPs' sizes (one for all: a model's sparse layers are alike), for their scratch
             "experts": sparse[0].experts.gate_up_proj.shape[0] if sparse else 0,
             "top_k": sparse[0].top_k if sparse else 0,
-            "expert_width": sparse[0].experts.down_proj.shape[2] if sparse else 0}
+            "expert_width": sparse[0].experts.down_proj.shape[2] if sparse else 0,
+            "expert_panels": bool(sparse) and hasattr(sparse[0].experts, "gate_up_panels")}  # attach_panels'
 
 
 def _scratch_bytes(shape: dict, t: int, dtype: torch.dtype, sparse: bool) -> dict[str, int]:
@@ -339,7 +344,7 @@ def decode(model, hidden: torch.Tensor, position_embeddings) -> torch.Tensor | N
             return None
         rows.append(row)
     if sparse:
-        moe = moe_experts.loop_kernels(dtype, getattr(sparse[0][0], "batch_invariant", True))
+        moe = moe_experts.loop_kernels(dtype, getattr(sparse[0][0], "batch_invariant", True), shape["expert_panels"])
         if moe is None:
             return None
         loaded[1][-_MOE_KERNELS:] = list(moe)

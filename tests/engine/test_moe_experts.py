@@ -116,23 +116,26 @@ def _stage_bound(x, ids, weights, gate_up, down, u: float) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("on_panels", [False, True])
 @pytest.mark.parametrize("scores_fp32", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_block_is_the_torch_path_within_its_roundings(dtype, scores_fp32):
+def test_the_c_block_is_the_torch_path_within_its_roundings(dtype, scores_fp32, on_panels):
     """engine/kernels/native/moe_experts.c against `route` + `run`: the same experts wherever the k-th and
     (k+1)-th probabilities are apart by more than both softmaxes' error (a few fp32 ulps; bf16
     logits tie often, and a tie is broken either way); on those tokens both outputs within
-    `_stage_bound` of the exact one, each stage's rounding carried through from its exact values."""
-    if not _kernels_run(dtype):
+    `_stage_bound` of the exact one, each stage's rounding carried through from its exact values. On the
+    weights in place, and on their copies as panels (AVX2's way: f32_linear.c's panel groups)."""
+    if not _kernels_run(dtype) or (on_panels and not f32_linears.available()):
         pytest.skip("the C block's kernels do not run on this CPU")
     g = torch.Generator().manual_seed(2)
     e, h, i, k = 16, 64, 96, 4
     gate_up, down = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(dtype), (torch.randn(e, h, i, generator=g) * 0.1).to(dtype)
+    panels = tuple(moe_experts._pack_experts(w).packed for w in (gate_up, down)) if on_panels else None
     u = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23  # a stage's rounding, with room (bf16's unit is 2^-9)
     for t in (1, 7, 40):
         x, logits = torch.randn(t, h, generator=g).to(dtype), torch.randn(t, e, generator=g).to(dtype)
         with torch.inference_mode():
-            got, ids = moe_experts.block_native(x, logits, k, True, scores_fp32, gate_up, down)
+            got, ids = moe_experts.block_native(x, logits, k, True, scores_fp32, gate_up, down, on_panels=panels)
             weights, want_ids = moe_experts.route(logits, k, True, scores_fp32)
             want = moe_experts.run(x, want_ids, weights, gate_up, down, torch.nn.functional.silu)
             probs = torch.softmax(logits, -1, dtype=torch.float).sort(-1, descending=True).values
@@ -322,3 +325,75 @@ def test_bf16_dot_groups_give_each_row_its_own_bits_whatever_shares_its_expert(n
         assert (err <= bound * 1.0001 + 1e-30).all(), i
     wrong = call(x, starts, experts.roll(1))  # another expert's weights fall outside the bound
     assert not torch.equal(wrong[1:41], out[1:41])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(64, 800), (32, 1024), (96, 70)])  # two chunks of K; rows a page long; a tail
+def test_panel_groups_give_each_row_the_dense_kernels_bits_whatever_shares_its_expert(n, k, dtype):
+    """f32_linear.c's f32_panel_groups* (experts over a copy of their weights as panels: AVX2's way): groups
+    of 0 to 140 rows in one call, experts out of order; each row's outputs are bit for bit what the dense
+    panels kernel gives that row alone on its expert's weight (so the sums do not depend on the rows
+    beside it: a batch-invariant engine), and within an fp32 dot product's rounding (plus one bf16
+    rounding) of the exact product."""
+    import ctypes
+
+    from engine.kernels import native_kernels
+
+    if not f32_linears.available():
+        pytest.skip("no AVX-512 or AVX2, or no C compiler")
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn = native_kernels.function("f32_linear", moe_experts._PANEL_GROUPS[dtype], (P, I, P, P, I, P, I, P), ctypes.c_int)
+    g = torch.Generator().manual_seed(n + k)
+    sizes = [1, 40, 0, 140, 8, 17, 5]
+    w = torch.randn(len(sizes), n, k, generator=g).to(dtype)
+    x = torch.randn(sum(sizes), k, generator=g).to(dtype)
+    packed = moe_experts._pack_experts(w).packed
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    experts = torch.tensor([3, 0, 6, 5, 1, 2, 4], dtype=torch.int64)  # not in order
+
+    def call(x, starts, experts, weights=packed):
+        out = torch.full((x.shape[0], n), float("nan"), dtype=dtype)
+        assert fn(x.data_ptr(), k, starts.data_ptr(), experts.data_ptr(), len(experts), weights.data_ptr(), n,
+                  out.data_ptr()) == 0
+        return out
+
+    out = call(x, starts, experts)
+    for i, e in enumerate(experts.tolist()):
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        for r in range(rows.start, rows.stop, 7):  # every 7th row, alone through the dense kernel
+            alone = f32_linears.linear(x[r:r + 1].float(), f32_linears.pack(w[e]))[0].to(dtype)
+            assert torch.equal(out[r], alone), (i, r)
+        exact = x[rows].double() @ w[e].double().T
+        # fp32 sums of k exact products (k roundings at most): k u32 sum|terms|; then bf16's half ulp
+        err = (out[rows].double() - exact).abs()
+        half_ulp = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+        bound = k * 2.0**-24 * (x[rows].double().abs() @ w[e].double().abs().T) + half_ulp * exact.abs()
+        assert (err <= bound * 1.0001 + 1e-30).all(), i
+    wrong = call(x, starts, experts.roll(1))  # another expert's weights fall outside the bound
+    assert not torch.equal(wrong[1:41], out[1:41])
+
+
+def test_the_experts_panels_are_taken_where_asked(moe_dir, monkeypatch):
+    """attach_panels: ROLLOUT_EXPERT_PANELS=1 serves every sparse block's experts from panels (derived
+    again after a write to a weight), 0 from their weights in place; ROLLOUT_F32_IN_PLACE=1 (a sidecar short
+    of memory) keeps them in place."""
+    from engine.models import moe_model
+
+    if not f32_linears.available():
+        pytest.skip("no AVX-512 or AVX2, or no C compiler")
+    for switch, in_place, want in (("1", "0", True), ("0", "0", False), ("1", "1", False)):
+        monkeypatch.setenv(moe_experts.PANELS_SWITCH, switch)
+        monkeypatch.setenv(f32_linears.IN_PLACE_SWITCH, in_place)
+        model = moe_model.load(moe_dir, torch.float32)
+        blocks = moe_model.sparse_blocks(model)
+        assert moe_experts.attach_panels(blocks) == (len(blocks) if want else 0)
+        served = moe_experts.served_panels(blocks[0].experts)
+        assert (served is not None) == want
+        if want:
+            e = blocks[0].experts
+            want_gate_up = f32_linears.pack(e.gate_up_proj.detach().reshape(-1, e.gate_up_proj.shape[-1])).packed
+            assert torch.equal(served[0], want_gate_up)
+            with torch.no_grad():
+                e.gate_up_proj.mul_(2)  # a write in place: the copy is derived again
+            assert torch.equal(moe_experts.served_panels(e)[0], want_gate_up * 2)
+

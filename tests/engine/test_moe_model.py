@@ -94,6 +94,36 @@ def test_greedy_matches_hf(arch, moe_dirs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16, ignore_eos=True)
 
 
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_greedy_matches_hf_with_the_experts_on_panels_or_in_place(moe_dirs, monkeypatch, switch):
+    """Either way the experts run here (ROLLOUT_EXPERT_PANELS: over a copy as panels, AVX2's default;
+    on the weights in place, AVX-512's), both through the C decode loop: HF's greedy tokens in fp32."""
+    from engine.kernels import f32_linears
+
+    if not f32_linears.available():
+        pytest.skip("no AVX-512 or AVX2, or no C compiler")
+    from engine.models import native_layers
+
+    monkeypatch.setenv(moe_experts.PANELS_SWITCH, switch)
+    llm = LLM(EngineConfig(model=moe_dirs["qwen3_moe"], max_model_len=256))
+    experts = llm.core.worker.model.model.layers[0].mlp.experts
+    assert (moe_experts.served_panels(experts) is not None) == (switch == "1")
+    steps, real = [], native_layers.decode
+
+    def counted(*args):
+        out = real(*args)
+        steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_layers, "decode", counted)
+    hf = _hf(moe_dirs["qwen3_moe"])
+    prompts = random_prompts(6, 4, 40, 2000, seed=7)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert any(steps)  # decode steps ran in the C loop (its rows built by native_layers)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16, ignore_eos=True)
+
+
 def test_a_core_loads_an_moe_without_transformers(moe_dirs):
     import subprocess
     import sys

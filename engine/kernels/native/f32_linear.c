@@ -73,6 +73,67 @@ int f32_linear_bf16_panels(const float *x, int64_t m, int64_t k, const uint16_t 
     return linear_packed(x, m, k, w, 1, n, bias, out);
 }
 
+/* ---- a sparse MLP's experts over panels ---------------------------------------------------------
+
+   Each active expert's GEMM over its rows (a step's picks sorted by expert: moe_experts.c), on one packed
+   weight of all the experts, [E * n, k] as panels, expert e's n columns from e * n on (n a multiple of 32:
+   its panels its own): one team over every (expert, panel) item, each run as a dense call's panel, so the
+   weights stream while the products run (f32_panels.h) and a token's sums are a dense linear's, in order
+   of k whatever else shares its expert (batch invariant). On AVX2 the dot products over the weights in place
+   (moe_experts.c) reduce each output across lanes and run two x rows a pass: over qwen3-moe-2core's
+   experts this ran 1.4x them at 4 rows an expert and 1.8x at 32 (bench/RESULTS.md). x [rows, k] with row
+   stride ldx, fp32; out [rows, n], fp32 or rounded once to bf16 (out_bf16). Returns 0, or -1 without memory. */
+static int panel_groups(const float *x, int64_t ldx, int64_t k, const int64_t *starts, const int64_t *experts,
+                        int64_t G, const void *w, int bf16, int64_t n, float *out, uint16_t *out_bf16) {
+    const int64_t panels = n / 32, value_bytes = bf16 ? 2 : 4;
+    int64_t most = 0;
+    for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
+    if (most == 0 || panels == 0) return 0;
+    const int64_t blocks = (most + MR - 1) / MR;
+    int failed = 0;
+    _Pragma("omp parallel") {
+        v16f *sums = k > KC ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
+        if (k > KC && sums == NULL) failed = 1;
+        int first = 1;
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < G * panels; i++) {
+            const int64_t g = i / panels, m = starts[g + 1] - starts[g];
+            if ((k > KC && sums == NULL) || m == 0) continue;
+            const packed_weight pw = {(const char *)w + experts[g] * n * k * value_bytes, k, value_bytes};
+            one_panel(x + starts[g] * ldx, ldx, m, k, n, (i % panels) * 32, NULL, chunk_in_place, &pw, KC, bf16,
+                      out ? out + starts[g] * n : NULL, out_bf16 ? out_bf16 + starts[g] * n : NULL, 1, sums, NULL,
+                      &first);
+        }
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
+/* panel_groups for bf16 experts over bf16 panels (f32_pack_rows_bf16's), x and out in bf16 (x widened
+   exactly, its rows apart where they share a set of L1): moe_experts.c's GEMM signature (groups_bf16). */
+int f32_panel_groups_bf16(const uint16_t *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                          const uint16_t *w, int64_t n, uint16_t *out) {
+    const int64_t rows = starts[G], ldx = k + (rows_share_l1_set(rows, k) ? STAGGER_FLOATS : 0);
+    if (rows == 0) return 0;
+    const int64_t bytes = rows * ldx * (int64_t)sizeof(float);
+    float *x32 = bytes <= STAGGER_KEEP_BYTES ? thread_buffer(bytes) : malloc((size_t)bytes); /* a prefill's: freed */
+    if (x32 == NULL) return -1;
+    for (int64_t r = 0; r < rows; r++) widen_bf16(x + r * k, k, x32 + r * ldx);
+    const int rc = panel_groups(x32, ldx, k, starts, experts, G, w, 1, n, NULL, out);
+    if (bytes > STAGGER_KEEP_BYTES) free(x32);
+    return rc;
+}
+
+/* panel_groups for fp32 experts over fp32 panels (f32_pack_rows'). */
+int f32_panel_groups(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                     const float *w, int64_t n, float *out) {
+    int64_t ldx;
+    x = staggered(x, starts[G], k, &ldx);
+    const int rc = panel_groups(x, ldx, k, starts, experts, G, w, 0, n, out, NULL);
+    rows_apart_release(&stagger, STAGGER_KEEP_BYTES);
+    return rc;
+}
+
 /* ---- fp32 on the weight as the engine holds it: no packed copy --------------------------------
 
    The same block product with the roles swapped: 12 weight rows are broadcast a value at a time

@@ -149,6 +149,52 @@ static inline int even_block(int64_t m, int64_t blocks, int64_t blk, int64_t *m0
    rows, so a chunk may fill up to a multiple of 32 past kc) or where it already lies (a packed weight). */
 typedef const void *(*panel_chunk_fn)(const void *weights, int64_t n, int64_t n0, int64_t k0, int64_t kc, float *buf);
 
+/* Columns [n0, n0 + 32) of out [m, n] (row stride n) = x [m, k] (row stride ldx) . w^T (+ bias [n] or NULL):
+   one panel, its chunks of `step` values of K in turn, every block of rows over each (panels_per_call's work
+   item; `sums`: room for every block's sums where k > step; `buf`: a chunk laid out per call; `first`: this
+   thread's first chunk of the call, which nothing prefetched yet). */
+ALWAYS_INLINE void one_panel(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t n, int64_t n0,
+                             const float *bias, panel_chunk_fn chunk, const void *weights, int64_t step, int bf16,
+                             float *out, uint16_t *out_bf16, int streams, v16f *sums, float *buf, int *first) {
+    const int64_t blocks = (m + MR - 1) / MR, passes = blocks * (32 / (2 * VW));
+    const int64_t cols = n - n0 < 32 ? n - n0 : 32;
+    float b[32] = {0};
+    if (bias)
+        for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
+    v16f one[2 * MR];
+    for (int64_t k0 = 0; k0 < k; k0 += step) {
+        const int64_t kc = k - k0 < step ? k - k0 : step;
+        const void *p = chunk(weights, n, n0, k0, kc, buf);
+        /* the next chunk's bytes shared evenly by this chunk's passes (blocks x halves), a row of K at a time */
+        const int64_t chunk_bytes = kc * 32 * (bf16 ? 2 : 4);
+        const int64_t pf_step = (chunk_bytes + passes * kc - 1) / (passes * kc);
+        const char *next = streams ? (const char *)p + chunk_bytes : NULL;
+        if (streams && *first)
+            for (int64_t b = 0; b < chunk_bytes; b += 64)
+                __builtin_prefetch((const char *)p + b);
+        *first = 0;
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const char *block_next = next ? next + blk * (passes / blocks) * kc * pf_step : NULL;
+            /* rows shared evenly, against 6 a block and the rest in the last: bf16 panels over Qwen3-1.7B's
+               linears on a Zen 3 1.10-1.15x at 7-20 rows, 1.05x at 32 (6 + 6 + 5 + 5 + 5 + 5) */
+            int64_t m0;
+            const int nrows = even_block(m, blocks, blk, &m0);
+            v16f *acc = sums ? sums + blk * 2 * MR : one;
+            if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
+            else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
+            if (k0 + kc < k) continue;
+            for (int r = 0; r < nrows; r++) {
+                float v[32];
+                store16_f32(v, acc[2 * r] + load16_f32(b));
+                store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
+                if (out_bf16)
+                    for (int64_t j = 0; j < cols; j++) out_bf16[(m0 + r) * n + n0 + j] = f32_to_bf16(v[j]);
+                else memcpy(out + (m0 + r) * n + n0, v, (size_t)cols * sizeof(float));
+            }
+        }
+    }
+}
+
 /* out [m, n] = x [m, k] (row stride ldx) . w^T (+ bias [n] or NULL), in fp32 (out) or rounded once to bf16
    (out_bf16), over w's panels a chunk of `step` values of K (<= KC) at a time (`chunk`: in place, or laid out
    per call into a buffer each thread keeps, in L2: paid once for all the call's rows), every block of rows
@@ -160,53 +206,19 @@ static int panels_per_call(const float *x, int64_t ldx, int64_t m, int64_t k, in
                            panel_chunk_fn chunk, const void *weights, int64_t step, int bf16, float *out,
                            uint16_t *out_bf16, int streams) {
     if (m == 0 || n == 0) return 0; /* nothing to write (and no blocks to share the next chunk by) */
-    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR, passes = blocks * (32 / (2 * VW));
+    const int64_t panels = (n + 31) / 32, blocks = (m + MR - 1) / MR;
     int failed = 0;
     _Pragma("omp parallel if (m * n * k > 32768)") {
         v16f *sums = k > step ? aligned_alloc(64, sizeof(v16f) * 2 * MR * (size_t)blocks) : NULL;
         static __thread float *buf = NULL; /* a panel chunk, [KC][32]: each thread's own, kept */
         if (buf == NULL) buf = aligned_alloc(64, sizeof(float) * 32 * KC);
         if ((k > step && sums == NULL) || buf == NULL) failed = 1;
-        int first_chunk = 1; /* a thread's first: nothing prefetched it */
+        int first = 1;
         _Pragma("omp for schedule(static)")
         for (int64_t np = 0; np < panels; np++) {
             if ((k > step && sums == NULL) || buf == NULL) continue;
-            const int64_t n0 = np * 32, cols = n - n0 < 32 ? n - n0 : 32;
-            float b[32] = {0};
-            if (bias)
-                for (int64_t j = 0; j < cols; j++) b[j] = bias[n0 + j];
-            v16f one[2 * MR];
-            for (int64_t k0 = 0; k0 < k; k0 += step) {
-                const int64_t kc = k - k0 < step ? k - k0 : step;
-                const void *p = chunk(weights, n, n0, k0, kc, buf);
-                /* the next chunk's bytes shared evenly by this chunk's passes (blocks x halves), a row of K at a time */
-                const int64_t chunk_bytes = kc * 32 * (bf16 ? 2 : 4);
-                const int64_t pf_step = (chunk_bytes + passes * kc - 1) / (passes * kc);
-                const char *next = streams ? (const char *)p + chunk_bytes : NULL;
-                if (streams && first_chunk)
-                    for (int64_t b = 0; b < chunk_bytes; b += 64)
-                        __builtin_prefetch((const char *)p + b);
-                first_chunk = 0;
-                for (int64_t blk = 0; blk < blocks; blk++) {
-                    const char *block_next = next ? next + blk * (passes / blocks) * kc * pf_step : NULL;
-                    /* rows shared evenly, against 6 a block and the rest in the last: bf16 panels over Qwen3-1.7B's
-                       linears on a Zen 3 1.10-1.15x at 7-20 rows, 1.05x at 32 (6 + 6 + 5 + 5 + 5 + 5) */
-                    int64_t m0;
-                    const int nrows = even_block(m, blocks, blk, &m0);
-                    v16f *acc = sums ? sums + blk * 2 * MR : one;
-                    if (bf16) bf16_panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
-                    else panel(nrows, x + m0 * ldx + k0, ldx, kc, p, acc, k0 > 0, block_next, pf_step);
-                    if (k0 + kc < k) continue;
-                    for (int r = 0; r < nrows; r++) {
-                        float v[32];
-                        store16_f32(v, acc[2 * r] + load16_f32(b));
-                        store16_f32(v + 16, acc[2 * r + 1] + load16_f32(b + 16));
-                        if (out_bf16)
-                            for (int64_t j = 0; j < cols; j++) out_bf16[(m0 + r) * n + n0 + j] = f32_to_bf16(v[j]);
-                        else memcpy(out + (m0 + r) * n + n0, v, (size_t)cols * sizeof(float));
-                    }
-                }
-            }
+            one_panel(x, ldx, m, k, n, np * 32, bias, chunk, weights, step, bf16, out, out_bf16, streams, sums, buf,
+                      &first);
         }
         free(sums);
     }

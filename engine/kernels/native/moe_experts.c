@@ -1,7 +1,8 @@
 /* A sparse MLP's experts over a step's tokens in one call: each active expert's gate/up and down
    GEMMs on its weights in place (bf16: amx_linear.c's rows kernel over all experts in one team, or
    without AMX bf16_rows.c's dot products, alike; fp32: dot products over K at a decode step's few rows
-   an expert, f32_linear.c's rows kernel an expert at a time above; kernels through the addresses
+   an expert, f32_linear.c's rows kernel an expert at a time above), or, on AVX2, on a copy of every
+   expert's weights as panels (f32_linear.c's f32_panel_groups*, both dtypes; kernels through the addresses
    engine/kernels/moe_experts.py hands over), the silu between them, the routing weights and each
    token's sum over its k picks (and, in moe_block_*, the routing before them).
 
@@ -190,12 +191,17 @@ int bf16_dot_groups(const uint16_t *x, int64_t k, const int64_t *starts, const i
     return 0;
 }
 
-/* kernels[2]: the most rows an expert may have for the dot products; above, the rows kernel (faster
-   there: 1.1x at 32 rows an expert, 1.2x at prefill's hundreds), whose sums run in another order. A
-   batch-invariant engine passes no limit: then a token's experts sum in one order whatever else
-   shares its step (engine/kernels/moe_experts.py). */
+typedef int (*groups_f32_fn)(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
+                             const float *w, int64_t n, float *out);
+
+/* kernels[3]: f32_linear.c's f32_panel_groups where the experts are packed as panels (w then their copy:
+   engine/kernels/moe_experts.py), else 0. kernels[2]: the most rows an expert may have for the dot products;
+   above, the rows kernel (faster there: 1.1x at 32 rows an expert, 1.2x at prefill's hundreds), whose sums
+   run in another order. A batch-invariant engine passes no limit: then a token's experts sum in one order
+   whatever else shares its step (engine/kernels/moe_experts.py). */
 static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const int64_t *starts, const int64_t *experts,
                       int64_t G, const float *w, int64_t n, float *out) {
+    if (kernels[3]) return ((groups_f32_fn)kernels[3])(x, k, starts, experts, G, w, n, out);
     int64_t most = 0;
     for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
     if (most <= kernels[2]) {
@@ -211,9 +217,10 @@ static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const i
     return 0;
 }
 
-/* kernels: [the rows linear, the silu * up, fp32's dot-product row limit (groups_f32)] of the dtype; order [S] the picks (token-major, pick
-   t * k + j) sorted by expert, ends [E] where each expert's picks end in it; weights [S] per pick in
-   pick order, fp32 when weights_f32 else the dtype; gate_up [E, 2I, H], down [E, H, I]; scratch
+/* kernels: [the rows linear, the silu * up, fp32's dot-product row limit, fp32's panel groups (groups_f32)] of
+   the dtype; order [S] the picks (token-major, pick t * k + j) sorted by expert, ends [E] where each expert's
+   picks end in it; weights [S] per pick in pick order, fp32 when weights_f32 else the dtype; gate_up
+   [E, 2I, H], down [E, H, I] (or their copies as panels, where kernels[0] / kernels[3] take them); scratch
    xg [S, H], gu [S, 2I], act [S, I], dn [S, H] and inv [S] (int64); out [T, H]. Returns 0, or a
    kernel's code (-1: no memory, -2: a shape the rows kernel does not take). */
 #define DEFINE_EXPERTS(NAME, T_, GROUPS, SILU_FN, LOAD, STORE, ROUND)                                           \
