@@ -93,10 +93,10 @@ class EngineConfig:
     # a request's tokens and logprobs the same bits whatever shares its steps (batch size, neighbours,
     # prefix hits, thread count) and whichever kind of step computes a row (a prefill's row has a decode
     # row's bits): every kernel sums each row in one fixed order; on the CPU prefill attention runs the
-    # decode kernel row by row and fp32 norms and silu run in C. Costs the fp32 mixtures of experts the
-    # experts' dot products at every row count (1.1x the expert GEMMs' time at 32 rows an expert, 1.2x at
-    # a prefill's hundreds); False lets those take the faster kernel, prefills SDPA's blocked kernel
-    # and torch's fp32 glue (HF's arithmetic op for op)
+    # decode kernel row by row and fp32 norms and silu run in C. Costs the fp32 mixtures of experts on
+    # AVX-512 the experts' dot products at every row count (1.1x the expert GEMMs' time at 32 rows an
+    # expert, 1.2x at a prefill's hundreds; AVX2's panels are invariant at any rows); False lets those take
+    # the faster kernel, prefills SDPA's blocked kernel and torch's fp32 glue (HF's arithmetic op for op)
     batch_invariant: bool = True
     # CUDA: keep a model's worth of memory out of the KV cache for an overlapped push's staging
     # copy (rollout.serve sets it when --overlap-receive is on)

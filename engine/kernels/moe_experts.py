@@ -5,7 +5,8 @@ step's (token, slot) picks by expert and runs each active expert once over its t
 GEMM call: one pass over each active expert's weights a step, however many tokens chose it, no
 Python loop over experts), in the operations and order of transformers' default experts forward,
 so its output has HF's bits: the reference. `block_native` is both in one C call a layer on the
-weights in place (engine/kernels/native/moe_experts.c), what the engine runs where its kernels do.
+weights in place (engine/kernels/native/moe_experts.c), or on AVX2 on a copy of them as panels
+(`attach_panels`), what the engine runs where its kernels do.
 """
 
 from __future__ import annotations
@@ -101,16 +102,18 @@ def fits(h: int, i: int, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or (h % 32 == 0 and i % 32 == 0)
 
 
-# fp32 experts: the dot products up to this many rows an expert, the rows kernel above (moe_experts.c
-# groups_f32); a batch-invariant engine takes the dot products at every size (no limit), so that a
-# token's sums do not depend on how many other tokens chose its experts in the step. bf16's kernels (AMX
-# tiles, or AVX512-BF16's dot products) sum each output in one order at any row count: invariant either way.
+# fp32 experts on their weights in place: the dot products up to this many rows an expert, the rows kernel
+# above (moe_experts.c groups_f32); a batch-invariant engine takes the dot products at every size (no limit),
+# so that a token's sums do not depend on how many other tokens chose its experts in the step. bf16's kernels
+# (AMX tiles, or AVX512-BF16's dot products) and the panels (`panels`, AVX2's both dtypes) sum each output in
+# one order at any row count: invariant either way.
 DOT_MAX_ROWS = 16
 NO_LIMIT = 2**62
 _KERNELS = {torch.bfloat16: (("amx_linear", "amx_linear_bf16_groups"), ("layer_glue", "silu_mul_bf16")),
             torch.float32: (("f32_linear", "f32_linear_rows"), ("layer_glue", "silu_mul_f32"))}
 # Without AMX tiles, bf16 experts on AVX512-BF16 (AMD Zen 4 and 5): bf16_rows.c's groups, the same terms;
-# without either (AVX2: AMD Zen 3), moe_experts.c's dot products on the bf16 weights widened as loaded
+# without either (AVX2: AMD Zen 3), over panels (`panels`), or moe_experts.c's dot products on the bf16 weights
+# widened as loaded where the panels are switched off
 _AVX512_BF16_GROUPS = ("bf16_rows", "bf16_rows_groups")
 _BF16_DOT_GROUPS = ("moe_experts", "bf16_dot_groups")
 

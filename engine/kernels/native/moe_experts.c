@@ -163,6 +163,13 @@ static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, con
     dot_groups(x, k, starts, experts, G, w, 0, n, out);
 }
 
+/* groups_f32_dot with the GEMMs' signature (bench/expert_gemms.py's fp32 experts in place). */
+int f32_dot_groups(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G, const float *w,
+                   int64_t n, float *out) {
+    groups_f32_dot(x, k, starts, experts, G, w, n, out);
+    return 0;
+}
+
 /* bf16 experts on a CPU without AMX or AVX512-BF16 (AVX2): dot products on the bf16 weights in place
    (dot_groups), x widened to fp32 first (exact), each output rounded once
    to bf16; amx_linear_bf16_groups' signature, so the bf16 block takes it as its GEMM
