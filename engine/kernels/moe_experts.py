@@ -133,9 +133,10 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _loaded: dict = {}
 
 # On AVX2 both dtypes' experts run over a copy of their weights as panels (f32_linear.c's
-# f32_panel_groups*: a dense linear's kernel, the weights streamed while the products run), 1.1x the dot
-# products in place at 1 row an expert, 1.4-1.5x at 4-8, 1.4-1.5x at 32 (qwen3-moe-2core's experts, bf16, Zen 3:
-# bench/RESULTS.md), for the experts' bytes again in memory, as the dense linears' panels there.
+# f32_panel_groups*: a dense linear's kernel, the weights streamed while the products run): on a Zen 3 the
+# bf16 experts' GEMMs 1.3-1.7x the dot products in place at 4-32 rows an expert (bench.expert_gemms), a
+# qwen3-moe-2core engine 1.14-1.19x the tokens/s at 32 sequences and 1.16x at 256, fp32 1.03-1.08x and 1.26x
+# (bench/RESULTS.md), for the experts' bytes again in memory, as the dense linears' panels there.
 # ROLLOUT_EXPERT_PANELS=1 takes them on any CPU f32_linear.c runs on, 0 on none; ROLLOUT_F32_IN_PLACE=1
 # (a sidecar short of memory) keeps the experts in place.
 PANELS_SWITCH = "ROLLOUT_EXPERT_PANELS"

@@ -233,3 +233,28 @@ def test_a_trainer_killed_mid_push_leaves_the_old_weights_and_copies_serving(eng
     assert run(loop, engine.collective_rpc("weights_checksum")) == checksum
     assert run(loop, greedy(engine)) == before
     assert run(loop, rpc(engine, "derive_count")) == 0
+
+
+def test_an_engine_that_reserves_its_staging_reserves_its_derived_copies_memory_too(qwen2_dir, trainer, loop):
+    """EngineConfig.reserve_push_staging (a sidecar's engine): a full set of spare copies from the start
+    (derived_weights.reserve_spares), and the first push's copies derived into that memory (its pages
+    there already, as every later push's are), serving the pushed weights."""
+    if not f32_linears.available():
+        pytest.skip("the fp32 panels (the kind that takes a retired copy's memory) need AVX-512 or AVX2")
+    e = AsyncEngine(EngineConfig(model=qwen2_dir, max_num_seqs=4, max_model_len=128, kv_cache_memory_gb=0.05,
+                                 worker_extension_cls=EXTENSION, prepack_linears=True, reserve_push_staging=True))
+    s = WeightSender(bucket_bytes=1 << 18, timeout_s=TIMEOUT_S)
+    try:
+        count = len(run(loop, rpc(e, "derived_copy_ids")))
+        start = run(loop, rpc(e, "derived_copy_memory"))
+        served, kept = start[:count], start[count:]
+        assert all(served) and len(kept) == count and all(kept)  # a full set served, a full set reserved
+        run(loop, _form(e, s))
+        perturb(trainer, 40)
+        run(loop, overlapped_push(e, s, trainer, 1))
+        after = run(loop, rpc(e, "derived_copy_memory"))
+        assert sorted(after[:count]) == sorted(kept) and sorted(after[count:]) == sorted(served)
+        assert run(loop, e.collective_rpc("weights_checksum")) == [weights_checksum(trainer.named_parameters())]
+    finally:
+        s.close_group()
+        e.shutdown()

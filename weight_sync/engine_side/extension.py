@@ -23,6 +23,7 @@ import contextlib
 
 import torch
 
+from engine.kernels import derived_weights
 from weight_sync.common.checksum import tensor_digests, weights_checksum as _checksum
 from weight_sync.common.digest import NONE
 from weight_sync.engine_side.host_copy import HostCopies
@@ -121,12 +122,16 @@ class WeightSyncExtension:
         """An engine that will take overlapped pushes (EngineConfig.reserve_push_staging: the
         sidecar's, by default) keeps its weights in a buffer laid out as a push (`adopt`: the first
         commit frees it whole for the next) and makes the first push's staging now, before it
-        serves (1.2 s for 3.4 GB here), so that the first push runs as fast as the later ones.
-        Memory: the weights twice from the start, as after any push with keep_staging."""
+        serves (1.2 s for 3.4 GB here), so that the first push runs as fast as the later ones; and
+        the memory its derived copies go into (derived_weights.reserve_spares: the retired copies a
+        commit keeps from the second push on). Memory: from the start, what any push after the first
+        holds with keep_staging."""
         if self._reserves_staging() and self.device.type == "cpu":
             r = self._receiver()
             if nbytes := r.target.adopt():
                 r.pool.give_back(r.pool.fresh(nbytes))
+            if r.pool.keep and not self.weights_released:
+                derived_weights.reserve_spares(self.model)
 
     def _memory_report(self) -> dict:
         """The staging buffer kept for the next push (0: none), and whether the host copy links the
