@@ -80,8 +80,8 @@ int f32_linear_bf16_panels(const float *x, int64_t m, int64_t k, const uint16_t 
    its panels its own): one team over every (expert, panel) item, each run as a dense call's panel, so the
    weights stream while the products run (f32_panels.h) and a token's sums are a dense linear's, in order
    of k whatever else shares its expert (batch invariant). On AVX2 the dot products over the weights in place
-   (moe_experts.c) reduce each output across lanes and run two x rows a pass: over qwen3-moe-2core's
-   experts this ran 1.4x them at 4 rows an expert and 1.8x at 32 (bench/RESULTS.md). x [rows, k] with row
+   (moe_experts.c) reduce each output across lanes and run two x rows a pass: over qwen3-moe-2core's bf16
+   experts this ran 1.3x them at 4 rows an expert, 1.6-1.7x at 8-32 (bench.expert_gemms). x [rows, k] with row
    stride ldx, fp32; out [rows, n], fp32 or rounded once to bf16 (out_bf16). Returns 0, or -1 without memory. */
 static int panel_groups(const float *x, int64_t ldx, int64_t k, const int64_t *starts, const int64_t *experts,
                         int64_t G, const void *w, int bf16, int64_t n, float *out, uint16_t *out_bf16) {
