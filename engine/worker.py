@@ -12,7 +12,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels import derived_weights, huge_pages
+from engine.kernels import derived_weights, huge_pages, libc
 from engine.lora_bank import LoraBank
 from engine.memory_report import engine_memory
 from engine.models.model_loader import load_model, quantized_bytes
@@ -123,7 +123,7 @@ class Worker:
         self.runner.weights_changed()  # decode graphs: copies made now, dropped if what they read moved
         self._onto_huge_pages()
         if staged is not None and self.device.type == "cpu":
-            derived_weights.return_freed_memory()  # the replaced copies' pages, back to the OS
+            libc.return_freed_memory()  # the replaced copies' pages, back to the OS
 
     def pages_held(self):
         """A context in which no weight page moves onto huge pages (a push's receive: its writes

@@ -35,9 +35,7 @@ drops those of the weights it wrote, and the first forward after takes the new w
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -389,21 +387,3 @@ def served_tensors(model: torch.nn.Module):
 
     for c in _served_copies(model):
         yield from walk(c)
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim; ~1 ms): the copies a commit
-    replaced were held beside the new ones until then, and glibc keeps freed chunks of that size in
-    its heap (its mmap threshold rises with the first large free), so without this the engine's RSS
-    kept a second set of copies after each push. A no-op off glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
