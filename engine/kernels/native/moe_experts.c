@@ -316,10 +316,12 @@ DEFINE_ROUTE(route_f32, float, load_f32, store_f32)
    in 16 lanes (then the lanes in order) rounded to the dtype once. The engine's routers run here in
    both its forwards (Python's, engine/models/moe_model.Router, and the C decode loop's), so that both route
    every token alike to the bit; within a GEMM's rounding of F.linear's. E is a router's few outputs
-   (8-256), below what the rows kernels take in bf16. */
+   (8-256), below what the rows kernels take in bf16. Threads from 2^16 multiply-adds: a 32-sequence step's
+   2^20 (qwen3-moe-2core) had run on one thread, the other spinning, 4% of a step's profile (each output its
+   own sum: the same bits on any threads; bench/RESULTS.md). */
 #define DEFINE_ROUTER(NAME, T_, LOAD16, LOAD)                                                                    \
     void NAME(const T_ *x, int64_t T, int64_t H, const T_ *w, int64_t E, T_ *out) {                            \
-        _Pragma("omp parallel for schedule(static) if (T * E * H > (1 << 20))")                               \
+        _Pragma("omp parallel for schedule(static) if (T * E * H > (1 << 16))")                               \
         for (int64_t i = 0; i < T * E; i++) {                                                                 \
             const T_ *xr = x + (i / E) * H, *wr = w + (i % E) * H;                                            \
             v16f acc = {0};                                                                                   \
