@@ -316,21 +316,34 @@ DEFINE_ROUTE(route_f32, float, load_f32, store_f32)
    in 16 lanes (then the lanes in order) rounded to the dtype once. The engine's routers run here in
    both its forwards (Python's, engine/models/moe_model.Router, and the C decode loop's), so that both route
    every token alike to the bit; within a GEMM's rounding of F.linear's. E is a router's few outputs
-   (8-256), below what the rows kernels take in bf16. Threads from 2^16 multiply-adds: a 32-sequence step's
-   2^20 (qwen3-moe-2core) had run on one thread, the other spinning, 4% of a step's profile (each output its
-   own sum: the same bits on any threads; bench/RESULTS.md). */
+   (8-256), below what the rows kernels take in bf16. A token's x row is loaded once for ROUTER_ROWS weight
+   rows, each logit still its own sum in the same order (2.9-3.3x the one-row passes over qwen3-moe-2core's
+   routers, the same bits; they had taken 6% of a 256-sequence step); threads from 2^16 multiply-adds (a
+   32-sequence step's 2^20 had run on one thread, the other spinning: bench/RESULTS.md). */
+#define ROUTER_ROWS 4 /* a token's logits a pass: its x widened once for four weight rows */
 #define DEFINE_ROUTER(NAME, T_, LOAD16, LOAD)                                                                    \
     void NAME(const T_ *x, int64_t T, int64_t H, const T_ *w, int64_t E, T_ *out) {                            \
+        const int64_t passes = (E + ROUTER_ROWS - 1) / ROUTER_ROWS;                                            \
         _Pragma("omp parallel for schedule(static) if (T * E * H > (1 << 16))")                               \
-        for (int64_t i = 0; i < T * E; i++) {                                                                 \
-            const T_ *xr = x + (i / E) * H, *wr = w + (i % E) * H;                                            \
-            v16f acc = {0};                                                                                   \
+        for (int64_t i = 0; i < T * passes; i++) {                                                            \
+            const int64_t t = i / passes, e0 = (i % passes) * ROUTER_ROWS;                                     \
+            const int64_t ne = E - e0 < ROUTER_ROWS ? E - e0 : ROUTER_ROWS;                                    \
+            const T_ *xr = x + t * H, *wr[ROUTER_ROWS];                                                       \
+            for (int j = 0; j < ROUTER_ROWS; j++) wr[j] = w + (e0 + (j < ne ? j : ne - 1)) * H; /* past E: again */ \
+            v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                      \
             int64_t h = 0;                                                                                    \
-            for (; h + 16 <= H; h += 16) acc += LOAD16(xr + h) * LOAD16(wr + h);                              \
-            float sum = 0.0f;                                                                                 \
-            for (int l = 0; l < 16; l++) sum += acc[l];                                                       \
-            for (; h < H; h++) sum += LOAD(xr[h]) * LOAD(wr[h]);                                              \
-            out[i] = STORE_##T_(sum);                                                                         \
+            for (; h + 16 <= H; h += 16) {                                                                    \
+                const v16f xv = LOAD16(xr + h);                                                               \
+                a0 += xv * LOAD16(wr[0] + h), a1 += xv * LOAD16(wr[1] + h);                                   \
+                a2 += xv * LOAD16(wr[2] + h), a3 += xv * LOAD16(wr[3] + h);                                   \
+            }                                                                                                 \
+            const v16f acc[ROUTER_ROWS] = {a0, a1, a2, a3};                                                   \
+            for (int64_t j = 0; j < ne; j++) {                                                                \
+                float sum = 0.0f;                                                                             \
+                for (int l = 0; l < 16; l++) sum += acc[j][l];                                                \
+                for (int64_t r = h; r < H; r++) sum += LOAD(xr[r]) * LOAD(wr[j][r]);                          \
+                out[t * E + e0 + j] = STORE_##T_(sum);                                                        \
+            }                                                                                                 \
         }                                                                                                     \
     }
 #define STORE_uint16_t store_bf16
