@@ -158,15 +158,11 @@ ALWAYS_INLINE void dot_groups(const float *x, int64_t k, const int64_t *starts, 
     }
 }
 
-static void groups_f32_dot(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G,
-                           const float *w, int64_t n, float *out) {
-    dot_groups(x, k, starts, experts, G, w, 0, n, out);
-}
-
-/* groups_f32_dot with the GEMMs' signature (bench/expert_gemms.py's fp32 experts in place). */
+/* fp32 experts' dot products (dot_groups) with the GEMMs' signature (groups_f32's; bench/expert_gemms.py's
+   fp32 experts in place). Returns 0. */
 int f32_dot_groups(const float *x, int64_t k, const int64_t *starts, const int64_t *experts, int64_t G, const float *w,
                    int64_t n, float *out) {
-    groups_f32_dot(x, k, starts, experts, G, w, n, out);
+    dot_groups(x, k, starts, experts, G, w, 0, n, out);
     return 0;
 }
 
@@ -211,10 +207,7 @@ static int groups_f32(const int64_t *kernels, const float *x, int64_t k, const i
     if (kernels[3]) return ((groups_f32_fn)kernels[3])(x, k, starts, experts, G, w, n, out);
     int64_t most = 0;
     for (int64_t g = 0; g < G; g++) most = starts[g + 1] - starts[g] > most ? starts[g + 1] - starts[g] : most;
-    if (most <= kernels[2]) {
-        groups_f32_dot(x, k, starts, experts, G, w, n, out);
-        return 0;
-    }
+    if (most <= kernels[2]) return f32_dot_groups(x, k, starts, experts, G, w, n, out);
     for (int64_t g = 0; g < G; g++) {
         const int64_t seg = (int64_t)(w + experts[g] * n * k);
         const int rc = ((rows_f32_fn)kernels[0])(x + starts[g] * k, starts[g + 1] - starts[g], k, &seg, &n, 1, NULL,
